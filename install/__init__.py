@@ -1,0 +1,1 @@
+"""edgekv.install: profilers and the parameter solver that write the runtime config."""

@@ -1,0 +1,1 @@
+"""edgekv.platforms: hardware adapters (devices, disks, power meters) implementing the runtime interfaces."""

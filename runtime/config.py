@@ -1,0 +1,111 @@
+"""Runtime configuration: the parameters the install step solves for, validated at the edge.
+
+A config is data (a dict or a JSON file).  Every field is checked here once, with an
+error that names the field, so the engine can trust what it receives.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+POLICIES = ("kvswap", "full", "flexgen", "token")
+READER_BACKENDS = ("auto", "io_uring", "pthread", "python")
+KLR_DTYPES = ("bfloat16", "float16", "float32")
+
+
+class ConfigError(ValueError):
+    """A config field is missing, unknown or out of range; the message names it."""
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """What the runtime needs to know; units are in the names.
+
+    ``G`` tokens per group (one disk record), ``M`` groups selected per layer and step,
+    ``sigma`` K compression ratio (H_kv*d / rank), ``C`` reuse-buffer slots per layer.
+    ``max_kv_mem_mib`` is the KV memory budget for ``max_batch`` sequences of
+    ``max_context`` tokens (None: no limit, resident bytes are still reported).
+    """
+
+    G: int = 4
+    M: int = 100
+    sigma: float | None = 8.0
+    C: int = 200
+    max_kv_mem_mib: float | None = None
+    max_batch: int = 4
+    max_context: int = 32768
+    reuse: bool = True
+    rolling_buffer: bool = True
+    adapter_path: str | None = None
+    klr_dtype: str = "bfloat16"
+    reader_backend: str = "auto"
+    io_align_bytes: int = 4096
+    io_queue_depth: int = 64
+
+    @classmethod
+    def load(cls, source: "RuntimeConfig | dict | str | Path | None") -> "RuntimeConfig":
+        """Build a config from a dict, a JSON file path, an existing config or None (defaults)."""
+        if source is None:
+            return cls().validated()
+        if isinstance(source, RuntimeConfig):
+            return source.validated()
+        if isinstance(source, (str, Path)):
+            path = Path(source)
+            if not path.is_file():
+                raise ConfigError(f"config file {path} does not exist; pass a dict or the path of a JSON config")
+            try:
+                source = json.loads(path.read_text())
+            except json.JSONDecodeError as exc:
+                raise ConfigError(f"config file {path} is not valid JSON: {exc}") from exc
+        if not isinstance(source, dict):
+            raise ConfigError(f"config must be a dict or a JSON path, got {type(source).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(source) - known)
+        if unknown:
+            raise ConfigError(f"unknown config key(s) {unknown}; known keys: {sorted(known)}")
+        return cls(**source).validated()
+
+    def validated(self) -> "RuntimeConfig":
+        def positive_int(name):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"config field '{name}' must be a positive integer, got {value!r}")
+
+        for name in ("G", "M", "C", "max_batch", "max_context", "io_queue_depth"):
+            positive_int(name)
+        if self.sigma is None and self.adapter_path is None:
+            raise ConfigError("config field 'sigma' is required when no 'adapter_path' is given")
+        if self.sigma is not None and (not isinstance(self.sigma, (int, float)) or self.sigma < 1):
+            raise ConfigError(f"config field 'sigma' must be a number >= 1, got {self.sigma!r}")
+        if self.max_kv_mem_mib is not None and (
+            not isinstance(self.max_kv_mem_mib, (int, float)) or self.max_kv_mem_mib <= 0
+        ):
+            raise ConfigError(f"config field 'max_kv_mem_mib' must be a positive number, got {self.max_kv_mem_mib!r}")
+        if self.reuse and self.C < self.M:
+            raise ConfigError(
+                f"config field 'C' ({self.C}) must be >= 'M' ({self.M}): the selected groups of one step "
+                "must fit the reuse buffer together; raise C or set reuse=false"
+            )
+        if self.reader_backend not in READER_BACKENDS:
+            raise ConfigError(f"config field 'reader_backend' must be one of {READER_BACKENDS}, got {self.reader_backend!r}")
+        if self.klr_dtype not in KLR_DTYPES:
+            raise ConfigError(f"config field 'klr_dtype' must be one of {KLR_DTYPES}, got {self.klr_dtype!r}")
+        align = self.io_align_bytes
+        if not isinstance(align, int) or align < 512 or align & (align - 1):
+            raise ConfigError(f"config field 'io_align_bytes' must be a power of two >= 512, got {align!r}")
+        return self
+
+    def for_policy(self, policy: str) -> "RuntimeConfig":
+        """The effective parameters of a policy: ``token`` is G=1 with M*G kept and no reuse."""
+        if policy not in POLICIES:
+            raise ConfigError(f"unknown policy {policy!r}; choose one of {POLICIES}")
+        if policy == "token":
+            return RuntimeConfig(**{**asdict(self), "G": 1, "M": self.M * self.G, "reuse": False})
+        if policy == "flexgen":
+            return RuntimeConfig(**{**asdict(self), "M": math.ceil(self.max_context / self.G), "reuse": False})
+        return self
+
+    def to_dict(self) -> dict:
+        return asdict(self)

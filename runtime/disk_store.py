@@ -1,0 +1,146 @@
+"""The full KV cache on disk: bytes and offsets, nothing else.
+
+One file per (sequence, layer).  Record g holds tokens [g*G, (g+1)*G) of that layer as
+K [H_kv, G, d] followed by V [H_kv, G, d], padded to the O_DIRECT alignment, so one
+selected group is one aligned read at offset g * stride_bytes (64-bit).
+"""
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import shutil
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .reader import KVReader, ReadRequest
+
+log = logging.getLogger(__name__)
+
+
+class StoreError(OSError):
+    """The offload path cannot hold the KV cache; the message says what to fix."""
+
+
+def aligned_empty(shape: tuple[int, ...], align: int) -> np.ndarray:
+    """A uint8 array of ``shape`` whose first byte sits on an ``align`` boundary (O_DIRECT buffers)."""
+    nbytes = int(np.prod(shape))
+    raw = np.empty(nbytes + align, dtype=np.uint8)
+    start = (-raw.ctypes.data) % align
+    return raw[start : start + nbytes].reshape(shape)
+
+
+@dataclass(frozen=True)
+class RecordLayout:
+    """Shape of one on-disk group record."""
+
+    group_tokens: int
+    n_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    align_bytes: int = 4096
+
+    @property
+    def record_bytes(self) -> int:
+        itemsize = torch.empty(0, dtype=self.dtype).element_size()
+        return 2 * self.n_kv_heads * self.group_tokens * self.head_dim * itemsize
+
+    @property
+    def stride_bytes(self) -> int:
+        return -(-self.record_bytes // self.align_bytes) * self.align_bytes
+
+    def typed(self, records: np.ndarray) -> torch.Tensor:
+        """View uint8 records [..., stride] as [..., 2, H_kv, G, d] tensors (no copy)."""
+        raw = torch.from_numpy(records)[..., : self.record_bytes]
+        return raw.view(self.dtype).unflatten(-1, (2, self.n_kv_heads, self.group_tokens, self.head_dim))
+
+    def pack(self, k: torch.Tensor, v: torch.Tensor) -> np.ndarray:
+        """k, v [H_kv, n*G, d] -> aligned records [n, stride] ready for an O_DIRECT write."""
+        n = k.shape[1] // self.group_tokens
+        out = aligned_empty((n, self.stride_bytes), self.align_bytes)
+        dest = self.typed(out)
+        for i, t in enumerate((k, v)):
+            dest[:, i] = t.reshape(self.n_kv_heads, n, self.group_tokens, self.head_dim).transpose(0, 1).cpu()
+        return out
+
+
+def check_offload_path(root) -> Path:
+    """The offload folder must exist and be writable; nothing is created here."""
+    if root is None:
+        raise StoreError("kv_offload_path is required for the disk policies (kvswap, token, flexgen); pass a folder on the KV disk")
+    root = Path(root)
+    if not root.is_dir():
+        raise StoreError(f"kv_offload_path {root} does not exist; create it (on the disk that should hold the KV cache)")
+    if not os.access(root, os.W_OK | os.X_OK):
+        raise StoreError(f"kv_offload_path {root} is not writable by this user; pick a writable folder")
+    return root
+
+
+class DiskKVStore:
+    """Creates, writes, reads and removes the per-sequence, per-layer KV files under one root."""
+
+    def __init__(self, root: str | Path, n_layers: int, layout: RecordLayout, reader: KVReader):
+        self.root = check_offload_path(root)
+        self.layout = layout
+        self.n_layers = n_layers
+        self.reader = reader
+        self.dir = root / f"edgekv-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.o_direct: bool | None = None
+        self._fds: dict[int, list[int]] = {}
+        self.bytes_written = 0
+
+    def _open(self, path: Path) -> int:
+        flags = os.O_RDWR | os.O_CREAT | os.O_TRUNC
+        if self.o_direct is not False:
+            try:
+                fd = os.open(path, flags | os.O_DIRECT, 0o600)
+                self.o_direct = True
+                return fd
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                log.warning(
+                    "O_DIRECT refused on %s (%s): falling back to buffered I/O, "
+                    "so reads may come from the page cache rather than the disk", self.root, exc
+                )
+                self.o_direct = False
+        return os.open(path, flags, 0o600)
+
+    def open_sequence(self, seq: int) -> None:
+        self.release(seq)
+        self.dir.mkdir(exist_ok=True)
+        self._fds[seq] = [self._open(self.dir / f"seq{seq}_layer{layer}.kv") for layer in range(self.n_layers)]
+
+    def write_groups(self, seq: int, layer: int, first_group: int, records: np.ndarray) -> None:
+        """Write aligned records [n, stride] as groups first_group .. first_group+n-1."""
+        if records.shape[0] == 0:
+            return
+        fd = self._fds[seq][layer]
+        offset = first_group * self.layout.stride_bytes
+        view = memoryview(records.reshape(-1))
+        done = 0
+        while done < len(view):
+            done += os.pwrite(fd, view[done:], offset + done)
+        self.bytes_written += len(view)
+
+    def request(self, seq: int, layer: int, group: int, dest: np.ndarray) -> ReadRequest:
+        """A read of one group record into ``dest`` (a contiguous, aligned [stride] uint8 array)."""
+        return ReadRequest(self._fds[seq][layer], group * self.layout.stride_bytes, dest)
+
+    def read(self, requests: list[ReadRequest]) -> None:
+        self.reader.read(requests)
+
+    def release(self, seq: int) -> None:
+        """Close and delete one sequence's files."""
+        for layer, fd in enumerate(self._fds.pop(seq, [])):
+            os.close(fd)
+            (self.dir / f"seq{seq}_layer{layer}.kv").unlink(missing_ok=True)
+
+    def close(self) -> None:
+        for seq in list(self._fds):
+            self.release(seq)
+        shutil.rmtree(self.dir, ignore_errors=True)

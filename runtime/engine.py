@@ -1,0 +1,304 @@
+"""The engine: load a checkpoint, build the KV policy, prefill, and run the decode loop.
+
+The whole offloading policy is visible in ``_make_policy``; the decode loop in
+``_run_batch`` owns time (prefill and decode timings, I/O stall, step events).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .adapter import LowRankAdapter
+from .config import ConfigError, RuntimeConfig
+from .disk_store import DiskKVStore, RecordLayout, check_offload_path
+from .events import EventBus
+from .forward import prefill
+from .kv_policy import InMemoryKV, KVPolicy
+from .memory import MemoryPlan, plan_memory
+from .model import DecoderModel, ModelDims, load_model, read_model_config
+from .offload import OffloadedKV
+from .reader import KVReader, open_reader
+from .sampling import Sampler, SamplingParams
+from .selector import AllGroupsSelector, LowRankSelector
+from .slots import PreloadSlots, SlotTable
+
+log = logging.getLogger(__name__)
+
+_KLR_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[int]
+    text: str
+    finish_reason: str  # "stop" (a stop token), "length" (max_new_tokens or max_context)
+    stats: dict = field(default_factory=dict)
+
+
+class Engine:
+    def __init__(
+        self,
+        model: DecoderModel,
+        config: RuntimeConfig,
+        policy: str = "kvswap",
+        kv_offload_path: str | Path | None = None,
+        tokenizer=None,
+        adapter: LowRankAdapter | None = None,
+    ):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.policy = policy
+        self.base_config = config
+        self.config = config.for_policy(policy)
+        self.kv_offload_path = Path(kv_offload_path) if kv_offload_path is not None else None
+        self.adapter = adapter
+        self.events = EventBus()
+        self._warned_adapter = False
+        self.rank, self.memory_plan = _preflight(policy, self.config, model.dims, model.dtype, adapter, kv_offload_path)
+        self.reader: KVReader | None = None
+        if policy != "full":
+            self.reader = open_reader(self.config.reader_backend, self.config.io_queue_depth)
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        model_dir: str | Path,
+        kv_offload_path: str | Path | None = None,
+        config: RuntimeConfig | dict | str | Path | None = None,
+        policy: str = "kvswap",
+        device: str | torch.device | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> "Engine":
+        """Everything that can be refused is checked before the weights are loaded."""
+        cfg = RuntimeConfig.load(config)
+        hf_cfg = read_model_config(model_dir)
+        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        dtype = dtype or _default_dtype(device)
+        adapter = LowRankAdapter.load(cfg.adapter_path) if cfg.adapter_path and policy in ("kvswap", "token") else None
+        _preflight(policy, cfg.for_policy(policy), ModelDims.from_config(hf_cfg), dtype, adapter, kv_offload_path)
+        model = load_model(model_dir, device, dtype, cfg.max_context)
+        return cls(model, cfg, policy, kv_offload_path, _load_tokenizer(model_dir), adapter)
+
+    # ---- generation -------------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompts,
+        max_new_tokens: int = 256,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int | None = None,
+        stop_token_ids: list[int] | None = None,
+    ) -> list[GenerationResult]:
+        """One result per prompt (strings or token-id lists), in order; batches of at most max_batch."""
+        token_prompts = self._tokenize(prompts)
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        params = SamplingParams(temperature, top_k, top_p, seed)
+        stops = set(self._default_stops() if stop_token_ids is None else stop_token_ids)
+        sampler = Sampler(params, self.model.device)
+        results = []
+        step = self.config.max_batch
+        for start in range(0, len(token_prompts), step):
+            results += self._run_batch(token_prompts[start : start + step], max_new_tokens, sampler, stops)
+        return results
+
+    def _tokenize(self, prompts) -> list[list[int]]:
+        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, (list, tuple)):
+            raise ValueError("prompts must be a list of strings or of token-id lists")
+        if not prompts:
+            raise ValueError("prompts is empty: pass at least one prompt")
+        out = []
+        for i, p in enumerate(prompts):
+            if isinstance(p, str):
+                if self.tokenizer is None:
+                    raise ValueError(f"prompt {i} is a string but {self.model.hf.name_or_path} has no tokenizer; pass token ids")
+                p = self.tokenizer(p)["input_ids"]
+            ids = [int(t) for t in p]
+            if not ids:
+                raise ValueError(f"prompt {i} is empty")
+            if max(ids) >= self.model.dims.vocab or min(ids) < 0:
+                raise ValueError(f"prompt {i} has token ids outside the vocabulary [0, {self.model.dims.vocab})")
+            if len(ids) >= self.config.max_context:
+                raise ValueError(
+                    f"prompt {i} has {len(ids)} tokens but max_context is {self.config.max_context} "
+                    "(room is needed for generated tokens); raise max_context or shorten the prompt"
+                )
+            out.append(ids)
+        return out
+
+    def _default_stops(self) -> list[int]:
+        eos = getattr(self.model.hf.generation_config, "eos_token_id", None)
+        if eos is None:
+            return []
+        return list(eos) if isinstance(eos, (list, tuple)) else [eos]
+
+    @torch.inference_mode()
+    def _run_batch(self, prompts: list[list[int]], max_new_tokens: int, sampler: Sampler, stops: set[int]):
+        model, batch = self.model, len(prompts)
+        policy = self._make_policy(batch)
+        try:
+            prefill_s, first_logits = [], []
+            for seq, ids in enumerate(prompts):
+                self.events.emit("prefill_start", seq=seq, tokens=len(ids))
+                start = time.perf_counter()
+                policy.start_sequence(seq)
+                first_logits.append(prefill(model, ids, lambda layer, k, v, seq=seq: policy.store_prompt(layer, seq, k, v)))
+                policy.end_prompt(seq, len(ids))
+                prefill_s.append(time.perf_counter() - start)
+                self.events.emit("prefill_end", seq=seq, tokens=len(ids))
+            self._keep_fitted_adapter(policy)
+
+            tokens = sampler(torch.stack(first_logits))
+            generated = [[int(t)] for t in tokens]
+            limit = [min(max_new_tokens, self.config.max_context - len(p)) for p in prompts]
+            done = np.array([g[0] in stops or lim <= 1 for g, lim in zip(generated, limit)])
+            decode_s = np.zeros(batch)
+            start = time.perf_counter()
+            step = 0
+            while not done.all():
+                active = ~done
+                self.events.emit("decode_step_start", step=step, active=int(active.sum()))
+                tokens = sampler(self._decode_step(policy, tokens, active))
+                policy.end_step(active)
+                for seq in np.flatnonzero(active):
+                    generated[seq].append(int(tokens[seq]))
+                    if generated[seq][-1] in stops or len(generated[seq]) >= limit[seq]:
+                        done[seq] = True
+                        decode_s[seq] = time.perf_counter() - start
+                self.events.emit("decode_step_end", step=step, active=int(active.sum()))
+                step += 1
+            return [
+                self._result(policy, seq, prompts[seq], generated[seq], stops, limit[seq], prefill_s[seq], decode_s[seq])
+                for seq in range(batch)
+            ]
+        finally:
+            for seq in range(batch):
+                policy.release_sequence(seq)
+            policy.close()
+
+    def _decode_step(self, policy: KVPolicy, tokens: torch.Tensor, active: np.ndarray) -> torch.Tensor:
+        """One token for every sequence: layer i+1's KV is fetched while layer i computes."""
+        model = self.model
+        x = model.embed(tokens[:, None].to(model.device))
+        cos, sin = model.rope(torch.from_numpy(policy.lengths).to(model.device)[:, None])
+        policy.prefetch(0, x, cos, sin, active)
+        for layer in range(model.dims.n_layers):
+            if layer + 1 < model.dims.n_layers:
+                policy.prefetch(layer + 1, x, cos, sin, active)
+            q, k, v = model.qkv(layer, x, cos, sin)
+            x = model.finish_layer(layer, x, policy.attend(layer, q, k, v))
+        return model.logits(x[:, 0])
+
+    def _result(self, policy, seq, prompt, generated, stops, limit, prefill_s, decode_s) -> GenerationResult:
+        hits, lookups = policy.reuse_counts()
+        decode_tokens = len(generated) - 1
+        finish = "stop" if generated[-1] in stops else "length"
+        stats = {
+            "policy": self.policy,
+            "prompt_tokens": len(prompt),
+            "generated_tokens": len(generated),
+            "prefill_s": prefill_s,
+            "decode_s": float(decode_s),
+            "decode_tok_s": decode_tokens / decode_s if decode_s > 0 else 0.0,
+            "kv_bytes_read": int(policy.bytes_read[seq]),
+            "reuse_rate": float(hits[seq] / lookups[seq]) if lookups[seq] else 0.0,
+            "io_stall_s": policy.io_stall_s,
+            "io_stall_share": policy.io_stall_s / decode_s if decode_s > 0 else 0.0,
+            "kv_resident_bytes": policy.resident_bytes,
+            "batch_size": policy.batch,
+            "reader": self.reader.name if self.reader else None,
+            "o_direct": getattr(getattr(policy, "store", None), "o_direct", None),
+            "config": {k: getattr(self.config, k) for k in ("G", "M", "C", "reuse", "rolling_buffer")} | {"rank": self.rank},
+        }
+        text = self.tokenizer.decode(generated, skip_special_tokens=True) if self.tokenizer else ""
+        return GenerationResult(generated, text, finish, stats)
+
+    # ---- the offloading policy, in one place ------------------------------------------------
+
+    def _make_policy(self, batch: int) -> KVPolicy:
+        cfg, model, dims = self.config, self.model, self.model.dims
+        if self.policy == "full":
+            return InMemoryKV(model, batch, cfg.max_context)
+        layout = RecordLayout(cfg.G, dims.n_kv_heads, dims.head_dim, model.dtype, cfg.io_align_bytes)
+        store = DiskKVStore(self.kv_offload_path, dims.n_layers, layout, self.reader)
+        if self.policy == "flexgen":
+            selector = AllGroupsSelector(cfg.M, model.device)
+        else:
+            if self.adapter is None and not self._warned_adapter:
+                log.warning(
+                    "no adapter file: deriving the low-rank K adapter (rank %d) from the first prompt's own keys; "
+                    "build a calibrated one with edgekv.install for better predictions", self.rank
+                )
+                self._warned_adapter = True
+            selector = LowRankSelector(
+                self.adapter, self.rank, dims.n_kv_heads, dims.head_dim, dims.n_layers, batch,
+                cfg.max_context, cfg.G, cfg.M, _KLR_DTYPES[cfg.klr_dtype], model.device,
+            )
+        slots = SlotTable(dims.n_layers, batch, cfg.C) if cfg.reuse else PreloadSlots(batch, cfg.M)
+        return OffloadedKV(
+            model, batch, cfg.max_context, store, selector, slots, cfg.M,
+            rolling_buffer=cfg.rolling_buffer, predict=self.policy != "flexgen",
+        )
+
+    def _keep_fitted_adapter(self, policy: KVPolicy) -> None:
+        """An adapter derived from the first prompt is kept for later batches."""
+        if self.adapter is None and isinstance(policy, OffloadedKV) and isinstance(policy.selector, LowRankSelector):
+            self.adapter = policy.selector.fitted_adapter()
+
+    def close(self) -> None:
+        if self.reader is not None:
+            self.reader.close()
+            self.reader = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _preflight(policy, cfg: RuntimeConfig, dims: ModelDims, dtype, adapter, kv_offload_path) -> tuple[int, MemoryPlan]:
+    """Refuse what cannot run (adapter mismatch, over budget, bad offload path); returns (rank, plan)."""
+    if adapter is not None:
+        adapter.check(dims.n_layers, dims.n_kv_heads, dims.head_dim)
+        if cfg.sigma is not None and abs(adapter.sigma - cfg.sigma) > 0.5:
+            raise ConfigError(
+                f"config 'sigma' is {cfg.sigma:g} but the adapter file {cfg.adapter_path} has sigma {adapter.sigma:g}; "
+                "drop 'sigma' or point 'adapter_path' at a matching adapter"
+            )
+    rank = adapter.rank if adapter else LowRankAdapter.rank_for(dims.n_kv_heads, dims.head_dim, cfg.sigma)
+    plan = _plan(policy, cfg, dims, dtype, rank)
+    plan.check(cfg.max_kv_mem_mib, policy)
+    if policy != "full":
+        check_offload_path(kv_offload_path)
+    return rank, plan
+
+
+def _plan(policy: str, cfg: RuntimeConfig, dims: ModelDims, dtype: torch.dtype, rank: int) -> MemoryPlan:
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    stride = RecordLayout(cfg.G, dims.n_kv_heads, dims.head_dim, dtype, cfg.io_align_bytes).stride_bytes
+    klr_itemsize = torch.empty(0, dtype=_KLR_DTYPES[cfg.klr_dtype]).element_size()
+    return plan_memory(policy, cfg, dims, itemsize, klr_itemsize, rank, stride)
+
+
+def _default_dtype(device: torch.device) -> torch.dtype:
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.float32
+
+
+def _load_tokenizer(model_dir):
+    names = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
+    if not any((Path(model_dir) / n).exists() for n in names):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)

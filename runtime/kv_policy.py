@@ -1,0 +1,92 @@
+"""KV policies: where each layer's KV lives and what the current token attends to.
+
+The engine's layer loop calls, per decode step: ``prefetch(layer + 1, ...)`` before it
+computes ``layer`` (so a policy may start loading the next layer's KV), then
+``attend(layer, ...)``, and ``end_step`` once all layers are done.  ``InMemoryKV`` is the
+reference (``full``); ``OffloadedKV`` (in offload.py) serves ``kvswap``, ``token`` and ``flexgen``.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .forward import attention
+from .model import DecoderModel
+
+
+class KVPolicy:
+    """Base: owns the per-sequence cache lengths; subclasses own the KV itself."""
+
+    def __init__(self, model: DecoderModel, batch: int, max_context: int):
+        self.model = model
+        self.batch = batch
+        self.max_context = max_context
+        self.lengths = np.zeros(batch, dtype=np.int64)
+        self.io_stall_s = 0.0
+        self.bytes_read = np.zeros(batch, dtype=np.int64)
+
+    @property
+    def resident_bytes(self) -> int:
+        raise NotImplementedError
+
+    def start_sequence(self, seq: int) -> None:
+        self.lengths[seq] = 0
+        self.bytes_read[seq] = 0
+
+    def store_prompt(self, layer: int, seq: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Keep one layer of a prompt's KV, k/v [H_kv, T, d]."""
+        raise NotImplementedError
+
+    def end_prompt(self, seq: int, n_tokens: int) -> None:
+        self.lengths[seq] = n_tokens
+
+    def prefetch(self, layer: int, x: torch.Tensor, cos, sin, active: np.ndarray) -> None:
+        """Start bringing ``layer``'s KV in, predicting from hidden states x (input of the layer before)."""
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Attention of the current tokens q [B, H, 1, d]; k/v [B, H_kv, 1, d] are their own KV."""
+        raise NotImplementedError
+
+    def end_step(self, active: np.ndarray) -> None:
+        """The current tokens of active sequences join the cache."""
+        self.lengths[active] += 1
+
+    def reuse_counts(self) -> tuple[np.ndarray, np.ndarray]:
+        """(hits, lookups) per sequence."""
+        zeros = np.zeros(self.batch, dtype=np.int64)
+        return zeros, zeros
+
+    def release_sequence(self, seq: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class InMemoryKV(KVPolicy):
+    """All KV in one preallocated tensor per layer: the exact reference, no copies per step."""
+
+    def __init__(self, model: DecoderModel, batch: int, max_context: int):
+        super().__init__(model, batch, max_context)
+        d = model.dims
+        self.kv = torch.zeros(
+            d.n_layers, 2, batch, d.n_kv_heads, max_context, d.head_dim, dtype=model.dtype, device=model.device
+        )
+        self._batch_index = torch.arange(batch, device=model.device)
+
+    @property
+    def resident_bytes(self) -> int:
+        return self.kv.numel() * self.kv.element_size()
+
+    def store_prompt(self, layer, seq, k, v):
+        n = k.shape[1]
+        self.kv[layer, 0, seq, :, :n] = k
+        self.kv[layer, 1, seq, :, :n] = v
+
+    def attend(self, layer, q, k, v):
+        pos = torch.from_numpy(self.lengths).to(q.device)
+        self.kv[layer, 0, self._batch_index, :, pos] = k[:, :, 0]
+        self.kv[layer, 1, self._batch_index, :, pos] = v[:, :, 0]
+        span = int(self.lengths.max()) + 1
+        mask = (torch.arange(span, device=q.device) <= pos[:, None])[:, None, None, :]
+        return attention(self.model, q, self.kv[layer, 0, :, :, :span], self.kv[layer, 1, :, :, :span], mask)

@@ -1,0 +1,64 @@
+"""The KV memory a policy keeps resident, computed before anything is allocated.
+
+Per sequence: ``full`` keeps the whole cache; the offloading policies keep K_lr (not
+``flexgen``, which predicts nothing), their slot buffers (reuse: C slots per layer; no
+reuse: M slots for two layers, the one computing and the one loading) and the rolling
+buffer (G tokens per layer).  Slots count their O_DIRECT padding: it is resident too.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .config import RuntimeConfig
+from .model import ModelDims
+
+MIB = 1024 * 1024
+
+
+class BudgetError(ValueError):
+    """The configuration needs more KV memory than its budget allows."""
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    per_sequence_bytes: dict[str, int]
+    batch: int
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.per_sequence_bytes.values()) * self.batch
+
+    def check(self, budget_mib: float | None, policy: str) -> None:
+        if budget_mib is None:
+            return
+        need_mib = self.total_bytes / MIB
+        if need_mib > budget_mib:
+            parts = ", ".join(f"{k} {v * self.batch / MIB:.1f} MiB" for k, v in self.per_sequence_bytes.items())
+            raise BudgetError(
+                f"policy {policy!r} needs {need_mib:.1f} MiB of KV memory for max_batch={self.batch} "
+                f"({parts}) but max_kv_mem_mib is {budget_mib:g} MiB; raise the budget or lower "
+                "max_batch, max_context, C, M or the K rank (raise sigma)"
+            )
+
+
+def plan_memory(
+    policy: str,
+    cfg: RuntimeConfig,
+    dims: ModelDims,
+    kv_itemsize: int,
+    klr_itemsize: int,
+    rank: int,
+    stride_bytes: int,
+) -> MemoryPlan:
+    """cfg must already be the policy's effective config (RuntimeConfig.for_policy)."""
+    token_bytes = 2 * dims.n_kv_heads * dims.head_dim * kv_itemsize
+    if policy == "full":
+        parts = {"kv": dims.n_layers * cfg.max_context * token_bytes}
+    else:
+        slots = dims.n_layers * cfg.C if cfg.reuse else min(dims.n_layers, 2) * cfg.M
+        parts = {
+            "k_lowrank": 0 if policy == "flexgen" else dims.n_layers * cfg.max_context * rank * klr_itemsize,
+            "slots": slots * stride_bytes,
+            "rolling": dims.n_layers * cfg.G * token_bytes,
+        }
+    return MemoryPlan(parts, cfg.max_batch)

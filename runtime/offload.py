@@ -1,0 +1,145 @@
+"""KV on disk, a selected subset in memory: the policy behind ``kvswap``, ``token`` and ``flexgen``.
+
+Per layer and step, data flows one way: the selector picks groups from the coming layer's
+predicted query -> the slot table says which are already resident and where misses go ->
+the disk store reads the misses (on the I/O thread, overlapping the current layer) ->
+attention runs over the selected slots plus the rolling buffer.  The rolling buffer holds
+the tokens of the group still being filled; when it is full it is written to disk as one
+record and its keys enter K_lr.
+"""
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import numpy as np
+import torch
+
+from .disk_store import DiskKVStore, aligned_empty
+from .forward import attention
+from .kv_policy import KVPolicy
+from .model import DecoderModel
+from .selector import Selector
+
+
+class OffloadedKV(KVPolicy):
+    def __init__(
+        self,
+        model: DecoderModel,
+        batch: int,
+        max_context: int,
+        store: DiskKVStore,
+        selector: Selector,
+        slots,
+        groups_per_step: int,
+        rolling_buffer: bool = True,
+        predict: bool = True,
+    ):
+        super().__init__(model, batch, max_context)
+        dims = model.dims
+        self.store = store
+        self.layout = store.layout
+        self.G = self.layout.group_tokens
+        self.M = groups_per_step
+        self.selector = selector
+        self.slots = slots
+        self.use_rolling_buffer = rolling_buffer
+        self.predict = predict
+        n_buffers = slots.buffer_index(dims.n_layers - 1) + 1
+        self._slot_bytes = aligned_empty((n_buffers, batch, slots.capacity, self.layout.stride_bytes), self.layout.align_bytes)
+        self.slot_kv = self.layout.typed(self._slot_bytes)
+        self.rolling = torch.zeros(
+            dims.n_layers, batch, 2, dims.n_kv_heads, self.G, dims.head_dim, dtype=model.dtype, device=model.device
+        )
+        self.n_groups = np.zeros(batch, dtype=np.int64)
+        self.rb_len = np.zeros(batch, dtype=np.int64)
+        self._pending: dict[int, tuple[torch.Tensor, torch.Tensor, Future]] = {}
+        self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ekv-io")
+        self._batch_index = torch.arange(batch, device=model.device)
+
+    @property
+    def resident_bytes(self) -> int:
+        rolling = self.rolling.numel() * self.rolling.element_size()
+        return self._slot_bytes.nbytes + rolling + self.selector.resident_bytes
+
+    def start_sequence(self, seq):
+        super().start_sequence(seq)
+        self.store.open_sequence(seq)
+        self.slots.reset(seq)
+        self.n_groups[seq] = 0
+        self.rb_len[seq] = 0
+
+    def store_prompt(self, layer, seq, k, v):
+        n_full = k.shape[1] // self.G
+        tokens = n_full * self.G
+        self.store.write_groups(seq, layer, 0, self.layout.pack(k[:, :tokens], v[:, :tokens]))
+        self.selector.append(layer, seq, 0, k[:, :tokens])
+        rest = k.shape[1] - tokens
+        self.rolling[layer, seq, 0, :, :rest] = k[:, tokens:]
+        self.rolling[layer, seq, 1, :, :rest] = v[:, tokens:]
+        if layer == self.model.dims.n_layers - 1:
+            self.n_groups[seq] = n_full
+            self.rb_len[seq] = rest
+
+    def prefetch(self, layer, x, cos, sin, active):
+        q = self.model.query(layer, x, cos, sin) if self.predict else None
+        groups, valid = self.selector.select(layer, q, torch.from_numpy(self.n_groups))
+        valid = valid.cpu().numpy() & active[:, None]
+        slots, misses = self.slots.assign(layer, groups.cpu().numpy(), valid)
+        buffer = self._slot_bytes[self.slots.buffer_index(layer)]
+        requests = [self.store.request(b, layer, g, buffer[b, s]) for b, s, g in misses]
+        for b, _, _ in misses:
+            self.bytes_read[b] += self.layout.stride_bytes
+        future = self._io.submit(self.store.read, requests)
+        self._pending[layer] = (torch.from_numpy(np.ascontiguousarray(slots)), torch.from_numpy(valid), future)
+
+    def attend(self, layer, q, k, v):
+        rb_pos = torch.from_numpy(self.rb_len).to(q.device)
+        rolling = self.rolling[layer]
+        rolling[self._batch_index, 0, :, rb_pos] = k[:, :, 0]
+        rolling[self._batch_index, 1, :, rb_pos] = v[:, :, 0]
+
+        slots, valid, future = self._pending.pop(layer)
+        start = time.perf_counter()
+        future.result()
+        self.io_stall_s += time.perf_counter() - start
+
+        selected = self.slot_kv[self.slots.buffer_index(layer)][self._batch_index.cpu()[:, None], slots]
+        selected = selected.to(q.device, non_blocking=True)
+        b, m, _, h_kv, g, d = selected.shape
+        keys = torch.cat([selected[:, :, 0].transpose(1, 2).reshape(b, h_kv, m * g, d), rolling[:, 0]], dim=2)
+        values = torch.cat([selected[:, :, 1].transpose(1, 2).reshape(b, h_kv, m * g, d), rolling[:, 1]], dim=2)
+
+        positions = torch.arange(self.G, device=q.device)
+        in_rolling = positions <= rb_pos[:, None] if self.use_rolling_buffer else positions == rb_pos[:, None]
+        mask = torch.cat([valid.to(q.device).repeat_interleave(g, dim=1), in_rolling], dim=1)
+        return attention(self.model, q, keys, values, mask[:, None, None, :])
+
+    def end_step(self, active):
+        super().end_step(active)
+        self.rb_len[active] += 1
+        for seq in np.flatnonzero(self.rb_len == self.G):
+            self._flush_group(int(seq))
+
+    def _flush_group(self, seq: int) -> None:
+        """The rolling buffer of ``seq`` is one full group: write it to disk and add its keys to K_lr."""
+        group = int(self.n_groups[seq])
+        for layer in range(self.model.dims.n_layers):
+            k, v = self.rolling[layer, seq, 0], self.rolling[layer, seq, 1]
+            self.store.write_groups(seq, layer, group, self.layout.pack(k, v))
+            self.selector.append(layer, seq, group * self.G, k)
+        self.n_groups[seq] += 1
+        self.rb_len[seq] = 0
+
+    def reuse_counts(self):
+        return self.slots.hits.copy(), self.slots.lookups.copy()
+
+    def release_sequence(self, seq):
+        self.store.release(seq)
+
+    def close(self):
+        for _, _, future in self._pending.values():
+            future.result()
+        self._pending.clear()
+        self._io.shutdown(wait=True)
+        self.store.close()

@@ -1,0 +1,52 @@
+"""Next-token choice: greedy, or temperature / top-k / top-p sampling from a seeded generator."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+class Sampler:
+    def __init__(self, params: SamplingParams, device: torch.device):
+        self.params = params
+        self.generator = None
+        if params.temperature > 0:
+            self.generator = torch.Generator(device=device)
+            if params.seed is not None:
+                self.generator.manual_seed(params.seed)
+            else:
+                self.generator.seed()
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits [B, V] (float32) -> token ids [B]."""
+        p = self.params
+        if p.temperature == 0:
+            return logits.argmax(dim=-1)
+        logits = logits / p.temperature
+        if p.top_k:
+            kth = logits.topk(min(p.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        if p.top_p < 1.0:
+            sorted_logits, order = logits.sort(dim=-1, descending=True)
+            probs = sorted_logits.softmax(dim=-1)
+            # drop a token when the mass before it already reaches top_p (the top token always stays)
+            drop = probs.cumsum(dim=-1) - probs >= p.top_p
+            logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+        probs = logits.softmax(dim=-1)
+        return torch.multinomial(probs, 1, generator=self.generator)[:, 0]

@@ -1,0 +1,105 @@
+"""Selectors decide which on-disk groups a layer attends to; they know scores, not bytes.
+
+``LowRankSelector`` is KVSwap's grouped predictor: the low-rank queries of the coming layer
+against the in-memory K_lr, scores summed over heads, ReduceMax per group of G tokens,
+top-M groups.  Summing over heads commutes with the projection, so the heads of one KV
+group are summed before projecting: one [r]-vector per sequence instead of H of them.
+``AllGroupsSelector`` picks every group (FlexGen: the whole layer is loaded).
+"""
+from __future__ import annotations
+
+import torch
+
+from .adapter import LowRankAdapter
+
+
+class Selector:
+    """Interface: keep whatever metadata the choice needs, and choose up to M groups per sequence."""
+
+    resident_bytes = 0
+
+    def append(self, layer: int, seq: int, first_token: int, k: torch.Tensor) -> None:
+        """New post-RoPE keys k [H_kv, T, d] of one sequence, starting at ``first_token``."""
+
+    def select(self, layer: int, q: torch.Tensor | None, n_groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q: the layer's predicted queries [B, H, 1, d]; n_groups [B] groups on disk per sequence.
+
+        Returns groups [B, M] (long) and valid [B, M] (bool; False pads sequences with fewer groups).
+        """
+        raise NotImplementedError
+
+
+class AllGroupsSelector(Selector):
+    def __init__(self, max_groups: int, device: torch.device):
+        self._all = torch.arange(max_groups, device=device)
+
+    def select(self, layer, q, n_groups):
+        groups = self._all.expand(n_groups.shape[0], -1)
+        return groups, groups < n_groups.to(groups.device)[:, None]
+
+
+class LowRankSelector(Selector):
+    """``adapter`` None: each layer's projection is fitted from the first keys it receives
+    (a calibrated adapter from the install step is better; the engine warns)."""
+
+    def __init__(
+        self,
+        adapter: LowRankAdapter | None,
+        rank: int,
+        n_kv_heads: int,
+        head_dim: int,
+        n_layers: int,
+        batch: int,
+        max_context: int,
+        group_tokens: int,
+        groups_per_step: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ):
+        self.G = group_tokens
+        self.M = groups_per_step
+        self.dtype = dtype
+        self.device = device
+        self.rank = rank
+        self.n_kv_heads = n_kv_heads
+        self.head_dim = head_dim
+        self.adapter = [None] * n_layers if adapter is None else [a.to(device, dtype) for a in adapter.matrices]
+        self.k_lr = torch.zeros(n_layers, batch, max_context, rank, dtype=dtype, device=device)
+        self.resident_bytes = self.k_lr.numel() * self.k_lr.element_size()
+
+    def fitted_adapter(self) -> LowRankAdapter | None:
+        if any(a is None for a in self.adapter):
+            return None
+        return LowRankAdapter([a.float().cpu() for a in self.adapter], self.n_kv_heads, self.head_dim)
+
+    def append(self, layer, seq, first_token, k):
+        if k.shape[1] == 0:
+            return
+        flat = k.transpose(0, 1).reshape(k.shape[1], -1)
+        if self.adapter[layer] is None:
+            fitted = LowRankAdapter.fit([flat], self.n_kv_heads, self.head_dim, self.rank)
+            self.adapter[layer] = fitted.matrices[0].to(self.device, self.dtype)
+        self.k_lr[layer, seq, first_token : first_token + flat.shape[0]] = flat.to(self.dtype) @ self.adapter[layer]
+
+    def token_scores(self, layer: int, q: torch.Tensor, n_tokens: int) -> torch.Tensor:
+        """Approximate attention logits summed over heads, [B, n_tokens]."""
+        b, h, _, d = q.shape
+        q_sum = q.reshape(b, self.n_kv_heads, h // self.n_kv_heads, d).sum(dim=2)
+        q_lr = q_sum.reshape(b, 1, self.n_kv_heads * d).to(self.dtype) @ self.adapter[layer]
+        return (q_lr @ self.k_lr[layer, :, :n_tokens].transpose(1, 2))[:, 0].float()
+
+    def select(self, layer, q, n_groups):
+        max_groups = int(n_groups.max())
+        batch = q.shape[0]
+        groups = torch.zeros(batch, self.M, dtype=torch.long, device=q.device)
+        valid = torch.zeros(batch, self.M, dtype=torch.bool, device=q.device)
+        if max_groups == 0:
+            return groups, valid
+        scores = self.token_scores(layer, q, max_groups * self.G)
+        group_scores = scores.view(batch, max_groups, self.G).amax(dim=-1)
+        present = torch.arange(max_groups, device=q.device) < n_groups.to(q.device)[:, None]
+        top = group_scores.masked_fill(~present, float("-inf")).topk(min(self.M, max_groups), dim=-1)
+        k = top.indices.shape[1]
+        groups[:, :k] = top.indices
+        valid[:, :k] = top.values > float("-inf")
+        return groups, valid
