@@ -39,6 +39,7 @@ class GenerationResult:
     text: str
     finish_reason: str  # "stop" (a stop token), "length" (max_new_tokens or max_context)
     stats: dict = field(default_factory=dict)
+    logits: torch.Tensor | None = None  # [generated, vocab] float32, with output_logits=True
 
 
 class Engine:
@@ -96,8 +97,12 @@ class Engine:
         top_k: int = 0,
         seed: int | None = None,
         stop_token_ids: list[int] | None = None,
+        output_logits: bool = False,
     ) -> list[GenerationResult]:
-        """One result per prompt (strings or token-id lists), in order; batches of at most max_batch."""
+        """One result per prompt (strings or token-id lists), in order; batches of at most max_batch.
+
+        stop_token_ids None means the checkpoint's eos ids; output_logits keeps each step's logits.
+        """
         token_prompts = self._tokenize(prompts)
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -107,7 +112,7 @@ class Engine:
         results = []
         step = self.config.max_batch
         for start in range(0, len(token_prompts), step):
-            results += self._run_batch(token_prompts[start : start + step], max_new_tokens, sampler, stops)
+            results += self._run_batch(token_prompts[start : start + step], max_new_tokens, sampler, stops, output_logits)
         return results
 
     def _tokenize(self, prompts) -> list[list[int]]:
@@ -141,7 +146,7 @@ class Engine:
         return list(eos) if isinstance(eos, (list, tuple)) else [eos]
 
     @torch.inference_mode()
-    def _run_batch(self, prompts: list[list[int]], max_new_tokens: int, sampler: Sampler, stops: set[int]):
+    def _run_batch(self, prompts, max_new_tokens: int, sampler: Sampler, stops: set[int], output_logits: bool):
         model, batch = self.model, len(prompts)
         policy = self._make_policy(batch)
         try:
@@ -156,8 +161,10 @@ class Engine:
                 self.events.emit("prefill_end", seq=seq, tokens=len(ids))
             self._keep_fitted_adapter(policy)
 
-            tokens = sampler(torch.stack(first_logits))
+            logits = torch.stack(first_logits)
+            tokens = sampler(logits)
             generated = [[int(t)] for t in tokens]
+            kept = [[row] for row in logits] if output_logits else None
             limit = [min(max_new_tokens, self.config.max_context - len(p)) for p in prompts]
             done = np.array([g[0] in stops or lim <= 1 for g, lim in zip(generated, limit)])
             decode_s = np.zeros(batch)
@@ -166,19 +173,25 @@ class Engine:
             while not done.all():
                 active = ~done
                 self.events.emit("decode_step_start", step=step, active=int(active.sum()))
-                tokens = sampler(self._decode_step(policy, tokens, active))
+                logits = self._decode_step(policy, tokens, active)
+                tokens = sampler(logits)
                 policy.end_step(active)
                 for seq in np.flatnonzero(active):
                     generated[seq].append(int(tokens[seq]))
+                    if kept is not None:
+                        kept[seq].append(logits[seq])
                     if generated[seq][-1] in stops or len(generated[seq]) >= limit[seq]:
                         done[seq] = True
                         decode_s[seq] = time.perf_counter() - start
                 self.events.emit("decode_step_end", step=step, active=int(active.sum()))
                 step += 1
-            return [
-                self._result(policy, seq, prompts[seq], generated[seq], stops, limit[seq], prefill_s[seq], decode_s[seq])
+            results = [
+                self._result(policy, seq, prompts[seq], generated[seq], stops, prefill_s[seq], decode_s[seq])
                 for seq in range(batch)
             ]
+            for seq, result in enumerate(results if kept is not None else []):
+                result.logits = torch.stack(kept[seq]).cpu()
+            return results
         finally:
             for seq in range(batch):
                 policy.release_sequence(seq)
@@ -197,7 +210,7 @@ class Engine:
             x = model.finish_layer(layer, x, policy.attend(layer, q, k, v))
         return model.logits(x[:, 0])
 
-    def _result(self, policy, seq, prompt, generated, stops, limit, prefill_s, decode_s) -> GenerationResult:
+    def _result(self, policy, seq, prompt, generated, stops, prefill_s, decode_s) -> GenerationResult:
         hits, lookups = policy.reuse_counts()
         decode_tokens = len(generated) - 1
         finish = "stop" if generated[-1] in stops else "length"

@@ -1,0 +1,108 @@
+"""The disk store writes what it reads back, at any group, past 4 GiB, through every reader backend."""
+import numpy as np
+import pytest
+import torch
+
+from edgekv.runtime.disk_store import DiskKVStore, RecordLayout, StoreError, aligned_empty
+from edgekv.runtime.reader import open_reader
+
+BACKENDS = ["io_uring", "pthread", "python"]
+
+
+def reader_or_skip(backend):
+    try:
+        return open_reader(backend)
+    except OSError as exc:
+        pytest.skip(f"{backend} reader unavailable here: {exc}")
+
+
+def test_layout_is_aligned_and_round_trips():
+    layout = RecordLayout(group_tokens=4, n_kv_heads=2, head_dim=16, dtype=torch.float32, align_bytes=4096)
+    assert layout.record_bytes == 2 * 4 * 2 * 16 * 4
+    assert layout.stride_bytes == 4096
+    k, v = torch.randn(2, 12, 16), torch.randn(2, 12, 16)
+    records = layout.pack(k, v)
+    assert records.shape == (3, 4096) and records.ctypes.data % 4096 == 0
+    typed = layout.typed(records)
+    torch.testing.assert_close(typed[1, 0], k[:, 4:8], rtol=0, atol=0)
+    torch.testing.assert_close(typed[2, 1], v[:, 8:12], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_round_trip_across_4_gib(kv_dir, backend):
+    reader = reader_or_skip(backend)
+    layout = RecordLayout(group_tokens=8, n_kv_heads=2, head_dim=64, dtype=torch.float16)
+    store = DiskKVStore(kv_dir, n_layers=2, layout=layout, reader=reader)
+    try:
+        store.open_sequence(0)
+        far = (5 << 30) // layout.stride_bytes  # a group index whose offset is past 5 GiB (64-bit offsets)
+        written = {}
+        for group in (0, 1, 7, far - 1, far, far + 3):
+            k, v = torch.randn(2, 8, 64, dtype=torch.float16), torch.randn(2, 8, 64, dtype=torch.float16)
+            store.write_groups(0, 1, group, layout.pack(k, v))
+            written[group] = (k, v)
+        assert written and far * layout.stride_bytes > 4 << 30
+        dest = aligned_empty((len(written), layout.stride_bytes), layout.align_bytes)
+        store.read([store.request(0, 1, g, dest[i]) for i, g in enumerate(written)])
+        typed = layout.typed(dest)
+        for i, (k, v) in enumerate(written.values()):
+            assert torch.equal(typed[i, 0], k) and torch.equal(typed[i, 1], v)
+    finally:
+        store.close()
+        reader.close()
+    assert not any(kv_dir.iterdir()), "store.close() must remove its files"
+
+
+def test_direct_io_is_used_where_the_filesystem_allows(kv_dir):
+    layout = RecordLayout(group_tokens=4, n_kv_heads=1, head_dim=8, dtype=torch.float32)
+    store = DiskKVStore(kv_dir, 1, layout, open_reader("python"))
+    store.open_sequence(0)
+    try:
+        fs_type = filesystem_of(kv_dir)
+        if fs_type in ("ext4", "xfs", "btrfs", "f2fs"):
+            assert store.o_direct is True
+        else:  # tmpfs and friends refuse O_DIRECT; the store falls back (with a warning)
+            assert store.o_direct in (True, False)
+    finally:
+        store.close()
+
+
+def filesystem_of(path) -> str:
+    path, best = str(path.resolve()), ("", "")
+    for line in open("/proc/mounts"):
+        _, mount, fs_type = line.split()[:3]
+        if path.startswith(mount) and len(mount) > len(best[0]):
+            best = (mount, fs_type)
+    return best[1]
+
+
+def test_release_removes_the_sequence_files(kv_dir):
+    layout = RecordLayout(group_tokens=4, n_kv_heads=1, head_dim=8, dtype=torch.float32)
+    store = DiskKVStore(kv_dir, 3, layout, open_reader("python"))
+    store.open_sequence(0)
+    store.open_sequence(1)
+    assert len(list(store.dir.iterdir())) == 6
+    store.release(0)
+    assert sorted(p.name for p in store.dir.iterdir()) == [f"seq1_layer{i}.kv" for i in range(3)]
+    store.close()
+    assert not store.dir.exists()
+
+
+def test_store_refuses_missing_or_read_only_paths(tmp_path):
+    layout = RecordLayout(group_tokens=4, n_kv_heads=1, head_dim=8, dtype=torch.float32)
+    with pytest.raises(StoreError, match="does not exist"):
+        DiskKVStore(tmp_path / "nope", 1, layout, open_reader("python"))
+    with pytest.raises(StoreError, match="required"):
+        DiskKVStore(None, 1, layout, open_reader("python"))
+
+
+def test_short_file_read_is_an_error(kv_dir):
+    reader = open_reader("auto")
+    layout = RecordLayout(group_tokens=4, n_kv_heads=1, head_dim=8, dtype=torch.float32)
+    store = DiskKVStore(kv_dir, 1, layout, reader)
+    store.open_sequence(0)
+    dest = aligned_empty((1, layout.stride_bytes), layout.align_bytes)
+    with pytest.raises(OSError):
+        store.read([store.request(0, 0, 3, dest[0])])  # nothing written there
+    store.close()
+    reader.close()

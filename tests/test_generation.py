@@ -1,0 +1,71 @@
+"""Sampling, stop tokens, batching beyond max_batch, stats and step events."""
+import pytest
+import torch
+
+from edgekv.runtime import Engine
+from edgekv.runtime.sampling import Sampler, SamplingParams
+
+CFG = {"G": 4, "M": 4, "C": 8, "max_context": 160, "max_batch": 2}
+PROMPTS = [list(range(1, 50)), list(range(20, 41)), list(range(60, 90))]
+
+
+@pytest.fixture
+def engine(model_dirs, kv_dir):
+    with Engine.from_pretrained(model_dirs["llama"], kv_offload_path=kv_dir, config=CFG) as engine:
+        yield engine
+
+
+def test_seeded_sampling_is_reproducible_and_differs_from_greedy(engine):
+    a = engine.generate(PROMPTS, max_new_tokens=10, temperature=1.5, seed=7, stop_token_ids=[])
+    b = engine.generate(PROMPTS, max_new_tokens=10, temperature=1.5, seed=7, stop_token_ids=[])
+    greedy = engine.generate(PROMPTS, max_new_tokens=10, stop_token_ids=[])
+    assert [r.token_ids for r in a] == [r.token_ids for r in b]
+    assert [r.token_ids for r in a] != [r.token_ids for r in greedy]
+
+
+def test_top_k_one_is_greedy(engine):
+    greedy = engine.generate(PROMPTS, max_new_tokens=8, stop_token_ids=[])
+    top1 = engine.generate(PROMPTS, max_new_tokens=8, temperature=0.8, top_k=1, seed=3, stop_token_ids=[])
+    assert [r.token_ids for r in top1] == [r.token_ids for r in greedy]
+
+
+def test_top_p_keeps_only_the_nucleus():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    sampler = Sampler(SamplingParams(temperature=1.0, top_p=0.7, seed=0), torch.device("cpu"))
+    draws = {int(sampler(logits)) for _ in range(200)}
+    assert draws == {0, 1}
+
+
+def test_stop_tokens_and_batches_larger_than_max_batch(engine):
+    free = engine.generate(PROMPTS, max_new_tokens=12, stop_token_ids=[])
+    stop = free[0].token_ids[3]
+    stopped = engine.generate(PROMPTS, max_new_tokens=12, stop_token_ids=[stop])
+    assert len(stopped) == 3  # max_batch is 2: two batches
+    first = free[0].token_ids.index(stop)
+    assert stopped[0].token_ids == free[0].token_ids[: first + 1] and stopped[0].finish_reason == "stop"
+    for s, f in zip(stopped[1:], free[1:]):  # the other sequences are unaffected by one stopping early
+        cut = f.token_ids.index(stop) + 1 if stop in f.token_ids else len(f.token_ids)
+        assert s.token_ids == f.token_ids[:cut]
+
+
+def test_generation_stops_at_max_context(engine):
+    result = engine.generate([list(range(1, 150))], max_new_tokens=50, stop_token_ids=[])[0]
+    assert len(result.token_ids) == 160 - 149 and result.finish_reason == "length"
+
+
+def test_stats_are_reported(engine):
+    stats = engine.generate(PROMPTS[:2], max_new_tokens=20, stop_token_ids=[])[0].stats
+    for key in ("prefill_s", "decode_tok_s", "kv_bytes_read", "reuse_rate", "io_stall_s", "kv_resident_bytes"):
+        assert key in stats
+    assert stats["decode_tok_s"] > 0 and stats["kv_bytes_read"] > 0 and 0 < stats["reuse_rate"] <= 1
+    assert stats["generated_tokens"] == 20
+
+
+def test_step_events_bracket_prefill_and_decode(engine):
+    events = []
+    engine.events.subscribe(events.append)
+    engine.generate(PROMPTS[:2], max_new_tokens=4, stop_token_ids=[])
+    kinds = [e.kind for e in events]
+    assert kinds[:4] == ["prefill_start", "prefill_end", "prefill_start", "prefill_end"]
+    assert kinds[4:] == ["decode_step_start", "decode_step_end"] * 3
+    assert all(a.t_ns <= b.t_ns for a, b in zip(events, events[1:]))

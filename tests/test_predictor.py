@@ -1,0 +1,63 @@
+"""The low-rank predictor: exact at full rank, and it finds the groups that matter."""
+import pytest
+import torch
+
+from edgekv.runtime import Engine, LowRankAdapter, build_adapter
+from edgekv.runtime.adapter import AdapterError
+from edgekv.runtime.selector import LowRankSelector
+from tests.conftest import save_model
+
+
+def make_selector(adapter, rank, G=4, M=2, max_context=64):
+    return LowRankSelector(adapter, rank, 2, 16, 1, 1, max_context, G, M, torch.float32, torch.device("cpu"))
+
+
+def test_full_rank_scores_equal_true_attention_logits_summed_over_heads():
+    torch.manual_seed(0)
+    k = torch.randn(2, 40, 16)  # [H_kv, T, d]
+    q = torch.randn(1, 4, 1, 16)  # 4 query heads over 2 KV heads
+    adapter = LowRankAdapter.fit([k.transpose(0, 1).reshape(40, -1)], 2, 16, rank=32)
+    selector = make_selector(adapter, 32)
+    selector.append(0, 0, 0, k)
+    expected = sum(q[0, h, 0] @ k[h // 2].T for h in range(4))
+    torch.testing.assert_close(selector.token_scores(0, q, 40)[0], expected, rtol=1e-4, atol=1e-4)
+
+
+def test_grouped_top_m_finds_the_planted_groups():
+    torch.manual_seed(1)
+    k = torch.randn(2, 64, 16) * 0.1
+    q = torch.randn(1, 4, 1, 16)
+    for token in (9, 42):  # plant two keys aligned with the query: groups 2 and 10
+        k[:, token] = q[0, ::2, 0] * 3
+    selector = make_selector(None, 8, G=4, M=2)
+    selector.append(0, 0, 0, k)
+    groups, valid = selector.select(0, q, torch.tensor([16]))
+    assert sorted(groups[0].tolist()) == [2, 10] and valid.all()
+
+
+def test_selection_never_returns_groups_not_on_disk():
+    selector = make_selector(None, 8, G=4, M=5)
+    selector.append(0, 0, 0, torch.randn(2, 12, 16))
+    groups, valid = selector.select(0, torch.randn(1, 4, 1, 16), torch.tensor([3]))
+    assert valid.sum() == 3 and sorted(groups[0, valid[0]].tolist()) == [0, 1, 2]
+
+
+def test_build_adapter_save_load_and_use(model_dirs, kv_dir, tmp_path):
+    with Engine.from_pretrained(model_dirs["llama"], kv_offload_path=kv_dir, config={"max_context": 128}) as engine:
+        adapter = build_adapter(engine, [list(range(1, 100)), list(range(50, 120))], sigma=4)
+    assert adapter.rank == 8 and adapter.sigma == 4
+    path = tmp_path / "adapter.safetensors"
+    adapter.save(path)
+    loaded = LowRankAdapter.load(path)
+    assert all(torch.equal(a, b) for a, b in zip(adapter.matrices, loaded.matrices))
+    config = {"G": 4, "M": 4, "C": 8, "max_context": 128, "sigma": None, "adapter_path": str(path)}
+    with Engine.from_pretrained(model_dirs["llama"], kv_offload_path=kv_dir, config=config) as engine:
+        assert engine.rank == 8
+        assert engine.generate([list(range(1, 60))], max_new_tokens=4, stop_token_ids=[])[0].token_ids
+    with pytest.raises(Exception, match="sigma"):
+        Engine.from_pretrained(model_dirs["llama"], kv_offload_path=kv_dir, config={**config, "sigma": 16})
+    deeper = save_model(tmp_path / "deeper", "llama", num_hidden_layers=3)
+    with pytest.raises(AdapterError, match="build an adapter for this model"):
+        Engine.from_pretrained(deeper, kv_offload_path=kv_dir, config=config)
+
+

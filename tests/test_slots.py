@@ -1,0 +1,51 @@
+"""Reuse buffer bookkeeping on a scripted sequence of predictions."""
+import numpy as np
+
+from edgekv.runtime.slots import PreloadSlots, SlotTable
+
+
+def step(table, groups, layer=0):
+    g = np.array([groups])
+    slots, misses = table.assign(layer, g, np.ones_like(g, dtype=bool))
+    return slots[0].tolist(), [m[2] for m in misses]
+
+
+def test_hits_misses_and_fifo_replacement():
+    table = SlotTable(n_layers=2, batch=1, capacity=4)
+    slots, missed = step(table, [10, 11, 12])
+    assert missed == [10, 11, 12] and slots == [0, 1, 2]
+    slots, missed = step(table, [11, 13, 10])  # two hits, one miss into the free slot
+    assert missed == [13] and slots == [1, 3, 0]
+    # full now: 10@0 (oldest), 11@1, 12@2, 13@3; a miss evicts the oldest unprotected slot.
+    slots, missed = step(table, [14, 12])
+    assert missed == [14] and slots == [0, 2]  # 10 was oldest -> evicted
+    slots, missed = step(table, [15, 16])
+    assert missed == [15, 16] and slots == [1, 2]  # then 11 and 12: FIFO, a hit does not refresh age
+    assert table.hits[0] == 3 and table.lookups[0] == 10
+
+
+def test_current_hits_are_never_evicted():
+    table = SlotTable(n_layers=1, batch=1, capacity=3)
+    step(table, [1, 2, 3])  # 1 is oldest
+    slots, missed = step(table, [1, 4, 5])  # 1 hits; 4 and 5 must evict 2 and 3, not 1
+    assert missed == [4, 5]
+    assert table.group[0, 0, slots[0]] == 1 and set(table.group[0, 0]) == {1, 4, 5}
+
+
+def test_layers_and_sequences_are_independent_and_padding_is_skipped():
+    table = SlotTable(n_layers=2, batch=2, capacity=2)
+    groups = np.array([[5, 6], [5, 0]])
+    valid = np.array([[True, True], [True, False]])
+    _, misses = table.assign(1, groups, valid)
+    assert sorted(misses) == [(0, 0, 5), (0, 1, 6), (1, 0, 5)]
+    _, misses = table.assign(0, groups, valid)
+    assert len(misses) == 3  # layer 0 has its own table
+    table.reset(0)
+    assert (table.group[:, 0] == -1).all() and table.lookups[0] == 0 and table.lookups[1] == 2
+
+
+def test_preload_slots_read_everything():
+    slots = PreloadSlots(batch=1, capacity=3)
+    assert [slots.buffer_index(i) for i in range(4)] == [0, 1, 0, 1]
+    idx, misses = slots.assign(0, np.array([[4, 2, 9]]), np.array([[True, True, False]]))
+    assert idx.tolist() == [[0, 1, 2]] and misses == [(0, 0, 4), (0, 1, 2)]
