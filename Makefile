@@ -24,7 +24,7 @@ native: env
 	  apt-get install -y -q liburing-dev >/dev/null 2>&1 || \
 	  (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q liburing-dev >/dev/null 2>&1) || \
 	  echo "liburing-dev not installed: the KV reader uses its pthread backend"
-	$(PYTHON) -m edgekv.runtime.reader
+	$(PYTHON) -m edgekv.cli build-native
 
 test: native
 	$(PYTHON) -m pytest -q

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .reader import KVReader, ReadRequest
+from .reader import KVReader, ReadBatch
 
 log = logging.getLogger(__name__)
 
@@ -26,10 +26,13 @@ class StoreError(OSError):
     """The offload path cannot hold the KV cache; the message says what to fix."""
 
 
-def aligned_empty(shape: tuple[int, ...], align: int) -> np.ndarray:
-    """A uint8 array of ``shape`` whose first byte sits on an ``align`` boundary (O_DIRECT buffers)."""
+def aligned_zeros(shape: tuple[int, ...], align: int) -> np.ndarray:
+    """A zeroed uint8 array of ``shape`` whose first byte sits on an ``align`` boundary (O_DIRECT buffers).
+
+    Zeroed, not empty: attention masks unused slots, but 0 * NaN from stale memory is still NaN.
+    """
     nbytes = int(np.prod(shape))
-    raw = np.empty(nbytes + align, dtype=np.uint8)
+    raw = np.zeros(nbytes + align, dtype=np.uint8)
     start = (-raw.ctypes.data) % align
     return raw[start : start + nbytes].reshape(shape)
 
@@ -61,7 +64,7 @@ class RecordLayout:
     def pack(self, k: torch.Tensor, v: torch.Tensor) -> np.ndarray:
         """k, v [H_kv, n*G, d] -> aligned records [n, stride] ready for an O_DIRECT write."""
         n = k.shape[1] // self.group_tokens
-        out = aligned_empty((n, self.stride_bytes), self.align_bytes)
+        out = aligned_zeros((n, self.stride_bytes), self.align_bytes)
         dest = self.typed(out)
         for i, t in enumerate((k, v)):
             dest[:, i] = t.reshape(self.n_kv_heads, n, self.group_tokens, self.head_dim).transpose(0, 1).cpu()
@@ -90,7 +93,7 @@ class DiskKVStore:
         self.reader = reader
         self.dir = root / f"edgekv-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.o_direct: bool | None = None
-        self._fds: dict[int, list[int]] = {}
+        self._fds = np.full((0, n_layers), -1, dtype=np.int32)  # [sequence, layer] -> fd, -1 when closed
         self.bytes_written = 0
 
     def _open(self, path: Path) -> int:
@@ -110,16 +113,23 @@ class DiskKVStore:
                 self.o_direct = False
         return os.open(path, flags, 0o600)
 
+    def _path(self, seq: int, layer: int) -> Path:
+        return self.dir / f"seq{seq}_layer{layer}.kv"
+
     def open_sequence(self, seq: int) -> None:
         self.release(seq)
         self.dir.mkdir(exist_ok=True)
-        self._fds[seq] = [self._open(self.dir / f"seq{seq}_layer{layer}.kv") for layer in range(self.n_layers)]
+        if seq >= len(self._fds):
+            grown = np.full((seq + 1, self.n_layers), -1, dtype=np.int32)
+            grown[: len(self._fds)] = self._fds
+            self._fds = grown
+        self._fds[seq] = [self._open(self._path(seq, layer)) for layer in range(self.n_layers)]
 
     def write_groups(self, seq: int, layer: int, first_group: int, records: np.ndarray) -> None:
         """Write aligned records [n, stride] as groups first_group .. first_group+n-1."""
         if records.shape[0] == 0:
             return
-        fd = self._fds[seq][layer]
+        fd = int(self._fds[seq, layer])
         offset = first_group * self.layout.stride_bytes
         view = memoryview(records.reshape(-1))
         done = 0
@@ -127,20 +137,24 @@ class DiskKVStore:
             done += os.pwrite(fd, view[done:], offset + done)
         self.bytes_written += len(view)
 
-    def request(self, seq: int, layer: int, group: int, dest: np.ndarray) -> ReadRequest:
-        """A read of one group record into ``dest`` (a contiguous, aligned [stride] uint8 array)."""
-        return ReadRequest(self._fds[seq][layer], group * self.layout.stride_bytes, dest)
+    def batch(self, layer: int, seqs: np.ndarray, groups: np.ndarray, addresses: np.ndarray) -> ReadBatch:
+        """Reads of group records ``groups[i]`` of sequences ``seqs[i]`` into aligned host ``addresses[i]``."""
+        return ReadBatch(self._fds[seqs, layer], groups.astype(np.int64) * self.layout.stride_bytes,
+                         addresses, self.layout.stride_bytes)
 
-    def read(self, requests: list[ReadRequest]) -> None:
-        self.reader.read(requests)
+    def read(self, batch: ReadBatch) -> None:
+        self.reader.read(batch)
 
     def release(self, seq: int) -> None:
         """Close and delete one sequence's files."""
-        for layer, fd in enumerate(self._fds.pop(seq, [])):
+        if seq >= len(self._fds) or self._fds[seq, 0] < 0:
+            return
+        for layer, fd in enumerate(self._fds[seq].tolist()):
             os.close(fd)
-            (self.dir / f"seq{seq}_layer{layer}.kv").unlink(missing_ok=True)
+            self._path(seq, layer).unlink(missing_ok=True)
+        self._fds[seq] = -1
 
     def close(self) -> None:
-        for seq in list(self._fds):
+        for seq in range(len(self._fds)):
             self.release(seq)
         shutil.rmtree(self.dir, ignore_errors=True)

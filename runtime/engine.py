@@ -255,7 +255,8 @@ class Engine:
                 self.adapter, self.rank, dims.n_kv_heads, dims.head_dim, dims.n_layers, batch,
                 cfg.max_context, cfg.G, cfg.M, _KLR_DTYPES[cfg.klr_dtype], model.device,
             )
-        slots = SlotTable(dims.n_layers, batch, cfg.C) if cfg.reuse else PreloadSlots(batch, cfg.M)
+        max_groups = -(-cfg.max_context // cfg.G)
+        slots = SlotTable(dims.n_layers, batch, cfg.C, max_groups) if cfg.reuse else PreloadSlots(batch, cfg.M)
         return OffloadedKV(
             model, batch, cfg.max_context, store, selector, slots, cfg.M,
             rolling_buffer=cfg.rolling_buffer, predict=self.policy != "flexgen",

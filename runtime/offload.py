@@ -15,7 +15,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 import torch
 
-from .disk_store import DiskKVStore, aligned_empty
+from .disk_store import DiskKVStore, aligned_zeros
 from .forward import attention
 from .kv_policy import KVPolicy
 from .model import DecoderModel
@@ -46,7 +46,7 @@ class OffloadedKV(KVPolicy):
         self.use_rolling_buffer = rolling_buffer
         self.predict = predict
         n_buffers = slots.buffer_index(dims.n_layers - 1) + 1
-        self._slot_bytes = aligned_empty((n_buffers, batch, slots.capacity, self.layout.stride_bytes), self.layout.align_bytes)
+        self._slot_bytes = aligned_zeros((n_buffers, batch, slots.capacity, self.layout.stride_bytes), self.layout.align_bytes)
         self.slot_kv = self.layout.typed(self._slot_bytes)
         self.rolling = torch.zeros(
             dims.n_layers, batch, 2, dims.n_kv_heads, self.G, dims.head_dim, dtype=model.dtype, device=model.device
@@ -87,10 +87,10 @@ class OffloadedKV(KVPolicy):
         valid = valid.cpu().numpy() & active[:, None]
         slots, misses = self.slots.assign(layer, groups.cpu().numpy(), valid)
         buffer = self._slot_bytes[self.slots.buffer_index(layer)]
-        requests = [self.store.request(b, layer, g, buffer[b, s]) for b, s, g in misses]
-        for b, _, _ in misses:
-            self.bytes_read[b] += self.layout.stride_bytes
-        future = self._io.submit(self.store.read, requests)
+        stride = self.layout.stride_bytes
+        addresses = buffer.ctypes.data + (misses.seq * self.slots.capacity + misses.slot) * stride
+        self.bytes_read += np.bincount(misses.seq, minlength=self.batch) * stride
+        future = self._io.submit(self.store.read, self.store.batch(layer, misses.seq, misses.group, addresses))
         self._pending[layer] = (torch.from_numpy(np.ascontiguousarray(slots)), torch.from_numpy(valid), future)
 
     def attend(self, layer, q, k, v):

@@ -24,20 +24,29 @@ _SOURCE = Path(__file__).with_name("native") / "ekv_reader.c"
 
 
 @dataclass(frozen=True)
-class ReadRequest:
-    """Read ``dest.nbytes`` bytes at ``offset`` of ``fd`` into ``dest`` (a contiguous uint8 array)."""
+class ReadBatch:
+    """n reads of ``nbytes`` each: read i takes file ``fds[i]`` at ``offsets[i]`` into host address ``addresses[i]``.
 
-    fd: int
-    offset: int
-    dest: np.ndarray
+    Arrays, not objects: one decode step reads thousands of records, and building a
+    Python object per record costs more than the read.  The caller keeps the destination
+    memory alive until ``read`` returns.
+    """
+
+    fds: np.ndarray  # int32 [n]
+    offsets: np.ndarray  # int64 [n]
+    addresses: np.ndarray  # int64 [n]
+    nbytes: int
+
+    def __len__(self) -> int:
+        return len(self.fds)
 
 
 class KVReader:
-    """Interface: read a batch of requests, blocking until all are done (releases the GIL)."""
+    """Interface: read a batch, blocking until all of it is in memory (native backends release the GIL)."""
 
     name = "abstract"
 
-    def read(self, requests: list[ReadRequest]) -> None:
+    def read(self, batch: ReadBatch) -> None:
         raise NotImplementedError
 
     def close(self) -> None:
@@ -53,17 +62,18 @@ class PythonPoolReader(KVReader):
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ekv-pread")
 
     @staticmethod
-    def _read_one(req: ReadRequest) -> None:
-        view = memoryview(req.dest)
+    def _read_one(fd: int, offset: int, address: int, nbytes: int) -> None:
+        view = memoryview((ctypes.c_char * nbytes).from_address(address)).cast("B")
         done = 0
-        while done < len(view):
-            got = os.preadv(req.fd, [view[done:]], req.offset + done)
+        while done < nbytes:
+            got = os.preadv(fd, [view[done:]], offset + done)
             if got == 0:
-                raise OSError(f"unexpected end of file reading fd {req.fd} at offset {req.offset + done}")
+                raise OSError(f"unexpected end of file reading fd {fd} at offset {offset + done}")
             done += got
 
-    def read(self, requests: list[ReadRequest]) -> None:
-        for future in [self._pool.submit(self._read_one, r) for r in requests]:
+    def read(self, batch: ReadBatch) -> None:
+        jobs = zip(batch.fds.tolist(), batch.offsets.tolist(), batch.addresses.tolist())
+        for future in [self._pool.submit(self._read_one, fd, off, addr, batch.nbytes) for fd, off, addr in jobs]:
             future.result()
 
     def close(self) -> None:
@@ -80,15 +90,14 @@ class NativeReader(KVReader):
         if not self._handle:
             raise OSError(f"the {self.name} reader could not be opened (io_uring refused or out of memory)")
 
-    def read(self, requests: list[ReadRequest]) -> None:
-        n = len(requests)
+    def read(self, batch: ReadBatch) -> None:
+        n = len(batch)
         if n == 0:
             return
-        fds = (ctypes.c_int32 * n)(*(r.fd for r in requests))
-        offsets = (ctypes.c_int64 * n)(*(r.offset for r in requests))
-        sizes = (ctypes.c_int64 * n)(*(r.dest.nbytes for r in requests))
-        dests = (ctypes.c_void_p * n)(*(r.dest.ctypes.data for r in requests))
-        rc = self._lib.ekv_read(self._handle, n, fds, offsets, sizes, dests)
+        fds = np.ascontiguousarray(batch.fds, dtype=np.int32)
+        offsets = np.ascontiguousarray(batch.offsets, dtype=np.int64)
+        addresses = np.ascontiguousarray(batch.addresses, dtype=np.int64)
+        rc = self._lib.ekv_read(self._handle, n, fds.ctypes.data, offsets.ctypes.data, batch.nbytes, addresses.ctypes.data)
         if rc != 0:
             raise OSError(-rc, f"{self.name} read of {n} KV records failed: {os.strerror(-rc)}")
 
@@ -133,7 +142,7 @@ def _load_native(backend: str) -> ctypes.CDLL:
     lib.ekv_open.argtypes = [ctypes.c_int, ctypes.c_int]
     lib.ekv_close.argtypes = [ctypes.c_void_p]
     lib.ekv_read.restype = ctypes.c_int
-    lib.ekv_read.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    lib.ekv_read.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
     return lib
 
 
@@ -163,7 +172,3 @@ def build_all() -> dict[str, str]:
             out[backend] = f"unavailable: {exc}"
     return out
 
-
-if __name__ == "__main__":
-    for name, where in build_all().items():
-        print(f"{name}: {where}")

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 import torch
 
-from edgekv.runtime.disk_store import DiskKVStore, RecordLayout, StoreError, aligned_empty
+from edgekv.runtime.disk_store import DiskKVStore, RecordLayout, StoreError, aligned_zeros
 from edgekv.runtime.reader import open_reader
 
 BACKENDS = ["io_uring", "pthread", "python"]
@@ -14,6 +14,12 @@ def reader_or_skip(backend):
         return open_reader(backend)
     except OSError as exc:
         pytest.skip(f"{backend} reader unavailable here: {exc}")
+
+
+def read_into(store, dest, layer, groups):
+    """Reads of sequence 0's ``groups`` of ``layer`` into the rows of ``dest``."""
+    rows = np.arange(len(groups))
+    return store.batch(layer, np.zeros(len(groups), dtype=np.int64), np.array(groups), dest.ctypes.data + rows * dest.shape[1])
 
 
 def test_layout_is_aligned_and_round_trips():
@@ -42,8 +48,8 @@ def test_round_trip_across_4_gib(kv_dir, backend):
             store.write_groups(0, 1, group, layout.pack(k, v))
             written[group] = (k, v)
         assert written and far * layout.stride_bytes > 4 << 30
-        dest = aligned_empty((len(written), layout.stride_bytes), layout.align_bytes)
-        store.read([store.request(0, 1, g, dest[i]) for i, g in enumerate(written)])
+        dest = aligned_zeros((len(written), layout.stride_bytes), layout.align_bytes)
+        store.read(read_into(store, dest, 1, list(written)))
         typed = layout.typed(dest)
         for i, (k, v) in enumerate(written.values()):
             assert torch.equal(typed[i, 0], k) and torch.equal(typed[i, 1], v)
@@ -101,8 +107,8 @@ def test_short_file_read_is_an_error(kv_dir):
     layout = RecordLayout(group_tokens=4, n_kv_heads=1, head_dim=8, dtype=torch.float32)
     store = DiskKVStore(kv_dir, 1, layout, reader)
     store.open_sequence(0)
-    dest = aligned_empty((1, layout.stride_bytes), layout.align_bytes)
+    dest = aligned_zeros((1, layout.stride_bytes), layout.align_bytes)
     with pytest.raises(OSError):
-        store.read([store.request(0, 0, 3, dest[0])])  # nothing written there
+        store.read(read_into(store, dest, 0, [3]))  # nothing written there
     store.close()
     reader.close()

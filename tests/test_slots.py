@@ -7,11 +7,11 @@ from edgekv.runtime.slots import PreloadSlots, SlotTable
 def step(table, groups, layer=0):
     g = np.array([groups])
     slots, misses = table.assign(layer, g, np.ones_like(g, dtype=bool))
-    return slots[0].tolist(), [m[2] for m in misses]
+    return slots[0].tolist(), misses.group.tolist()
 
 
 def test_hits_misses_and_fifo_replacement():
-    table = SlotTable(n_layers=2, batch=1, capacity=4)
+    table = SlotTable(n_layers=2, batch=1, capacity=4, max_groups=64)
     slots, missed = step(table, [10, 11, 12])
     assert missed == [10, 11, 12] and slots == [0, 1, 2]
     slots, missed = step(table, [11, 13, 10])  # two hits, one miss into the free slot
@@ -25,7 +25,7 @@ def test_hits_misses_and_fifo_replacement():
 
 
 def test_current_hits_are_never_evicted():
-    table = SlotTable(n_layers=1, batch=1, capacity=3)
+    table = SlotTable(n_layers=1, batch=1, capacity=3, max_groups=64)
     step(table, [1, 2, 3])  # 1 is oldest
     slots, missed = step(table, [1, 4, 5])  # 1 hits; 4 and 5 must evict 2 and 3, not 1
     assert missed == [4, 5]
@@ -33,13 +33,13 @@ def test_current_hits_are_never_evicted():
 
 
 def test_layers_and_sequences_are_independent_and_padding_is_skipped():
-    table = SlotTable(n_layers=2, batch=2, capacity=2)
+    table = SlotTable(n_layers=2, batch=2, capacity=2, max_groups=64)
     groups = np.array([[5, 6], [5, 0]])
     valid = np.array([[True, True], [True, False]])
     _, misses = table.assign(1, groups, valid)
-    assert sorted(misses) == [(0, 0, 5), (0, 1, 6), (1, 0, 5)]
+    assert sorted(zip(*misses)) == [(0, 0, 5), (0, 1, 6), (1, 0, 5)]
     _, misses = table.assign(0, groups, valid)
-    assert len(misses) == 3  # layer 0 has its own table
+    assert len(misses.group) == 3  # layer 0 has its own table
     table.reset(0)
     assert (table.group[:, 0] == -1).all() and table.lookups[0] == 0 and table.lookups[1] == 2
 
@@ -48,4 +48,14 @@ def test_preload_slots_read_everything():
     slots = PreloadSlots(batch=1, capacity=3)
     assert [slots.buffer_index(i) for i in range(4)] == [0, 1, 0, 1]
     idx, misses = slots.assign(0, np.array([[4, 2, 9]]), np.array([[True, True, False]]))
-    assert idx.tolist() == [[0, 1, 2]] and misses == [(0, 0, 4), (0, 1, 2)]
+    assert idx.tolist() == [[0, 1, 2]] and [tuple(map(int, m)) for m in zip(*misses)] == [(0, 0, 4), (0, 1, 2)]
+
+
+def test_reverse_map_tracks_evictions():
+    table = SlotTable(n_layers=1, batch=1, capacity=2, max_groups=16)
+    step(table, [3, 4])
+    step(table, [5, 6])  # evicts 3 and 4
+    assert table.slot_of[0, 0, 3] == -1 and table.slot_of[0, 0, 4] == -1
+    assert {int(table.slot_of[0, 0, g]) for g in (5, 6)} == {0, 1}
+    _, missed = step(table, [3])
+    assert missed == [3]

@@ -22,7 +22,7 @@ typedef struct {
     int n;
     const int32_t *fds;
     const int64_t *offsets;
-    const int64_t *nbytes;
+    int64_t nbytes;
     void *const *dests;
 } batch_t;
 
@@ -70,15 +70,14 @@ void ekv_close(void *h) {
     free(r);
 }
 
-int ekv_read(void *h, int n, const int32_t *fds, const int64_t *offsets, const int64_t *nbytes,
-             void *const *dests) {
+int ekv_read(void *h, int n, const int32_t *fds, const int64_t *offsets, int64_t nbytes, void *const *dests) {
     reader_t *r = h;
     int next = 0, inflight = 0, status = 0;
     while (next < n || inflight > 0) {
         while (next < n && inflight < (int)r->depth) {
             struct io_uring_sqe *sqe = io_uring_get_sqe(&r->ring);
             if (!sqe) break;
-            io_uring_prep_read(sqe, fds[next], dests[next], (unsigned)nbytes[next], (uint64_t)offsets[next]);
+            io_uring_prep_read(sqe, fds[next], dests[next], (unsigned)nbytes, (uint64_t)offsets[next]);
             io_uring_sqe_set_data64(sqe, (uint64_t)next);
             next++;
             inflight++;
@@ -94,9 +93,9 @@ int ekv_read(void *h, int n, const int32_t *fds, const int64_t *offsets, const i
             inflight--;
             if (res < 0) {
                 status = status ? status : res;
-            } else if (res < nbytes[i]) {
+            } else if (res < nbytes) {
                 /* Short read: finish it synchronously (rare; only near end of file). */
-                int rest = read_full(fds[i], (char *)dests[i] + res, offsets[i] + res, nbytes[i] - res);
+                int rest = read_full(fds[i], (char *)dests[i] + res, offsets[i] + res, nbytes - res);
                 status = status ? status : rest;
             }
         }
@@ -134,7 +133,7 @@ static void *worker(void *arg) {
             int i = r->next++;
             batch_t b = r->batch;
             pthread_mutex_unlock(&r->lock);
-            int rc = read_full(b.fds[i], b.dests[i], b.offsets[i], b.nbytes[i]);
+            int rc = read_full(b.fds[i], b.dests[i], b.offsets[i], b.nbytes);
             pthread_mutex_lock(&r->lock);
             if (rc && !r->status) r->status = rc;
             if (++r->done == r->batch.n) pthread_cond_signal(&r->work_done);
@@ -169,8 +168,7 @@ void ekv_close(void *h) {
     free(r);
 }
 
-int ekv_read(void *h, int n, const int32_t *fds, const int64_t *offsets, const int64_t *nbytes,
-             void *const *dests) {
+int ekv_read(void *h, int n, const int32_t *fds, const int64_t *offsets, int64_t nbytes, void *const *dests) {
     reader_t *r = h;
     if (n <= 0) return 0;
     pthread_mutex_lock(&r->lock);
