@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .forward import attention
+from .forward import decode_attention
 from .model import DecoderModel
 
 
@@ -89,4 +89,4 @@ class InMemoryKV(KVPolicy):
         self.kv[layer, 1, self._batch_index, :, pos] = v[:, :, 0]
         span = int(self.lengths.max()) + 1
         mask = (torch.arange(span, device=q.device) <= pos[:, None])[:, None, None, :]
-        return attention(self.model, q, self.kv[layer, 0, :, :, :span], self.kv[layer, 1, :, :, :span], mask)
+        return decode_attention(self.model, q, self.kv[layer, 0, :, :, :span], self.kv[layer, 1, :, :, :span], mask)

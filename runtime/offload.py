@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from .disk_store import DiskKVStore, aligned_zeros
-from .forward import attention
+from .forward import decode_attention
 from .kv_policy import KVPolicy
 from .model import DecoderModel
 from .selector import Selector
@@ -113,7 +113,7 @@ class OffloadedKV(KVPolicy):
         positions = torch.arange(self.G, device=q.device)
         in_rolling = positions <= rb_pos[:, None] if self.use_rolling_buffer else positions == rb_pos[:, None]
         mask = torch.cat([valid.to(q.device).repeat_interleave(g, dim=1), in_rolling], dim=1)
-        return attention(self.model, q, keys, values, mask[:, None, None, :])
+        return decode_attention(self.model, q, keys, values, mask[:, None, None, :])
 
     def end_step(self, active):
         super().end_step(active)
