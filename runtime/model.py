@@ -96,28 +96,28 @@ class DecoderModel:
         probe = torch.empty(0, dtype=self.dtype, device=self.device)
         return self.rotary(probe, positions)
 
+    def _heads(self, proj: nn.Module, norm: nn.Module | None, h: torch.Tensor, cos, sin) -> torch.Tensor:
+        """Project, split heads, optional per-head RMS norm (Qwen3), RoPE: [B, T, hidden] -> [B, heads, T, d]."""
+        x = proj(h).view(*h.shape[:-1], -1, self.dims.head_dim)
+        if norm is not None:
+            x = norm(x)
+        return _rotate(x.transpose(1, 2), cos, sin)
+
     def query(self, layer: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Post-RoPE queries [B, H, T, d] of ``layer`` for hidden states x [B, T, hidden] (before its norm)."""
         block = self.layers[layer]
         attn = block.self_attn
-        h = block.input_layernorm(x)
-        q = attn.q_proj(h).view(*h.shape[:-1], -1, self.dims.head_dim)
-        if hasattr(attn, "q_norm"):
-            q = attn.q_norm(q)
-        return _rotate(q.transpose(1, 2), cos, sin)
+        return self._heads(attn.q_proj, getattr(attn, "q_norm", None), block.input_layernorm(x), cos, sin)
 
     def qkv(self, layer: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """Post-RoPE q [B, H, T, d], k and v [B, H_kv, T, d] of ``layer`` for x [B, T, hidden]."""
         block = self.layers[layer]
         attn = block.self_attn
         h = block.input_layernorm(x)
-        shape = (*h.shape[:-1], -1, self.dims.head_dim)
-        q = attn.q_proj(h).view(shape)
-        k = attn.k_proj(h).view(shape)
-        v = attn.v_proj(h).view(shape).transpose(1, 2)
-        if hasattr(attn, "q_norm"):
-            q, k = attn.q_norm(q), attn.k_norm(k)
-        return _rotate(q.transpose(1, 2), cos, sin), _rotate(k.transpose(1, 2), cos, sin), v
+        q = self._heads(attn.q_proj, getattr(attn, "q_norm", None), h, cos, sin)
+        k = self._heads(attn.k_proj, getattr(attn, "k_norm", None), h, cos, sin)
+        v = attn.v_proj(h).view(*h.shape[:-1], -1, self.dims.head_dim).transpose(1, 2)
+        return q, k, v
 
     def finish_layer(self, layer: int, x: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         """Residual + output projection + MLP; attn_out is [B, H, T, d]."""

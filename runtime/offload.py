@@ -56,6 +56,7 @@ class OffloadedKV(KVPolicy):
         self._pending: dict[int, tuple[torch.Tensor, torch.Tensor, Future]] = {}
         self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ekv-io")
         self._batch_index = torch.arange(batch, device=model.device)
+        self._slot_rows = torch.arange(batch)[:, None]
 
     @property
     def resident_bytes(self) -> int:
@@ -104,7 +105,7 @@ class OffloadedKV(KVPolicy):
         future.result()
         self.io_stall_s += time.perf_counter() - start
 
-        selected = self.slot_kv[self.slots.buffer_index(layer)][self._batch_index.cpu()[:, None], slots]
+        selected = self.slot_kv[self.slots.buffer_index(layer)][self._slot_rows, slots]
         selected = selected.to(q.device, non_blocking=True)
         b, m, _, h_kv, g, d = selected.shape
         keys = torch.cat([selected[:, :, 0].transpose(1, 2).reshape(b, h_kv, m * g, d), rolling[:, 0]], dim=2)
