@@ -98,12 +98,22 @@ class Engine:
         seed: int | None = None,
         stop_token_ids: list[int] | None = None,
         output_logits: bool = False,
+        teacher_forcing: list[list[int]] | None = None,
     ) -> list[GenerationResult]:
         """One result per prompt (strings or token-id lists), in order; batches of at most max_batch.
 
         stop_token_ids None means the checkpoint's eos ids; output_logits keeps each step's logits.
+        teacher_forcing: per prompt, tokens fed as the decode inputs instead of the sampled ones
+        (so every continuation token goes through the decode path and its KV policy); token_ids
+        then holds the model's choice after the prompt and after each forced token.
         """
         token_prompts = self._tokenize(prompts)
+        forced = teacher_forcing or [None] * len(token_prompts)
+        if len(forced) != len(token_prompts):
+            raise ValueError(f"teacher_forcing has {len(forced)} entries for {len(token_prompts)} prompts")
+        for i, (p, f) in enumerate(zip(token_prompts, forced)):
+            if f is not None and len(p) + len(f) >= self.config.max_context:
+                raise ValueError(f"prompt {i} plus its {len(f)} forced tokens exceed max_context {self.config.max_context}")
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         params = SamplingParams(temperature, top_k, top_p, seed)
@@ -112,7 +122,8 @@ class Engine:
         results = []
         step = self.config.max_batch
         for start in range(0, len(token_prompts), step):
-            results += self._run_batch(token_prompts[start : start + step], max_new_tokens, sampler, stops, output_logits)
+            chunk = slice(start, start + step)
+            results += self._run_batch(token_prompts[chunk], forced[chunk], max_new_tokens, sampler, stops, output_logits)
         return results
 
     def _tokenize(self, prompts) -> list[list[int]]:
@@ -146,7 +157,7 @@ class Engine:
         return list(eos) if isinstance(eos, (list, tuple)) else [eos]
 
     @torch.inference_mode()
-    def _run_batch(self, prompts, max_new_tokens: int, sampler: Sampler, stops: set[int], output_logits: bool):
+    def _run_batch(self, prompts, forced, max_new_tokens: int, sampler: Sampler, stops: set[int], output_logits: bool):
         model, batch = self.model, len(prompts)
         policy = self._make_policy(batch)
         try:
@@ -162,11 +173,14 @@ class Engine:
             self._keep_fitted_adapter(policy)
 
             logits = torch.stack(first_logits)
-            tokens = sampler(logits)
-            generated = [[int(t)] for t in tokens]
+            chosen = sampler(logits)
+            generated = [[int(t)] for t in chosen]
+            tokens = _next_inputs(chosen, generated, forced)
             kept = [[row] for row in logits] if output_logits else None
-            limit = [min(max_new_tokens, self.config.max_context - len(p)) for p in prompts]
-            done = np.array([g[0] in stops or lim <= 1 for g, lim in zip(generated, limit)])
+            limit = [len(f) + 1 if f is not None else min(max_new_tokens, self.config.max_context - len(p))
+                     for p, f in zip(prompts, forced)]
+            stops_of = [stops if f is None else set() for f in forced]
+            done = np.array([g[0] in st or lim <= 1 for g, st, lim in zip(generated, stops_of, limit)])
             decode_s = np.zeros(batch)
             start = time.perf_counter()
             step = 0
@@ -174,15 +188,16 @@ class Engine:
                 active = ~done
                 self.events.emit("decode_step_start", step=step, active=int(active.sum()))
                 logits = self._decode_step(policy, tokens, active)
-                tokens = sampler(logits)
+                chosen = sampler(logits)
                 policy.end_step(active)
                 for seq in np.flatnonzero(active):
-                    generated[seq].append(int(tokens[seq]))
+                    generated[seq].append(int(chosen[seq]))
                     if kept is not None:
                         kept[seq].append(logits[seq])
-                    if generated[seq][-1] in stops or len(generated[seq]) >= limit[seq]:
+                    if generated[seq][-1] in stops_of[seq] or len(generated[seq]) >= limit[seq]:
                         done[seq] = True
                         decode_s[seq] = time.perf_counter() - start
+                tokens = _next_inputs(chosen, generated, forced)
                 self.events.emit("decode_step_end", step=step, active=int(active.sum()))
                 step += 1
             results = [
@@ -277,6 +292,15 @@ class Engine:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _next_inputs(chosen: torch.Tensor, generated: list[list[int]], forced) -> torch.Tensor:
+    """The next decode inputs: the chosen tokens, or the next forced token where teacher forcing applies."""
+    inputs = chosen.clone()
+    for seq, f in enumerate(forced):
+        if f is not None and len(generated[seq]) <= len(f):
+            inputs[seq] = f[len(generated[seq]) - 1]
+    return inputs
 
 
 def _preflight(policy, cfg: RuntimeConfig, dims: ModelDims, dtype, adapter, kv_offload_path) -> tuple[int, MemoryPlan]:

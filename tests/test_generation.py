@@ -69,3 +69,17 @@ def test_step_events_bracket_prefill_and_decode(engine):
     assert kinds[:4] == ["prefill_start", "prefill_end", "prefill_start", "prefill_end"]
     assert kinds[4:] == ["decode_step_start", "decode_step_end"] * 3
     assert all(a.t_ns <= b.t_ns for a, b in zip(events, events[1:]))
+
+
+def test_teacher_forcing_feeds_the_given_tokens(engine):
+    free = engine.generate(PROMPTS[:2], max_new_tokens=6, stop_token_ids=[])
+    # forcing the model's own greedy choices reproduces them exactly
+    own = [r.token_ids[:-1] for r in free]
+    forced = engine.generate(PROMPTS[:2], teacher_forcing=own)
+    assert [r.token_ids for r in forced] == [r.token_ids for r in free]
+    # forcing other tokens changes what follows, and predictions are made after every forced token
+    other = engine.generate(PROMPTS[:2], teacher_forcing=[[5, 6, 7], [8]])
+    assert [len(r.token_ids) for r in other] == [4, 2]
+    assert other[0].token_ids[0] == free[0].token_ids[0]  # the first prediction comes from the prompt alone
+    with pytest.raises(ValueError, match="teacher_forcing has 1 entries for 2 prompts"):
+        engine.generate(PROMPTS[:2], teacher_forcing=[[1]])
