@@ -70,6 +70,45 @@ def _deploy(args) -> int:
     return 0
 
 
+def _parse_budget(text: str) -> float:
+    num, _, den = text.partition("/")
+    value = float(num) / float(den) if den else float(num)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"budget {text!r} must be a fraction in (0, 1], e.g. 1/13")
+    return value
+
+
+def _eval(args) -> int:
+    import tempfile
+
+    from edgekv.evals import harness
+
+    model = harness.resolve_model(args.model)
+    tasks = list(harness.TASKS) if args.tasks == "all" else args.tasks.split(",")
+    budgets = [_parse_budget(b) for b in args.budgets.split(",")]
+    variants = []
+    for policy in args.policies.split(","):
+        if policy in ("kvswap", "token"):
+            variants += [harness.Variant(policy, b) for b in budgets]
+        else:
+            variants.append(harness.Variant(policy))
+    if args.ablations:
+        b = budgets[0]
+        variants += [harness.Variant("kvswap", b, rolling_buffer=False), harness.Variant("kvswap", b, reuse=False)]
+        variants += [harness.Variant("kvswap", b, G=g) for g in (1, 2, 8, 16)]
+    if not any(v.policy == "full" for v in variants):
+        variants.insert(0, harness.Variant("full"))
+    contexts = [int(c) for c in args.contexts.split(",")]
+    with tempfile.TemporaryDirectory(dir=args.kv_path) as kv:
+        results = harness.evaluate(model, kv, variants, contexts, tasks, args.samples, args.seed,
+                                   adapter_path=args.adapter)
+    print(harness.table(results))
+    if args.json:
+        harness.write_json(args.json, results, {"model": str(model), "seed": args.seed, "samples": args.samples,
+                                                "command": " ".join(sys.argv)})
+    return 0
+
+
 def main(argv=None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     ap = argparse.ArgumentParser(prog="edgekv", description="Long-context LLM inference with the KV cache on disk")
@@ -96,6 +135,20 @@ def main(argv=None) -> int:
     dep.add_argument("--model")
     dep.add_argument("--kv-path")
     dep.set_defaults(func=_deploy)
+
+    ev = sub.add_parser("eval", help="RULER-style retrieval accuracy per policy and KV budget")
+    ev.add_argument("--model", default="fixture", help="'fixture' (shipped) or a local checkpoint folder")
+    ev.add_argument("--policies", default="full,kvswap,token")
+    ev.add_argument("--budgets", default="1/13,1/34", help="fractions of the full KV cache")
+    ev.add_argument("--contexts", default="4096")
+    ev.add_argument("--tasks", default="all")
+    ev.add_argument("--samples", type=int, default=20, help="instances per task and context")
+    ev.add_argument("--seed", type=int, default=0)
+    ev.add_argument("--ablations", action="store_true", help="also no rolling buffer, no reuse, G in 1,2,8,16")
+    ev.add_argument("--adapter", help="low-rank adapter safetensors (default: fitted on the first prompt)")
+    ev.add_argument("--kv-path", default=None, help="folder for the KV files (default: the system temp dir)")
+    ev.add_argument("--json")
+    ev.set_defaults(func=_eval)
 
     args = ap.parse_args(argv)
     try:

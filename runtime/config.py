@@ -12,6 +12,7 @@ from pathlib import Path
 
 POLICIES = ("kvswap", "full", "flexgen", "token")
 READER_BACKENDS = ("auto", "io_uring", "pthread", "python")
+SELECTORS = ("lowrank", "random")
 KLR_DTYPES = ("bfloat16", "float16", "float32")
 
 
@@ -27,6 +28,7 @@ class RuntimeConfig:
     ``sigma`` K compression ratio (H_kv*d / rank), ``C`` reuse-buffer slots per layer.
     ``max_kv_mem_mib`` is the KV memory budget for ``max_batch`` sequences of
     ``max_context`` tokens (None: no limit, resident bytes are still reported).
+    ``selector`` "random" replaces the predictor by uniform picks (a quality floor for ablations).
     """
 
     G: int = 4
@@ -38,6 +40,7 @@ class RuntimeConfig:
     max_context: int = 32768
     reuse: bool = True
     rolling_buffer: bool = True
+    selector: str = "lowrank"
     adapter_path: str | None = None
     klr_dtype: str = "bfloat16"
     reader_backend: str = "auto"
@@ -90,6 +93,8 @@ class RuntimeConfig:
             )
         if self.reader_backend not in READER_BACKENDS:
             raise ConfigError(f"config field 'reader_backend' must be one of {READER_BACKENDS}, got {self.reader_backend!r}")
+        if self.selector not in SELECTORS:
+            raise ConfigError(f"config field 'selector' must be one of {SELECTORS}, got {self.selector!r}")
         if self.klr_dtype not in KLR_DTYPES:
             raise ConfigError(f"config field 'klr_dtype' must be one of {KLR_DTYPES}, got {self.klr_dtype!r}")
         align = self.io_align_bytes

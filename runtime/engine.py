@@ -25,7 +25,7 @@ from .model import DecoderModel, ModelDims, load_model, read_model_config
 from .offload import OffloadedKV
 from .reader import KVReader, open_reader
 from .sampling import Sampler, SamplingParams
-from .selector import AllGroupsSelector, LowRankSelector
+from .selector import AllGroupsSelector, LowRankSelector, RandomSelector
 from .slots import PreloadSlots, SlotTable
 
 log = logging.getLogger(__name__)
@@ -259,6 +259,8 @@ class Engine:
         store = DiskKVStore(self.kv_offload_path, dims.n_layers, layout, self.reader)
         if self.policy == "flexgen":
             selector = AllGroupsSelector(cfg.M, model.device)
+        elif cfg.selector == "random":
+            selector = RandomSelector(cfg.M)
         else:
             if self.adapter is None and not self._warned_adapter:
                 log.warning(

@@ -38,6 +38,25 @@ class AllGroupsSelector(Selector):
         return groups, groups < n_groups.to(groups.device)[:, None]
 
 
+class RandomSelector(Selector):
+    """M groups drawn uniformly: the floor a real predictor must beat (quality ablations only)."""
+
+    def __init__(self, groups_per_step: int, seed: int = 0):
+        self.M = groups_per_step
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def select(self, layer, q, n_groups):
+        batch = n_groups.shape[0]
+        noise = torch.rand(batch, int(n_groups.max()) or 1, generator=self.generator)
+        noise[torch.arange(noise.shape[1]) >= n_groups[:, None]] = -1.0
+        top = noise.topk(min(self.M, noise.shape[1]), dim=-1)
+        groups = torch.zeros(batch, self.M, dtype=torch.long)
+        valid = torch.zeros(batch, self.M, dtype=torch.bool)
+        groups[:, : top.indices.shape[1]] = top.indices
+        valid[:, : top.indices.shape[1]] = top.values >= 0
+        return groups, valid
+
+
 class LowRankSelector(Selector):
     """``adapter`` None: each layer's projection is fitted from the first keys it receives
     (a calibrated adapter from the install step is better; the engine warns)."""

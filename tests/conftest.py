@@ -54,3 +54,32 @@ def files_under(path) -> list[str]:
     return [os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs] + [
         os.path.join(d, s) for d, ss, _ in os.walk(path) for s in ss
     ]
+
+
+def word_tokenizer():
+    """A byte-level word tokenizer built offline: the haystack's words plus 400 synthetic words."""
+    import itertools
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from edgekv.evals.tasks import HAYSTACK_TEXT
+
+    words = sorted(set(HAYSTACK_TEXT.replace(".", " .").replace(",", " ,").split()) | {"value", "of", "is"})
+    synthetic = ["".join(p) for p in itertools.islice(itertools.product("bcdfghklmnprstvz", "aeiou", "bcdfgklmnprst", "aeiou"), 400)]
+    vocab = {"[UNK]": 0, "<s>": 1, ".": 2, ",": 3}
+    for word in words + synthetic:
+        vocab.setdefault("\u0120" + word, len(vocab))
+        vocab.setdefault(word, len(vocab))
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", unk_token="[UNK]")
+
+
+def save_text_model(path):
+    """A random Llama with a real (word-level) tokenizer saved beside it, like a user's checkpoint."""
+    tokenizer = word_tokenizer()
+    folder = save_model(path, "llama", vocab_size=len(tokenizer))
+    tokenizer.save_pretrained(folder)
+    return folder

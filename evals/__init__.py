@@ -1,0 +1,1 @@
+"""edgekv.evals: synthetic long-context retrieval tasks, the shipped fixture model and the quality harness."""

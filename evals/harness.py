@@ -1,0 +1,237 @@
+"""The quality harness: task instances through the engine, per policy and KV budget, scored by exact match.
+
+A budget is a fraction of the full KV cache at the evaluated context.  Until the install
+step's solver exists, ``budget_config`` turns it into (sigma, M, G, C) with one rule:
+K_lr gets at most half of the budget (the smallest sigma that fits), the rolling buffer
+its G tokens, and the rest goes to slots: C slots per layer, M = C selected (reuse keeps
+the previous step's picks among them).  ``token`` is the same with G = 1.
+"""
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from edgekv.runtime import Engine
+from edgekv.runtime.adapter import LowRankAdapter
+from edgekv.runtime.disk_store import RecordLayout
+from edgekv.runtime.model import ModelDims, read_model_config
+
+from .tasks import TASKS, VOCAB_SIZE, FixtureFormat, TaskInstance, TextFormat, make_instance, make_set
+
+SIGMAS = (1, 2, 4, 8, 16, 32)
+FIXTURE = Path(__file__).with_name("fixture")
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One column of the table: a policy, a budget and switches."""
+
+    policy: str
+    budget: float | None = None  # fraction of the full KV; None for full / flexgen
+    G: int = 4
+    reuse: bool = True
+    rolling_buffer: bool = True
+    selector: str = "lowrank"
+
+    @property
+    def label(self) -> str:
+        name = self.policy
+        if self.policy in ("kvswap", "token"):
+            name += f"@1/{round(1 / self.budget)}"
+            if self.policy == "kvswap" and self.G != 4:
+                name += f",G={self.G}"
+            if not self.reuse:
+                name += ",no-reuse"
+            if not self.rolling_buffer:
+                name += ",no-rb"
+            if self.selector != "lowrank":
+                name += f",{self.selector}"
+        return name
+
+
+def budget_config(variant: Variant, context: int, dims: ModelDims, kv_itemsize: int, max_batch: int) -> dict:
+    """(sigma, M, G, C) that fit ``variant.budget`` of the full KV at ``context`` tokens (see module doc)."""
+    G = 1 if variant.policy == "token" else variant.G
+    max_context = context + 64
+    base = {"max_context": max_context, "max_batch": max_batch, "G": G, "reuse": variant.reuse,
+            "rolling_buffer": variant.rolling_buffer, "selector": variant.selector}
+    if variant.budget is None:
+        return {**base, "M": 1, "C": 1, "sigma": 8}
+    token_bytes = 2 * dims.n_kv_heads * dims.head_dim * kv_itemsize
+    budget = variant.budget * dims.n_layers * max_context * token_bytes
+    for sigma in SIGMAS:
+        rank = LowRankAdapter.rank_for(dims.n_kv_heads, dims.head_dim, sigma)
+        k_lr = dims.n_layers * max_context * rank * 2
+        if k_lr <= budget / 2:
+            break
+    stride = RecordLayout(G, dims.n_kv_heads, dims.head_dim, torch.float32, 512).stride_bytes
+    rolling = dims.n_layers * G * token_bytes
+    slot_bytes = (budget - k_lr - rolling) / dims.n_layers
+    if variant.reuse:
+        slots = int(slot_bytes // stride)
+        M = C = slots
+    else:  # two preload buffers of M slots (the layer computing and the layer loading)
+        M = int(slot_bytes * dims.n_layers / min(dims.n_layers, 2) // stride)
+        C = M
+    if M < 1:
+        raise ValueError(f"budget 1/{round(1 / variant.budget)} leaves no room for one group at context {context}")
+    return {**base, "sigma": sigma, "M": M, "C": C, "io_align_bytes": 512, "max_kv_mem_mib": budget * max_batch / 2**20}
+
+
+@dataclass
+class Result:
+    task: str
+    context: int
+    policy: str
+    budget: float | None
+    variant: str
+    accuracy: float
+    samples: int
+    config: dict
+    seconds: float
+
+
+def task_format(model_dir: str | Path):
+    """The fixture's token ids for a 256-token model without a tokenizer, else words from its tokenizer."""
+    from edgekv.runtime.engine import _load_tokenizer
+
+    tokenizer = _load_tokenizer(model_dir)
+    if tokenizer is not None:
+        return TextFormat(tokenizer)
+    if read_model_config(model_dir).get("vocab_size") == VOCAB_SIZE:
+        return FixtureFormat()
+    raise ValueError(f"{model_dir} has no tokenizer; the harness needs one to build word tasks for it")
+
+
+def evaluate(
+    model_dir: str | Path,
+    kv_path: str | Path,
+    variants: list[Variant],
+    contexts: list[int],
+    tasks: list[str],
+    samples: int,
+    seed: int,
+    max_batch: int = 4,
+    adapter_path: str | None = None,
+    progress=print,
+) -> list[Result]:
+    """Every (task, context, variant) cell; the same instances for every variant."""
+    dims = ModelDims.from_config(read_model_config(model_dir))
+    fmt = task_format(model_dir)
+    results = []
+    for context in contexts:
+        instances = make_set(tasks, context, samples, seed, fmt)
+        for variant in variants:
+            config = budget_config(variant, context, dims, 4, max_batch)
+            if adapter_path and variant.policy in ("kvswap", "token"):
+                config = {**config, "adapter_path": str(adapter_path)}
+            start = time.perf_counter()
+            with Engine.from_pretrained(model_dir, kv_offload_path=kv_path, config=config, policy=variant.policy,
+                                        device="cpu") as engine:
+                outs = engine.generate([i.context for i in instances], teacher_forcing=[i.forced for i in instances])
+            seconds = time.perf_counter() - start
+            for task in tasks:
+                scored = [inst.score(out.token_ids) for inst, out in zip(instances, outs) if inst.task == task]
+                results.append(Result(task, context, variant.policy, variant.budget, variant.label,
+                                      float(np.mean(scored)), len(scored), config, round(seconds, 2)))
+            progress(f"context {context:6d}  {variant.label:28s} "
+                     f"{np.mean([r.accuracy for r in results[-len(tasks):]]):.3f}  ({seconds:.1f} s)")
+    return results
+
+
+def relative_accuracy(results: list[Result]) -> dict[str, float]:
+    """Mean over (task, context) of accuracy / full's accuracy, per variant (1.0 = no loss)."""
+    full = {(r.task, r.context): r.accuracy for r in results if r.policy == "full"}
+    out = {}
+    for label in dict.fromkeys(r.variant for r in results):
+        ratios = [r.accuracy / full[(r.task, r.context)] for r in results
+                  if r.variant == label and full.get((r.task, r.context))]
+        out[label] = float(np.mean(ratios)) if ratios else math.nan
+    return out
+
+
+def table(results: list[Result]) -> str:
+    """task x variant accuracy (%), one block per context, with the relative row."""
+    lines = []
+    labels = list(dict.fromkeys(r.variant for r in results))
+    for context in dict.fromkeys(r.context for r in results):
+        cell = {(r.task, r.variant): r.accuracy for r in results if r.context == context}
+        tasks = list(dict.fromkeys(r.task for r in results if r.context == context))
+        lines.append(f"context {context}")
+        lines.append(f"{'task':16}" + "".join(f"{lab:>22}" for lab in labels))
+        for task in tasks:
+            lines.append(f"{task:16}" + "".join(f"{100 * cell[(task, lab)]:22.1f}" for lab in labels))
+        rel = relative_accuracy([r for r in results if r.context == context])
+        lines.append(f"{'relative':16}" + "".join(f"{rel[lab]:22.3f}" for lab in labels))
+        configs = {r.variant: r.config for r in results if r.context == context}
+        for lab in labels:
+            c = configs[lab]
+            lines.append(f"  {lab}: G={c['G']} M={c['M']} C={c['C']} sigma={c['sigma']}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def niah_grid(
+    model_dir, kv_path, variant: Variant, contexts: list[int], depths: list[float], samples: int, seed: int,
+    max_batch: int = 4, adapter_path: str | None = None,
+) -> np.ndarray:
+    """Single-needle accuracy [context, depth] for one variant (KVSwap Fig. 9)."""
+    dims = ModelDims.from_config(read_model_config(model_dir))
+    fmt = task_format(model_dir)
+    grid = np.zeros((len(contexts), len(depths)))
+    for i, context in enumerate(contexts):
+        config = budget_config(variant, context, dims, 4, max_batch)
+        if adapter_path and variant.policy in ("kvswap", "token"):
+            config = {**config, "adapter_path": str(adapter_path)}
+        rng = np.random.default_rng([seed, context])
+        instances = [make_instance("single_needle", context, rng, depth=d, fmt=fmt) for d in depths for _ in range(samples)]
+        with Engine.from_pretrained(model_dir, kv_offload_path=kv_path, config=config, policy=variant.policy,
+                                    device="cpu") as engine:
+            outs = engine.generate([x.context for x in instances], teacher_forcing=[x.forced for x in instances])
+        hits = np.array([x.score(o.token_ids) for x, o in zip(instances, outs)]).reshape(len(depths), samples)
+        grid[i] = hits.mean(axis=1)
+    return grid
+
+
+def plot_niah(path, grid: np.ndarray, contexts: list[int], depths: list[float], title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(1.2 + 0.9 * len(contexts), 4))
+    image = ax.imshow(grid.T, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto", origin="upper")
+    ax.set_xticks(range(len(contexts)), [str(c) for c in contexts])
+    ax.set_yticks(range(len(depths)), [f"{d:.0%}" for d in depths])
+    ax.set_xlabel("context length (tokens)")
+    ax.set_ylabel("needle depth")
+    for (i, j), value in np.ndenumerate(grid):
+        ax.text(i, j, f"{100 * value:.0f}", ha="center", va="center", fontsize=8)
+    fig.colorbar(image, ax=ax, label="accuracy")
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_json(path: str | Path, results: list[Result], meta: dict) -> None:
+    payload = {"meta": meta, "results": [asdict(r) for r in results], "relative": relative_accuracy(results)}
+    Path(path).write_text(json.dumps(payload, indent=1))
+
+
+def resolve_model(model: str) -> Path:
+    if model == "fixture":
+        if not (FIXTURE / "config.json").exists():
+            raise FileNotFoundError(f"the fixture model is missing from {FIXTURE}; train it with "
+                                    "python -m edgekv.evals.train_fixture --out evals/fixture")
+        return FIXTURE
+    return Path(model)
+
+
+__all__ = ["Variant", "budget_config", "evaluate", "relative_accuracy", "table", "write_json", "TASKS", "TaskInstance"]
