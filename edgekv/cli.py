@@ -81,6 +81,8 @@ def _parse_budget(text: str) -> float:
 def _eval(args) -> int:
     import tempfile
 
+    import torch
+
     from edgekv.evals import harness
 
     model = harness.resolve_model(args.model)
@@ -103,9 +105,32 @@ def _eval(args) -> int:
         results = harness.evaluate(model, kv, variants, contexts, tasks, args.samples, args.seed,
                                    adapter_path=args.adapter)
     print(harness.table(results))
+    meta = {"model": str(model), "seed": args.seed, "samples": args.samples, "command": " ".join(sys.argv)}
+    if args.niah:
+        depths = [i / 10 for i in range(11)]
+        variant = next(v for v in variants if v.policy == "kvswap") if "kvswap" in args.policies else variants[0]
+        with tempfile.TemporaryDirectory(dir=args.kv_path) as kv:
+            grid = harness.niah_grid(model, kv, variant, contexts, depths, max(1, args.samples // 4), args.seed,
+                                     adapter_path=args.adapter)
+        harness.plot_niah(args.niah, grid, contexts, depths, f"NIAH, {variant.label}")
+        meta["niah"] = {"variant": variant.label, "contexts": contexts, "depths": depths, "accuracy": grid.tolist()}
+        print(f"NIAH heatmap ({variant.label}) written to {args.niah}")
+    if args.recall_sigmas:
+        from edgekv.evals.recall import selection_recall
+        from edgekv.runtime.model import load_model
+
+        sigmas = [float(x) for x in args.recall_sigmas.split(",")]
+        decoder = load_model(model, torch.device("cpu"), torch.float32, max(contexts) + 64)
+        fmt = harness.task_format(model)
+        calibration = [i.context for i in harness.make_set(tasks, contexts[0], 1, args.seed + 1, fmt)]
+        rows = selection_recall(decoder, harness.make_set(tasks, contexts[0], max(1, args.samples // 2), args.seed, fmt),
+                                sigmas, G=4, M=max(1, contexts[0] // 34 // 4), calibration=calibration)
+        meta["selection_recall"] = rows
+        for row in rows:
+            print(f"sigma {row['sigma']:g} (rank {row['rank']}): top-M recall {row['recall']:.3f}, "
+                  f"needle group picked {row['needle_hit']:.3f}")
     if args.json:
-        harness.write_json(args.json, results, {"model": str(model), "seed": args.seed, "samples": args.samples,
-                                                "command": " ".join(sys.argv)})
+        harness.write_json(args.json, results, meta)
     return 0
 
 
@@ -147,6 +172,8 @@ def main(argv=None) -> int:
     ev.add_argument("--ablations", action="store_true", help="also no rolling buffer, no reuse, G in 1,2,8,16")
     ev.add_argument("--adapter", help="low-rank adapter safetensors (default: fitted on the first prompt)")
     ev.add_argument("--kv-path", default=None, help="folder for the KV files (default: the system temp dir)")
+    ev.add_argument("--niah", metavar="PNG", help="also a needle-in-a-haystack heatmap (contexts x depths)")
+    ev.add_argument("--recall-sigmas", metavar="LIST", help="also the predictor's selection recall per sigma, e.g. 2,4,8,16")
     ev.add_argument("--json")
     ev.set_defaults(func=_eval)
 
