@@ -6,7 +6,7 @@ A 4-layer GQA Llama (4 query heads of 64 over 2 KV heads, RoPE) learns the tasks
 edgekv.evals.tasks.  Two things make it learn on two CPU cores:
 - layer 0, head 0 starts as a previous-token head: constant q/k biases whose RoPE product
   peaks at distance 1, the half of an induction circuit that random init takes longest to find;
-- a length curriculum (64 tokens upward, advancing when answer accuracy reaches 95 %),
+- a length curriculum (32 tokens upward, advancing when answer accuracy reaches 95 %),
   with PoSE-style position jumps so that relative distances beyond the trained length are
   seen too.
 The loss is on answer tokens only.  Seeded; prints progress and writes the checkpoint
@@ -104,22 +104,28 @@ def make_batch(rng, context: int, batch: int, max_positions: int, pose: bool):
     return ids, torch.tensor(label_rows), torch.tensor(label_cols), torch.tensor(labels), positions
 
 
-def train(out: Path, max_context: int, max_positions: int, seed: int, minutes: float, lr: float) -> dict:
+def train(out: Path, max_context: int, max_positions: int, seed: int, minutes: float, lr: float,
+          resume: Path | None = None, start_context: int = 32) -> dict:
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(seed)
     rng = np.random.default_rng(seed)
-    model = LlamaForCausalLM(fixture_config(max_positions))
-    init_previous_token_head(model)
+    if resume:  # continue a finished stage from its checkpoint (optimizer state restarts, with warm-up)
+        model = LlamaForCausalLM.from_pretrained(resume, dtype=torch.float32)
+        previous = json.loads((Path(resume) / "train_log.json").read_text())
+    else:
+        model = LlamaForCausalLM(fixture_config(max_positions))
+        init_previous_token_head(model)
+        previous = None
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.98))
     warmup = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / 100))
-    lengths = [n for n in (64, 128, 256, 512, 1024, 2048, 4096, 8192) if n <= max_context]
+    lengths = [n for n in (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192) if start_context <= n <= max_context]
     stage, history, recent = 0, [], []
     start = time.perf_counter()
     step = 0
     while True:
         context = lengths[stage]
-        batch = max(2, min(32, 16384 // context))
+        batch = max(4, min(64, 16384 // context))
         ids, rows, cols, labels, positions = make_batch(rng, context, batch, max_positions, pose=stage > 0)
         logits = model(input_ids=ids, position_ids=positions).logits
         picked = logits[rows, cols]
@@ -149,7 +155,12 @@ def train(out: Path, max_context: int, max_positions: int, seed: int, minutes: f
     model.to(torch.float16).save_pretrained(out)
     log = {"seed": seed, "steps": step, "wall_s": round(time.perf_counter() - start, 1), "curriculum": history,
            "trained_context": history[-1]["context"] if history else None, "max_positions": max_positions,
-           "torch_threads": torch.get_num_threads()}
+           "torch_threads": torch.get_num_threads(), "lr": lr}
+    if previous:
+        log = {**log, "resumed_from": previous, "steps": step + previous["steps"],
+               "wall_s": round(log["wall_s"] + previous["wall_s"], 1),
+               "curriculum": previous["curriculum"] + history,
+               "trained_context": log["trained_context"] or previous["trained_context"]}
     (out / "train_log.json").write_text(json.dumps(log, indent=1))
     return log
 
@@ -162,8 +173,12 @@ def main(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--minutes", type=float, default=60)
     ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--resume", type=Path, help="continue from this checkpoint (its train_log.json is kept)")
+    ap.add_argument("--start-context", type=int, default=32, help="first curriculum stage (with --resume)")
     args = ap.parse_args(argv)
-    print(json.dumps(train(Path(args.out), args.max_context, args.max_positions, args.seed, args.minutes, args.lr)))
+    log = train(Path(args.out), args.max_context, args.max_positions, args.seed, args.minutes, args.lr,
+                args.resume, args.start_context)
+    print(json.dumps(log))
 
 
 if __name__ == "__main__":
