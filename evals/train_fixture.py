@@ -118,7 +118,6 @@ def train(out: Path, max_context: int, max_positions: int, seed: int, minutes: f
         init_previous_token_head(model)
         previous = None
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.98))
-    warmup = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / 100))
     lengths = [n for n in (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192) if start_context <= n <= max_context]
     stage, history, recent = 0, [], []
     start = time.perf_counter()
@@ -126,6 +125,8 @@ def train(out: Path, max_context: int, max_positions: int, seed: int, minutes: f
     while True:
         context = lengths[stage]
         batch = max(4, min(64, 16384 // context))
+        for group in opt.param_groups:  # smaller steps on longer contexts: fewer, noisier batches
+            group["lr"] = lr * min(1.0, (256 / context) ** 0.5) * min(1.0, (step + 1) / 100)
         ids, rows, cols, labels, positions = make_batch(rng, context, batch, max_positions, pose=stage > 0)
         logits = model(input_ids=ids, position_ids=positions).logits
         picked = logits[rows, cols]
@@ -134,7 +135,6 @@ def train(out: Path, max_context: int, max_positions: int, seed: int, minutes: f
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        warmup.step()
         step += 1
         recent = (recent + [(picked.argmax(-1) == labels).float().mean().item()])[-20:]
         elapsed = time.perf_counter() - start
@@ -144,15 +144,19 @@ def train(out: Path, max_context: int, max_positions: int, seed: int, minutes: f
         if done_stage:
             history.append({"context": context, "step": step, "seconds": round(elapsed, 1)})
             print(f"-- context {context} reached 95% at step {step} ({elapsed:.0f} s)", flush=True)
+            _save(model, out, _log(seed, step, start, history, max_positions, lr, previous))
             if stage + 1 == len(lengths):
                 break
             stage, recent = stage + 1, []
         if elapsed > minutes * 60:
             print(f"-- time budget of {minutes} min reached at context {context}", flush=True)
             break
-    out.mkdir(parents=True, exist_ok=True)
-    model.generation_config.eos_token_id = None  # answers are read at fixed positions, never stopped early
-    model.to(torch.float16).save_pretrained(out)
+    log = _log(seed, step, start, history, max_positions, lr, previous)
+    _save(model, out, log)
+    return log
+
+
+def _log(seed, step, start, history, max_positions, lr, previous) -> dict:
     log = {"seed": seed, "steps": step, "wall_s": round(time.perf_counter() - start, 1), "curriculum": history,
            "trained_context": history[-1]["context"] if history else None, "max_positions": max_positions,
            "torch_threads": torch.get_num_threads(), "lr": lr}
@@ -161,8 +165,16 @@ def train(out: Path, max_context: int, max_positions: int, seed: int, minutes: f
                "wall_s": round(log["wall_s"] + previous["wall_s"], 1),
                "curriculum": previous["curriculum"] + history,
                "trained_context": log["trained_context"] or previous["trained_context"]}
-    (out / "train_log.json").write_text(json.dumps(log, indent=1))
     return log
+
+
+def _save(model, out: Path, log: dict) -> None:
+    """fp16 safetensors + train_log.json; written after every finished stage, so a run can stop any time."""
+    out.mkdir(parents=True, exist_ok=True)
+    model.generation_config.eos_token_id = None  # answers are read at fixed positions, never stopped early
+    model.to(torch.float16).save_pretrained(out)
+    model.to(torch.float32)
+    (out / "train_log.json").write_text(json.dumps(log, indent=1))
 
 
 def main(argv=None):
