@@ -4,7 +4,8 @@ For each instance and layer, the query of the first answer step (the queried key
 after the context) is scored against the context's keys twice: exactly (softmax per
 head, summed over heads, max per group) and through a rank-r adapter (KVSwap Eq. 1).
 ``recall`` is the share of the true top-M groups that the predictor also picks;
-``needle_hit`` whether the group holding the answer's needle is among the predicted top-M.
+``needle_hit``: over the layers whose true top-M holds the answer's needle group, the share
+where the predicted top-M holds it too.
 """
 from __future__ import annotations
 
@@ -63,9 +64,10 @@ def selection_recall(model: DecoderModel, instances: list[TaskInstance], sigmas:
                 a = adapter.matrices[layer]
                 predicted = _group_top((flat @ a) @ (q_sum @ a), G, M)
                 tallies[sigma]["recall"].append(len(truth & predicted) / max(1, len(truth)))
-                tallies[sigma]["needle_hit"].append(bool(needle_groups & predicted))
+                if needle_groups & truth:
+                    tallies[sigma]["needle_hit"].append(bool(needle_groups & predicted))
     return [
         {"sigma": s, "rank": adapters[s].rank, "recall": float(np.mean(t["recall"])),
-         "needle_hit": float(np.mean(t["needle_hit"]))}
+         "needle_hit": float(np.mean(t["needle_hit"])) if t["needle_hit"] else float("nan")}
         for s, t in tallies.items()
     ]

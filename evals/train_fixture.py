@@ -105,7 +105,7 @@ def make_batch(rng, context: int, batch: int, max_positions: int, pose: bool):
 
 
 def train(out: Path, max_context: int, max_positions: int, seed: int, minutes: float, lr: float,
-          resume: Path | None = None, start_context: int = 32) -> dict:
+          resume: Path | None = None, start_context: int = 32, target: float = 0.95) -> dict:
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(seed)
@@ -140,10 +140,10 @@ def train(out: Path, max_context: int, max_positions: int, seed: int, minutes: f
         elapsed = time.perf_counter() - start
         if step % 10 == 0:
             print(f"step {step:5d} ctx {context:5d} loss {loss.item():.3f} acc {np.mean(recent):.3f} {elapsed:6.0f}s", flush=True)
-        done_stage = len(recent) == 20 and np.mean(recent) >= 0.95
+        done_stage = len(recent) == 20 and np.mean(recent) >= target
         if done_stage:
-            history.append({"context": context, "step": step, "seconds": round(elapsed, 1)})
-            print(f"-- context {context} reached 95% at step {step} ({elapsed:.0f} s)", flush=True)
+            history.append({"context": context, "step": step, "seconds": round(elapsed, 1), "target": target})
+            print(f"-- context {context} reached {target:.0%} at step {step} ({elapsed:.0f} s)", flush=True)
             _save(model, out, _log(seed, step, start, history, max_positions, lr, previous))
             if stage + 1 == len(lengths):
                 break
@@ -187,9 +187,10 @@ def main(argv=None):
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--resume", type=Path, help="continue from this checkpoint (its train_log.json is kept)")
     ap.add_argument("--start-context", type=int, default=32, help="first curriculum stage (with --resume)")
+    ap.add_argument("--target", type=float, default=0.95, help="answer accuracy (last 20 steps) that ends a stage")
     args = ap.parse_args(argv)
     log = train(Path(args.out), args.max_context, args.max_positions, args.seed, args.minutes, args.lr,
-                args.resume, args.start_context)
+                args.resume, args.start_context, args.target)
     print(json.dumps(log))
 
 
