@@ -38,6 +38,7 @@ class Variant:
     reuse: bool = True
     rolling_buffer: bool = True
     selector: str = "lowrank"
+    score_reduce: str = "sum"
 
     @property
     def label(self) -> str:
@@ -52,6 +53,8 @@ class Variant:
                 name += ",no-rb"
             if self.selector != "lowrank":
                 name += f",{self.selector}"
+            if self.score_reduce != "sum":
+                name += f",{self.score_reduce}"
         return name
 
 
@@ -60,7 +63,7 @@ def budget_config(variant: Variant, context: int, dims: ModelDims, kv_itemsize: 
     G = 1 if variant.policy == "token" else variant.G
     max_context = context + 64
     base = {"max_context": max_context, "max_batch": max_batch, "G": G, "reuse": variant.reuse,
-            "rolling_buffer": variant.rolling_buffer, "selector": variant.selector}
+            "rolling_buffer": variant.rolling_buffer, "selector": variant.selector, "score_reduce": variant.score_reduce}
     if variant.budget is None:
         return {**base, "M": 1, "C": 1, "sigma": 8}
     token_bytes = 2 * dims.n_kv_heads * dims.head_dim * kv_itemsize

@@ -81,11 +81,11 @@ def _distance_scores(model, q_bias, k_bias, span: int = 8) -> torch.Tensor:
     return (k @ q).flip(0)[: span]
 
 
-def make_batch(rng, context: int, batch: int, max_positions: int, pose: bool):
+def make_batch(rng, context: int, batch: int, max_positions: int, pose: bool, weights=TASK_WEIGHTS):
     """Token ids [B, T], label positions, labels, position ids (with an optional PoSE jump)."""
     seqs, label_rows, label_cols, labels = [], [], [], []
     for b in range(batch):
-        task = TASKS[rng.choice(len(TASKS), p=TASK_WEIGHTS)]
+        task = TASKS[rng.choice(len(TASKS), p=weights)]
         inst = make_instance(task, context, rng)
         tokens, label_pos = inst.training_sequence()
         seqs.append(tokens)
@@ -105,7 +105,7 @@ def make_batch(rng, context: int, batch: int, max_positions: int, pose: bool):
 
 
 def train(out: Path, max_context: int, max_positions: int, seed: int, minutes: float, lr: float,
-          resume: Path | None = None, start_context: int = 32, target: float = 0.95) -> dict:
+          resume: Path | None = None, start_context: int = 32, target: float = 0.95, weights=TASK_WEIGHTS) -> dict:
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(seed)
@@ -127,7 +127,7 @@ def train(out: Path, max_context: int, max_positions: int, seed: int, minutes: f
         batch = max(4, min(64, 16384 // context))
         for group in opt.param_groups:  # smaller steps on longer contexts: fewer, noisier batches
             group["lr"] = lr * min(1.0, (256 / context) ** 0.5) * min(1.0, (step + 1) / 100)
-        ids, rows, cols, labels, positions = make_batch(rng, context, batch, max_positions, pose=stage > 0)
+        ids, rows, cols, labels, positions = make_batch(rng, context, batch, max_positions, pose=stage > 0 or resume is not None, weights=weights)
         logits = model(input_ids=ids, position_ids=positions).logits
         picked = logits[rows, cols]
         loss = F.cross_entropy(picked, labels)
@@ -144,22 +144,22 @@ def train(out: Path, max_context: int, max_positions: int, seed: int, minutes: f
         if done_stage:
             history.append({"context": context, "step": step, "seconds": round(elapsed, 1), "target": target})
             print(f"-- context {context} reached {target:.0%} at step {step} ({elapsed:.0f} s)", flush=True)
-            _save(model, out, _log(seed, step, start, history, max_positions, lr, previous))
+            _save(model, out, _log(seed, step, start, history, max_positions, lr, previous, weights))
             if stage + 1 == len(lengths):
                 break
             stage, recent = stage + 1, []
         if elapsed > minutes * 60:
             print(f"-- time budget of {minutes} min reached at context {context}", flush=True)
             break
-    log = _log(seed, step, start, history, max_positions, lr, previous)
+    log = _log(seed, step, start, history, max_positions, lr, previous, weights)
     _save(model, out, log)
     return log
 
 
-def _log(seed, step, start, history, max_positions, lr, previous) -> dict:
+def _log(seed, step, start, history, max_positions, lr, previous, weights=TASK_WEIGHTS) -> dict:
     log = {"seed": seed, "steps": step, "wall_s": round(time.perf_counter() - start, 1), "curriculum": history,
            "trained_context": history[-1]["context"] if history else None, "max_positions": max_positions,
-           "torch_threads": torch.get_num_threads(), "lr": lr}
+           "torch_threads": torch.get_num_threads(), "lr": lr, "task_weights": list(weights)}
     if previous:
         log = {**log, "resumed_from": previous, "steps": step + previous["steps"],
                "wall_s": round(log["wall_s"] + previous["wall_s"], 1),
@@ -188,9 +188,10 @@ def main(argv=None):
     ap.add_argument("--resume", type=Path, help="continue from this checkpoint (its train_log.json is kept)")
     ap.add_argument("--start-context", type=int, default=32, help="first curriculum stage (with --resume)")
     ap.add_argument("--target", type=float, default=0.95, help="answer accuracy (last 20 steps) that ends a stage")
+    ap.add_argument("--task-weights", default=",".join(map(str, TASK_WEIGHTS)), help=f"sampling weights of {TASKS}")
     args = ap.parse_args(argv)
     log = train(Path(args.out), args.max_context, args.max_positions, args.seed, args.minutes, args.lr,
-                args.resume, args.start_context, args.target)
+                args.resume, args.start_context, args.target, [float(w) for w in args.task_weights.split(",")])
     print(json.dumps(log))
 
 

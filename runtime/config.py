@@ -13,6 +13,7 @@ from pathlib import Path
 POLICIES = ("kvswap", "full", "flexgen", "token")
 READER_BACKENDS = ("auto", "io_uring", "pthread", "python")
 SELECTORS = ("lowrank", "random")
+SCORE_REDUCES = ("sum", "softmax")
 KLR_DTYPES = ("bfloat16", "float16", "float32")
 
 
@@ -41,6 +42,7 @@ class RuntimeConfig:
     reuse: bool = True
     rolling_buffer: bool = True
     selector: str = "lowrank"
+    score_reduce: str = "sum"
     adapter_path: str | None = None
     klr_dtype: str = "bfloat16"
     reader_backend: str = "auto"
@@ -95,6 +97,8 @@ class RuntimeConfig:
             raise ConfigError(f"config field 'reader_backend' must be one of {READER_BACKENDS}, got {self.reader_backend!r}")
         if self.selector not in SELECTORS:
             raise ConfigError(f"config field 'selector' must be one of {SELECTORS}, got {self.selector!r}")
+        if self.score_reduce not in SCORE_REDUCES:
+            raise ConfigError(f"config field 'score_reduce' must be one of {SCORE_REDUCES}, got {self.score_reduce!r}")
         if self.klr_dtype not in KLR_DTYPES:
             raise ConfigError(f"config field 'klr_dtype' must be one of {KLR_DTYPES}, got {self.klr_dtype!r}")
         align = self.io_align_bytes

@@ -271,6 +271,7 @@ class Engine:
             selector = LowRankSelector(
                 self.adapter, self.rank, dims.n_kv_heads, dims.head_dim, dims.n_layers, batch,
                 cfg.max_context, cfg.G, cfg.M, _KLR_DTYPES[cfg.klr_dtype], model.device,
+                score_reduce=cfg.score_reduce, scaling=model.scaling,
             )
         max_groups = -(-cfg.max_context // cfg.G)
         slots = SlotTable(dims.n_layers, batch, cfg.C, max_groups) if cfg.reuse else PreloadSlots(batch, cfg.M)

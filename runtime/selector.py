@@ -74,7 +74,11 @@ class LowRankSelector(Selector):
         groups_per_step: int,
         dtype: torch.dtype,
         device: torch.device,
+        score_reduce: str = "sum",
+        scaling: float = 1.0,
     ):
+        self.score_reduce = score_reduce
+        self.scaling = scaling
         self.G = group_tokens
         self.M = groups_per_step
         self.dtype = dtype
@@ -101,11 +105,18 @@ class LowRankSelector(Selector):
         self.k_lr[layer, seq, first_token : first_token + flat.shape[0]] = flat.to(self.dtype) @ self.adapter[layer]
 
     def token_scores(self, layer: int, q: torch.Tensor, n_tokens: int) -> torch.Tensor:
-        """Approximate attention logits summed over heads, [B, n_tokens]."""
+        """Approximate attention, [B, n_tokens]: logits summed over heads ("sum", KVSwap), or each
+        head's softmax summed ("softmax": every head gets one vote, whatever its logit scale)."""
         b, h, _, d = q.shape
-        q_sum = q.reshape(b, self.n_kv_heads, h // self.n_kv_heads, d).sum(dim=2)
-        q_lr = q_sum.reshape(b, 1, self.n_kv_heads * d).to(self.dtype) @ self.adapter[layer]
-        return (q_lr @ self.k_lr[layer, :, :n_tokens].transpose(1, 2))[:, 0].float()
+        grouped = q.reshape(b, self.n_kv_heads, h // self.n_kv_heads, d)
+        adapter = self.adapter[layer].view(self.n_kv_heads, d, -1)
+        keys = self.k_lr[layer, :, :n_tokens].transpose(1, 2)
+        if self.score_reduce == "sum":
+            q_lr = torch.einsum("bgd,gdr->br", grouped.sum(dim=2).to(self.dtype), adapter)
+            return (q_lr[:, None] @ keys)[:, 0].float()
+        q_lr = torch.einsum("bgnd,gdr->bgnr", grouped.to(self.dtype), adapter).reshape(b, h, -1)
+        logits = (q_lr @ keys).float() * self.scaling
+        return logits.softmax(dim=-1).sum(dim=1)
 
     def select(self, layer, q, n_groups):
         max_groups = int(n_groups.max())
