@@ -17,10 +17,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from edgekv.runtime import Engine
+from edgekv.runtime import Engine, RuntimeConfig
 from edgekv.runtime.adapter import LowRankAdapter
 from edgekv.runtime.disk_store import RecordLayout
-from edgekv.runtime.model import ModelDims, read_model_config
+from edgekv.runtime.model import DecoderModel, ModelDims, load_model, read_model_config
 
 from .tasks import TASKS, VOCAB_SIZE, FixtureFormat, TaskInstance, TextFormat, make_instance, make_set
 
@@ -112,6 +112,25 @@ def task_format(model_dir: str | Path):
     raise ValueError(f"{model_dir} has no tokenizer; the harness needs one to build word tasks for it")
 
 
+def _score(model: DecoderModel, kv_path, variant: Variant, context: int, instances: list[TaskInstance],
+           max_batch: int, adapter: LowRankAdapter | None) -> tuple[list[bool], dict]:
+    """Run ``instances`` through one variant on an already loaded model; exact match per instance."""
+    config = budget_config(variant, context, model.dims, 4, max_batch)
+    if adapter is not None and variant.policy in ("kvswap", "token"):
+        config = {**config, "sigma": None}  # the adapter's rank replaces the rule's sigma
+    else:
+        adapter = None
+    with Engine(model, RuntimeConfig.load(config), variant.policy, kv_path, adapter=adapter) as engine:
+        outs = engine.generate([x.context for x in instances], teacher_forcing=[x.forced for x in instances])
+    return [x.score(o.token_ids) for x, o in zip(instances, outs)], config
+
+
+def _load(model_dir, contexts: list[int], adapter_path) -> tuple[DecoderModel, LowRankAdapter | None]:
+    """The model once for every variant (weights are not reloaded per cell), on the CPU in fp32."""
+    model = load_model(model_dir, torch.device("cpu"), torch.float32, max(contexts) + 64)
+    return model, LowRankAdapter.load(adapter_path) if adapter_path else None
+
+
 def evaluate(
     model_dir: str | Path,
     kv_path: str | Path,
@@ -125,22 +144,17 @@ def evaluate(
     progress=print,
 ) -> list[Result]:
     """Every (task, context, variant) cell; the same instances for every variant."""
-    dims = ModelDims.from_config(read_model_config(model_dir))
+    model, adapter = _load(model_dir, contexts, adapter_path)
     fmt = task_format(model_dir)
     results = []
     for context in contexts:
         instances = make_set(tasks, context, samples, seed, fmt)
         for variant in variants:
-            config = budget_config(variant, context, dims, 4, max_batch)
-            if adapter_path and variant.policy in ("kvswap", "token"):
-                config = {**config, "adapter_path": str(adapter_path)}
             start = time.perf_counter()
-            with Engine.from_pretrained(model_dir, kv_offload_path=kv_path, config=config, policy=variant.policy,
-                                        device="cpu") as engine:
-                outs = engine.generate([i.context for i in instances], teacher_forcing=[i.forced for i in instances])
+            hits, config = _score(model, kv_path, variant, context, instances, max_batch, adapter)
             seconds = time.perf_counter() - start
             for task in tasks:
-                scored = [inst.score(out.token_ids) for inst, out in zip(instances, outs) if inst.task == task]
+                scored = [hit for inst, hit in zip(instances, hits) if inst.task == task]
                 results.append(Result(task, context, variant.policy, variant.budget, variant.label,
                                       float(np.mean(scored)), len(scored), config, round(seconds, 2)))
             progress(f"context {context:6d}  {variant.label:28s} "
@@ -185,20 +199,14 @@ def niah_grid(
     max_batch: int = 4, adapter_path: str | None = None,
 ) -> np.ndarray:
     """Single-needle accuracy [context, depth] for one variant (KVSwap Fig. 9)."""
-    dims = ModelDims.from_config(read_model_config(model_dir))
+    model, adapter = _load(model_dir, contexts, adapter_path)
     fmt = task_format(model_dir)
     grid = np.zeros((len(contexts), len(depths)))
     for i, context in enumerate(contexts):
-        config = budget_config(variant, context, dims, 4, max_batch)
-        if adapter_path and variant.policy in ("kvswap", "token"):
-            config = {**config, "adapter_path": str(adapter_path)}
         rng = np.random.default_rng([seed, context])
         instances = [make_instance("single_needle", context, rng, depth=d, fmt=fmt) for d in depths for _ in range(samples)]
-        with Engine.from_pretrained(model_dir, kv_offload_path=kv_path, config=config, policy=variant.policy,
-                                    device="cpu") as engine:
-            outs = engine.generate([x.context for x in instances], teacher_forcing=[x.forced for x in instances])
-        hits = np.array([x.score(o.token_ids) for x, o in zip(instances, outs)]).reshape(len(depths), samples)
-        grid[i] = hits.mean(axis=1)
+        hits, _ = _score(model, kv_path, variant, context, instances, max_batch, adapter)
+        grid[i] = np.array(hits).reshape(len(depths), samples).mean(axis=1)
     return grid
 
 

@@ -55,7 +55,6 @@ class Engine:
         self.model = model
         self.tokenizer = tokenizer
         self.policy = policy
-        self.base_config = config
         self.config = config.for_policy(policy)
         self.kv_offload_path = Path(kv_offload_path) if kv_offload_path is not None else None
         self.adapter = adapter
