@@ -27,6 +27,7 @@ from .reader import KVReader, open_reader
 from .sampling import Sampler, SamplingParams
 from .selector import AllGroupsSelector, LowRankSelector, RandomSelector
 from .slots import PreloadSlots, SlotTable
+from .solutions import SolutionTable, load_deployed
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +52,7 @@ class Engine:
         kv_offload_path: str | Path | None = None,
         tokenizer=None,
         adapter: LowRankAdapter | None = None,
+        solutions: SolutionTable | None = None,
     ):
         self.model = model
         self.tokenizer = tokenizer
@@ -58,6 +60,8 @@ class Engine:
         self.config = config.for_policy(policy)
         self.kv_offload_path = Path(kv_offload_path) if kv_offload_path is not None else None
         self.adapter = adapter
+        self.solutions = solutions
+        self._adapters: dict[str, LowRankAdapter] = {}
         self.events = EventBus()
         self._warned_adapter = False
         self.rank, self.memory_plan = _preflight(policy, self.config, model.dims, model.dtype, adapter, kv_offload_path)
@@ -75,15 +79,23 @@ class Engine:
         device: str | torch.device | None = None,
         dtype: torch.dtype | None = None,
     ) -> "Engine":
-        """Everything that can be refused is checked before the weights are loaded."""
-        cfg = RuntimeConfig.load(config)
+        """Everything that can be refused is checked before the weights are loaded.
+
+        ``config`` may be a deployed config (with ``solutions``): each batch then runs with the
+        solution for its (batch size, context), each checked here against its memory budget.
+        """
+        cfg, solutions = load_deployed(config)
         hf_cfg = read_model_config(model_dir)
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         dtype = dtype or _default_dtype(device)
-        adapter = LowRankAdapter.load(cfg.adapter_path) if cfg.adapter_path and policy in ("kvswap", "token") else None
-        _preflight(policy, cfg.for_policy(policy), ModelDims.from_config(hf_cfg), dtype, adapter, kv_offload_path)
-        model = load_model(model_dir, device, dtype, cfg.max_context)
-        return cls(model, cfg, policy, kv_offload_path, _load_tokenizer(model_dir), adapter)
+        dims = ModelDims.from_config(hf_cfg)
+        adapter = _load_adapter(cfg, policy)
+        _preflight(policy, cfg.for_policy(policy), dims, dtype, adapter, kv_offload_path)
+        for _, _, sol in solutions or []:
+            _preflight(policy, sol.for_policy(policy), dims, dtype, _load_adapter(sol, policy), kv_offload_path)
+        max_context = max([cfg.max_context] + [s.max_context for _, _, s in solutions or []])
+        model = load_model(model_dir, device, dtype, max_context)
+        return cls(model, cfg, policy, kv_offload_path, _load_tokenizer(model_dir), adapter, solutions)
 
     # ---- generation -------------------------------------------------------------------------
 
@@ -158,7 +170,8 @@ class Engine:
     @torch.inference_mode()
     def _run_batch(self, prompts, forced, max_new_tokens: int, sampler: Sampler, stops: set[int], output_logits: bool):
         model, batch = self.model, len(prompts)
-        policy = self._make_policy(batch)
+        cfg = self._batch_config(batch, max(len(p) + (len(f) + 1 if f is not None else max_new_tokens) for p, f in zip(prompts, forced)))
+        policy = self._make_policy(batch, cfg)
         try:
             prefill_s, first_logits = [], []
             for seq, ids in enumerate(prompts):
@@ -169,14 +182,14 @@ class Engine:
                 policy.end_prompt(seq, len(ids))
                 prefill_s.append(time.perf_counter() - start)
                 self.events.emit("prefill_end", seq=seq, tokens=len(ids))
-            self._keep_fitted_adapter(policy)
+            self._keep_fitted_adapter(policy, cfg)
 
             logits = torch.stack(first_logits)
             chosen = sampler(logits)
             generated = [[int(t)] for t in chosen]
             tokens = _next_inputs(chosen, generated, forced)
             kept = [[row] for row in logits] if output_logits else None
-            limit = [len(f) + 1 if f is not None else min(max_new_tokens, self.config.max_context - len(p))
+            limit = [len(f) + 1 if f is not None else min(max_new_tokens, cfg.max_context - len(p))
                      for p, f in zip(prompts, forced)]
             stops_of = [stops if f is None else set() for f in forced]
             done = np.array([g[0] in st or lim <= 1 for g, st, lim in zip(generated, stops_of, limit)])
@@ -200,7 +213,7 @@ class Engine:
                 self.events.emit("decode_step_end", step=step, active=int(active.sum()))
                 step += 1
             results = [
-                self._result(policy, seq, prompts[seq], generated[seq], stops, prefill_s[seq], decode_s[seq])
+                self._result(policy, cfg, seq, prompts[seq], generated[seq], stops, prefill_s[seq], decode_s[seq])
                 for seq in range(batch)
             ]
             for seq, result in enumerate(results if kept is not None else []):
@@ -224,7 +237,7 @@ class Engine:
             x = model.finish_layer(layer, x, policy.attend(layer, q, k, v))
         return model.logits(x[:, 0])
 
-    def _result(self, policy, seq, prompt, generated, stops, prefill_s, decode_s) -> GenerationResult:
+    def _result(self, policy, cfg, seq, prompt, generated, stops, prefill_s, decode_s) -> GenerationResult:
         hits, lookups = policy.reuse_counts()
         decode_tokens = len(generated) - 1
         finish = "stop" if generated[-1] in stops else "length"
@@ -243,15 +256,36 @@ class Engine:
             "batch_size": policy.batch,
             "reader": self.reader.name if self.reader else None,
             "o_direct": getattr(getattr(policy, "store", None), "o_direct", None),
-            "config": {k: getattr(self.config, k) for k in ("G", "M", "C", "reuse", "rolling_buffer")} | {"rank": self.rank},
+            "config": {k: getattr(cfg, k) for k in ("G", "M", "C", "sigma", "reuse", "rolling_buffer", "max_context")}
+            | {"rank": self._rank(cfg)},
         }
         text = self.tokenizer.decode(generated, skip_special_tokens=True) if self.tokenizer else ""
         return GenerationResult(generated, text, finish, stats)
 
     # ---- the offloading policy, in one place ------------------------------------------------
 
-    def _make_policy(self, batch: int) -> KVPolicy:
-        cfg, model, dims = self.config, self.model, self.model.dims
+    def _batch_config(self, batch: int, context: int) -> RuntimeConfig:
+        """The solution for this (batch, context) when the config has solutions, else the config."""
+        if self.solutions is None:
+            return self.config
+        return self.solutions.pick(batch, context).for_policy(self.policy)
+
+    def _adapter_for(self, cfg: RuntimeConfig) -> LowRankAdapter | None:
+        if cfg.adapter_path and self.policy in ("kvswap", "token"):
+            if cfg.adapter_path not in self._adapters:
+                self._adapters[cfg.adapter_path] = LowRankAdapter.load(cfg.adapter_path)
+            return self._adapters[cfg.adapter_path]
+        if self.adapter is not None and self.adapter.rank == LowRankAdapter.rank_for(
+                self.model.dims.n_kv_heads, self.model.dims.head_dim, cfg.sigma or self.adapter.sigma):
+            return self.adapter
+        return None
+
+    def _rank(self, cfg: RuntimeConfig) -> int:
+        adapter = self._adapter_for(cfg)
+        return adapter.rank if adapter else LowRankAdapter.rank_for(self.model.dims.n_kv_heads, self.model.dims.head_dim, cfg.sigma)
+
+    def _make_policy(self, batch: int, cfg: RuntimeConfig) -> KVPolicy:
+        model, dims = self.model, self.model.dims
         if self.policy == "full":
             return InMemoryKV(model, batch, cfg.max_context)
         layout = RecordLayout(cfg.G, dims.n_kv_heads, dims.head_dim, model.dtype, cfg.io_align_bytes)
@@ -261,14 +295,15 @@ class Engine:
         elif cfg.selector == "random":
             selector = RandomSelector(cfg.M)
         else:
-            if self.adapter is None and not self._warned_adapter:
+            adapter, rank = self._adapter_for(cfg), self._rank(cfg)
+            if adapter is None and not self._warned_adapter:
                 log.warning(
                     "no adapter file: deriving the low-rank K adapter (rank %d) from the first prompt's own keys; "
-                    "build a calibrated one with edgekv.install for better predictions", self.rank
+                    "build a calibrated one with edgekv.install for better predictions", rank
                 )
                 self._warned_adapter = True
             selector = LowRankSelector(
-                self.adapter, self.rank, dims.n_kv_heads, dims.head_dim, dims.n_layers, batch,
+                adapter, rank, dims.n_kv_heads, dims.head_dim, dims.n_layers, batch,
                 cfg.max_context, cfg.G, cfg.M, _KLR_DTYPES[cfg.klr_dtype], model.device,
                 score_reduce=cfg.score_reduce, scaling=model.scaling,
             )
@@ -277,11 +312,12 @@ class Engine:
         return OffloadedKV(
             model, batch, cfg.max_context, store, selector, slots, cfg.M,
             rolling_buffer=cfg.rolling_buffer, predict=self.policy != "flexgen",
+            on_select=lambda layer, groups, valid: self.events.emit("groups_selected", layer=layer, groups=groups, valid=valid),
         )
 
-    def _keep_fitted_adapter(self, policy: KVPolicy) -> None:
-        """An adapter derived from the first prompt is kept for later batches."""
-        if self.adapter is None and isinstance(policy, OffloadedKV) and isinstance(policy.selector, LowRankSelector):
+    def _keep_fitted_adapter(self, policy: KVPolicy, cfg: RuntimeConfig) -> None:
+        """An adapter derived from the first prompt is kept for later batches of the same rank."""
+        if self._adapter_for(cfg) is None and isinstance(policy, OffloadedKV) and isinstance(policy.selector, LowRankSelector):
             self.adapter = policy.selector.fitted_adapter()
 
     def close(self) -> None:
@@ -303,6 +339,10 @@ def _next_inputs(chosen: torch.Tensor, generated: list[list[int]], forced) -> to
         if f is not None and len(generated[seq]) <= len(f):
             inputs[seq] = f[len(generated[seq]) - 1]
     return inputs
+
+
+def _load_adapter(cfg: RuntimeConfig, policy: str) -> LowRankAdapter | None:
+    return LowRankAdapter.load(cfg.adapter_path) if cfg.adapter_path and policy in ("kvswap", "token") else None
 
 
 def _preflight(policy, cfg: RuntimeConfig, dims: ModelDims, dtype, adapter, kv_offload_path) -> tuple[int, MemoryPlan]:

@@ -12,7 +12,7 @@ from typing import Callable
 
 @dataclass(frozen=True)
 class StepEvent:
-    kind: str  # "prefill_start" | "prefill_end" | "decode_step_start" | "decode_step_end"
+    kind: str  # "prefill_start" | "prefill_end" | "decode_step_start" | "decode_step_end" | "groups_selected"
     t_ns: int
     info: dict = field(default_factory=dict)
 

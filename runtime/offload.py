@@ -34,6 +34,7 @@ class OffloadedKV(KVPolicy):
         groups_per_step: int,
         rolling_buffer: bool = True,
         predict: bool = True,
+        on_select=None,
     ):
         super().__init__(model, batch, max_context)
         dims = model.dims
@@ -45,6 +46,7 @@ class OffloadedKV(KVPolicy):
         self.slots = slots
         self.use_rolling_buffer = rolling_buffer
         self.predict = predict
+        self.on_select = on_select  # on_select(layer, groups [B, M], valid [B, M]): the step's picks, for tuning
         n_buffers = slots.buffer_index(dims.n_layers - 1) + 1
         self._slot_bytes = aligned_zeros((n_buffers, batch, slots.capacity, self.layout.stride_bytes), self.layout.align_bytes)
         self.slot_kv = self.layout.typed(self._slot_bytes)
@@ -86,7 +88,10 @@ class OffloadedKV(KVPolicy):
         q = self.model.query(layer, x, cos, sin) if self.predict else None
         groups, valid = self.selector.select(layer, q, torch.from_numpy(self.n_groups))
         valid = valid.cpu().numpy() & active[:, None]
-        slots, misses = self.slots.assign(layer, groups.cpu().numpy(), valid)
+        groups = groups.cpu().numpy()
+        if self.on_select is not None:
+            self.on_select(layer, groups, valid)
+        slots, misses = self.slots.assign(layer, groups, valid)
         buffer = self._slot_bytes[self.slots.buffer_index(layer)]
         stride = self.layout.stride_bytes
         addresses = buffer.ctypes.data + (misses.seq * self.slots.capacity + misses.slot) * stride

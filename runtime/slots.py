@@ -100,7 +100,7 @@ class PreloadSlots:
 
     def assign(self, layer: int, groups: np.ndarray, valid: np.ndarray) -> tuple[np.ndarray, Misses]:
         batch, m = groups.shape
-        slots = np.broadcast_to(np.arange(m, dtype=np.int64), (batch, m))
+        slots = np.tile(np.arange(m, dtype=np.int64), (batch, 1))
         seq, col = np.nonzero(valid)
         self.lookups += valid.sum(axis=1)
         return slots, Misses(seq, col, groups[seq, col])

@@ -65,10 +65,15 @@ def test_step_events_bracket_prefill_and_decode(engine):
     events = []
     engine.events.subscribe(events.append)
     engine.generate(PROMPTS[:2], max_new_tokens=4, stop_token_ids=[])
-    kinds = [e.kind for e in events]
+    kinds = [e.kind for e in events if e.kind != "groups_selected"]
     assert kinds[:4] == ["prefill_start", "prefill_end", "prefill_start", "prefill_end"]
     assert kinds[4:] == ["decode_step_start", "decode_step_end"] * 3
     assert all(a.t_ns <= b.t_ns for a, b in zip(events, events[1:]))
+    # one prediction per layer and step, inside its step (the install step's reuse table replays them)
+    picks = [e for e in events if e.kind == "groups_selected"]
+    n_layers = engine.model.dims.n_layers
+    assert [e.info["layer"] for e in picks] == list(range(n_layers)) * 3
+    assert all(e.info["groups"].shape == e.info["valid"].shape == (2, engine.config.M) for e in picks)
 
 
 def test_teacher_forcing_feeds_the_given_tokens(engine):

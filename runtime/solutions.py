@@ -1,0 +1,68 @@
+"""A deployed config: the runtime parameters plus the solver's solution per (batch, context).
+
+``deploy/<platform>/config.json`` (written by the install step) holds the top-level runtime
+fields, metadata the runtime does not need (platform, model, measurements, ...) and
+``solutions``.  The runtime takes the solution for the smallest recorded (batch, context)
+that covers the request, else the nearest (KVSwap Appendix A.4); each solution carries its
+own max_batch/max_context so its memory plan is the one the solver checked.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, fields
+from pathlib import Path
+
+from .config import ConfigError, RuntimeConfig
+
+# written by the install step for people and tools; ignored here
+METADATA_KEYS = ("platform", "model", "alpha", "beta", "solutions", "measurements", "profile", "created",
+                 "edgekv_version", "report", "kv_path", "device", "dtype")
+SOLUTION_KEYS = ("G", "M", "C", "sigma", "reuse", "adapter_path")
+
+
+class SolutionTable:
+    def __init__(self, entries: list[tuple[int, int, RuntimeConfig]]):
+        if not entries:
+            raise ConfigError("config field 'solutions' is empty; re-run the install step (make deploy)")
+        self.entries = sorted(entries, key=lambda e: (e[0], e[1]))
+
+    def pick(self, batch: int, context: int) -> RuntimeConfig:
+        covering = [e for e in self.entries if e[0] >= batch and e[1] >= context]
+        if covering:
+            return min(covering, key=lambda e: (e[1], e[0]))[2]
+        largest_b = max(e[0] for e in self.entries)
+        largest_s = max(e[1] for e in self.entries)
+        return min(self.entries, key=lambda e: abs(e[0] - batch) / largest_b + abs(e[1] - context) / largest_s)[2]
+
+    def __iter__(self):
+        return iter(self.entries)
+
+
+def load_deployed(source) -> tuple[RuntimeConfig, SolutionTable | None]:
+    """A config dict/path/RuntimeConfig -> (base config, solutions or None)."""
+    if isinstance(source, (str, Path)):
+        path = Path(source)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist; pass a dict or the path of a JSON config")
+        try:
+            source = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"config file {path} is not valid JSON: {exc}") from exc
+    if not isinstance(source, dict) or "solutions" not in source:
+        return RuntimeConfig.load(source), None
+    known = {f.name for f in fields(RuntimeConfig)}
+    base = RuntimeConfig.load({k: v for k, v in source.items() if k in known})
+    unknown = sorted(set(source) - known - set(METADATA_KEYS))
+    if unknown:
+        raise ConfigError(f"unknown config key(s) {unknown}; known keys: {sorted(known | set(METADATA_KEYS))}")
+    entries = []
+    for i, row in enumerate(source["solutions"]):
+        missing = [k for k in ("batch", "context", "G", "M", "C", "sigma") if k not in row]
+        if missing:
+            raise ConfigError(f"config field 'solutions[{i}]' lacks {missing}; re-run the install step")
+        override = {k: row[k] for k in SOLUTION_KEYS if k in row}
+        budget = base.max_kv_mem_mib and base.max_kv_mem_mib * row["batch"] / base.max_batch  # B_max / b_max each
+        cfg = RuntimeConfig.load({**asdict(base), **override, "max_batch": row["batch"], "max_context": row["context"],
+                                  "max_kv_mem_mib": budget})
+        entries.append((row["batch"], row["context"], cfg))
+    return base, SolutionTable(entries)
