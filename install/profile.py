@@ -1,0 +1,163 @@
+"""Platform profiles (``profiles/<platform>.yaml``): data, validated once when loaded.
+
+Every error names the file, the field and what to write instead, so a typo in a profile
+never reaches the profilers or the runtime.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+PROFILES_DIR = Path(__file__).resolve().parents[1] / "profiles"
+DEVICES = ("cpu", "cuda")
+DTYPES = ("float32", "float16", "bfloat16")
+DISK_TYPES = ("nvme", "emmc", "ufs", "sata", "smartssd", "unknown")
+POWER_METERS = ("auto", "rapl", "ina3221", "jtop", "nvml", "xrt", "none")
+SCORERS = ("cpu", "smartssd")
+
+
+class ProfileError(ValueError):
+    """A profile file is missing, malformed or has a bad field; the message names it."""
+
+
+# field -> (type, required, allowed values or None); nested sections are dicts of the same
+SCHEMA = {
+    "platform": (str, True, None),
+    "description": (str, False, None),
+    "compute": {"device": (str, True, DEVICES), "dtype": (str, True, DTYPES)},
+    "kv": {"paths": (list, True, None), "disk_type": (str, True, DISK_TYPES)},
+    "memory": {"max_kv_mem_mib": (float, True, None), "max_batch": (int, True, None), "max_context": (int, True, None)},
+    "model": (str, True, None),
+    "solver": {
+        "sigma_max": (float, True, None), "g_max": (int, True, None), "mg_const": (int, True, None),
+        "alpha": (float, True, None), "reuse_step": (float, True, None),
+        "context_min": (int, True, None), "context_step": (int, True, None),
+    },
+    "profiling": {"disk_seconds": (float, True, None), "disk_file_mib": (int, True, None)},
+    "power_meter": (str, True, POWER_METERS),
+    "scorers": (list, True, None),
+}
+
+
+@dataclass(frozen=True)
+class Profile:
+    """One platform's deployment facts; units are in the names."""
+
+    source: Path
+    platform: str
+    description: str
+    device: str
+    dtype: str
+    kv_paths: tuple[str, ...]
+    disk_type: str
+    max_kv_mem_mib: float
+    max_batch: int
+    max_context: int
+    model: str
+    sigma_max: float
+    g_max: int
+    mg_const: int
+    alpha: float
+    reuse_step: float
+    context_min: int
+    context_step: int
+    disk_seconds: float
+    disk_file_mib: int
+    power_meter: str
+    scorers: tuple[str, ...]
+
+    @property
+    def batch_budget_mib(self) -> float:
+        """The per-sequence budget B_max / b_max the solver fits (Appendix A.4)."""
+        return self.max_kv_mem_mib / self.max_batch
+
+
+def profile_path(platform: str, profiles_dir: Path = PROFILES_DIR) -> Path:
+    path = Path(profiles_dir) / f"{platform}.yaml"
+    if not path.is_file():
+        known = sorted(p.stem for p in Path(profiles_dir).glob("*.yaml"))
+        raise ProfileError(f"no profile for platform {platform!r} ({path} is missing); known platforms: {known}")
+    return path
+
+
+def load_profile(source: str | Path, profiles_dir: Path = PROFILES_DIR) -> Profile:
+    """A platform name (``local``) or a YAML path -> a validated Profile."""
+    path = Path(source) if str(source).endswith((".yaml", ".yml")) else profile_path(str(source), profiles_dir)
+    if not path.is_file():
+        raise ProfileError(f"profile file {path} does not exist; pass a platform name or an existing YAML file")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise ProfileError(f"{path}: not valid YAML ({exc}); fix the syntax") from exc
+    if not isinstance(data, dict):
+        raise ProfileError(f"{path}: the top level must be a mapping of fields, got {type(data).__name__}")
+    flat = _check(path, data, SCHEMA, "")
+    _check_ranges(path, flat)
+    return Profile(
+        source=path, platform=flat["platform"], description=flat.get("description", ""),
+        device=flat["compute.device"], dtype=flat["compute.dtype"],
+        kv_paths=tuple(str(p) for p in flat["kv.paths"]), disk_type=flat["kv.disk_type"],
+        max_kv_mem_mib=float(flat["memory.max_kv_mem_mib"]), max_batch=flat["memory.max_batch"],
+        max_context=flat["memory.max_context"], model=flat["model"],
+        sigma_max=float(flat["solver.sigma_max"]), g_max=flat["solver.g_max"], mg_const=flat["solver.mg_const"],
+        alpha=float(flat["solver.alpha"]), reuse_step=float(flat["solver.reuse_step"]),
+        context_min=flat["solver.context_min"], context_step=flat["solver.context_step"],
+        disk_seconds=float(flat["profiling.disk_seconds"]), disk_file_mib=flat["profiling.disk_file_mib"],
+        power_meter=flat["power_meter"], scorers=tuple(flat["scorers"]),
+    )
+
+
+def _check(path: Path, data: dict, schema: dict, prefix: str) -> dict:
+    """Type-check ``data`` against ``schema``; returns the fields flattened as 'section.field'."""
+    unknown = sorted(set(data) - set(schema))
+    if unknown:
+        field = prefix + unknown[0]
+        raise ProfileError(f"{path}: unknown field '{field}'; fields here are {sorted(schema)} (check the spelling)")
+    flat = {}
+    for key, spec in schema.items():
+        name = prefix + key
+        if isinstance(spec, dict):
+            if key not in data:
+                raise ProfileError(f"{path}: missing section '{name}' (fields {sorted(spec)}); add it")
+            if not isinstance(data[key], dict):
+                raise ProfileError(f"{path}: '{name}' must be a mapping with fields {sorted(spec)}")
+            flat.update(_check(path, data[key], spec, name + "."))
+            continue
+        kind, required, allowed = spec
+        if key not in data:
+            if required:
+                raise ProfileError(f"{path}: missing required field '{name}' ({kind.__name__}); add it")
+            continue
+        value = data[key]
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) if kind is float else (
+            isinstance(value, kind) and not isinstance(value, bool))
+        if not ok:
+            raise ProfileError(f"{path}: field '{name}' must be {kind.__name__}, got {value!r}; write e.g. {_example(kind)}")
+        if allowed is not None and value not in allowed:
+            raise ProfileError(f"{path}: field '{name}' is {value!r}; allowed values: {list(allowed)}")
+        flat[name] = value
+    return flat
+
+
+def _check_ranges(path: Path, flat: dict) -> None:
+    positive = ("memory.max_kv_mem_mib", "memory.max_batch", "memory.max_context", "solver.g_max", "solver.mg_const",
+                "solver.context_min", "solver.context_step", "profiling.disk_seconds", "profiling.disk_file_mib")
+    for name in positive:
+        if flat[name] <= 0:
+            raise ProfileError(f"{path}: field '{name}' must be > 0, got {flat[name]!r}")
+    if flat["solver.sigma_max"] < 1:
+        raise ProfileError(f"{path}: field 'solver.sigma_max' must be >= 1 (1 = full-rank K), got {flat['solver.sigma_max']!r}")
+    for name in ("solver.alpha", "solver.reuse_step"):
+        if not 0 <= flat[name] < 1:
+            raise ProfileError(f"{path}: field '{name}' must be in [0, 1), got {flat[name]!r}")
+    if not flat["kv.paths"] or not all(isinstance(p, str) for p in flat["kv.paths"]):
+        raise ProfileError(f"{path}: field 'kv.paths' must be a non-empty list of folders, e.g. [/mnt/nvme/edgekv]")
+    bad = [s for s in flat["scorers"] if s not in SCORERS]
+    if bad or not flat["scorers"]:
+        raise ProfileError(f"{path}: field 'scorers' must list some of {list(SCORERS)}, got {flat['scorers']!r}")
+
+
+def _example(kind) -> str:
+    return {str: "a string", int: "4", float: "0.1", list: "[a, b]"}[kind]

@@ -1,0 +1,65 @@
+"""The human-readable install report: what was measured, what was chosen and why (text + PNG)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def write(out: Path, prof, model_dir, measurements: dict, solutions, stats, tuning_s: float) -> None:
+    lines = [f"edgekv install report: platform {prof.platform} ({prof.source})", f"model {model_dir}", ""]
+    d = measurements["disk"]
+    lines += [f"disk {d['fingerprint'].get('source')} ({d['fingerprint'].get('fs')}), reference {d['reference']}, "
+              f"reader {d['reader']}, O_DIRECT={d['o_direct']}",
+              f"{'block':>8} {'qd':>3} {'disk MiB/s':>11} {'reader MiB/s':>13} {'reader/disk':>12}"]
+    for p in d["points"]:
+        fio = f"{p['fio_mib_s']:11.1f}" if p["fio_mib_s"] else f"{'-':>11}"
+        eff = f"{p['reader_mib_s'] / p['fio_mib_s']:12.2f}" if p["fio_mib_s"] else f"{'-':>12}"
+        lines.append(f"{_size(p['block_bytes']):>8} {p['queue_depth']:>3} {fio} {p['reader_mib_s']:13.1f} {eff}")
+    c = measurements["compute"]
+    lines += ["", f"compute ({c['device']}, {c['dtype']}), one block, ms: "
+              + ", ".join(f"b={b} {t} tokens {ms:.2f}" for b, t, ms in c["block_ms"][:6]), ""]
+    lines.append("reuse rate vs C/M (lookup table): " + "; ".join(
+        f"G={g}: " + " ".join(f"{float(r):g}->{v:.2f}" for r, v in rows.items()) for g, rows in measurements["reuse_table"].items()))
+    if solutions:
+        lines += ["", f"budget {prof.max_kv_mem_mib:g} MiB for {prof.max_batch} x {prof.max_context} tokens "
+                  f"({prof.batch_budget_mib:.2f} MiB per sequence), alpha {prof.alpha}, MG const {prof.mg_const}",
+                  f"{'batch':>5} {'context':>7} {'G':>3} {'M':>4} {'C':>4} {'sigma':>5} {'reuse':>5} {'hit':>5} "
+                  f"{'T_io ms':>8} {'T_model ms':>10} {'hidden':>6} {'MG<const':>8}"]
+        for s in solutions:
+            lines.append(f"{s.batch:>5} {s.context:>7} {s.G:>3} {s.M:>4} {s.C:>4} {s.sigma:>5g} {str(s.reuse):>5} "
+                         f"{s.reuse_rate:5.2f} {s.t_io_ms:8.2f} {s.t_model_ms:10.2f} {str(s.hidden):>6} {str(s.mg_scaled):>8}")
+        _plot_solutions(out / "solutions.png", solutions)
+    if stats:
+        lines += ["", "smoke generation: " + ", ".join(f"{k}={v}" for k, v in stats.items())]
+    lines += ["", f"tuning time {tuning_s:.0f} s"]
+    (out / "report.txt").write_text("\n".join(lines) + "\n")
+
+
+def _size(n: int) -> str:
+    return f"{n // 1024}K" if n >= 1024 else f"{n}B"
+
+
+def _plot_solutions(png: Path, solutions) -> None:
+    """T_io vs T_model per (batch, context), with the chosen G: where the I/O hides behind compute."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.8))
+    for i, context in enumerate(sorted({s.context for s in solutions})):
+        rows = sorted((s for s in solutions if s.context == context), key=lambda s: s.batch)
+        b = [s.batch for s in rows]
+        ax1.plot(b, [s.t_model_ms for s in rows], "-o", color=f"C{i}", label=f"T_model {context}")
+        ax1.plot(b, [s.t_io_ms for s in rows], "--x", color=f"C{i}", label=f"T_io {context}")
+        ax2.plot(b, [s.G for s in rows], "-o", color=f"C{i}", label=f"G, context {context}")
+    ax1.set_xlabel("batch")
+    ax1.set_ylabel("ms per decode step")
+    ax1.legend(fontsize=7)
+    ax2.set_xlabel("batch")
+    ax2.set_ylabel("chosen group size G")
+    ax2.legend(fontsize=7)
+    for ax in (ax1, ax2):
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,170 @@
+"""The greedy parameter solver (KVSwap Appendix A.4), one (batch, context) pair at a time.
+
+Memory side (``fit_memory``): M*G is preset to ``mg_const`` (scaled down only when even
+sigma_max cannot make it fit the per-sequence budget B_max/b_max); C = M plus whatever the
+reuse share of the budget buys; sigma is the smallest candidate that keeps the runtime's
+own memory plan within budget.  At short contexts per-layer reuse slots can cost selected
+tokens; ``quality_fit`` then takes the shared preload buffers instead (no reuse), and the
+reuse buffer comes back only when the time side needs it.
+
+Time side (``solve``): for G = 1, 2, 4, ... g_max take the first whose disk time is at least
+(1 - alpha) hidden behind compute; if none, move ``reuse_step`` of the budget into the
+reuse buffer (more hits, fewer reads; sigma rises to pay for it) and start again from G = 1;
+stop at sigma_max / g_max with the configuration that left the least I/O exposed.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+
+from edgekv.runtime import RecordLayout, RuntimeConfig
+from edgekv.runtime.adapter import LowRankAdapter
+from edgekv.runtime.memory import plan_memory
+from edgekv.runtime.model import ModelDims
+
+SIGMAS = (1, 2, 4, 8, 16, 32)
+
+
+@dataclass(frozen=True)
+class Limits:
+    sigma_max: float = 32
+    g_max: int = 16
+    mg_const: int = 400
+    alpha: float = 0.1
+    reuse_step: float = 0.05
+    io_align_bytes: int = 4096
+    klr_dtype: str = "bfloat16"
+
+
+@dataclass(frozen=True)
+class MemoryFit:
+    G: int
+    M: int
+    C: int
+    sigma: float
+    rank: int
+    bytes_per_sequence: int
+    mg_scaled: bool  # M*G had to go below mg_const to fit
+    reuse: bool = True
+
+
+@dataclass(frozen=True)
+class Solution:
+    batch: int
+    context: int
+    G: int
+    M: int
+    C: int
+    sigma: float
+    reuse_rate: float
+    t_io_ms: float
+    t_model_ms: float
+    hidden: bool  # (1 - alpha) of the I/O overlaps compute
+    mg_scaled: bool
+    bytes_per_sequence: int
+    reuse: bool
+
+    def to_json(self) -> dict:
+        return {k: round(v, 4) if isinstance(v, float) else v for k, v in asdict(self).items()}
+
+
+def _sequence_bytes(dims: ModelDims, kv_dtype: torch.dtype, limits: Limits, context: int, G: int, M: int, C: int,
+                    sigma: float, reuse: bool) -> tuple[int, int]:
+    """(bytes, rank) of one sequence, from the runtime's own memory plan."""
+    rank = LowRankAdapter.rank_for(dims.n_kv_heads, dims.head_dim, sigma)
+    cfg = RuntimeConfig(G=G, M=M, C=C, sigma=sigma, max_batch=1, max_context=context, reuse=reuse,
+                        io_align_bytes=limits.io_align_bytes, klr_dtype=limits.klr_dtype)
+    itemsize = torch.empty(0, dtype=kv_dtype).element_size()
+    klr_itemsize = torch.empty(0, dtype=getattr(torch, limits.klr_dtype)).element_size()
+    stride = RecordLayout(G, dims.n_kv_heads, dims.head_dim, kv_dtype, limits.io_align_bytes).stride_bytes
+    return plan_memory("kvswap", cfg, dims, itemsize, klr_itemsize, rank, stride).total_bytes, rank
+
+
+def fit_memory(budget_bytes: float, dims: ModelDims, kv_dtype: torch.dtype, limits: Limits, context: int, G: int,
+               extra_bytes: float = 0.0, reuse: bool = True) -> MemoryFit | None:
+    """(M, C, sigma) for group size G within ``budget_bytes`` per sequence; None if one group does not fit.
+
+    ``extra_bytes`` of the budget go to reuse slots beyond M.
+    """
+    sigmas = [s for s in SIGMAS if s <= limits.sigma_max] or [limits.sigma_max]
+    stride = RecordLayout(G, dims.n_kv_heads, dims.head_dim, kv_dtype, limits.io_align_bytes).stride_bytes
+    slot_layers = dims.n_layers if reuse else min(dims.n_layers, 2)
+    extra_slots = int(extra_bytes // (slot_layers * stride)) if reuse else 0
+    M = math.ceil(limits.mg_const / G)
+
+    def need(m, sigma):
+        return _sequence_bytes(dims, kv_dtype, limits, context, G, m, m + extra_slots, sigma, reuse)
+
+    floor_bytes, _ = need(1, sigmas[-1])
+    if floor_bytes > budget_bytes:
+        return None
+    scaled = False
+    if need(M, sigmas[-1])[0] > budget_bytes:  # the largest M that fits at sigma_max
+        lo, hi = 1, M
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if need(mid, sigmas[-1])[0] <= budget_bytes else (lo, mid - 1)
+        M, scaled = lo, True
+    for sigma in sigmas:
+        total, rank = need(M, sigma)
+        if total <= budget_bytes:
+            return MemoryFit(G, M, M + extra_slots, sigma, rank, total, scaled, reuse)
+    return None
+
+
+def quality_fit(budget_bytes: float, dims: ModelDims, kv_dtype: torch.dtype, limits: Limits, context: int,
+                G: int) -> MemoryFit | None:
+    """The fit that selects the most tokens: per-layer reuse slots, or (when those force M*G below
+    what fits) two preload buffers shared by all layers and no reuse.  Ties keep reuse."""
+    fits = [f for f in (fit_memory(budget_bytes, dims, kv_dtype, limits, context, G, reuse=r) for r in (True, False)) if f]
+    return max(fits, key=lambda f: (f.M, f.reuse)) if fits else None
+
+
+def group_sizes(g_max: int) -> list[int]:
+    return [g for g in (1, 2, 4, 8, 16, 32, 64) if g <= g_max]
+
+
+def solve(batch: int, context: int, budget_bytes: float, dims: ModelDims, kv_dtype: torch.dtype, limits: Limits,
+          t_io_ms, t_model_ms, reuse_rate) -> Solution:
+    """The greedy search for one (batch, context).
+
+    t_io_ms(batch, M, G, hit_rate) -> ms of disk reads per step; t_model_ms(batch, context, rank, M, G, reuse) ->
+    ms of compute per step; reuse_rate(G, C, M) -> expected hit rate.
+    """
+    best: Solution | None = None
+    share = 0.0
+    while share < 1.0:
+        fitted_any = False
+        for G in group_sizes(limits.g_max):
+            if share == 0:
+                fit = quality_fit(budget_bytes, dims, kv_dtype, limits, context, G)
+            else:
+                fit = fit_memory(budget_bytes, dims, kv_dtype, limits, context, G, extra_bytes=share * budget_bytes)
+            if fit is None or (share > 0 and fit.C == fit.M):
+                continue
+            fitted_any = True
+            hit = reuse_rate(G, fit.C, fit.M) if fit.reuse else 0.0
+            io = t_io_ms(batch, fit.M, G, hit)
+            model = t_model_ms(batch, context, fit.rank, fit.M, G, fit.reuse)
+            hidden = (1 - limits.alpha) * io <= model
+            sol = Solution(batch, context, G, fit.M, fit.C, fit.sigma, hit, io, model, hidden, fit.mg_scaled,
+                           fit.bytes_per_sequence, fit.reuse)
+            if best is None or _exposed(sol) < _exposed(best) - 1e-9:
+                best = sol
+            if hidden:
+                return sol
+        if not fitted_any and share > 0:
+            break
+        share += limits.reuse_step
+    if best is None:
+        raise ValueError(
+            f"no configuration fits {budget_bytes / 2**20:.2f} MiB per sequence at context {context}: even one group "
+            f"with sigma_max={limits.sigma_max:g} needs more; raise memory.max_kv_mem_mib or lower max_batch/max_context"
+        )
+    return best
+
+
+def _exposed(sol: Solution) -> float:
+    return max(0.0, sol.t_io_ms - sol.t_model_ms)

@@ -1,0 +1,99 @@
+"""Hardware-independent lookup tables (KVSwap Appendix A.1), cached per model.
+
+- reuse rate vs reuse-buffer capacity C, per group size G: the predictor's picks over
+  calibration prompts are recorded once per G (the ``groups_selected`` events of a real
+  kvswap run) and replayed through the runtime's own FIFO slot table at every C.  The picks
+  do not depend on C, so the replay is exact;
+- sigma -> low-rank adapter: one SVD per layer of the calibration keys, saved as safetensors.
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+
+from edgekv.runtime import Engine, LowRankAdapter, RuntimeConfig
+from edgekv.runtime.adapter import collect_keys
+from edgekv.runtime.slots import SlotTable
+
+C_RATIOS = (1.0, 1.25, 1.5, 2.0, 3.0, 4.0)  # C / M
+
+
+def record_selections(engine: Engine, prompts: list[list[int]], steps: int) -> list[tuple[int, np.ndarray, np.ndarray]]:
+    """(layer, groups, valid) of every prediction of a greedy run, in order."""
+    picks = []
+
+    def keep(event):
+        if event.kind == "groups_selected":
+            picks.append((event.info["layer"], event.info["groups"].copy(), event.info["valid"].copy()))
+
+    engine.events.subscribe(keep)
+    try:
+        engine.generate(prompts, max_new_tokens=steps, stop_token_ids=[])
+    finally:
+        engine.events.unsubscribe(keep)
+    return picks
+
+
+def replay_reuse(picks, n_layers: int, capacity: int, max_groups: int) -> float:
+    """Hit rate of a FIFO reuse buffer of ``capacity`` slots per layer over recorded picks."""
+    batch = picks[0][1].shape[0]
+    table = SlotTable(n_layers, batch, capacity, max_groups)
+    for layer, groups, valid in picks:
+        table.assign(layer, groups, valid)
+    return float(table.hits.sum() / max(1, table.lookups.sum()))
+
+
+def reuse_table(model, kv_dir, prompts: list[list[int]], group_sizes, mg_const: int, adapter_path: str,
+                steps: int = 32) -> dict:
+    """{G: {C/M ratio: reuse rate}} with M = ceil(mg_const / G) groups per step, predicting with ``adapter_path``."""
+    out = {}
+    max_context = max(len(p) for p in prompts) + steps + 16
+    adapter = LowRankAdapter.load(adapter_path)
+    for G in group_sizes:
+        M = math.ceil(mg_const / G)
+        cfg = RuntimeConfig(G=G, M=M, C=M, sigma=None, adapter_path=adapter_path, max_context=max_context,
+                            max_batch=len(prompts), io_align_bytes=512).validated()
+        with Engine(model, cfg, "kvswap", kv_dir, adapter=adapter) as engine:
+            picks = record_selections(engine, prompts, steps)
+        out[G] = {r: replay_reuse(picks, model.dims.n_layers, max(M, round(r * M)), max_context // G + 1) for r in C_RATIOS}
+    return out
+
+
+def reuse_rate(table: dict, G: int, capacity: int, groups_per_step: int) -> float:
+    """The table's rate for (G, C), linear in C/M between recorded ratios; 0 without reuse data for G."""
+    rows = table.get(G) or table.get(str(G))
+    if not rows:
+        return 0.0
+    ratios = sorted((float(r), v) for r, v in rows.items())
+    return float(np.interp(capacity / max(1, groups_per_step), [r for r, _ in ratios], [v for _, v in ratios]))
+
+
+def build_adapters(model, prompts: list[list[int]], sigmas, out_dir: Path) -> dict[float, str]:
+    """One adapter per sigma from one pass of calibration keys; {sigma: path}."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    keys = collect_keys(model, prompts)
+    dims = model.dims
+    paths = {}
+    for sigma in sigmas:
+        rank = LowRankAdapter.rank_for(dims.n_kv_heads, dims.head_dim, sigma)
+        path = out_dir / f"adapter-sigma{sigma:g}.safetensors"
+        LowRankAdapter.fit(keys, dims.n_kv_heads, dims.head_dim, rank).save(path)
+        paths[sigma] = str(path)
+    return paths
+
+
+def save_tables(path: Path, fingerprint: dict, reuse: dict, adapters: dict, meta: dict) -> None:
+    payload = {"fingerprint": fingerprint, "meta": meta, "adapters": {str(s): p for s, p in adapters.items()},
+               "reuse": {str(g): {str(r): v for r, v in rows.items()} for g, rows in reuse.items()}}
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(payload, indent=1))
+    tmp.replace(path)
+
+
+def load_tables(path: Path) -> tuple[dict, dict, dict]:
+    data = json.loads(path.read_text())
+    reuse = {int(g): {float(r): v for r, v in rows.items()} for g, rows in data["reuse"].items()}
+    return reuse, {float(s): p for s, p in data["adapters"].items()}, data["meta"]

@@ -1,0 +1,234 @@
+"""The install step: profiles, platform detection, the solver, the I/O model, solutions at runtime, deploy."""
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from edgekv.install import solver, tables
+from edgekv.install.disk import DiskPoint, DiskProfile
+from edgekv.install.iomodel import io_model
+from edgekv.install.profile import PROFILES_DIR, ProfileError, load_profile
+from edgekv.platforms.detect import detect_platform
+from edgekv.runtime import ConfigError, Engine, RecordLayout, RuntimeConfig
+from edgekv.runtime.memory import plan_memory
+from edgekv.runtime.model import ModelDims
+from edgekv.runtime.solutions import SolutionTable, load_deployed
+
+DIMS = ModelDims(n_layers=4, hidden=128, n_heads=4, n_kv_heads=2, head_dim=64, vocab=256)
+LIMITS = solver.Limits(io_align_bytes=512)
+
+
+def _full_bytes(context):
+    return DIMS.n_layers * context * 2 * DIMS.n_kv_heads * DIMS.head_dim * 4
+
+
+# ---- profiles ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["local", "orin", "rtx", "smartssd"])
+def test_shipped_profiles_load(name):
+    prof = load_profile(name)
+    assert prof.platform == name and prof.sigma_max == 32 and prof.g_max == 16 and prof.mg_const == 400
+    assert prof.batch_budget_mib == prof.max_kv_mem_mib / prof.max_batch
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda d: d["solver"].update(sigma_mx=8), "unknown field 'solver.sigma_mx'"),
+    (lambda d: d["memory"].update(max_batch="four"), "field 'memory.max_batch' must be int"),
+    (lambda d: d.pop("model"), "missing required field 'model'"),
+    (lambda d: d["compute"].update(device="npu"), "field 'compute.device' is 'npu'; allowed values"),
+    (lambda d: d["solver"].update(alpha=1.5), "field 'solver.alpha' must be in"),
+    (lambda d: d.pop("memory"), "missing section 'memory'"),
+])
+def test_bad_profile_names_file_and_field(tmp_path, edit, message):
+    data = yaml.safe_load((PROFILES_DIR / "local.yaml").read_text())
+    edit(data)
+    path = tmp_path / "mine.yaml"
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(ProfileError, match=message) as err:
+        load_profile(path)
+    assert str(path) in str(err.value)
+
+
+def test_unknown_platform_lists_the_known_ones():
+    with pytest.raises(ProfileError, match=r"no profile for platform 'jetson'.*'local'"):
+        load_profile("jetson")
+
+
+# ---- detection --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("files, expected", [
+    ({"etc/nv_tegra_release": "# R36 (release), REVISION: 4.3"}, "orin"),
+    ({"proc/device-tree/model": "NVIDIA Jetson AGX Orin Developer Kit\0"}, "orin"),
+    ({"proc/driver/nvidia/gpus/0000:01:00.0/information": "Model: NVIDIA GeForce RTX 4090"}, "rtx"),
+    ({"sys/bus/pci/drivers/xocl/0000:3b:00.1/uevent": "DRIVER=xocl"}, "smartssd"),
+    ({"proc/cpuinfo": "model name: x"}, "local"),
+])
+def test_detect_platform_from_a_fake_tree(tmp_path, files, expected):
+    for rel, text in files.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    assert detect_platform(tmp_path) == expected
+
+
+# ---- memory fit and solver --------------------------------------------------------------------
+
+def _plan_bytes(fit, context):
+    cfg = RuntimeConfig(G=fit.G, M=fit.M, C=fit.C, sigma=fit.sigma, max_batch=1, max_context=context, reuse=fit.reuse,
+                        io_align_bytes=512)
+    stride = RecordLayout(fit.G, 2, 64, torch.float32, 512).stride_bytes
+    return plan_memory("kvswap", cfg, DIMS, 4, 2, fit.rank, stride).total_bytes
+
+
+def test_fit_keeps_mg_const_when_the_budget_allows_and_takes_the_smallest_sigma():
+    budget = _full_bytes(32768) / 13
+    fit = solver.fit_memory(budget, DIMS, torch.float32, LIMITS, 32768, G=4)
+    assert (fit.M * fit.G, fit.mg_scaled) == (400, False)
+    assert _plan_bytes(fit, 32768) <= budget
+    smaller = [s for s in solver.SIGMAS if s < fit.sigma]
+    if smaller:  # the next smaller sigma would not fit
+        tighter = solver.fit_memory(budget, DIMS, torch.float32, solver.Limits(io_align_bytes=512, sigma_max=smaller[-1]),
+                                    32768, G=4)
+        assert tighter is None or tighter.mg_scaled
+
+
+def test_fit_scales_mg_down_at_short_contexts_and_prefers_shared_buffers_when_slots_cost_tokens():
+    budget = _full_bytes(4096) / 34
+    with_reuse = solver.fit_memory(budget, DIMS, torch.float32, LIMITS, 4096, G=4)
+    assert with_reuse.mg_scaled and with_reuse.M * 4 < 400 and _plan_bytes(with_reuse, 4096) <= budget
+    best = solver.quality_fit(budget, DIMS, torch.float32, LIMITS, 4096, G=4)
+    assert best.reuse is False and best.M > with_reuse.M and _plan_bytes(best, 4096) <= budget
+    assert solver.fit_memory(1000, DIMS, torch.float32, LIMITS, 4096, G=4) is None
+
+
+def _solve(io_ms_per_byte, io_ms_per_read=1e-4, budget_fraction=1 / 13, context=32768, batch=4):
+    def t_io(b, M, G, hit):
+        stride = RecordLayout(G, 2, 64, torch.float32, 512).stride_bytes
+        return DIMS.n_layers * b * M * (1 - hit) * (stride * io_ms_per_byte + io_ms_per_read)
+
+    def t_model(b, S, rank, M, G, reuse=True):
+        return 2.0 * b
+
+    reuse = lambda G, C, M: min(0.9, 0.5 * C / M)  # noqa: E731
+    return solver.solve(batch, context, _full_bytes(context) / budget_fraction ** -1, DIMS, torch.float32, LIMITS,
+                        t_io, t_model, reuse)
+
+
+def test_solver_takes_the_smallest_group_size_that_hides_the_io():
+    fast = _solve(1e-7)
+    assert fast.hidden and fast.G == 1
+    slower = _solve(2e-6, io_ms_per_read=1e-3)  # per-read cost: bigger groups, fewer reads
+    assert slower.hidden and slower.G == 2
+    assert (1 - LIMITS.alpha) * slower.t_io_ms <= slower.t_model_ms
+
+
+def test_solver_moves_budget_into_the_reuse_buffer_when_no_group_size_hides_the_io():
+    sol = _solve(5e-4)
+    assert sol.C > sol.M and sol.reuse
+
+
+def test_solver_refuses_a_budget_without_room_for_one_group():
+    with pytest.raises(ValueError, match="max_kv_mem_mib"):
+        _solve(1e-6, budget_fraction=1e-6, context=1024)
+
+
+def test_io_model_is_bytes_over_profiled_bandwidth():
+    disk = DiskProfile("/x", {}, "fio io_uring", "io_uring", True, 1.0,
+                       [DiskPoint(4096, 32, 100.0, 120.0), DiskPoint(16384, 32, 400.0, 500.0)])
+    t_io = io_model(disk, DIMS, torch.float32, 512, 32)
+    stride = RecordLayout(4, 2, 64, torch.float32, 512).stride_bytes  # 4 KiB
+    assert t_io(2, 10, 4, 0.0) == pytest.approx(4 * 2 * 10 * stride / (100 * 2**20) * 1e3)
+    assert t_io(2, 10, 4, 0.5) == pytest.approx(t_io(2, 10, 4, 0.0) / 2)
+    assert disk.read_mib_s(8192, 32) == pytest.approx(250.0)  # log-linear between 4K and 16K
+
+
+def test_reuse_replay_counts_fifo_hits():
+    picks = [(0, np.array([[0, 1]]), np.ones((1, 2), bool)),
+             (0, np.array([[1, 2]]), np.ones((1, 2), bool)),
+             (0, np.array([[0, 3]]), np.ones((1, 2), bool))]
+    # capacity 2: step 2 hits group 1; step 3: 0 was evicted by 2 -> no hits
+    assert tables.replay_reuse(picks, 1, 2, 8) == pytest.approx(1 / 6)
+    # capacity 4 keeps everything: hits 1 and then 0
+    assert tables.replay_reuse(picks, 1, 4, 8) == pytest.approx(2 / 6)
+    assert tables.reuse_rate({4: {1.0: 0.5, 2.0: 0.7}}, 4, 15, 10) == pytest.approx(0.6)
+
+
+# ---- solutions at runtime ---------------------------------------------------------------------
+
+def _deployed(tmp_path, **extra):
+    base = {"platform": "local", "model": "m", "alpha": 0.1, "G": 4, "M": 8, "C": 8, "sigma": 4, "max_batch": 2,
+            "max_context": 512, "max_kv_mem_mib": 64, "measurements": {},
+            "solutions": [{"batch": 1, "context": 256, "G": 2, "M": 6, "C": 6, "sigma": 4, "reuse": False},
+                          {"batch": 2, "context": 512, "G": 4, "M": 8, "C": 8, "sigma": 4, "reuse": True}], **extra}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(base))
+    return path
+
+
+def test_solution_table_takes_the_smallest_covering_pair_else_the_nearest(tmp_path):
+    base, table = load_deployed(_deployed(tmp_path))
+    assert base.G == 4 and isinstance(table, SolutionTable)
+    assert table.pick(1, 200).G == 2 and table.pick(1, 200).max_context == 256
+    assert table.pick(2, 200).G == 4
+    assert table.pick(1, 400).G == 4
+    assert table.pick(4, 4000).G == 4  # nothing covers it: nearest
+    assert table.pick(1, 200).max_kv_mem_mib == pytest.approx(32)  # B_max / b_max per sequence
+    with pytest.raises(ConfigError, match=r"unknown config key\(s\) \['colour'\]"):
+        load_deployed(_deployed(tmp_path, colour="red"))
+
+
+def test_engine_runs_each_batch_with_its_solution(model_dirs, kv_dir, tmp_path):
+    with Engine.from_pretrained(model_dirs["llama"], kv_offload_path=kv_dir, config=_deployed(tmp_path)) as engine:
+        one = engine.generate([[t % 150 + 3 for t in range(150)]], max_new_tokens=4, stop_token_ids=[])[0]
+        two = engine.generate([[t % 150 + 3 for t in range(300)], [t % 150 + 5 for t in range(200)]], max_new_tokens=4,
+                              stop_token_ids=[])
+    assert (one.stats["config"]["G"], one.stats["config"]["reuse"], one.stats["config"]["max_context"]) == (2, False, 256)
+    assert (two[0].stats["config"]["G"], two[0].stats["config"]["M"]) == (4, 8)
+
+
+# ---- deploy end to end ------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_profile(tmp_path_factory):
+    root = tmp_path_factory.mktemp("deploy")
+    data = yaml.safe_load((PROFILES_DIR / "local.yaml").read_text())
+    data["kv"]["paths"] = [str(root / "kv")]
+    data["memory"] = {"max_kv_mem_mib": 2, "max_batch": 2, "max_context": 1024}
+    data["solver"].update(g_max=8, mg_const=64, context_min=512, context_step=512)
+    data["profiling"] = {"disk_seconds": 1, "disk_file_mib": 16}
+    path = root / "tiny.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return root, path
+
+
+def test_deploy_writes_config_report_and_smoke_stats_and_reuses_only_matching_profiles(tiny_profile, capsys):
+    from edgekv.cli import main
+
+    root, path = tiny_profile
+    args = ["deploy", "--platform", str(path), "--model", "fixture"]
+    out_root = root / "out"
+    import edgekv.deploy as deploy
+
+    logs = []
+    result = deploy.run(str(path), "fixture", out_root=out_root, cache_dir=root / "cache", log=logs.append)
+    config = json.loads((out_root / "local" / "config.json").read_text())
+    for key in ("platform", "model", "G", "M", "sigma", "C", "alpha", "max_kv_mem_mib", "max_batch", "max_context",
+                "solutions", "measurements"):
+        assert key in config, key
+    assert {(s["batch"], s["context"]) for s in config["solutions"]} == {(b, c) for b in (1, 2) for c in (512, 1024)}
+    assert all(s["bytes_per_sequence"] <= 1 * 2**20 for s in config["solutions"])  # 2 MiB / 2 sequences
+    assert config["measurements"]["disk"]["points"] and config["measurements"]["compute"]["predict_ms"]
+    assert (out_root / "local" / "report.txt").is_file() and (out_root / "local" / "disk.png").is_file()
+    assert result["stats"]["decode_tok_s"] > 0 and result["stats"]["kv_resident_mib"] <= 2
+    assert not list((root / "kv").iterdir())  # no test file or KV left behind
+
+    logs.clear()
+    deploy.run(str(path), "fixture", out_root=out_root, cache_dir=root / "cache", log=logs.append, smoke=False)
+    assert any(line.startswith("disk: reusing") for line in logs) and any(line.startswith("compute: reusing") for line in logs)
+    logs.clear()
+    deploy.run(str(path), "fixture", out_root=out_root, cache_dir=root / "cache", log=logs.append, smoke=False,
+               disk_seconds=0.5)
+    assert any("disk: cached profile is for another seconds" in line for line in logs)
+    assert any(line.startswith("compute: reusing") for line in logs)
