@@ -1,10 +1,9 @@
 """The quality harness: task instances through the engine, per policy and KV budget, scored by exact match.
 
-A budget is a fraction of the full KV cache at the evaluated context.  Until the install
-step's solver exists, ``budget_config`` turns it into (sigma, M, G, C) with one rule:
-K_lr gets at most half of the budget (the smallest sigma that fits), the rolling buffer
-its G tokens, and the rest goes to slots: C slots per layer, M = C selected (reuse keeps
-the previous step's picks among them).  ``token`` is the same with G = 1.
+A budget is a fraction of the full KV cache at the evaluated context; ``budget_config``
+turns it into (sigma, M, G, C) with the install step's memory fit (KVSwap Appendix A:
+M*G preset to 400, scaled down only when the budget cannot hold it, then the smallest
+sigma that fits).  Quality needs no disk timing, so G stays the variant's.
 """
 from __future__ import annotations
 
@@ -17,14 +16,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from edgekv.install.solver import Limits, fit_memory, quality_fit
 from edgekv.runtime import Engine, RuntimeConfig
 from edgekv.runtime.adapter import LowRankAdapter
-from edgekv.runtime.disk_store import RecordLayout
 from edgekv.runtime.model import DecoderModel, ModelDims, load_model, read_model_config
 
 from .tasks import TASKS, VOCAB_SIZE, FixtureFormat, TaskInstance, TextFormat, make_instance, make_set
 
-SIGMAS = (1, 2, 4, 8, 16, 32)
 FIXTURE = Path(__file__).with_name("fixture")
 
 
@@ -35,7 +33,7 @@ class Variant:
     policy: str
     budget: float | None = None  # fraction of the full KV; None for full / flexgen
     G: int = 4
-    reuse: bool = True
+    reuse: bool | None = None  # None: as the memory fit chooses; True/False: forced at the same (sigma, M, G)
     rolling_buffer: bool = True
     selector: str = "lowrank"
     score_reduce: str = "sum"
@@ -47,8 +45,8 @@ class Variant:
             name += f"@1/{round(1 / self.budget)}"
             if self.policy == "kvswap" and self.G != 4:
                 name += f",G={self.G}"
-            if not self.reuse:
-                name += ",no-reuse"
+            if self.reuse is not None:
+                name += ",reuse=" + ("on" if self.reuse else "off")
             if not self.rolling_buffer:
                 name += ",no-rb"
             if self.selector != "lowrank":
@@ -58,33 +56,28 @@ class Variant:
         return name
 
 
-def budget_config(variant: Variant, context: int, dims: ModelDims, kv_itemsize: int, max_batch: int) -> dict:
-    """(sigma, M, G, C) that fit ``variant.budget`` of the full KV at ``context`` tokens (see module doc)."""
+def budget_config(variant: Variant, context: int, dims: ModelDims, kv_dtype: torch.dtype, max_batch: int,
+                  limits: Limits = Limits(io_align_bytes=512)) -> dict:
+    """(sigma, M, G, C, reuse) for ``variant.budget`` of the full KV at ``context`` tokens, by the
+    install step's memory fit (edgekv.install.solver.quality_fit); ``token`` is G = 1 without reuse."""
     G = 1 if variant.policy == "token" else variant.G
     max_context = context + 64
-    base = {"max_context": max_context, "max_batch": max_batch, "G": G, "reuse": variant.reuse,
-            "rolling_buffer": variant.rolling_buffer, "selector": variant.selector, "score_reduce": variant.score_reduce}
+    base = {"max_context": max_context, "max_batch": max_batch, "G": G, "rolling_buffer": variant.rolling_buffer,
+            "selector": variant.selector, "score_reduce": variant.score_reduce}
     if variant.budget is None:
         return {**base, "M": 1, "C": 1, "sigma": 8}
-    token_bytes = 2 * dims.n_kv_heads * dims.head_dim * kv_itemsize
-    budget = variant.budget * dims.n_layers * max_context * token_bytes
-    for sigma in SIGMAS:
-        rank = LowRankAdapter.rank_for(dims.n_kv_heads, dims.head_dim, sigma)
-        k_lr = dims.n_layers * max_context * rank * 2
-        if k_lr <= budget / 2:
-            break
-    stride = RecordLayout(G, dims.n_kv_heads, dims.head_dim, torch.float32, 512).stride_bytes
-    rolling = dims.n_layers * G * token_bytes
-    slot_bytes = (budget - k_lr - rolling) / dims.n_layers
-    if variant.reuse:
-        slots = int(slot_bytes // stride)
-        M = C = slots
-    else:  # two preload buffers of M slots (the layer computing and the layer loading)
-        M = int(slot_bytes * dims.n_layers / min(dims.n_layers, 2) // stride)
-        C = M
-    if M < 1:
+    itemsize = torch.empty(0, dtype=kv_dtype).element_size()
+    budget = variant.budget * dims.n_layers * max_context * 2 * dims.n_kv_heads * dims.head_dim * itemsize
+    if variant.policy == "token":
+        fit = fit_memory(budget, dims, kv_dtype, limits, max_context, G, reuse=False)
+    else:
+        fit = quality_fit(budget, dims, kv_dtype, limits, max_context, G)
+    if fit is None:
         raise ValueError(f"budget 1/{round(1 / variant.budget)} leaves no room for one group at context {context}")
-    return {**base, "sigma": sigma, "M": M, "C": C, "io_align_bytes": 512, "max_kv_mem_mib": budget * max_batch / 2**20}
+    reuse = fit.reuse if variant.reuse is None else variant.reuse
+    over = reuse and not fit.reuse  # per-layer slots at the shared buffers' M: a quality ablation, over budget
+    return {**base, "sigma": fit.sigma, "M": fit.M, "C": fit.C, "reuse": reuse, "io_align_bytes": limits.io_align_bytes,
+            "max_kv_mem_mib": None if over else budget * max_batch / 2**20}
 
 
 @dataclass
@@ -115,7 +108,7 @@ def task_format(model_dir: str | Path):
 def _score(model: DecoderModel, kv_path, variant: Variant, context: int, instances: list[TaskInstance],
            max_batch: int, adapter: LowRankAdapter | None) -> tuple[list[bool], dict]:
     """Run ``instances`` through one variant on an already loaded model; exact match per instance."""
-    config = budget_config(variant, context, model.dims, 4, max_batch)
+    config = budget_config(variant, context, model.dims, model.dtype, max_batch)
     if adapter is not None and variant.policy in ("kvswap", "token"):
         config = {**config, "sigma": None}  # the adapter's rank replaces the rule's sigma
     else:
@@ -189,7 +182,7 @@ def table(results: list[Result]) -> str:
         configs = {r.variant: r.config for r in results if r.context == context}
         for lab in labels:
             c = configs[lab]
-            lines.append(f"  {lab}: G={c['G']} M={c['M']} C={c['C']} sigma={c['sigma']}")
+            lines.append(f"  {lab}: G={c['G']} M={c['M']} C={c['C']} sigma={c['sigma']} reuse={c.get('reuse', '-')}")
         lines.append("")
     return "\n".join(lines)
 

@@ -2,6 +2,7 @@
 import json
 
 import pytest
+import torch
 
 from edgekv.cli import main
 from edgekv.evals import harness
@@ -20,7 +21,7 @@ def text_model(tmp_path_factory):
 @pytest.mark.parametrize("policy", ["kvswap", "token"])
 def test_budget_config_fits_the_budget(budget, policy):
     dims = ModelDims(n_layers=4, hidden=128, n_heads=4, n_kv_heads=2, head_dim=64, vocab=256)
-    config = harness.budget_config(harness.Variant(policy, budget), 4096, dims, 4, max_batch=2)
+    config = harness.budget_config(harness.Variant(policy, budget), 4096, dims, torch.float32, max_batch=2)
     full_mib = 2 * 4 * (4096 + 64) * 2 * 2 * 64 * 4 / MIB
     assert config["max_kv_mem_mib"] == pytest.approx(budget * full_mib)
     assert config["M"] >= 1 and (config["G"] == 1) == (policy == "token")
@@ -29,7 +30,7 @@ def test_budget_config_fits_the_budget(budget, policy):
 def test_budget_too_small_for_one_group_is_an_error():
     dims = ModelDims(n_layers=4, hidden=128, n_heads=4, n_kv_heads=2, head_dim=64, vocab=256)
     with pytest.raises(ValueError, match="no room for one group"):
-        harness.budget_config(harness.Variant("kvswap", 1 / 5000), 256, dims, 4, max_batch=1)
+        harness.budget_config(harness.Variant("kvswap", 1 / 5000), 256, dims, torch.float32, max_batch=1)
 
 
 def test_text_tasks_from_a_tokenizer_are_recoverable():
