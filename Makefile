@@ -2,11 +2,14 @@
 PY        ?= python3
 VENV      ?= .venv
 PYTHON    := $(VENV)/bin/python
-PLATFORM  ?= local
+PLATFORM  ?= auto
 MODEL     ?=
-KV_PATH   ?= deploy/$(PLATFORM)/kv
+KV_PATH   ?=
+REPROFILE ?=
+DEPLOY_ARGS = --platform $(PLATFORM) $(if $(MODEL),--model $(MODEL)) $(if $(KV_PATH),--kv-path $(KV_PATH)) \
+              $(if $(filter-out 0,$(REPROFILE)),--reprofile)
 
-.PHONY: env native test deploy clean
+.PHONY: env native fio test deploy profile clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -26,11 +29,22 @@ native: env
 	  echo "liburing-dev not installed: the KV reader uses its pthread backend"
 	$(PYTHON) -m edgekv.cli build-native
 
+# fio measures the disk's own limit for the install report; installed here when we may
+fio:
+	@command -v fio >/dev/null || [ "$$(id -u)" != 0 ] || ! command -v apt-get >/dev/null || \
+	  apt-get install -y -q fio >/dev/null 2>&1 || \
+	  (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q fio >/dev/null 2>&1) || \
+	  echo "fio not installed: the disk profile has the runtime reader's figures only"
+
 test: native
 	$(PYTHON) -m pytest -q
 
-deploy: native
-	$(PYTHON) -m edgekv.cli deploy --platform $(PLATFORM) --kv-path $(KV_PATH) $(if $(MODEL),--model $(MODEL))
+# PLATFORM=auto detects orin / rtx / smartssd, else local (the shipped fixture model)
+deploy: native fio
+	$(PYTHON) -m edgekv.cli deploy $(DEPLOY_ARGS)
+
+profile: native fio
+	$(PYTHON) -m edgekv.cli deploy --profile-only $(DEPLOY_ARGS)
 
 clean:
 	rm -rf $(VENV) deploy .pytest_cache

@@ -31,42 +31,13 @@ def _build_native(args) -> int:
     return 0
 
 
-def _smoke_model(folder: Path) -> Path:
-    """A small random-weight Llama for the deploy smoke run until a trained fixture ships."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    if not (folder / "config.json").exists():
-        torch.manual_seed(0)
-        cfg = LlamaConfig(vocab_size=2048, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
-                          num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=8192)
-        LlamaForCausalLM(cfg).save_pretrained(folder)
-    return folder
-
-
 def _deploy(args) -> int:
-    import torch
+    from edgekv.deploy import run
 
-    from edgekv.runtime import Engine
-
-    out = Path("deploy") / args.platform
-    kv_path = Path(args.kv_path or out / "kv")
-    kv_path.mkdir(parents=True, exist_ok=True)
-    if args.platform != "local":
-        print(f"platform {args.platform!r}: profiles and the parameter solver are not built yet; running the local smoke job")
-    model = Path(args.model) if args.model else _smoke_model(out / "smoke-model")
-    config = {"G": 4, "M": 100, "C": 200, "sigma": 8, "max_context": 4096, "max_batch": 2}
-    (out / "config.json").write_text(json.dumps(config, indent=1))
-    prompts = [torch.randint(3, 2000, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (3000, 2500)]
-    with Engine.from_pretrained(model, kv_offload_path=kv_path, config=out / "config.json", policy="kvswap") as engine:
-        results = engine.generate(prompts, max_new_tokens=32, stop_token_ids=[])
-    print(f"model {model}  KV on {kv_path}  config {out / 'config.json'}")
-    for i, r in enumerate(results):
-        s = r.stats
-        print(f"request {i}: {s['prompt_tokens']} prompt tokens, {s['generated_tokens']} generated, "
-              f"prefill {s['prefill_s']:.2f} s, decode {s['decode_tok_s']:.1f} tok/s, "
-              f"KV resident {s['kv_resident_bytes'] / 2**20:.1f} MiB, read {s['kv_bytes_read'] / 2**20:.1f} MiB, "
-              f"reuse {s['reuse_rate']:.2f}, I/O stall {s['io_stall_share']:.1%} ({s['reader']}, O_DIRECT={s['o_direct']})")
+    result = run(args.platform, args.model, args.kv_path, reprofile=args.reprofile, profile_only=args.profile_only,
+                 disk_seconds=args.disk_seconds)
+    if result.get("stats"):
+        print(json.dumps(result["stats"]))  # the last line: the smoke generation's stats
     return 0
 
 
@@ -96,7 +67,8 @@ def _eval(args) -> int:
             variants.append(harness.Variant(policy))
     if args.ablations:
         b = budgets[0]
-        variants += [harness.Variant("kvswap", b, rolling_buffer=False), harness.Variant("kvswap", b, reuse=False)]
+        variants += [harness.Variant("kvswap", b, rolling_buffer=False), harness.Variant("kvswap", b, reuse=False),
+                     harness.Variant("kvswap", b, reuse=True)]
         variants += [harness.Variant("kvswap", b, G=g) for g in (1, 2, 8, 16)]
     if not any(v.policy == "full" for v in variants):
         variants.insert(0, harness.Variant("full"))
@@ -155,10 +127,13 @@ def main(argv=None) -> int:
     nat = sub.add_parser("build-native", help="compile the C KV reader (io_uring and pthread backends)")
     nat.set_defaults(func=_build_native)
 
-    dep = sub.add_parser("deploy", help="write a config and run a smoke generation on this machine")
-    dep.add_argument("--platform", default="local")
-    dep.add_argument("--model")
-    dep.add_argument("--kv-path")
+    dep = sub.add_parser("deploy", help="profile this machine, solve the runtime parameters, run a smoke generation")
+    dep.add_argument("--platform", default="auto", help="auto (detect), local, orin, rtx, smartssd, or a profile YAML")
+    dep.add_argument("--model", help="local checkpoint folder or 'fixture' (default: the profile's model)")
+    dep.add_argument("--kv-path", help="folder for the KV cache (default: the profile's first kv path)")
+    dep.add_argument("--reprofile", action="store_true", help="measure again even when a cached profile matches")
+    dep.add_argument("--profile-only", action="store_true", help="profile and write the report; no solve, no smoke run")
+    dep.add_argument("--disk-seconds", type=float, help="time for the disk profile (default: the profile's)")
     dep.set_defaults(func=_deploy)
 
     ev = sub.add_parser("eval", help="RULER-style retrieval accuracy per policy and KV budget")
@@ -169,7 +144,7 @@ def main(argv=None) -> int:
     ev.add_argument("--tasks", default="all")
     ev.add_argument("--samples", type=int, default=20, help="instances per task and context")
     ev.add_argument("--seed", type=int, default=0)
-    ev.add_argument("--ablations", action="store_true", help="also no rolling buffer, no reuse, G in 1,2,8,16")
+    ev.add_argument("--ablations", action="store_true", help="also no rolling buffer, reuse forced off/on, G in 1,2,8,16")
     ev.add_argument("--adapter", help="low-rank adapter safetensors (default: fitted on the first prompt)")
     ev.add_argument("--kv-path", default=None, help="folder for the KV files (default: the system temp dir)")
     ev.add_argument("--niah", metavar="PNG", help="also a needle-in-a-haystack heatmap (contexts x depths)")

@@ -1,0 +1,250 @@
+"""`make deploy`: profile -> lookup tables -> solve -> config.json + report -> smoke generation.
+
+This is the one place that wires the three packages together: the platform is detected
+(``edgekv.platforms``), its profile loaded and the machine measured (``edgekv.install``),
+and the runtime (``edgekv.runtime``) launched with the solved config.  Every measurement is
+cached with a fingerprint of what it measured (disk, model, device, platform, settings) and
+reused only when the fingerprint matches; ``reprofile`` measures again regardless.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform as host
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from edgekv.install import compute, disk, report, solver, tables
+from edgekv.install.iomodel import io_model
+from edgekv.install.profile import Profile, load_profile
+from edgekv.platforms.detect import detect_platform
+from edgekv.runtime import Engine
+from edgekv.runtime.adapter import LowRankAdapter
+from edgekv.runtime.model import ModelDims, load_model, read_model_config
+
+VERSION = "0.1.0"
+
+
+def _progress(total: int, desc: str):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, file=sys.stderr, leave=True, ncols=80)
+
+
+def resolve_model(name: str) -> Path:
+    if name == "fixture":
+        from edgekv.evals.harness import resolve_model as fixture
+
+        return fixture("fixture")
+    path = Path(name)
+    read_model_config(path)  # refuses a folder that is not a supported checkpoint, naming why
+    return path
+
+
+def model_fingerprint(model_dir: Path) -> str:
+    """config.json contents plus the name, size and mtime of every weight file."""
+    h = hashlib.sha256((model_dir / "config.json").read_bytes())
+    for f in sorted(model_dir.glob("*.safetensors")) + sorted(model_dir.glob("*.bin")):
+        st = f.stat()
+        h.update(f"{f.name}:{st.st_size}:{int(st.st_mtime)}".encode())
+    return h.hexdigest()[:16]
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return host.processor() or host.machine()
+
+
+def _cached(path: Path, fingerprint: dict, reprofile: bool, what: str, log) -> dict | None:
+    """The cached payload when its fingerprint matches; says why it is not reused otherwise."""
+    if not path.is_file():
+        return None
+    data = json.loads(path.read_text())
+    if reprofile:
+        log(f"{what}: REPROFILE set, measuring again")
+        return None
+    if data.get("fingerprint") != fingerprint:
+        changed = sorted(k for k in set(fingerprint) | set(data.get("fingerprint", {}))
+                         if fingerprint.get(k) != data.get("fingerprint", {}).get(k))
+        log(f"{what}: cached profile is for another {', '.join(changed)}; measuring again")
+        return None
+    log(f"{what}: reusing {path} (same {', '.join(sorted(fingerprint))})")
+    return data
+
+
+def _save(path: Path, fingerprint: dict, payload: dict) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"fingerprint": fingerprint, **payload}, indent=1))
+    tmp.replace(path)
+
+
+def calibration_prompts(model_dir: Path, context: int, n: int, seed: int = 1234) -> list[list[int]]:
+    """Retrieval-task prompts in the model's own tokens (the shipped fixture corpus, or words for a tokenizer)."""
+    from edgekv.evals.harness import task_format
+    from edgekv.evals.tasks import TASKS, make_instance
+
+    fmt = task_format(model_dir)
+    rng = np.random.default_rng(seed)
+    return [make_instance(TASKS[i % len(TASKS)], context, rng, fmt=fmt).context for i in range(n)]
+
+
+def grid(profile: Profile) -> tuple[list[int], list[int]]:
+    """The (batch, context) pairs solved: every batch up to max_batch, contexts every context_step."""
+    batches = list(range(1, profile.max_batch + 1))
+    start = min(profile.context_min, profile.max_context)
+    contexts = sorted(set(range(start, profile.max_context + 1, profile.context_step)) | {profile.max_context})
+    return batches, contexts
+
+
+def run(platform: str | None = None, model: str | None = None, kv_path: str | None = None, reprofile: bool = False,
+        profile_only: bool = False, out_root: str | Path = "deploy", disk_seconds: float | None = None,
+        smoke: bool = True, cache_dir: str | Path | None = None, log=print) -> dict:
+    started = time.perf_counter()
+    detected = detect_platform()
+    name = platform if platform not in (None, "", "auto") else detected
+    prof = load_profile(name)
+    log(f"platform {prof.platform} ({prof.description}); detected on this machine: {detected}; profile {prof.source}")
+    model_dir = resolve_model(model or prof.model)
+    kv_dir = Path(kv_path or prof.kv_paths[0])
+    try:
+        kv_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise OSError(f"cannot create the KV folder {kv_dir} ({exc.strerror}); pass KV_PATH=<folder on the disk to use>") from exc
+    out = Path(out_root) / prof.platform
+    out.mkdir(parents=True, exist_ok=True)
+    device = torch.device(prof.device if prof.device == "cpu" or torch.cuda.is_available() else "cpu")
+    if device.type != prof.device:
+        log(f"profile asks for {prof.device} but this machine has none: running on cpu")
+    kv_dtype = getattr(torch, prof.dtype) if device.type == "cuda" else torch.float32
+    dims = ModelDims.from_config(read_model_config(model_dir))
+    limits = solver.Limits(prof.sigma_max, prof.g_max, prof.mg_const, prof.alpha, prof.reuse_step)
+    sigmas = [s for s in solver.SIGMAS if s <= prof.sigma_max]
+    batches, contexts = grid(prof)
+    model_fp = model_fingerprint(model_dir)
+
+    # 1. disk
+    seconds = disk_seconds or prof.disk_seconds
+    disk_fp = {**disk.disk_fingerprint(kv_dir), "kv_dir": str(kv_dir.resolve()), "seconds": seconds,
+               "file_mib": prof.disk_file_mib, "platform": prof.platform}
+    cached = _cached(out / "disk.json", disk_fp, reprofile, "disk", log)
+    if cached:
+        disk_profile = disk.DiskProfile.from_json(cached["profile"])
+    else:
+        n = len(disk.BLOCK_SIZES) * len(disk.QUEUE_DEPTHS)
+        with _progress(n, "disk profile") as bar:
+            disk_profile = disk.profile_disk(kv_dir, seconds, prof.disk_file_mib, progress=bar.update)
+        _save(out / "disk.json", disk_fp, {"profile": disk_profile.to_json()})
+    disk.plot_disk(disk_profile, out / "disk.png")
+
+    # 2. lookup tables (hardware-independent: cached per model)
+    cache_root = Path(cache_dir or os.environ.get("EDGEKV_CACHE") or Path.home() / ".cache" / "edgekv")
+    tables_dir = cache_root / "tables" / model_fp
+    tables_dir.mkdir(parents=True, exist_ok=True)
+    calib_context = min(4096, prof.max_context - 64)
+    tables_fp = {"model": model_fp, "sigmas": sigmas, "g_max": prof.g_max, "mg_const": prof.mg_const,
+                 "calibration": f"fixture tasks {calib_context} x 2", "edgekv": VERSION}
+    cached = _cached(tables_dir / "tables.json", tables_fp, reprofile, "lookup tables", log)
+    loaded = None
+    if cached:
+        reuse, adapters, _ = tables.load_tables(tables_dir / "tables.json")
+    else:
+        prompts = calibration_prompts(model_dir, calib_context, 2)
+        log(f"lookup tables: reuse rate vs C for G in {solver.group_sizes(prof.g_max)}, adapters for sigma in {sigmas}")
+        t0 = time.perf_counter()
+        loaded = load_model(model_dir, device, kv_dtype, prof.max_context + 64)
+        adapters = tables.build_adapters(loaded, prompts, sigmas, tables_dir)
+        middle = min(adapters, key=lambda s: abs(s - 8))  # the reuse pattern barely depends on sigma
+        reuse = tables.reuse_table(loaded, kv_dir, prompts, solver.group_sizes(prof.g_max), prof.mg_const, adapters[middle])
+        tables.save_tables(tables_dir / "tables.json", tables_fp, reuse, adapters, {"seconds": round(time.perf_counter() - t0, 1)})
+
+    # 3. compute
+    compute_fp = {"model": model_fp, "device": str(device), "dtype": str(kv_dtype), "torch": torch.__version__,
+                  "cpu": _cpu_model(), "threads": torch.get_num_threads(), "platform": prof.platform,
+                  "batches": batches, "contexts": contexts, "mg_const": prof.mg_const, "edgekv": VERSION}
+    cached = _cached(out / "compute.json", compute_fp, reprofile, "compute", log)
+    if cached:
+        compute_profile = compute.ComputeProfile.from_json(cached["profile"])
+    else:
+        loaded = loaded or load_model(model_dir, device, kv_dtype, prof.max_context + 64)
+        sampled = sorted({b for b in batches if b & (b - 1) == 0} | {batches[-1]})
+        ranks = sorted({LowRankAdapter.rank_for(dims.n_kv_heads, dims.head_dim, s) for s in sigmas})
+        with _progress(compute.n_compute_samples(sampled, contexts, ranks, prof.mg_const), "compute profile") as bar:
+            compute_profile = compute.profile_compute(loaded, compute_fp, sampled, contexts, ranks, prof.mg_const,
+                                                      progress=bar.update)
+        _save(out / "compute.json", compute_fp, {"profile": compute_profile.to_json()})
+    del loaded
+
+    measurements = {
+        "disk": {"reference": disk_profile.reference, "reader": disk_profile.reader, "o_direct": disk_profile.o_direct,
+                 "fingerprint": disk_profile.fingerprint, "points": [p.__dict__ for p in disk_profile.points]},
+        "compute": {"device": str(device), "dtype": str(kv_dtype), "block_ms": compute_profile.block_ms,
+                    "predict_ms": compute_profile.predict_ms, "reuse_ms": compute_profile.reuse_ms},
+        "reuse_table": {str(g): rows for g, rows in reuse.items()},
+    }
+    if profile_only:
+        report.write(out, prof, model_dir, measurements, None, None, time.perf_counter() - started)
+        log(f"profiling report: {out / 'report.txt'}")
+        return {"report": str(out / "report.txt")}
+
+    # 4. solve every (batch, context)
+    queue_depth = 32
+    t_io = io_model(disk_profile, dims, kv_dtype, limits.io_align_bytes, queue_depth)
+    budget = prof.batch_budget_mib * 2**20
+    solutions = [
+        solver.solve(b, s, budget, dims, kv_dtype, limits, t_io, compute_profile.t_model_ms,
+                     lambda G, C, M: tables.reuse_rate(reuse, G, C, M))
+        for b in batches for s in contexts
+    ]
+    top = next(x for x in solutions if x.batch == prof.max_batch and x.context == prof.max_context)
+    config = {
+        "platform": prof.platform, "model": str(model_dir), "kv_path": str(kv_dir),
+        "G": top.G, "M": top.M, "C": top.C, "sigma": top.sigma, "reuse": top.reuse, "alpha": prof.alpha,
+        "max_kv_mem_mib": prof.max_kv_mem_mib, "max_batch": prof.max_batch, "max_context": prof.max_context,
+        "adapter_path": adapters[float(top.sigma)], "io_align_bytes": limits.io_align_bytes, "io_queue_depth": queue_depth,
+        "klr_dtype": limits.klr_dtype,
+        "solutions": [{**x.to_json(), "adapter_path": adapters[float(x.sigma)]} for x in solutions],
+        "measurements": measurements, "edgekv_version": VERSION,
+    }
+    if prof.platform == "smartssd":
+        config["beta"] = None  # f_cpu / f_ssd comes with the in-storage scorer; CPU-only path until then
+    tmp = out / "config.json.tmp"
+    tmp.write_text(json.dumps(config, indent=1))
+    tmp.replace(out / "config.json")
+    tuning_s = time.perf_counter() - started
+    log(f"config: {out / 'config.json'}  (G={top.G} M={top.M} C={top.C} sigma={top.sigma:g} reuse={top.reuse} "
+        f"at batch {top.batch}, context {top.context}; {len(solutions)} solutions; tuning {tuning_s:.0f} s)")
+
+    stats = smoke_run(model_dir, kv_dir, out / "config.json", prof, device) if smoke else None
+    report.write(out, prof, model_dir, measurements, solutions, stats, tuning_s)
+    log(f"report: {out / 'report.txt'}")
+    return {"config": str(out / "config.json"), "stats": stats, "tuning_s": round(tuning_s, 1)}
+
+
+def smoke_run(model_dir: Path, kv_dir: Path, config: Path, prof: Profile, device: torch.device) -> dict:
+    """One generation with the solved config: 2 prompts, 32 new tokens, stats as the runtime reports them."""
+    context = min(4096, prof.max_context - 64)
+    prompts = calibration_prompts(model_dir, context, min(2, prof.max_batch), seed=99)
+    with Engine.from_pretrained(model_dir, kv_offload_path=kv_dir, config=config, policy="kvswap", device=device) as engine:
+        results = engine.generate(prompts, max_new_tokens=32, stop_token_ids=[])
+    s = [r.stats for r in results]
+    return {
+        "policy": "kvswap", "batch": len(prompts), "context": context, "new_tokens": 32,
+        "decode_tok_s": round(sum(x["generated_tokens"] - 1 for x in s) / max(x["decode_s"] for x in s), 2),
+        "kv_resident_mib": round(s[0]["kv_resident_bytes"] / 2**20, 2),
+        "reuse_rate": round(float(np.mean([x["reuse_rate"] for x in s])), 3),
+        "io_stall_share": round(float(np.mean([x["io_stall_share"] for x in s])), 3),
+        "prefill_s": round(sum(x["prefill_s"] for x in s), 2),
+        "kv_read_mib": round(sum(x["kv_bytes_read"] for x in s) / 2**20, 1),
+        "reader": s[0]["reader"], "o_direct": s[0]["o_direct"], **{k: s[0]["config"][k] for k in ("G", "M", "C", "sigma", "reuse")},
+    }
+
