@@ -6,8 +6,9 @@ PLATFORM  ?= auto
 MODEL     ?=
 KV_PATH   ?=
 REPROFILE ?=
+CALIBRATION ?=
 DEPLOY_ARGS = --platform $(PLATFORM) $(if $(MODEL),--model $(MODEL)) $(if $(KV_PATH),--kv-path $(KV_PATH)) \
-              $(if $(filter-out 0,$(REPROFILE)),--reprofile)
+              $(if $(filter-out 0,$(REPROFILE)),--reprofile) $(if $(CALIBRATION),--calibration $(CALIBRATION))
 
 .PHONY: env native fio test deploy profile clean
 

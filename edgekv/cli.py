@@ -35,7 +35,7 @@ def _deploy(args) -> int:
     from edgekv.deploy import run
 
     result = run(args.platform, args.model, args.kv_path, reprofile=args.reprofile, profile_only=args.profile_only,
-                 disk_seconds=args.disk_seconds)
+                 disk_seconds=args.disk_seconds, calibration=args.calibration)
     if result.get("stats"):
         print(json.dumps(result["stats"]))  # the last line: the smoke generation's stats
     return 0
@@ -134,6 +134,8 @@ def main(argv=None) -> int:
     dep.add_argument("--reprofile", action="store_true", help="measure again even when a cached profile matches")
     dep.add_argument("--profile-only", action="store_true", help="profile and write the report; no solve, no smoke run")
     dep.add_argument("--disk-seconds", type=float, help="time for the disk profile (default: the profile's)")
+    dep.add_argument("--calibration", metavar="TEXT_FILE",
+                     help="text for the lookup tables (reuse rate, adapters); default: the retrieval-task corpus")
     dep.set_defaults(func=_deploy)
 
     ev = sub.add_parser("eval", help="RULER-style retrieval accuracy per policy and KV budget")
@@ -145,7 +147,7 @@ def main(argv=None) -> int:
     ev.add_argument("--samples", type=int, default=20, help="instances per task and context")
     ev.add_argument("--seed", type=int, default=0)
     ev.add_argument("--ablations", action="store_true", help="also no rolling buffer, reuse forced off/on, G in 1,2,8,16")
-    ev.add_argument("--adapter", help="low-rank adapter safetensors (default: fitted on the first prompt)")
+    ev.add_argument("--adapter", help="low-rank adapter safetensors (default: one per sigma, calibrated on task prompts of another seed)")
     ev.add_argument("--kv-path", default=None, help="folder for the KV files (default: the system temp dir)")
     ev.add_argument("--niah", metavar="PNG", help="also a needle-in-a-haystack heatmap (contexts x depths)")
     ev.add_argument("--recall-sigmas", metavar="LIST", help="also the predictor's selection recall per sigma, e.g. 2,4,8,16")

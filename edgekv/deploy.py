@@ -88,14 +88,29 @@ def _save(path: Path, fingerprint: dict, payload: dict) -> None:
     tmp.replace(path)
 
 
-def calibration_prompts(model_dir: Path, context: int, n: int, seed: int = 1234) -> list[list[int]]:
-    """Retrieval-task prompts in the model's own tokens (the shipped fixture corpus, or words for a tokenizer)."""
+def calibration_prompts(model_dir: Path, context: int, n: int, seed: int = 1234, text_file: str | None = None) -> list[list[int]]:
+    """``n`` prompts of ``context`` tokens: the user's text (cut into windows) when given, else retrieval-task
+    prompts in the model's own tokens (the shipped fixture corpus, or words for a tokenizer)."""
     from edgekv.evals.harness import task_format
     from edgekv.evals.tasks import TASKS, make_instance
+    from edgekv.runtime.engine import _load_tokenizer
 
+    if text_file:
+        tokenizer = _load_tokenizer(model_dir)
+        if tokenizer is None:
+            raise ValueError(f"--calibration needs a tokenizer but {model_dir} has none; drop the option to use the fixture corpus")
+        ids = tokenizer(Path(text_file).read_text())["input_ids"]
+        if len(ids) < context:
+            raise ValueError(f"calibration text {text_file} has {len(ids)} tokens; at least {context} are needed")
+        step = max(1, (len(ids) - context) // max(1, n - 1))
+        return [ids[i * step : i * step + context] for i in range(n)]
     fmt = task_format(model_dir)
     rng = np.random.default_rng(seed)
     return [make_instance(TASKS[i % len(TASKS)], context, rng, fmt=fmt).context for i in range(n)]
+
+
+def _file_digest(path: str) -> str:
+    return f"{path} sha256 {hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]}"
 
 
 def grid(profile: Profile) -> tuple[list[int], list[int]]:
@@ -108,7 +123,7 @@ def grid(profile: Profile) -> tuple[list[int], list[int]]:
 
 def run(platform: str | None = None, model: str | None = None, kv_path: str | None = None, reprofile: bool = False,
         profile_only: bool = False, out_root: str | Path = "deploy", disk_seconds: float | None = None,
-        smoke: bool = True, cache_dir: str | Path | None = None, log=print) -> dict:
+        smoke: bool = True, cache_dir: str | Path | None = None, calibration: str | None = None, log=print) -> dict:
     started = time.perf_counter()
     detected = detect_platform()
     name = platform if platform not in (None, "", "auto") else detected
@@ -152,13 +167,14 @@ def run(platform: str | None = None, model: str | None = None, kv_path: str | No
     tables_dir.mkdir(parents=True, exist_ok=True)
     calib_context = min(4096, prof.max_context - 64)
     tables_fp = {"model": model_fp, "sigmas": sigmas, "g_max": prof.g_max, "mg_const": prof.mg_const,
-                 "calibration": f"fixture tasks {calib_context} x 2", "edgekv": VERSION}
+                 "calibration": _file_digest(calibration) if calibration else f"task corpus {calib_context} x 2",
+                 "edgekv": VERSION}
     cached = _cached(tables_dir / "tables.json", tables_fp, reprofile, "lookup tables", log)
     loaded = None
     if cached:
         reuse, adapters, _ = tables.load_tables(tables_dir / "tables.json")
     else:
-        prompts = calibration_prompts(model_dir, calib_context, 2)
+        prompts = calibration_prompts(model_dir, calib_context, 2, text_file=calibration)
         log(f"lookup tables: reuse rate vs C for G in {solver.group_sizes(prof.g_max)}, adapters for sigma in {sigmas}")
         t0 = time.perf_counter()
         loaded = load_model(model_dir, device, kv_dtype, prof.max_context + 64)

@@ -18,7 +18,7 @@ import torch
 
 from edgekv.install.solver import Limits, fit_memory, quality_fit
 from edgekv.runtime import Engine, RuntimeConfig
-from edgekv.runtime.adapter import LowRankAdapter
+from edgekv.runtime.adapter import LowRankAdapter, collect_keys
 from edgekv.runtime.model import DecoderModel, ModelDims, load_model, read_model_config
 
 from .tasks import TASKS, VOCAB_SIZE, FixtureFormat, TaskInstance, TextFormat, make_instance, make_set
@@ -105,23 +105,45 @@ def task_format(model_dir: str | Path):
     raise ValueError(f"{model_dir} has no tokenizer; the harness needs one to build word tasks for it")
 
 
+class Adapters:
+    """Low-rank adapters per sigma, calibrated once on task prompts of another seed (never on the
+    evaluated prompts), or one fixed adapter file whose rank then replaces the fitted sigma."""
+
+    def __init__(self, model: DecoderModel, calibration: list[list[int]], fixed: LowRankAdapter | None = None):
+        self.fixed = fixed
+        self._keys = None if fixed else collect_keys(model, calibration)
+        self._dims = model.dims
+        self._fitted: dict[float, LowRankAdapter] = {}
+
+    def __call__(self, sigma: float) -> LowRankAdapter:
+        if self.fixed is not None:
+            return self.fixed
+        if sigma not in self._fitted:
+            rank = LowRankAdapter.rank_for(self._dims.n_kv_heads, self._dims.head_dim, sigma)
+            self._fitted[sigma] = LowRankAdapter.fit(self._keys, self._dims.n_kv_heads, self._dims.head_dim, rank)
+        return self._fitted[sigma]
+
+
 def _score(model: DecoderModel, kv_path, variant: Variant, context: int, instances: list[TaskInstance],
-           max_batch: int, adapter: LowRankAdapter | None) -> tuple[list[bool], dict]:
+           max_batch: int, adapters: Adapters) -> tuple[list[bool], dict]:
     """Run ``instances`` through one variant on an already loaded model; exact match per instance."""
     config = budget_config(variant, context, model.dims, model.dtype, max_batch)
-    if adapter is not None and variant.policy in ("kvswap", "token"):
-        config = {**config, "sigma": None}  # the adapter's rank replaces the rule's sigma
-    else:
-        adapter = None
+    adapter = None
+    if variant.policy in ("kvswap", "token"):
+        adapter = adapters(config["sigma"])
+        if adapters.fixed is not None:
+            config = {**config, "sigma": None}  # the file's rank replaces the fitted sigma
     with Engine(model, RuntimeConfig.load(config), variant.policy, kv_path, adapter=adapter) as engine:
         outs = engine.generate([x.context for x in instances], teacher_forcing=[x.forced for x in instances])
     return [x.score(o.token_ids) for x, o in zip(instances, outs)], config
 
 
-def _load(model_dir, contexts: list[int], adapter_path) -> tuple[DecoderModel, LowRankAdapter | None]:
-    """The model once for every variant (weights are not reloaded per cell), on the CPU in fp32."""
+def _load(model_dir, contexts: list[int], tasks: list[str], seed: int, adapter_path) -> tuple[DecoderModel, Adapters]:
+    """The model once for every variant (weights are not reloaded per cell), on the CPU in fp32, and its adapters."""
     model = load_model(model_dir, torch.device("cpu"), torch.float32, max(contexts) + 64)
-    return model, LowRankAdapter.load(adapter_path) if adapter_path else None
+    fixed = LowRankAdapter.load(adapter_path) if adapter_path else None
+    calibration = [] if fixed else [x.context for x in make_set(tasks, min(contexts), 1, seed + 7919, task_format(model_dir))]
+    return model, Adapters(model, calibration, fixed)
 
 
 def evaluate(
@@ -137,14 +159,14 @@ def evaluate(
     progress=print,
 ) -> list[Result]:
     """Every (task, context, variant) cell; the same instances for every variant."""
-    model, adapter = _load(model_dir, contexts, adapter_path)
+    model, adapters = _load(model_dir, contexts, tasks, seed, adapter_path)
     fmt = task_format(model_dir)
     results = []
     for context in contexts:
         instances = make_set(tasks, context, samples, seed, fmt)
         for variant in variants:
             start = time.perf_counter()
-            hits, config = _score(model, kv_path, variant, context, instances, max_batch, adapter)
+            hits, config = _score(model, kv_path, variant, context, instances, max_batch, adapters)
             seconds = time.perf_counter() - start
             for task in tasks:
                 scored = [hit for inst, hit in zip(instances, hits) if inst.task == task]
@@ -192,13 +214,13 @@ def niah_grid(
     max_batch: int = 4, adapter_path: str | None = None,
 ) -> np.ndarray:
     """Single-needle accuracy [context, depth] for one variant (KVSwap Fig. 9)."""
-    model, adapter = _load(model_dir, contexts, adapter_path)
+    model, adapters = _load(model_dir, contexts, ["single_needle"], seed, adapter_path)
     fmt = task_format(model_dir)
     grid = np.zeros((len(contexts), len(depths)))
     for i, context in enumerate(contexts):
         rng = np.random.default_rng([seed, context])
         instances = [make_instance("single_needle", context, rng, depth=d, fmt=fmt) for d in depths for _ in range(samples)]
-        hits, _ = _score(model, kv_path, variant, context, instances, max_batch, adapter)
+        hits, _ = _score(model, kv_path, variant, context, instances, max_batch, adapters)
         grid[i] = np.array(hits).reshape(len(depths), samples).mean(axis=1)
     return grid
 
