@@ -60,16 +60,21 @@ def _eval(args) -> int:
     tasks = list(harness.TASKS) if args.tasks == "all" else args.tasks.split(",")
     budgets = [_parse_budget(b) for b in args.budgets.split(",")]
     variants = []
+    main = {"G": args.group_size, "score_reduce": args.score_reduce}
     for policy in args.policies.split(","):
         if policy in ("kvswap", "token"):
-            variants += [harness.Variant(policy, b) for b in budgets]
+            variants += [harness.Variant(policy, b, **main) for b in budgets]
         else:
             variants.append(harness.Variant(policy))
     if args.ablations:
-        b = budgets[0]
-        variants += [harness.Variant("kvswap", b, rolling_buffer=False), harness.Variant("kvswap", b, reuse=False),
-                     harness.Variant("kvswap", b, reuse=True)]
-        variants += [harness.Variant("kvswap", b, G=g) for g in (1, 2, 8, 16)]
+        b = budgets[-1]
+        variants += [harness.Variant("kvswap", b, **main, rolling_buffer=False, ablation="no-rb"),
+                     harness.Variant("kvswap", b, **main, reuse=False, ablation="reuse=off"),
+                     harness.Variant("kvswap", b, **main, reuse=True, ablation="reuse=on")]
+        other = "softmax" if args.score_reduce == "sum" else "sum"
+        variants.append(harness.Variant("kvswap", b, G=args.group_size, score_reduce=other, ablation=f"scores={other}"))
+        variants += [harness.Variant("kvswap", b, G=g, score_reduce=args.score_reduce, ablation=f"G={g}")
+                     for g in (1, 2, 4, 8, 16) if g != args.group_size]
     if not any(v.policy == "full" for v in variants):
         variants.insert(0, harness.Variant("full"))
     contexts = [int(c) for c in args.contexts.split(",")]
@@ -146,7 +151,11 @@ def main(argv=None) -> int:
     ev.add_argument("--tasks", default="all")
     ev.add_argument("--samples", type=int, default=20, help="instances per task and context")
     ev.add_argument("--seed", type=int, default=0)
-    ev.add_argument("--ablations", action="store_true", help="also no rolling buffer, reuse forced off/on, G in 1,2,8,16")
+    ev.add_argument("--ablations", action="store_true",
+                    help="also, at the last budget: no rolling buffer, reuse forced off/on, the other score reduction, other G")
+    ev.add_argument("--group-size", type=int, default=4, help="G of the kvswap rows (token is always G=1)")
+    ev.add_argument("--score-reduce", default="sum", choices=["sum", "softmax"],
+                    help="predictor: logits summed over heads (KVSwap), or each head's softmax summed")
     ev.add_argument("--adapter", help="low-rank adapter safetensors (default: one per sigma, calibrated on task prompts of another seed)")
     ev.add_argument("--kv-path", default=None, help="folder for the KV files (default: the system temp dir)")
     ev.add_argument("--niah", metavar="PNG", help="also a needle-in-a-haystack heatmap (contexts x depths)")

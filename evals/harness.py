@@ -37,23 +37,12 @@ class Variant:
     rolling_buffer: bool = True
     selector: str = "lowrank"
     score_reduce: str = "sum"
+    ablation: str = ""  # what differs from the main row of its policy, e.g. "G=2" (part of the label)
 
     @property
     def label(self) -> str:
-        name = self.policy
-        if self.policy in ("kvswap", "token"):
-            name += f"@1/{round(1 / self.budget)}"
-            if self.policy == "kvswap" and self.G != 4:
-                name += f",G={self.G}"
-            if self.reuse is not None:
-                name += ",reuse=" + ("on" if self.reuse else "off")
-            if not self.rolling_buffer:
-                name += ",no-rb"
-            if self.selector != "lowrank":
-                name += f",{self.selector}"
-            if self.score_reduce != "sum":
-                name += f",{self.score_reduce}"
-        return name
+        name = self.policy if self.budget is None else f"{self.policy}@1/{round(1 / self.budget)}"
+        return f"{name},{self.ablation}" if self.ablation else name
 
 
 def budget_config(variant: Variant, context: int, dims: ModelDims, kv_dtype: torch.dtype, max_batch: int,

@@ -96,8 +96,13 @@ class OffloadedKV(KVPolicy):
         stride = self.layout.stride_bytes
         addresses = buffer.ctypes.data + (misses.seq * self.slots.capacity + misses.slot) * stride
         self.bytes_read += np.bincount(misses.seq, minlength=self.batch) * stride
-        future = self._io.submit(self.store.read, self.store.batch(layer, misses.seq, misses.group, addresses))
+        future = self._io.submit(self._timed_read, self.store.batch(layer, misses.seq, misses.group, addresses))
         self._pending[layer] = (torch.from_numpy(np.ascontiguousarray(slots)), torch.from_numpy(valid), future)
+
+    def _timed_read(self, batch) -> None:
+        start = time.perf_counter()
+        self.store.read(batch)
+        self.io_read_s += time.perf_counter() - start
 
     def attend(self, layer, q, k, v):
         rb_pos = torch.from_numpy(self.rb_len).to(q.device)
