@@ -10,7 +10,7 @@ CALIBRATION ?=
 DEPLOY_ARGS = --platform $(PLATFORM) $(if $(MODEL),--model $(MODEL)) $(if $(KV_PATH),--kv-path $(KV_PATH)) \
               $(if $(filter-out 0,$(REPROFILE)),--reprofile) $(if $(CALIBRATION),--calibration $(CALIBRATION))
 
-.PHONY: env native fio test deploy profile clean
+.PHONY: env native fio test deploy profile bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -43,6 +43,10 @@ test: native
 # PLATFORM=auto detects orin / rtx / smartssd, else local (the shipped fixture model)
 deploy: native fio
 	$(PYTHON) -m edgekv.cli deploy $(DEPLOY_ARGS)
+
+# every policy side by side on this machine (BENCH_ARGS=--quick for a one-minute run)
+bench: native fio
+	$(PYTHON) -m edgekv.cli bench $(BENCH_ARGS) --json deploy/bench.json --png deploy/bench.png
 
 profile: native fio
 	$(PYTHON) -m edgekv.cli deploy --profile-only $(DEPLOY_ARGS)

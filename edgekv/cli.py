@@ -41,6 +41,31 @@ def _deploy(args) -> int:
     return 0
 
 
+def _bench(args) -> int:
+    import tempfile
+
+    from edgekv import bench
+    from edgekv.evals.harness import resolve_model
+
+    if args.quick:
+        args.batches, args.contexts, args.budgets, args.steps, args.warmup, args.disk_seconds = "2", "4096", "1/13", 4, 2, 2
+    for budget in args.budgets.split(","):
+        _parse_budget(budget)
+    with tempfile.TemporaryDirectory(dir=args.kv_path) as kv:
+        runs, meta = bench.run(resolve_model(args.model), Path(kv), [int(b) for b in args.batches.split(",")],
+                               [int(c) for c in args.contexts.split(",")], args.budgets.split(","), args.steps,
+                               args.warmup, args.disk_seconds, args.policies.split(","))
+    meta["command"] = args.command_line
+    print(bench.table(runs))
+    print(f"reproduce: {meta['command']}  (decode only; {args.warmup} warm-up steps excluded; "
+          f"O_DIRECT={all(r.o_direct for r in runs if r.o_direct is not None)})")
+    if args.json:
+        bench.write_json(args.json, runs, meta)
+    if args.png:
+        bench.plot(runs, args.png)
+    return 0
+
+
 def _parse_budget(text: str) -> float:
     num, _, den = text.partition("/")
     value = float(num) / float(den) if den else float(num)
@@ -82,7 +107,7 @@ def _eval(args) -> int:
         results = harness.evaluate(model, kv, variants, contexts, tasks, args.samples, args.seed,
                                    adapter_path=args.adapter)
     print(harness.table(results))
-    meta = {"model": str(model), "seed": args.seed, "samples": args.samples, "command": " ".join(sys.argv)}
+    meta = {"model": str(model), "seed": args.seed, "samples": args.samples, "command": args.command_line}
     if args.niah:
         depths = [i / 10 for i in range(11)]
         variant = next(v for v in variants if v.policy == "kvswap") if "kvswap" in args.policies else variants[0]
@@ -163,7 +188,23 @@ def main(argv=None) -> int:
     ev.add_argument("--json")
     ev.set_defaults(func=_eval)
 
+    be = sub.add_parser("bench", help="decode throughput of every policy side by side (same model, prompts, budget)")
+    be.add_argument("--quick", action="store_true", help="fixture, 4K context, batch 2, 4 steps, budget 1/13 (< 1 min)")
+    be.add_argument("--model", default="fixture", help="'fixture' (shipped) or a local checkpoint folder")
+    be.add_argument("--batches", default="1,2,4")
+    be.add_argument("--contexts", default="4096,16384")
+    be.add_argument("--budgets", default="1/13,1/34", help="fractions of the full KV cache of the batch")
+    be.add_argument("--steps", type=int, default=16, help="timed decode steps per run")
+    be.add_argument("--warmup", type=int, default=4, help="decode steps excluded from timing")
+    be.add_argument("--policies", default="full,flexgen,token,kvswap-noreuse,kvswap")
+    be.add_argument("--disk-seconds", type=float, default=10, help="time for the disk profile the solver and ratios use")
+    be.add_argument("--kv-path", default=None, help="folder on the disk to measure (default: the system temp dir)")
+    be.add_argument("--json")
+    be.add_argument("--png", help="throughput vs batch and kvswap step time vs context")
+    be.set_defaults(func=_bench)
+
     args = ap.parse_args(argv)
+    args.command_line = " ".join(["edgekv", *(sys.argv[1:] if argv is None else argv)])
     try:
         return args.func(args)
     except (ValueError, OSError) as exc:

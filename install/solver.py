@@ -135,14 +135,17 @@ def solve(batch: int, context: int, budget_bytes: float, dims: ModelDims, kv_dty
     """
     best: Solution | None = None
     share = 0.0
+    selected = {}  # G -> M at share 0: the reuse buffer is paid for with sigma, never with selected tokens
     while share < 1.0:
         fitted_any = False
         for G in group_sizes(limits.g_max):
             if share == 0:
                 fit = quality_fit(budget_bytes, dims, kv_dtype, limits, context, G)
+                if fit is not None:
+                    selected[G] = fit.M
             else:
                 fit = fit_memory(budget_bytes, dims, kv_dtype, limits, context, G, extra_bytes=share * budget_bytes)
-            if fit is None or (share > 0 and fit.C == fit.M):
+            if fit is None or (share > 0 and (fit.C == fit.M or fit.M < selected.get(G, 0))):
                 continue
             fitted_any = True
             hit = reuse_rate(G, fit.C, fit.M) if fit.reuse else 0.0

@@ -27,6 +27,7 @@ from .reader import KVReader, open_reader
 from .sampling import Sampler, SamplingParams
 from .selector import AllGroupsSelector, LowRankSelector, RandomSelector
 from .slots import PreloadSlots, SlotTable
+from .prompt_cache import PromptKV, PromptKVCache
 from .solutions import SolutionTable, load_deployed
 
 log = logging.getLogger(__name__)
@@ -61,6 +62,7 @@ class Engine:
         self.kv_offload_path = Path(kv_offload_path) if kv_offload_path is not None else None
         self.adapter = adapter
         self.solutions = solutions
+        self.prompt_cache: PromptKVCache | None = None  # set to share prompt KV across engines on this model
         self._adapters: dict[str, LowRankAdapter] = {}
         self.events = EventBus()
         self._warned_adapter = False
@@ -178,7 +180,7 @@ class Engine:
                 self.events.emit("prefill_start", seq=seq, tokens=len(ids))
                 start = time.perf_counter()
                 policy.start_sequence(seq)
-                first_logits.append(prefill(model, ids, lambda layer, k, v, seq=seq: policy.store_prompt(layer, seq, k, v)))
+                first_logits.append(self._prefill(policy, seq, ids))
                 policy.end_prompt(seq, len(ids))
                 prefill_s.append(time.perf_counter() - start)
                 self.events.emit("prefill_end", seq=seq, tokens=len(ids))
@@ -223,6 +225,25 @@ class Engine:
             for seq in range(batch):
                 policy.release_sequence(seq)
             policy.close()
+
+    def _prefill(self, policy: KVPolicy, seq: int, ids: list[int]) -> torch.Tensor:
+        """Compute the prompt's KV into the policy, or replay it from ``prompt_cache`` when set and filled."""
+        cached = self.prompt_cache.get(ids) if self.prompt_cache is not None else None
+        if cached is not None:
+            for layer, (k, v) in enumerate(cached.kv):
+                policy.store_prompt(layer, seq, k, v)
+            return cached.logits
+        kept = []
+
+        def keep(layer, k, v):
+            policy.store_prompt(layer, seq, k, v)
+            if self.prompt_cache is not None:
+                kept.append((k, v))
+
+        logits = prefill(self.model, ids, keep)
+        if self.prompt_cache is not None:
+            self.prompt_cache.put(ids, PromptKV(kept, logits))
+        return logits
 
     def _decode_step(self, policy: KVPolicy, tokens: torch.Tensor, active: np.ndarray) -> torch.Tensor:
         """One token for every sequence: layer i+1's KV is fetched while layer i computes."""

@@ -1,0 +1,247 @@
+"""`edgekv bench`: every policy side by side, one model, one prompt set, one run.
+
+Rows per (batch, context): ``full`` (all KV in memory), ``flexgen`` (the whole layer read from
+disk each step, unconstrained), and at each budget (a fraction of the full cache for the batch)
+``token`` (G=1, no reuse), ``kvswap-noreuse`` and ``kvswap`` as the install step's solver tunes it
+for this machine (disk profile, block compute profile of this model).  Honesty rules:
+- every prompt is prefilled once and replayed into each policy (same K/V, same disk writes),
+  so only decode is compared and only decode is timed;
+- decode time comes from the engine's step events; the first ``warmup`` steps are excluded;
+- KV reads are O_DIRECT where the filesystem allows (reported per row), so the page cache
+  does not serve them;
+- the achieved read rate (bytes read / time inside reads) is set beside the profiled
+  random-read bandwidth at the same block size and queue depth.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from edgekv.install import disk as diskprof
+from edgekv.install import solver, tables
+from edgekv.install.compute import profile_compute
+from edgekv.install.iomodel import io_model
+from edgekv.runtime import Engine, RecordLayout, RuntimeConfig
+from edgekv.runtime.adapter import LowRankAdapter
+from edgekv.runtime.model import DecoderModel
+from edgekv.runtime.prompt_cache import PromptKVCache
+
+QUEUE_DEPTH = 32
+
+
+@dataclass
+class Run:
+    policy: str
+    budget: str | None
+    batch: int
+    context: int
+    decode_tok_s: float
+    ratio_to_full: float | None
+    kv_resident_mib: float
+    read_bytes_per_token: float
+    eff_read_bw_mib_s: float | None
+    eff_bw_vs_profile: float | None
+    reuse_rate: float
+    io_stall_share: float
+    step_ms: float
+    G: int | None = None
+    M: int | None = None
+    C: int | None = None
+    sigma: float | None = None
+    o_direct: bool | None = None
+
+
+def ratio(value: float | None, reference: float | None) -> float | None:
+    """value / reference, None when either is missing or the reference is 0."""
+    if value is None or not reference:
+        return None
+    return value / reference
+
+
+def decode_rate(step_events: list[tuple[int, int, int]], warmup: int) -> tuple[float, float]:
+    """(tokens/s, ms per step) over steps >= warmup; events are (step, active sequences, duration ns)."""
+    kept = [(active, ns) for step, active, ns in step_events if step >= warmup]
+    if not kept:
+        raise ValueError(f"no decode steps after {warmup} warm-up steps; raise --steps")
+    tokens = sum(a for a, _ in kept)
+    seconds = sum(ns for _, ns in kept) / 1e9
+    return tokens / seconds, seconds / len(kept) * 1e3
+
+
+def effective_bandwidth(bytes_read: int, read_s: float) -> float | None:
+    return bytes_read / read_s / 2**20 if read_s > 0 and bytes_read > 0 else None
+
+
+class StepTimer:
+    """Subscribes to the engine's step events and keeps (step, active, duration) per decode step."""
+
+    def __init__(self):
+        self.steps: list[tuple[int, int, int]] = []
+        self._start: dict[int, int] = {}
+
+    def __call__(self, event) -> None:
+        if event.kind == "decode_step_start":
+            self._start[event.info["step"]] = event.t_ns
+        elif event.kind == "decode_step_end":
+            step = event.info["step"]
+            self.steps.append((step, event.info["active"], event.t_ns - self._start.pop(step)))
+
+
+def policy_configs(model: DecoderModel, batch: int, context: int, budgets: list[str], limits: solver.Limits,
+                   disk_profile, compute_profile, reuse_table: dict | None = None) -> list[tuple[str, str | None, dict]]:
+    """(row name, budget label, runtime config) for every row of one (batch, context)."""
+    dims = model.dims
+    base = {"max_context": context, "max_batch": batch, "io_align_bytes": limits.io_align_bytes,
+            "io_queue_depth": QUEUE_DEPTH}
+    rows = [("full", None, {**base, "G": 4, "M": 1, "C": 1, "sigma": 8}),
+            ("flexgen", None, {**base, "G": limits.g_max, "M": 1, "C": 1, "sigma": 8, "reuse": False})]
+    itemsize = torch.empty(0, dtype=model.dtype).element_size()
+    full_bytes = dims.n_layers * context * 2 * dims.n_kv_heads * dims.head_dim * itemsize
+    t_io = io_model(disk_profile, dims, model.dtype, limits.io_align_bytes, QUEUE_DEPTH)
+    for label in budgets:
+        num, _, den = label.partition("/")
+        per_seq = float(num) / float(den) * full_bytes
+        budget_mib = per_seq * batch / 2**20
+        tuned = solver.solve(batch, context, per_seq, dims, model.dtype, limits, t_io, compute_profile.t_model_ms,
+                             lambda G, C, M: tables.reuse_rate(reuse_table or {}, G, C, M))
+        token = solver.fit_memory(per_seq, dims, model.dtype, limits, context, 1, reuse=False)
+        noreuse = solver.fit_memory(per_seq, dims, model.dtype, limits, context, tuned.G, reuse=False)
+        for name, fit, reuse in (("token", token, False), ("kvswap-noreuse", noreuse, False), ("kvswap", tuned, tuned.reuse)):
+            if fit is None:
+                continue
+            rows.append((name, label, {**base, "G": fit.G, "M": fit.M, "C": fit.C, "sigma": fit.sigma, "reuse": reuse,
+                                       "max_kv_mem_mib": budget_mib}))
+    return rows
+
+
+def bench_point(model: DecoderModel, kv_dir: Path, batch: int, context: int, budgets: list[str], steps: int,
+                warmup: int, limits: solver.Limits, disk_profile, compute_profile, policies, reuse_table=None,
+                log=print) -> list[Run]:
+    g = torch.Generator().manual_seed(batch * 100003 + context)
+    vocab = model.dims.vocab
+    prompt_len = context - steps - warmup - 8
+    prompts = [torch.randint(4, vocab, (prompt_len - 4 * i,), generator=g).tolist() for i in range(batch)]
+    cache = PromptKVCache()
+    runs: list[Run] = []
+    full_rate = None
+    for name, budget, cfg in policy_configs(model, batch, context, budgets, limits, disk_profile, compute_profile,
+                                            reuse_table):
+        if name not in policies:
+            continue
+        policy = "kvswap" if name.startswith("kvswap") else name
+        timer = StepTimer()
+        with Engine(model, RuntimeConfig.load(cfg), policy, kv_dir) as engine:
+            engine.prompt_cache = cache
+            engine.events.subscribe(timer)
+            out = engine.generate(prompts, max_new_tokens=steps + warmup + 1, stop_token_ids=[])
+        rate, step_ms = decode_rate(timer.steps, warmup)
+        s = [r.stats for r in out]
+        decoded = sum(x["generated_tokens"] - 1 for x in s)
+        read = sum(x["kv_bytes_read"] for x in s)
+        eff = effective_bandwidth(read, s[0]["io_read_s"])
+        stride = RecordLayout(cfg["G"], model.dims.n_kv_heads, model.dims.head_dim, model.dtype,
+                              limits.io_align_bytes).stride_bytes
+        profile_bw = disk_profile.read_mib_s(stride, QUEUE_DEPTH, source="disk") if name != "full" else None
+        if name == "full":
+            full_rate = rate
+        run = Run(name, budget, batch, context, rate, None, s[0]["kv_resident_bytes"] / 2**20, read / decoded, eff,
+                  ratio(eff, profile_bw), float(np.mean([x["reuse_rate"] for x in s])), s[0]["io_stall_share"], step_ms, cfg["G"] if name != "full" else None, cfg["M"] if name.startswith(("kvswap", "token")) else None,
+                  cfg["C"] if name == "kvswap" else None, cfg["sigma"] if name.startswith(("kvswap", "token")) else None,
+                  s[0]["o_direct"])
+        runs.append(run)
+        log(f"  {name:15s} {budget or '':5s} {run.decode_tok_s:9.1f} tok/s  step {run.step_ms:7.2f} ms")
+    for run in runs:
+        run.ratio_to_full = ratio(run.decode_tok_s, full_rate)
+    return runs
+
+
+def table(runs: list[Run]) -> str:
+    head = (f"{'batch':>5} {'ctx':>6} {'policy':15} {'budget':>6} {'tok/s':>8} {'x full':>7} {'KV MiB':>7} "
+            f"{'KiB/tok':>8} {'eff MiB/s':>9} {'vs disk':>7} {'reuse':>5} {'stall':>5} {'G':>3} {'M':>4} {'C':>4} {'sigma':>5}")
+    lines = [head]
+    for r in runs:
+        f = lambda v, fmt: format(v, fmt) if v is not None else "-"  # noqa: E731
+        lines.append(f"{r.batch:>5} {r.context:>6} {r.policy:15} {r.budget or '-':>6} {r.decode_tok_s:8.1f} "
+                     f"{f(r.ratio_to_full, '.2f'):>7} {r.kv_resident_mib:7.1f} {r.read_bytes_per_token / 1024:8.1f} "
+                     f"{f(r.eff_read_bw_mib_s, '.0f'):>9} {f(r.eff_bw_vs_profile, '.2f'):>7} {r.reuse_rate:5.2f} "
+                     f"{r.io_stall_share:5.2f} {f(r.G, 'd'):>3} {f(r.M, 'd'):>4} {f(r.C, 'd'):>4} {f(r.sigma, 'g'):>5}")
+    return "\n".join(lines)
+
+
+def plot(runs: list[Run], png: Path) -> None:
+    """Throughput vs batch per policy (KVSwap Tab. 4) and kvswap step time vs context."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    context = max(r.context for r in runs)
+    for i, key in enumerate(dict.fromkeys((r.policy, r.budget) for r in runs)):
+        rows = sorted((r for r in runs if (r.policy, r.budget) == key and r.context == context), key=lambda r: r.batch)
+        if rows:
+            ax1.plot([r.batch for r in rows], [r.decode_tok_s for r in rows], "-o", color=f"C{i % 10}",
+                     label=key[0] + (f" {key[1]}" if key[1] else ""))
+        rows = sorted((r for r in runs if (r.policy, r.budget) == key), key=lambda r: r.context)
+        if key[0] == "kvswap" and len({r.context for r in rows}) > 1:
+            for b in sorted({r.batch for r in rows}):
+                sub = [r for r in rows if r.batch == b]
+                ax2.plot([r.context for r in sub], [r.step_ms for r in sub], "-o", label=f"kvswap {key[1]} b={b}")
+    ax1.set(xlabel="batch", ylabel="decode tokens/s", title=f"context {context}")
+    ax2.set(xlabel="context (tokens)", ylabel="ms per decode step", title="kvswap step time vs context")
+    for ax in (ax1, ax2):
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+
+
+def run(model_dir: Path, kv_dir: Path, batches: list[int], contexts: list[int], budgets: list[str], steps: int,
+        warmup: int, disk_seconds: float, policies: list[str], log=print) -> tuple[list[Run], dict]:
+    from edgekv.runtime.model import load_model
+
+    kv_dir.mkdir(parents=True, exist_ok=True)
+    model = load_model(model_dir, torch.device("cpu"), torch.float32, max(contexts) + 64)
+    limits = solver.Limits()
+    log(f"disk profile of {kv_dir} ({disk_seconds:g} s, fio beside our reader)")
+    disk_profile = diskprof.profile_disk(kv_dir, disk_seconds, 256, block_sizes=(4096, 16384, 65536, 262144),
+                                         queue_depths=(QUEUE_DEPTH,))
+    ranks = sorted({LowRankAdapter.rank_for(model.dims.n_kv_heads, model.dims.head_dim, s) for s in solver.SIGMAS})
+    compute_profile = profile_compute(model, {}, sorted(set(batches)), sorted(set(contexts)), ranks, limits.mg_const)
+    reuse_table, source = cached_reuse_table(model_dir)
+    log(f"reuse rate for the solver: {source}")
+    runs = []
+    for context in contexts:
+        for batch in batches:
+            log(f"batch {batch}, context {context}")
+            runs += bench_point(model, kv_dir, batch, context, budgets, steps, warmup, limits, disk_profile,
+                                compute_profile, policies, reuse_table, log)
+    meta = {"model": str(model_dir), "steps": steps, "warmup_steps": warmup, "queue_depth": QUEUE_DEPTH,
+            "disk": {"reference": disk_profile.reference, "reader": disk_profile.reader, "o_direct": disk_profile.o_direct,
+                     "points": [asdict(p) for p in disk_profile.points]},
+            "threads": torch.get_num_threads(), "reuse_table": source}
+    return runs, meta
+
+
+def cached_reuse_table(model_dir: Path) -> tuple[dict | None, str]:
+    """The install step's reuse lookup table for this model when `make deploy` has built it."""
+    import os
+
+    from edgekv.deploy import model_fingerprint
+
+    root = Path(os.environ.get("EDGEKV_CACHE") or Path.home() / ".cache" / "edgekv")
+    path = root / "tables" / model_fingerprint(Path(model_dir)) / "tables.json"
+    if not path.is_file():
+        return None, "none cached (run make deploy for this model); the solver assumes no reuse"
+    return tables.load_tables(path)[0], str(path)
+
+
+def write_json(path: Path, runs: list[Run], meta: dict) -> None:
+    Path(path).write_text(json.dumps({"meta": meta, "runs": [asdict(r) for r in runs]}, indent=1))
+

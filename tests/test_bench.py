@@ -1,0 +1,53 @@
+"""The bench command: ratio arithmetic, step timing without warm-up, and a CI-fast end-to-end run."""
+import json
+
+import pytest
+
+from edgekv import bench
+from edgekv.cli import main
+
+
+def test_ratio_and_effective_bandwidth():
+    assert bench.ratio(50.0, 25.0) == 2.0
+    assert bench.ratio(None, 25.0) is None and bench.ratio(5.0, 0.0) is None and bench.ratio(5.0, None) is None
+    assert bench.effective_bandwidth(3 * 2**20, 0.5) == pytest.approx(6.0)
+    assert bench.effective_bandwidth(0, 0.5) is None and bench.effective_bandwidth(10, 0.0) is None
+
+
+def test_decode_rate_excludes_warmup_steps():
+    # steps 0-1 are slow warm-up; steps 2-3 decode 4 and 2 sequences in 10 ms each
+    events = [(0, 4, 900_000_000), (1, 4, 500_000_000), (2, 4, 10_000_000), (3, 2, 10_000_000)]
+    tok_s, step_ms = bench.decode_rate(events, warmup=2)
+    assert tok_s == pytest.approx(6 / 0.02) and step_ms == pytest.approx(10.0)
+    with pytest.raises(ValueError, match="no decode steps after 4 warm-up steps"):
+        bench.decode_rate(events, warmup=4)
+
+
+def test_step_timer_pairs_start_and_end_events():
+    from edgekv.runtime.events import StepEvent
+
+    timer = bench.StepTimer()
+    for kind, step, t in [("decode_step_start", 0, 100), ("groups_selected", 0, 150), ("decode_step_end", 0, 400),
+                          ("decode_step_start", 1, 500), ("decode_step_end", 1, 550)]:
+        timer(StepEvent(kind, t, {"step": step, "active": 3}))
+    assert timer.steps == [(0, 3, 300), (1, 3, 50)]
+
+
+def test_bench_end_to_end_writes_every_row(model_dirs, tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    rc = main(["bench", "--model", model_dirs["llama"], "--batches", "2", "--contexts", "512", "--budgets", "1/4",
+               "--steps", "2", "--warmup", "1", "--disk-seconds", "0.5", "--kv-path", str(tmp_path),
+               "--json", str(out), "--png", str(tmp_path / "bench.png")])
+    assert rc == 0
+    runs = json.loads(out.read_text())["runs"]
+    assert [r["policy"] for r in runs] == ["full", "flexgen", "token", "kvswap-noreuse", "kvswap"]
+    keys = {"policy", "budget", "batch", "context", "decode_tok_s", "ratio_to_full", "kv_resident_mib",
+            "read_bytes_per_token", "eff_read_bw_mib_s", "eff_bw_vs_profile", "reuse_rate", "io_stall_share"}
+    for r in runs:
+        assert keys <= set(r) and r["decode_tok_s"] > 0 and (r["batch"], r["context"]) == (2, 512)
+        assert r["ratio_to_full"] == pytest.approx(r["decode_tok_s"] / runs[0]["decode_tok_s"], rel=1e-2)
+    assert runs[0]["read_bytes_per_token"] == 0 and runs[1]["read_bytes_per_token"] > runs[4]["read_bytes_per_token"]
+    full_mib = runs[0]["kv_resident_mib"]
+    assert all(r["kv_resident_mib"] <= full_mib / 4 + 1e-6 for r in runs[2:])  # within the 1/4 budget
+    assert "reproduce: edgekv bench" in capsys.readouterr().out
+    assert (tmp_path / "bench.png").is_file()
