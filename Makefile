@@ -10,7 +10,7 @@ CALIBRATION ?=
 DEPLOY_ARGS = --platform $(PLATFORM) $(if $(MODEL),--model $(MODEL)) $(if $(KV_PATH),--kv-path $(KV_PATH)) \
               $(if $(filter-out 0,$(REPROFILE)),--reprofile) $(if $(CALIBRATION),--calibration $(CALIBRATION))
 
-.PHONY: env native fio test deploy profile bench clean
+.PHONY: env native fio test deploy profile bench energy clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -47,6 +47,11 @@ deploy: native fio
 # every policy side by side on this machine (BENCH_ARGS=--quick for a one-minute run)
 bench: native fio
 	$(PYTHON) -m edgekv.cli bench $(BENCH_ARGS) --json deploy/bench.json --png deploy/bench.png
+
+# the deploy workload under the platform's power meter (J, W, J/token per phase)
+energy: native fio
+	$(PYTHON) -m edgekv.cli energy --platform $(PLATFORM) --json deploy/energy.json --csv deploy/energy.csv \
+	  --png deploy/energy.png -- $(PYTHON) -m edgekv.cli deploy $(DEPLOY_ARGS)
 
 profile: native fio
 	$(PYTHON) -m edgekv.cli deploy --profile-only $(DEPLOY_ARGS)

@@ -23,6 +23,7 @@ from edgekv.install import compute, disk, report, solver, tables
 from edgekv.install.iomodel import io_model
 from edgekv.install.profile import Profile, load_profile
 from edgekv.platforms.detect import detect_platform
+from edgekv.platforms.devices import platform_for
 from edgekv.runtime import Engine
 from edgekv.runtime.adapter import LowRankAdapter
 from edgekv.runtime.model import ModelDims, load_model, read_model_config
@@ -201,6 +202,7 @@ def run(platform: str | None = None, model: str | None = None, kv_path: str | No
     del loaded
 
     measurements = {
+        "platform": platform_for(prof).facts(),
         "disk": {"reference": disk_profile.reference, "reader": disk_profile.reader, "o_direct": disk_profile.o_direct,
                  "fingerprint": disk_profile.fingerprint, "points": [p.__dict__ for p in disk_profile.points]},
         "compute": {"device": str(device), "dtype": str(kv_dtype), "block_ms": compute_profile.block_ms,

@@ -5,7 +5,8 @@ from pathlib import Path
 
 
 def write(out: Path, prof, model_dir, measurements: dict, solutions, stats, tuning_s: float) -> None:
-    lines = [f"edgekv install report: platform {prof.platform} ({prof.source})", f"model {model_dir}", ""]
+    lines = [f"edgekv install report: platform {prof.platform} ({prof.source})", f"model {model_dir}",
+             "facts: " + ", ".join(f"{k}={v}" for k, v in measurements.get("platform", {}).items()), ""]
     d = measurements["disk"]
     lines += [f"disk {d['fingerprint'].get('source')} ({d['fingerprint'].get('fs')}), reference {d['reference']}, "
               f"reader {d['reader']}, O_DIRECT={d['o_direct']}",

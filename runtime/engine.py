@@ -6,6 +6,7 @@ The whole offloading policy is visible in ``_make_policy``; the decode loop in
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from functools import partial
@@ -17,7 +18,7 @@ import torch
 from .adapter import LowRankAdapter
 from .config import ConfigError, RuntimeConfig
 from .disk_store import DiskKVStore, RecordLayout, check_offload_path
-from .events import EventBus
+from .events import EventBus, JsonLinesLog
 from .forward import prefill
 from .kv_policy import InMemoryKV, KVPolicy
 from .memory import MemoryPlan, plan_memory
@@ -65,6 +66,8 @@ class Engine:
         self.prompt_cache: PromptKVCache | None = None  # set to share prompt KV across engines on this model
         self._adapters: dict[str, LowRankAdapter] = {}
         self.events = EventBus()
+        if os.environ.get("EDGEKV_EVENTS_FILE"):  # set by `edgekv energy` for the process it measures
+            self.events.subscribe(JsonLinesLog(os.environ["EDGEKV_EVENTS_FILE"]))
         self._warned_adapter = False
         self.rank, self.memory_plan = _preflight(policy, self.config, model.dims, model.dtype, adapter, kv_offload_path)
         self.reader: KVReader | None = None

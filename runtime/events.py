@@ -5,6 +5,7 @@ timestamps; the runtime itself knows no meter.
 """
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -35,3 +36,17 @@ class EventBus:
             event = StepEvent(kind, time.monotonic_ns(), info)
             for listener in self._listeners:
                 listener(event)
+
+
+class JsonLinesLog:
+    """Appends step events (not the per-layer selections) to a file, one JSON object per line:
+    how a meter in another process (``edgekv energy -- <command>``) aligns with this one."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def __call__(self, event: StepEvent) -> None:
+        if event.kind == "groups_selected":
+            return
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"kind": event.kind, "t_ns": event.t_ns, "info": event.info}) + "\n")

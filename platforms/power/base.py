@@ -1,0 +1,124 @@
+"""The meter interface and its sampling loop; a meter only implements ``read()``.
+
+A read returns the instantaneous power (W) and, where the hardware keeps one, a cumulative
+energy counter (J).  Energy over a window comes from the counter when there is one (exact,
+wrap-around handled by the meter), else from integrating power with the trapezoid rule.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+
+class MeterUnavailable(RuntimeError):
+    """This meter's source is absent or unreadable on this machine; the message says what is missing."""
+
+
+@dataclass(frozen=True)
+class PowerSample:
+    t_ns: int  # time.monotonic_ns(), the clock the runtime's step events use
+    power_w: float | None
+    energy_j: float | None = None  # cumulative counter, unwrapped
+    rails_w: dict = field(default_factory=dict)
+
+
+@dataclass
+class PowerTrace:
+    meter: str
+    samples: list[PowerSample]
+
+    def energy_j(self, t0_ns: int | None = None, t1_ns: int | None = None) -> float:
+        """Energy between two instants (default: the whole trace), counter-based when available."""
+        t0 = self.samples[0].t_ns if t0_ns is None else t0_ns
+        t1 = self.samples[-1].t_ns if t1_ns is None else t1_ns
+        if all(s.energy_j is not None for s in self.samples):
+            return _interp(self.samples, t1, "energy_j") - _interp(self.samples, t0, "energy_j")
+        return integrate_power(self.samples, t0, t1)
+
+    @property
+    def duration_s(self) -> float:
+        return (self.samples[-1].t_ns - self.samples[0].t_ns) / 1e9
+
+    def powers_w(self) -> list[tuple[float, float]]:
+        """(seconds from start, W) per sample; from counter differences where the meter has no power reading."""
+        t0 = self.samples[0].t_ns
+        out = []
+        for prev, cur in zip([None] + self.samples[:-1], self.samples):
+            if cur.power_w is not None:
+                out.append(((cur.t_ns - t0) / 1e9, cur.power_w))
+            elif prev is not None and cur.energy_j is not None and cur.t_ns > prev.t_ns:
+                out.append(((cur.t_ns - t0) / 1e9, (cur.energy_j - prev.energy_j) / ((cur.t_ns - prev.t_ns) / 1e9)))
+        return out
+
+
+def _interp(samples, t_ns: int, attr: str) -> float:
+    xs = [s.t_ns for s in samples]
+    ys = [getattr(s, attr) for s in samples]
+    if t_ns <= xs[0]:
+        return ys[0]
+    for (x0, y0), (x1, y1) in zip(zip(xs, ys), zip(xs[1:], ys[1:])):
+        if t_ns <= x1:
+            return y0 + (y1 - y0) * (t_ns - x0) / (x1 - x0) if x1 > x0 else y1
+    return ys[-1]
+
+
+def integrate_power(samples, t0_ns: int, t1_ns: int) -> float:
+    """Trapezoid integral of power (W) over [t0, t1] in joules, linear between samples."""
+    pts = [(s.t_ns, s.power_w) for s in samples if s.power_w is not None]
+    if len(pts) < 2 or t1_ns <= t0_ns:
+        return 0.0
+    total = 0.0
+    for (x0, p0), (x1, p1) in zip(pts, pts[1:]):
+        a, b = max(x0, t0_ns), min(x1, t1_ns)
+        if b <= a:
+            continue
+        pa = p0 + (p1 - p0) * (a - x0) / (x1 - x0)
+        pb = p0 + (p1 - p0) * (b - x0) / (x1 - x0)
+        total += (pa + pb) / 2 * (b - a) / 1e9
+    return total
+
+
+class PowerMeter:
+    """Samples ``read()`` on a background thread at ``rate_hz`` between start() and stop()."""
+
+    name = "abstract"
+
+    def __init__(self, rate_hz: float = 10.0):
+        if rate_hz <= 0:
+            raise ValueError(f"rate_hz must be > 0, got {rate_hz}")
+        self.period_s = 1.0 / rate_hz
+        self._samples: list[PowerSample] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def read(self) -> tuple[float | None, float | None, dict]:
+        """(power W or None, cumulative energy J or None, per-rail W)."""
+        raise NotImplementedError
+
+    def sample(self) -> PowerSample:
+        power, energy, rails = self.read()
+        s = PowerSample(time.monotonic_ns(), power, energy, rails)
+        self._samples.append(s)
+        return s
+
+    def start(self) -> None:
+        self._samples = []
+        self._stop.clear()
+        self.sample()
+        self._thread = threading.Thread(target=self._loop, name=f"edgekv-{self.name}", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.period_s):
+            self.sample()
+
+    def stop(self) -> PowerTrace:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        self.sample()
+        return PowerTrace(self.name, list(self._samples))
+
+    def close(self) -> None:
+        pass

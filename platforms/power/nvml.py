@@ -1,0 +1,36 @@
+"""NVML through nvidia-ml-py (import name ``pynvml``): the GPU's energy counter in mJ (Volta and
+newer), else its power draw in mW integrated over time."""
+from __future__ import annotations
+
+from .base import MeterUnavailable, PowerMeter
+
+
+class NvmlMeter(PowerMeter):
+    name = "nvml"
+
+    def __init__(self, rate_hz: float = 10.0, index: int = 0, nvml=None):
+        super().__init__(rate_hz)
+        if nvml is None:
+            try:
+                import pynvml as nvml
+            except ImportError as exc:
+                raise MeterUnavailable("nvidia-ml-py is not installed (pip install nvidia-ml-py)") from exc
+        self.nvml = nvml
+        try:
+            nvml.nvmlInit()
+            self.handle = nvml.nvmlDeviceGetHandleByIndex(index)
+        except nvml.NVMLError as exc:
+            raise MeterUnavailable(f"NVML has no GPU {index} ({exc})") from exc
+        try:
+            nvml.nvmlDeviceGetTotalEnergyConsumption(self.handle)
+            self.has_counter = True
+        except nvml.NVMLError:
+            self.has_counter = False
+
+    def read(self):
+        power_w = self.nvml.nvmlDeviceGetPowerUsage(self.handle) / 1000  # mW
+        energy_j = self.nvml.nvmlDeviceGetTotalEnergyConsumption(self.handle) / 1000 if self.has_counter else None  # mJ
+        return power_w, energy_j, {}
+
+    def close(self):
+        self.nvml.nvmlShutdown()
