@@ -102,6 +102,20 @@ def _energy(args) -> int:
     return rc
 
 
+def _fpga(args) -> int:
+    import tempfile
+
+    from edgekv.platforms.smartssd import selftest
+
+    with tempfile.TemporaryDirectory() as tmp:
+        result = selftest(args.backend, args.cases, args.seed, Path(tmp))
+    result["bytes_ratio"] = result["bytes_to_host"] / max(1, result["bytes_host_scoring_would_read"])
+    print(json.dumps(result))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+    return 0 if result["topk_agreement"] == 1.0 else 1
+
+
 def _parse_budget(text: str) -> float:
     num, _, den = text.partition("/")
     value = float(num) / float(den) if den else float(num)
@@ -248,6 +262,15 @@ def main(argv=None) -> int:
     en.add_argument("--png", help="power over time with prefill/decode shaded")
     en.add_argument("cmd", nargs=argparse.REMAINDER, help="-- command [args]")
     en.set_defaults(func=_energy)
+
+    fp = sub.add_parser("fpga", help="the in-storage scoring kernel")
+    fp_sub = fp.add_subparsers(dest="fpga_command", required=True)
+    st = fp_sub.add_parser("selftest", help="random cases against the numpy reference")
+    st.add_argument("--backend", default="csim", choices=["csim", "xrt"])
+    st.add_argument("--cases", type=int, default=50)
+    st.add_argument("--seed", type=int, default=0)
+    st.add_argument("--json")
+    st.set_defaults(func=_fpga)
 
     args = ap.parse_args(argv)
     args.command_line = " ".join(["edgekv", *(sys.argv[1:] if argv is None else argv)])

@@ -233,8 +233,17 @@ def run(platform: str | None = None, model: str | None = None, kv_path: str | No
         "solutions": [{**x.to_json(), "adapter_path": adapters[float(x.sigma)]} for x in solutions],
         "measurements": measurements, "edgekv_version": VERSION,
     }
-    if prof.platform == "smartssd":
-        config["beta"] = None  # f_cpu / f_ssd comes with the in-storage scorer; CPU-only path until then
+    if "smartssd" in prof.scorers:
+        from edgekv.install.scorers import pool_ratio, scoring_throughputs
+        from edgekv.platforms.smartssd import open_scorer
+
+        backend = "xrt" if prof.platform == "smartssd" and detected == "smartssd" else "csim"
+        rates = scoring_throughputs(open_scorer(backend), dims.n_kv_heads, dims.head_dim, work=kv_dir)
+        keys_bytes = prof.max_context * dims.n_layers * dims.n_kv_heads * dims.head_dim * 2
+        config["beta"] = pool_ratio(rates["f_cpu_tok_s"], rates["f_ssd_tok_s"], budget, keys_bytes)
+        measurements["scoring"] = rates
+        log(f"HillInfer pools: f_cpu {rates['f_cpu_tok_s']:.3g} tok/s, f_ssd ({backend}) {rates['f_ssd_tok_s']:.3g} tok/s, "
+            f"beta {config['beta']:.3f}")
     tmp = out / "config.json.tmp"
     tmp.write_text(json.dumps(config, indent=1))
     tmp.replace(out / "config.json")
@@ -242,21 +251,28 @@ def run(platform: str | None = None, model: str | None = None, kv_path: str | No
     log(f"config: {out / 'config.json'}  (G={top.G} M={top.M} C={top.C} sigma={top.sigma:g} reuse={top.reuse} "
         f"at batch {top.batch}, context {top.context}; {len(solutions)} solutions; tuning {tuning_s:.0f} s)")
 
-    stats = smoke_run(model_dir, kv_dir, out / "config.json", prof, device) if smoke else None
+    scorer = None
+    if "smartssd" in prof.scorers:  # the smartssd profile runs HillInfer's hierarchical selector
+        from edgekv.platforms.smartssd import open_scorer
+
+        scorer = open_scorer("xrt" if detected == "smartssd" else "csim")
+    stats = smoke_run(model_dir, kv_dir, out / "config.json", prof, device, scorer) if smoke else None
     report.write(out, prof, model_dir, measurements, solutions, stats, tuning_s)
     log(f"report: {out / 'report.txt'}")
     return {"config": str(out / "config.json"), "stats": stats, "tuning_s": round(tuning_s, 1)}
 
 
-def smoke_run(model_dir: Path, kv_dir: Path, config: Path, prof: Profile, device: torch.device) -> dict:
+def smoke_run(model_dir: Path, kv_dir: Path, config: Path, prof: Profile, device: torch.device, scorer=None) -> dict:
     """One generation with the solved config: 2 prompts, 32 new tokens, stats as the runtime reports them."""
     context = min(4096, prof.max_context - 64)
     prompts = calibration_prompts(model_dir, context, min(2, prof.max_batch), seed=99)
-    with Engine.from_pretrained(model_dir, kv_offload_path=kv_dir, config=config, policy="kvswap", device=device) as engine:
+    policy = "hillinfer" if scorer is not None else "kvswap"
+    with Engine.from_pretrained(model_dir, kv_offload_path=kv_dir, config=config, policy=policy, device=device,
+                                scorer=scorer) as engine:
         results = engine.generate(prompts, max_new_tokens=32, stop_token_ids=[])
     s = [r.stats for r in results]
     return {
-        "policy": "kvswap", "batch": len(prompts), "context": context, "new_tokens": 32,
+        "policy": policy, "batch": len(prompts), "context": context, "new_tokens": 32,
         "decode_tok_s": round(sum(x["generated_tokens"] - 1 for x in s) / max(x["decode_s"] for x in s), 2),
         "kv_resident_mib": round(s[0]["kv_resident_bytes"] / 2**20, 2),
         "reuse_rate": round(float(np.mean([x["reuse_rate"] for x in s])), 3),

@@ -10,7 +10,7 @@ import math
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
-POLICIES = ("kvswap", "full", "flexgen", "token")
+POLICIES = ("kvswap", "full", "flexgen", "token", "hillinfer")
 READER_BACKENDS = ("auto", "io_uring", "pthread", "python")
 SELECTORS = ("lowrank", "random")
 SCORE_REDUCES = ("sum", "softmax")
@@ -48,6 +48,9 @@ class RuntimeConfig:
     reader_backend: str = "auto"
     io_align_bytes: int = 4096
     io_queue_depth: int = 64
+    importance_rate: float = 0.2  # hillinfer alpha: the share of tokens selected (and kept recent in the CPU pool)
+    beta: float = 1.0  # hillinfer: CPU / storage pool size ratio, ~ f_cpu / f_ssd (HillInfer Eq. 1)
+    score_block_tokens: int = 1024  # hillinfer: tokens per in-storage score block
 
     @classmethod
     def load(cls, source: "RuntimeConfig | dict | str | Path | None") -> "RuntimeConfig":
@@ -101,6 +104,12 @@ class RuntimeConfig:
             raise ConfigError(f"config field 'score_reduce' must be one of {SCORE_REDUCES}, got {self.score_reduce!r}")
         if self.klr_dtype not in KLR_DTYPES:
             raise ConfigError(f"config field 'klr_dtype' must be one of {KLR_DTYPES}, got {self.klr_dtype!r}")
+        if not (isinstance(self.importance_rate, (int, float)) and 0 < self.importance_rate <= 1):
+            raise ConfigError(f"config field 'importance_rate' must be in (0, 1], got {self.importance_rate!r}")
+        if not (isinstance(self.beta, (int, float)) and self.beta > 0):
+            raise ConfigError(f"config field 'beta' must be > 0, got {self.beta!r}")
+        if not (isinstance(self.score_block_tokens, int) and 1 <= self.score_block_tokens <= 1024):
+            raise ConfigError(f"config field 'score_block_tokens' must be in [1, 1024] (the kernel's block), got {self.score_block_tokens!r}")
         align = self.io_align_bytes
         if not isinstance(align, int) or align < 512 or align & (align - 1):
             raise ConfigError(f"config field 'io_align_bytes' must be a power of two >= 512, got {align!r}")
@@ -112,6 +121,8 @@ class RuntimeConfig:
             raise ConfigError(f"unknown policy {policy!r}; choose one of {POLICIES}")
         if policy == "token":
             return RuntimeConfig(**{**asdict(self), "G": 1, "M": self.M * self.G, "reuse": False})
+        if policy == "hillinfer":
+            return RuntimeConfig(**{**asdict(self), "G": 1, "M": math.ceil(self.importance_rate * self.max_context), "reuse": False})
         if policy == "flexgen":
             return RuntimeConfig(**{**asdict(self), "M": math.ceil(self.max_context / self.G), "reuse": False})
         return self

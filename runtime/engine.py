@@ -26,6 +26,8 @@ from .model import DecoderModel, ModelDims, load_model, read_model_config
 from .offload import OffloadedKV
 from .reader import KVReader, open_reader
 from .sampling import Sampler, SamplingParams
+from .hillinfer import HierarchicalSelector
+from .scoring import InStorageScorer, NumpyScorer
 from .selector import AllGroupsSelector, LowRankSelector, RandomSelector
 from .slots import PreloadSlots, SlotTable
 from .prompt_cache import PromptKV, PromptKVCache
@@ -55,6 +57,7 @@ class Engine:
         tokenizer=None,
         adapter: LowRankAdapter | None = None,
         solutions: SolutionTable | None = None,
+        scorer: InStorageScorer | None = None,
     ):
         self.model = model
         self.tokenizer = tokenizer
@@ -63,6 +66,7 @@ class Engine:
         self.kv_offload_path = Path(kv_offload_path) if kv_offload_path is not None else None
         self.adapter = adapter
         self.solutions = solutions
+        self.scorer = scorer  # hillinfer's in-storage scorer (a platform's backend); the numpy reference if None
         self.prompt_cache: PromptKVCache | None = None  # set to share prompt KV across engines on this model
         self._adapters: dict[str, LowRankAdapter] = {}
         self.events = EventBus()
@@ -83,6 +87,7 @@ class Engine:
         policy: str = "kvswap",
         device: str | torch.device | None = None,
         dtype: torch.dtype | None = None,
+        scorer: InStorageScorer | None = None,
     ) -> "Engine":
         """Everything that can be refused is checked before the weights are loaded.
 
@@ -100,7 +105,7 @@ class Engine:
             _preflight(policy, sol.for_policy(policy), dims, dtype, _load_adapter(sol, policy), kv_offload_path)
         max_context = max([cfg.max_context] + [s.max_context for _, _, s in solutions or []])
         model = load_model(model_dir, device, dtype, max_context)
-        return cls(model, cfg, policy, kv_offload_path, _load_tokenizer(model_dir), adapter, solutions)
+        return cls(model, cfg, policy, kv_offload_path, _load_tokenizer(model_dir), adapter, solutions, scorer)
 
     # ---- generation -------------------------------------------------------------------------
 
@@ -317,6 +322,11 @@ class Engine:
         store = DiskKVStore(self.kv_offload_path, dims.n_layers, layout, self.reader)
         if self.policy == "flexgen":
             selector = AllGroupsSelector(cfg.M, model.device)
+        elif self.policy == "hillinfer":
+            selector = HierarchicalSelector(
+                self.scorer or NumpyScorer(), store.dir, dims.n_layers, batch, cfg.max_context, dims.n_kv_heads,
+                dims.head_dim, cfg.importance_rate, cfg.beta, model.scaling, cfg.score_block_tokens,
+            )
         elif cfg.selector == "random":
             selector = RandomSelector(cfg.M)
         else:

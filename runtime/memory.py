@@ -7,6 +7,7 @@ buffer (G tokens per layer).  Slots count their O_DIRECT padding: it is resident
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from .config import RuntimeConfig
@@ -57,7 +58,9 @@ def plan_memory(
     else:
         slots = dims.n_layers * cfg.C if cfg.reuse else min(dims.n_layers, 2) * cfg.M
         parts = {
-            "k_lowrank": 0 if policy == "flexgen" else dims.n_layers * cfg.max_context * rank * klr_itemsize,
+            "k_lowrank": 0 if policy in ("flexgen", "hillinfer") else dims.n_layers * cfg.max_context * rank * klr_itemsize,
+            "k_cpu_pool": 0 if policy != "hillinfer" else
+            dims.n_layers * math.ceil(cfg.beta / (1 + cfg.beta) * cfg.max_context) * dims.n_kv_heads * dims.head_dim * 2,
             "slots": slots * stride_bytes,
             "rolling": dims.n_layers * cfg.G * token_bytes,
         }

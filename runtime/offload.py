@@ -147,10 +147,12 @@ class OffloadedKV(KVPolicy):
 
     def release_sequence(self, seq):
         self.store.release(seq)
+        self.selector.release(seq)
 
     def close(self):
         for _, _, future in self._pending.values():
             future.result()
         self._pending.clear()
         self._io.shutdown(wait=True)
+        self.selector.close()
         self.store.close()

@@ -28,6 +28,12 @@ class Selector:
         """
         raise NotImplementedError
 
+    def release(self, seq: int) -> None:
+        """The sequence is done: drop what the selector keeps for it."""
+
+    def close(self) -> None:
+        pass
+
 
 class AllGroupsSelector(Selector):
     def __init__(self, max_groups: int, device: torch.device):

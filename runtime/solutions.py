@@ -15,7 +15,7 @@ from pathlib import Path
 from .config import ConfigError, RuntimeConfig
 
 # written by the install step for people and tools; ignored here
-METADATA_KEYS = ("platform", "model", "alpha", "beta", "solutions", "measurements", "profile", "created",
+METADATA_KEYS = ("platform", "model", "alpha", "solutions", "measurements", "profile", "created",
                  "edgekv_version", "report", "kv_path", "device", "dtype")
 SOLUTION_KEYS = ("G", "M", "C", "sigma", "reuse", "adapter_path")
 
