@@ -185,11 +185,12 @@ def table(results: list[Result]) -> str:
         cell = {(r.task, r.variant): r.accuracy for r in results if r.context == context}
         tasks = list(dict.fromkeys(r.task for r in results if r.context == context))
         lines.append(f"context {context}")
-        lines.append(f"{'task':16}" + "".join(f"{lab:>22}" for lab in labels))
+        w = max(len(lab) for lab in labels) + 2
+        lines.append(f"{'task':16}" + "".join(f"{lab:>{w}}" for lab in labels))
         for task in tasks:
-            lines.append(f"{task:16}" + "".join(f"{100 * cell[(task, lab)]:22.1f}" for lab in labels))
+            lines.append(f"{task:16}" + "".join(f"{100 * cell[(task, lab)]:{w}.1f}" for lab in labels))
         rel = relative_accuracy([r for r in results if r.context == context])
-        lines.append(f"{'relative':16}" + "".join(f"{rel[lab]:22.3f}" for lab in labels))
+        lines.append(f"{'relative':16}" + "".join(f"{rel[lab]:{w}.3f}" for lab in labels))
         configs = {r.variant: r.config for r in results if r.context == context}
         for lab in labels:
             c = configs[lab]
