@@ -12,11 +12,11 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
-import subprocess
 from pathlib import Path
 
 import numpy as np
 
+from edgekv.runtime.reader import compile_library
 from edgekv.runtime.scoring import SCORE_ENTRY, InStorageScorer, KeyPool, ScoreResult
 
 FPGA_DIR = Path(__file__).resolve().parents[1] / "fpga"
@@ -34,16 +34,8 @@ def build_csim() -> Path:
     target = root / f"libekv_score_csim-{digest}.so"
     if target.exists():
         return target
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_suffix(f".{os.getpid()}.tmp")
-    cmd = ["g++", "-O3", "-mf16c", "-fPIC", "-shared", "-Wall", "-Wno-unknown-pragmas", "-Wno-unused-label",
-           "-o", str(tmp), str(SOURCES[1])]
-    result = subprocess.run(cmd, capture_output=True, text=True)
-    if result.returncode != 0:
-        tmp.unlink(missing_ok=True)
-        raise OSError(f"building the csim scorer failed ({' '.join(cmd)}):\n{result.stderr.strip()}")
-    tmp.replace(target)
-    return target
+    flags = ["-O3", "-mf16c", "-fPIC", "-shared", "-Wall", "-Wno-unknown-pragmas", "-Wno-unused-label"]
+    return compile_library(lambda out: ["g++", *flags, "-o", out, str(SOURCES[1])], target, "the csim scorer")
 
 
 class CsimScorer(InStorageScorer):

@@ -21,6 +21,16 @@ class ConfigError(ValueError):
     """A config field is missing, unknown or out of range; the message names it."""
 
 
+def read_config_file(source: str | Path) -> dict:
+    path = Path(source)
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist; pass a dict or the path of a JSON config")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"config file {path} is not valid JSON: {exc}") from exc
+
+
 @dataclass(frozen=True)
 class RuntimeConfig:
     """What the runtime needs to know; units are in the names.
@@ -60,13 +70,7 @@ class RuntimeConfig:
         if isinstance(source, RuntimeConfig):
             return source.validated()
         if isinstance(source, (str, Path)):
-            path = Path(source)
-            if not path.is_file():
-                raise ConfigError(f"config file {path} does not exist; pass a dict or the path of a JSON config")
-            try:
-                source = json.loads(path.read_text())
-            except json.JSONDecodeError as exc:
-                raise ConfigError(f"config file {path} is not valid JSON: {exc}") from exc
+            source = read_config_file(source)
         if not isinstance(source, dict):
             raise ConfigError(f"config must be a dict or a JSON path, got {type(source).__name__}")
         known = {f.name for f in fields(cls)}

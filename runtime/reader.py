@@ -122,15 +122,22 @@ def build_native(backend: str) -> Path:
     target = _cache_dir() / f"libekv_reader-{backend}-{digest}.so"
     if target.exists():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
     flags = ["-DEKV_URING"] if backend == "io_uring" else []
     libs = ["-luring"] if backend == "io_uring" else ["-lpthread"]
+    return compile_library(lambda out: ["cc", "-O2", "-shared", "-fPIC", "-Wall", *flags, str(_SOURCE), "-o", out, *libs],
+                           target, f"the {backend} reader")
+
+
+def compile_library(command, target: Path, what: str) -> Path:
+    """Run ``command(output_path)`` into a temporary file and move it to ``target``: a failed or
+    interrupted build never leaves a library that would be loaded."""
+    target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_suffix(f".{os.getpid()}.tmp")
-    cmd = ["cc", "-O2", "-shared", "-fPIC", "-Wall", *flags, str(_SOURCE), "-o", str(tmp), *libs]
+    cmd = command(str(tmp))
     result = subprocess.run(cmd, capture_output=True, text=True)
     if result.returncode != 0:
         tmp.unlink(missing_ok=True)
-        raise OSError(f"building the {backend} reader failed ({' '.join(cmd)}):\n{result.stderr.strip()}")
+        raise OSError(f"building {what} failed ({' '.join(cmd)}):\n{result.stderr.strip()}")
     tmp.replace(target)
     return target
 

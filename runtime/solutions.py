@@ -8,11 +8,10 @@ own max_batch/max_context so its memory plan is the one the solver checked.
 """
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, fields
 from pathlib import Path
 
-from .config import ConfigError, RuntimeConfig
+from .config import ConfigError, RuntimeConfig, read_config_file
 
 # written by the install step for people and tools; ignored here
 METADATA_KEYS = ("platform", "model", "alpha", "solutions", "measurements", "profile", "created",
@@ -41,13 +40,7 @@ class SolutionTable:
 def load_deployed(source) -> tuple[RuntimeConfig, SolutionTable | None]:
     """A config dict/path/RuntimeConfig -> (base config, solutions or None)."""
     if isinstance(source, (str, Path)):
-        path = Path(source)
-        if not path.is_file():
-            raise ConfigError(f"config file {path} does not exist; pass a dict or the path of a JSON config")
-        try:
-            source = json.loads(path.read_text())
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"config file {path} is not valid JSON: {exc}") from exc
+        source = read_config_file(source)
     if not isinstance(source, dict) or "solutions" not in source:
         return RuntimeConfig.load(source), None
     known = {f.name for f in fields(RuntimeConfig)}
