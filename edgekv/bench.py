@@ -48,6 +48,7 @@ class Run:
     reuse_rate: float
     io_stall_share: float
     step_ms: float
+    layer_ms: dict | None = None  # per layer and decode step: select (predict + slots), io_stall, compute (the rest)
     G: int | None = None
     M: int | None = None
     C: int | None = None
@@ -148,8 +149,12 @@ def bench_point(model: DecoderModel, kv_dir: Path, batch: int, context: int, bud
         profile_bw = disk_profile.read_mib_s(stride, QUEUE_DEPTH, source="disk") if name != "full" else None
         if name == "full":
             full_rate = rate
+        per_layer = 1e3 / (len(timer.steps) * model.dims.n_layers)  # whole run (warm-up included), ms per layer-step
+        parts = {"select": s[0]["select_s"] * per_layer, "io_stall": s[0]["io_stall_s"] * per_layer}
+        parts["compute"] = max(0.0, s[0]["decode_s"] * per_layer - parts["select"] - parts["io_stall"])
         run = Run(name, budget, batch, context, rate, None, s[0]["kv_resident_bytes"] / 2**20, read / decoded, eff,
-                  ratio(eff, profile_bw), float(np.mean([x["reuse_rate"] for x in s])), s[0]["io_stall_share"], step_ms, cfg["G"] if name != "full" else None, cfg["M"] if name.startswith(("kvswap", "token")) else None,
+                  ratio(eff, profile_bw), float(np.mean([x["reuse_rate"] for x in s])), s[0]["io_stall_share"], step_ms,
+                  parts, cfg["G"] if name != "full" else None, cfg["M"] if name.startswith(("kvswap", "token")) else None,
                   cfg["C"] if name == "kvswap" else None, cfg["sigma"] if name.startswith(("kvswap", "token")) else None,
                   s[0]["o_direct"])
         runs.append(run)
@@ -173,13 +178,14 @@ def table(runs: list[Run]) -> str:
 
 
 def plot(runs: list[Run], png: Path) -> None:
-    """Throughput vs batch per policy (KVSwap Tab. 4) and kvswap step time vs context."""
+    """Throughput vs batch per policy (KVSwap Tab. 4), kvswap step time vs context, and the per-layer
+    latency breakdown of each row at the largest context and batch (Fig. 13a)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(15, 4))
     context = max(r.context for r in runs)
     for i, key in enumerate(dict.fromkeys((r.policy, r.budget) for r in runs)):
         rows = sorted((r for r in runs if (r.policy, r.budget) == key and r.context == context), key=lambda r: r.batch)
@@ -191,9 +197,18 @@ def plot(runs: list[Run], png: Path) -> None:
             for b in sorted({r.batch for r in rows}):
                 sub = [r for r in rows if r.batch == b]
                 ax2.plot([r.context for r in sub], [r.step_ms for r in sub], "-o", label=f"kvswap {key[1]} b={b}")
+    batch = max(r.batch for r in runs if r.context == context)
+    last = [r for r in runs if r.context == context and r.batch == batch and r.layer_ms]
+    bottom = np.zeros(len(last))
+    for part, color in (("compute", "C0"), ("select", "C1"), ("io_stall", "C3")):
+        values = np.array([r.layer_ms[part] for r in last])
+        ax3.bar(range(len(last)), values, bottom=bottom, color=color, label=part)
+        bottom += values
+    ax3.set_xticks(range(len(last)), [r.policy + (f"\n{r.budget}" if r.budget else "") for r in last], fontsize=7)
     ax1.set(xlabel="batch", ylabel="decode tokens/s", title=f"context {context}")
     ax2.set(xlabel="context (tokens)", ylabel="ms per decode step", title="kvswap step time vs context")
-    for ax in (ax1, ax2):
+    ax3.set(ylabel="ms per layer per step", title=f"latency per layer, batch {batch}, context {context}")
+    for ax in (ax1, ax2, ax3):
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=7)

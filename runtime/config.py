@@ -126,7 +126,10 @@ class RuntimeConfig:
         if policy == "token":
             return RuntimeConfig(**{**asdict(self), "G": 1, "M": self.M * self.G, "reuse": False})
         if policy == "hillinfer":
-            return RuntimeConfig(**{**asdict(self), "G": 1, "M": math.ceil(self.importance_rate * self.max_context), "reuse": False})
+            # the CPU KV pool: selected tokens stay resident in reuse slots, a pool of beta / (1 + beta) of the context
+            m = math.ceil(self.importance_rate * self.max_context)
+            pool = math.ceil(self.beta / (1 + self.beta) * self.max_context)
+            return RuntimeConfig(**{**asdict(self), "G": 1, "M": m, "C": max(m, pool), "reuse": True})
         if policy == "flexgen":
             return RuntimeConfig(**{**asdict(self), "M": math.ceil(self.max_context / self.G), "reuse": False})
         return self

@@ -281,6 +281,7 @@ class Engine:
             "reuse_rate": float(hits[seq] / lookups[seq]) if lookups[seq] else 0.0,
             "io_stall_s": policy.io_stall_s,
             "io_read_s": policy.io_read_s,
+            "select_s": policy.select_s,
             "io_stall_share": policy.io_stall_s / decode_s if decode_s > 0 else 0.0,
             "kv_resident_bytes": policy.resident_bytes,
             "batch_size": policy.batch,

@@ -85,6 +85,7 @@ class OffloadedKV(KVPolicy):
             self.rb_len[seq] = rest
 
     def prefetch(self, layer, x, cos, sin, active):
+        started = time.perf_counter()
         q = self.model.query(layer, x, cos, sin) if self.predict else None
         groups, valid = self.selector.select(layer, q, torch.from_numpy(self.n_groups))
         valid = valid.cpu().numpy() & active[:, None]
@@ -92,6 +93,7 @@ class OffloadedKV(KVPolicy):
         if self.on_select is not None:
             self.on_select(layer, groups, valid)
         slots, misses = self.slots.assign(layer, groups, valid)
+        self.select_s += time.perf_counter() - started
         buffer = self._slot_bytes[self.slots.buffer_index(layer)]
         stride = self.layout.stride_bytes
         addresses = buffer.ctypes.data + (misses.seq * self.slots.capacity + misses.slot) * stride
