@@ -14,6 +14,7 @@ import os
 import platform as host
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -122,13 +123,44 @@ def grid(profile: Profile) -> tuple[list[int], list[int]]:
     return batches, contexts
 
 
-def run(platform: str | None = None, model: str | None = None, kv_path: str | None = None, reprofile: bool = False,
-        profile_only: bool = False, out_root: str | Path = "deploy", disk_seconds: float | None = None,
-        smoke: bool = True, cache_dir: str | Path | None = None, calibration: str | None = None, log=print) -> dict:
-    started = time.perf_counter()
+@dataclass
+class Deployment:
+    """What every phase of one deploy shares: the profile, the model, where things go, and the log."""
+
+    prof: Profile
+    detected: str
+    model_dir: Path
+    kv_dir: Path
+    out: Path
+    device: torch.device
+    kv_dtype: torch.dtype
+    reprofile: bool
+    log: object
+    _model: object = None
+
+    @property
+    def dims(self) -> ModelDims:
+        return ModelDims.from_config(read_model_config(self.model_dir))
+
+    @property
+    def sigmas(self) -> list[float]:
+        return [s for s in solver.SIGMAS if s <= self.prof.sigma_max]
+
+    def model(self):
+        """The weights, loaded once and only by a phase that needs them (cached phases do not)."""
+        if self._model is None:
+            self._model = load_model(self.model_dir, self.device, self.kv_dtype, self.prof.max_context + 64)
+        return self._model
+
+    def release_model(self) -> None:
+        """Drop the weights before the smoke run loads its own: one copy in memory at a time."""
+        self._model = None
+
+
+def prepare(platform, model, kv_path, out_root, reprofile, log) -> Deployment:
+    """Detect, load the profile, check the model and the KV folder (before anything is measured)."""
     detected = detect_platform()
-    name = platform if platform not in (None, "", "auto") else detected
-    prof = load_profile(name)
+    prof = load_profile(platform if platform not in (None, "", "auto") else detected)
     log(f"platform {prof.platform} ({prof.description}); detected on this machine: {detected}; profile {prof.source}")
     model_dir = resolve_model(model or prof.model)
     kv_dir = Path(kv_path or prof.kv_paths[0])
@@ -142,90 +174,112 @@ def run(platform: str | None = None, model: str | None = None, kv_path: str | No
     if device.type != prof.device:
         log(f"profile asks for {prof.device} but this machine has none: running on cpu")
     kv_dtype = getattr(torch, prof.dtype) if device.type == "cuda" else torch.float32
-    dims = ModelDims.from_config(read_model_config(model_dir))
-    limits = solver.Limits(prof.sigma_max, prof.g_max, prof.mg_const, prof.alpha, prof.reuse_step)
-    sigmas = [s for s in solver.SIGMAS if s <= prof.sigma_max]
-    batches, contexts = grid(prof)
-    model_fp = model_fingerprint(model_dir)
+    return Deployment(prof, detected, model_dir, kv_dir, out, device, kv_dtype, reprofile, log)
 
-    # 1. disk
-    seconds = disk_seconds or prof.disk_seconds
-    disk_fp = {**disk.disk_fingerprint(kv_dir), "kv_dir": str(kv_dir.resolve()), "seconds": seconds,
-               "file_mib": prof.disk_file_mib, "platform": prof.platform}
-    cached = _cached(out / "disk.json", disk_fp, reprofile, "disk", log)
+
+def measure_disk(d: Deployment, seconds: float) -> disk.DiskProfile:
+    fp = {**disk.disk_fingerprint(d.kv_dir), "kv_dir": str(d.kv_dir.resolve()), "seconds": seconds,
+          "file_mib": d.prof.disk_file_mib, "platform": d.prof.platform}
+    cached = _cached(d.out / "disk.json", fp, d.reprofile, "disk", d.log)
     if cached:
-        disk_profile = disk.DiskProfile.from_json(cached["profile"])
+        profile = disk.DiskProfile.from_json(cached["profile"])
     else:
-        n = len(disk.BLOCK_SIZES) * len(disk.QUEUE_DEPTHS)
-        with _progress(n, "disk profile") as bar:
-            disk_profile = disk.profile_disk(kv_dir, seconds, prof.disk_file_mib, progress=bar.update)
-        _save(out / "disk.json", disk_fp, {"profile": disk_profile.to_json()})
-    disk.plot_disk(disk_profile, out / "disk.png")
+        with _progress(len(disk.BLOCK_SIZES) * len(disk.QUEUE_DEPTHS), "disk profile") as bar:
+            profile = disk.profile_disk(d.kv_dir, seconds, d.prof.disk_file_mib, progress=bar.update)
+        _save(d.out / "disk.json", fp, {"profile": profile.to_json()})
+    disk.plot_disk(profile, d.out / "disk.png")
+    return profile
 
-    # 2. lookup tables (hardware-independent: cached per model)
-    cache_root = Path(cache_dir or os.environ.get("EDGEKV_CACHE") or Path.home() / ".cache" / "edgekv")
-    tables_dir = cache_root / "tables" / model_fp
+
+def lookup_tables(d: Deployment, cache_root: Path, calibration: str | None) -> tuple[dict, dict]:
+    """(reuse table, {sigma: adapter path}): hardware-independent, cached per model."""
+    tables_dir = cache_root / "tables" / model_fingerprint(d.model_dir)
     tables_dir.mkdir(parents=True, exist_ok=True)
-    calib_context = min(4096, prof.max_context - 64)
-    tables_fp = {"model": model_fp, "sigmas": sigmas, "g_max": prof.g_max, "mg_const": prof.mg_const,
-                 "calibration": _file_digest(calibration) if calibration else f"task corpus {calib_context} x 2",
-                 "edgekv": VERSION}
-    cached = _cached(tables_dir / "tables.json", tables_fp, reprofile, "lookup tables", log)
-    loaded = None
-    if cached:
+    context = min(4096, d.prof.max_context - 64)
+    fp = {"model": model_fingerprint(d.model_dir), "sigmas": d.sigmas, "g_max": d.prof.g_max, "mg_const": d.prof.mg_const,
+          "calibration": _file_digest(calibration) if calibration else f"task corpus {context} x 2", "edgekv": VERSION}
+    if _cached(tables_dir / "tables.json", fp, d.reprofile, "lookup tables", d.log):
         reuse, adapters, _ = tables.load_tables(tables_dir / "tables.json")
-    else:
-        prompts = calibration_prompts(model_dir, calib_context, 2, text_file=calibration)
-        log(f"lookup tables: reuse rate vs C for G in {solver.group_sizes(prof.g_max)}, adapters for sigma in {sigmas}")
-        t0 = time.perf_counter()
-        loaded = load_model(model_dir, device, kv_dtype, prof.max_context + 64)
-        adapters = tables.build_adapters(loaded, prompts, sigmas, tables_dir)
-        middle = min(adapters, key=lambda s: abs(s - 8))  # the reuse pattern barely depends on sigma
-        reuse = tables.reuse_table(loaded, kv_dir, prompts, solver.group_sizes(prof.g_max), prof.mg_const, adapters[middle])
-        tables.save_tables(tables_dir / "tables.json", tables_fp, reuse, adapters, {"seconds": round(time.perf_counter() - t0, 1)})
+        return reuse, adapters
+    prompts = calibration_prompts(d.model_dir, context, 2, text_file=calibration)
+    groups = solver.group_sizes(d.prof.g_max)
+    d.log(f"lookup tables: reuse rate vs C for G in {groups}, adapters for sigma in {d.sigmas}")
+    start = time.perf_counter()
+    adapters = tables.build_adapters(d.model(), prompts, d.sigmas, tables_dir)
+    middle = min(adapters, key=lambda s: abs(s - 8))  # the reuse pattern barely depends on sigma
+    reuse = tables.reuse_table(d.model(), d.kv_dir, prompts, groups, d.prof.mg_const, adapters[middle])
+    tables.save_tables(tables_dir / "tables.json", fp, reuse, adapters, {"seconds": round(time.perf_counter() - start, 1)})
+    return reuse, adapters
 
-    # 3. compute
-    compute_fp = {"model": model_fp, "device": str(device), "dtype": str(kv_dtype), "torch": torch.__version__,
-                  "cpu": _cpu_model(), "threads": torch.get_num_threads(), "platform": prof.platform,
-                  "batches": batches, "contexts": contexts, "mg_const": prof.mg_const, "edgekv": VERSION}
-    cached = _cached(out / "compute.json", compute_fp, reprofile, "compute", log)
+
+def measure_compute(d: Deployment, batches: list[int], contexts: list[int]) -> compute.ComputeProfile:
+    fp = {"model": model_fingerprint(d.model_dir), "device": str(d.device), "dtype": str(d.kv_dtype),
+          "torch": torch.__version__, "cpu": _cpu_model(), "threads": torch.get_num_threads(), "platform": d.prof.platform,
+          "batches": batches, "contexts": contexts, "mg_const": d.prof.mg_const, "edgekv": VERSION}
+    cached = _cached(d.out / "compute.json", fp, d.reprofile, "compute", d.log)
     if cached:
-        compute_profile = compute.ComputeProfile.from_json(cached["profile"])
-    else:
-        loaded = loaded or load_model(model_dir, device, kv_dtype, prof.max_context + 64)
-        sampled = sorted({b for b in batches if b & (b - 1) == 0} | {batches[-1]})
-        ranks = sorted({LowRankAdapter.rank_for(dims.n_kv_heads, dims.head_dim, s) for s in sigmas})
-        with _progress(compute.n_compute_samples(sampled, contexts, ranks, prof.mg_const), "compute profile") as bar:
-            compute_profile = compute.profile_compute(loaded, compute_fp, sampled, contexts, ranks, prof.mg_const,
-                                                      progress=bar.update)
-        _save(out / "compute.json", compute_fp, {"profile": compute_profile.to_json()})
-    del loaded
+        return compute.ComputeProfile.from_json(cached["profile"])
+    dims = d.dims
+    sampled = sorted({b for b in batches if b & (b - 1) == 0} | {batches[-1]})
+    ranks = sorted({LowRankAdapter.rank_for(dims.n_kv_heads, dims.head_dim, s) for s in d.sigmas})
+    with _progress(compute.n_compute_samples(sampled, contexts, ranks, d.prof.mg_const), "compute profile") as bar:
+        profile = compute.profile_compute(d.model(), fp, sampled, contexts, ranks, d.prof.mg_const, progress=bar.update)
+    _save(d.out / "compute.json", fp, {"profile": profile.to_json()})
+    return profile
 
+
+def hillinfer_pools(d: Deployment, budget_bytes: float) -> tuple[float, dict]:
+    """beta from the CPU and in-storage scoring throughputs (the card's FPGA when present, else its C-simulation)."""
+    from edgekv.install.scorers import pool_ratio, scoring_throughputs
+    from edgekv.platforms.smartssd import open_scorer
+
+    dims = d.dims
+    backend = "xrt" if d.detected == "smartssd" else "csim"
+    rates = scoring_throughputs(open_scorer(backend), dims.n_kv_heads, dims.head_dim, work=d.kv_dir)
+    keys_bytes = d.prof.max_context * dims.n_layers * dims.n_kv_heads * dims.head_dim * 2
+    beta = pool_ratio(rates["f_cpu_tok_s"], rates["f_ssd_tok_s"], budget_bytes, keys_bytes)
+    d.log(f"HillInfer pools: f_cpu {rates['f_cpu_tok_s']:.3g} tok/s, f_ssd ({backend}) {rates['f_ssd_tok_s']:.3g} tok/s, "
+          f"beta {beta:.3f}")
+    return beta, rates
+
+
+def run(platform: str | None = None, model: str | None = None, kv_path: str | None = None, reprofile: bool = False,
+        profile_only: bool = False, out_root: str | Path = "deploy", disk_seconds: float | None = None,
+        smoke: bool = True, cache_dir: str | Path | None = None, calibration: str | None = None, log=print) -> dict:
+    started = time.perf_counter()
+    d = prepare(platform, model, kv_path, out_root, reprofile, log)
+    prof, out, dims = d.prof, d.out, d.dims
+    batches, contexts = grid(prof)
+    disk_profile = measure_disk(d, disk_seconds or prof.disk_seconds)
+    cache_root = Path(cache_dir or os.environ.get("EDGEKV_CACHE") or Path.home() / ".cache" / "edgekv")
+    reuse, adapters = lookup_tables(d, cache_root, calibration)
+    compute_profile = measure_compute(d, batches, contexts)
+    d.release_model()
     measurements = {
         "platform": platform_for(prof).facts(),
         "disk": {"reference": disk_profile.reference, "reader": disk_profile.reader, "o_direct": disk_profile.o_direct,
                  "fingerprint": disk_profile.fingerprint, "points": [p.__dict__ for p in disk_profile.points]},
-        "compute": {"device": str(device), "dtype": str(kv_dtype), "block_ms": compute_profile.block_ms,
+        "compute": {"device": str(d.device), "dtype": str(d.kv_dtype), "block_ms": compute_profile.block_ms,
                     "predict_ms": compute_profile.predict_ms, "reuse_ms": compute_profile.reuse_ms},
         "reuse_table": {str(g): rows for g, rows in reuse.items()},
     }
     if profile_only:
-        report.write(out, prof, model_dir, measurements, None, None, time.perf_counter() - started)
+        report.write(out, prof, d.model_dir, measurements, None, None, time.perf_counter() - started)
         log(f"profiling report: {out / 'report.txt'}")
         return {"report": str(out / "report.txt")}
 
-    # 4. solve every (batch, context)
+    limits = solver.Limits(prof.sigma_max, prof.g_max, prof.mg_const, prof.alpha, prof.reuse_step)
     queue_depth = 32
-    t_io = io_model(disk_profile, dims, kv_dtype, limits.io_align_bytes, queue_depth)
+    t_io = io_model(disk_profile, dims, d.kv_dtype, limits.io_align_bytes, queue_depth)
     budget = prof.batch_budget_mib * 2**20
     solutions = [
-        solver.solve(b, s, budget, dims, kv_dtype, limits, t_io, compute_profile.t_model_ms,
+        solver.solve(b, s, budget, dims, d.kv_dtype, limits, t_io, compute_profile.t_model_ms,
                      lambda G, C, M: tables.reuse_rate(reuse, G, C, M))
         for b in batches for s in contexts
     ]
     top = next(x for x in solutions if x.batch == prof.max_batch and x.context == prof.max_context)
     config = {
-        "platform": prof.platform, "model": str(model_dir), "kv_path": str(kv_dir),
+        "platform": prof.platform, "model": str(d.model_dir), "kv_path": str(d.kv_dir),
         "G": top.G, "M": top.M, "C": top.C, "sigma": top.sigma, "reuse": top.reuse, "alpha": prof.alpha,
         "max_kv_mem_mib": prof.max_kv_mem_mib, "max_batch": prof.max_batch, "max_context": prof.max_context,
         "adapter_path": adapters[float(top.sigma)], "io_align_bytes": limits.io_align_bytes, "io_queue_depth": queue_depth,
@@ -234,16 +288,7 @@ def run(platform: str | None = None, model: str | None = None, kv_path: str | No
         "measurements": measurements, "edgekv_version": VERSION,
     }
     if "smartssd" in prof.scorers:
-        from edgekv.install.scorers import pool_ratio, scoring_throughputs
-        from edgekv.platforms.smartssd import open_scorer
-
-        backend = "xrt" if prof.platform == "smartssd" and detected == "smartssd" else "csim"
-        rates = scoring_throughputs(open_scorer(backend), dims.n_kv_heads, dims.head_dim, work=kv_dir)
-        keys_bytes = prof.max_context * dims.n_layers * dims.n_kv_heads * dims.head_dim * 2
-        config["beta"] = pool_ratio(rates["f_cpu_tok_s"], rates["f_ssd_tok_s"], budget, keys_bytes)
-        measurements["scoring"] = rates
-        log(f"HillInfer pools: f_cpu {rates['f_cpu_tok_s']:.3g} tok/s, f_ssd ({backend}) {rates['f_ssd_tok_s']:.3g} tok/s, "
-            f"beta {config['beta']:.3f}")
+        config["beta"], measurements["scoring"] = hillinfer_pools(d, budget)
     tmp = out / "config.json.tmp"
     tmp.write_text(json.dumps(config, indent=1))
     tmp.replace(out / "config.json")
@@ -255,9 +300,9 @@ def run(platform: str | None = None, model: str | None = None, kv_path: str | No
     if "smartssd" in prof.scorers:  # the smartssd profile runs HillInfer's hierarchical selector
         from edgekv.platforms.smartssd import open_scorer
 
-        scorer = open_scorer("xrt" if detected == "smartssd" else "csim")
-    stats = smoke_run(model_dir, kv_dir, out / "config.json", prof, device, scorer) if smoke else None
-    report.write(out, prof, model_dir, measurements, solutions, stats, tuning_s)
+        scorer = open_scorer("xrt" if d.detected == "smartssd" else "csim")
+    stats = smoke_run(d.model_dir, d.kv_dir, out / "config.json", prof, d.device, scorer) if smoke else None
+    report.write(out, prof, d.model_dir, measurements, solutions, stats, tuning_s)
     log(f"report: {out / 'report.txt'}")
     return {"config": str(out / "config.json"), "stats": stats, "tuning_s": round(tuning_s, 1)}
 
