@@ -204,7 +204,8 @@ def plot(runs: list[Run], png: Path) -> None:
         values = np.array([r.layer_ms[part] for r in last])
         ax3.bar(range(len(last)), values, bottom=bottom, color=color, label=part)
         bottom += values
-    ax3.set_xticks(range(len(last)), [r.policy + (f"\n{r.budget}" if r.budget else "") for r in last], fontsize=7)
+    ax3.set_xticks(range(len(last)), [r.policy + (f"\n{r.budget}" if r.budget else "") for r in last], fontsize=7,
+                   rotation=30)
     ax1.set(xlabel="batch", ylabel="decode tokens/s", title=f"context {context}")
     ax2.set(xlabel="context (tokens)", ylabel="ms per decode step", title="kvswap step time vs context")
     ax3.set(ylabel="ms per layer per step", title=f"latency per layer, batch {batch}, context {context}")
@@ -212,6 +213,8 @@ def plot(runs: list[Run], png: Path) -> None:
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=7)
+    if not ax2.lines:
+        ax2.text(0.5, 0.5, "one context: run with several --contexts", ha="center", va="center", transform=ax2.transAxes)
     fig.tight_layout()
     fig.savefig(png, dpi=110)
     plt.close(fig)
