@@ -20,17 +20,17 @@ from .config import ConfigError, RuntimeConfig
 from .disk_store import DiskKVStore, RecordLayout, check_offload_path
 from .events import EventBus, JsonLinesLog
 from .forward import prefill
+from .hillinfer import HierarchicalSelector
 from .kv_policy import InMemoryKV, KVPolicy
 from .memory import MemoryPlan, plan_memory
 from .model import DecoderModel, ModelDims, load_model, read_model_config
 from .offload import OffloadedKV
+from .prompt_cache import PromptKV, PromptKVCache
 from .reader import KVReader, open_reader
 from .sampling import Sampler, SamplingParams
-from .hillinfer import HierarchicalSelector
 from .scoring import InStorageScorer, NumpyScorer
 from .selector import AllGroupsSelector, LowRankSelector, RandomSelector
 from .slots import PreloadSlots, SlotTable
-from .prompt_cache import PromptKV, PromptKVCache
 from .solutions import SolutionTable, load_deployed
 
 log = logging.getLogger(__name__)
@@ -180,7 +180,8 @@ class Engine:
     @torch.inference_mode()
     def _run_batch(self, prompts, forced, max_new_tokens: int, sampler: Sampler, stops: set[int], output_logits: bool):
         model, batch = self.model, len(prompts)
-        cfg = self._batch_config(batch, max(len(p) + (len(f) + 1 if f is not None else max_new_tokens) for p, f in zip(prompts, forced)))
+        needed = max(len(p) + (len(f) + 1 if f is not None else max_new_tokens) for p, f in zip(prompts, forced))
+        cfg = self._batch_config(batch, needed)
         policy = self._make_policy(batch, cfg)
         try:
             prefill_s, first_logits = [], []
