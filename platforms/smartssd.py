@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import platform
 from pathlib import Path
 
 import numpy as np
@@ -34,7 +35,8 @@ def build_csim() -> Path:
     target = root / f"libekv_score_csim-{digest}.so"
     if target.exists():
         return target
-    flags = ["-O3", "-mf16c", "-fPIC", "-shared", "-Wall", "-Wno-unknown-pragmas", "-Wno-unused-label"]
+    f16c = ["-mf16c"] if platform.machine() in ("x86_64", "AMD64") else []  # else the integer fp16 routine
+    flags = ["-O3", *f16c, "-fPIC", "-shared", "-Wall", "-Wno-unknown-pragmas", "-Wno-unused-label"]
     return compile_library(lambda out: ["g++", *flags, "-o", out, str(SOURCES[1])], target, "the csim scorer")
 
 

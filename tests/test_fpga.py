@@ -85,3 +85,23 @@ def test_hierarchical_pools_keep_recent_tokens_and_swap_hot_ones_in_equal_number
     assert sel.in_cpu[0, 0].sum() == 40  # ... with one token demoted for it
     assert sel.in_cpu[0, 0, 180:].all()  # the recent alpha*N stay
     assert sel.bytes_to_host > 0
+
+
+def test_the_synthesis_fp16_conversion_is_bit_exact(tmp_path):
+    """The integer half->float routine (what v++ synthesises; used by g++ builds without F16C) on all 65,536 codes."""
+    import ctypes
+
+    from edgekv.platforms.smartssd import SOURCES
+    from edgekv.runtime.reader import compile_library
+
+    lib_path = compile_library(lambda out: ["g++", "-O2", "-fPIC", "-shared", "-Wno-unknown-pragmas", "-Wno-unused-label",
+                                            "-o", out, str(SOURCES[1])], tmp_path / "nof16c.so", "the integer-fp16 csim")
+    lib = ctypes.CDLL(str(lib_path))
+    lib.ekv_csim_half_to_float.restype = ctypes.c_float
+    lib.ekv_csim_half_to_float.argtypes = [ctypes.c_uint16]
+    codes = np.arange(65536, dtype=np.uint16)
+    want = codes.view(np.float16).astype(np.float32)
+    got = np.array([lib.ekv_csim_half_to_float(int(c)) for c in codes], dtype=np.float32)
+    nan = np.isnan(want)
+    assert np.array_equal(np.isnan(got), nan)
+    assert np.array_equal(got[~nan].view(np.uint32), want[~nan].view(np.uint32))  # signed zeros and subnormals too

@@ -47,3 +47,7 @@ extern "C" int ekv_csim_score_file(const char *path, int64_t offset, int n_token
     close(fd);
     return rc;
 }
+
+// The kernel's fp16 conversion, exported so tests can check the integer routine (built without F16C)
+// bit for bit against IEEE half precision.
+extern "C" float ekv_csim_half_to_float(uint16_t h) { return ekv_half_to_float(h); }

@@ -8,11 +8,12 @@
 //
 // Plain C++ types only: the same source builds with v++ (pragmas honoured) and with g++ for the
 // C-simulation backend (pragmas ignored, -Wno-unknown-pragmas).  fp16 keys are converted with F16C
-// in the g++ build and with a bit-exact integer routine under __SYNTHESIS__.
+// in an x86 g++ build (-mf16c) and with a bit-exact integer routine under __SYNTHESIS__ or elsewhere.
 #include <stdint.h>
 
-#ifndef __SYNTHESIS__
+#if !defined(__SYNTHESIS__) && defined(__F16C__)
 #include <immintrin.h>
+#define EKV_F16C 1
 #endif
 
 #define EKV_MAX_HEAD_DIM 128
@@ -26,7 +27,7 @@ struct ekv_score_entry {
 };
 
 static float ekv_half_to_float(uint16_t h) {
-#ifndef __SYNTHESIS__
+#ifdef EKV_F16C
     return _cvtsh_ss(h);
 #else
     uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
