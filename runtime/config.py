@@ -21,6 +21,11 @@ class ConfigError(ValueError):
     """A config field is missing, unknown or out of range; the message names it."""
 
 
+def cpu_pool_tokens(beta: float, max_context: int) -> int:
+    """HillInfer's CPU pool: M_c = beta / (1 + beta) of the context (Eq. 1: M_c / M_s ~ f_cpu / f_ssd)."""
+    return max(1, math.ceil(beta / (1 + beta) * max_context))
+
+
 def read_config_file(source: str | Path) -> dict:
     path = Path(source)
     if not path.is_file():
@@ -128,7 +133,7 @@ class RuntimeConfig:
         if policy == "hillinfer":
             # the CPU KV pool: selected tokens stay resident in reuse slots, a pool of beta / (1 + beta) of the context
             m = math.ceil(self.importance_rate * self.max_context)
-            pool = math.ceil(self.beta / (1 + self.beta) * self.max_context)
+            pool = cpu_pool_tokens(self.beta, self.max_context)
             return RuntimeConfig(**{**asdict(self), "G": 1, "M": m, "C": max(m, pool), "reuse": True})
         if policy == "flexgen":
             return RuntimeConfig(**{**asdict(self), "M": math.ceil(self.max_context / self.G), "reuse": False})

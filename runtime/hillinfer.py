@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .config import cpu_pool_tokens
 from .scoring import InStorageScorer, KeyPool
 from .selector import Selector
 
@@ -31,15 +32,19 @@ class HierarchicalSelector(Selector):
         self.alpha, self.scaling, self.block_tokens = alpha, scaling, block_tokens
         self.n_kv_heads, self.head_dim = n_kv_heads, head_dim
         self.M = max(1, math.ceil(alpha * max_context))
-        # CPU pool capacity M_c = beta / (1 + beta) of the context (HillInfer Eq. 1: M_c / M_s ~ f_c / f_s)
-        self.cpu_capacity = max(1, math.ceil(beta / (1 + beta) * max_context))
-        self.cpu_keys = torch.zeros(n_layers, batch, max_context, n_kv_heads, head_dim, dtype=torch.float16)
-        self.in_cpu = np.zeros((n_layers, batch, max_context), dtype=bool)
+        self.cpu_capacity = cpu_pool_tokens(beta, max_context)
+        # the CPU pool: fp16 keys in `cpu_capacity` rows per (layer, sequence); row_of maps a position to its row
+        self.cpu_keys = torch.zeros(n_layers, batch, self.cpu_capacity, n_kv_heads, head_dim, dtype=torch.float16)
+        self.row_of = np.full((n_layers, batch, max_context), -1, dtype=np.int64)
         self.hits = np.zeros((n_layers, batch, max_context), dtype=np.int64)
         self.n_tokens = np.zeros((n_layers, batch), dtype=np.int64)
-        self.resident_bytes = self.cpu_capacity * n_layers * batch * n_kv_heads * head_dim * 2
+        self.resident_bytes = self.cpu_keys.numel() * self.cpu_keys.element_size()
         self.bytes_to_host = 0
         self._storage = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ekv-instorage")
+
+    @property
+    def in_cpu(self) -> np.ndarray:
+        return self.row_of >= 0
 
     def _pool_path(self, layer: int, seq: int) -> Path:
         return self.pool_dir / f"keys-s{seq}-l{layer}.f16"
@@ -52,24 +57,31 @@ class HierarchicalSelector(Selector):
         with open(self._pool_path(layer, seq), "r+b" if first_token else "wb") as f:
             f.seek(first_token * self.n_kv_heads * self.head_dim * 2)
             f.write(rows.numpy().tobytes())
-        end = first_token + n
-        self.n_tokens[layer, seq] = end
-        self.cpu_keys[layer, seq, first_token:end] = rows
-        self.in_cpu[layer, seq, first_token:end] = True
-        self._trim(layer, seq)
+        self.n_tokens[layer, seq] = first_token + n
+        self._admit(layer, seq, np.arange(first_token, first_token + n), rows)
 
     def _recent(self, n: int) -> int:
         return min(n, max(1, math.ceil(self.alpha * n)))
 
-    def _trim(self, layer: int, seq: int) -> None:
-        """Keep the CPU pool within capacity: demote the lowest-hit tokens outside the recent window."""
+    def _admit(self, layer: int, seq: int, positions: np.ndarray, keys: torch.Tensor) -> None:
+        """Put ``positions`` into the CPU pool, demoting the lowest-hit tokens outside the recent window for room;
+        when there is not room for all, the latest positions win."""
+        row_of = self.row_of[layer, seq]
         n = int(self.n_tokens[layer, seq])
-        cpu = np.flatnonzero(self.in_cpu[layer, seq, :n])
-        excess = len(cpu) - self.cpu_capacity
-        if excess > 0:
-            old = cpu[cpu < n - self._recent(n)]
-            victims = old[np.argsort(self.hits[layer, seq, old], kind="stable")[:excess]]
-            self.in_cpu[layer, seq, victims] = False
+        taken = np.flatnonzero(row_of[:n] >= 0)
+        shortage = len(taken) + len(positions) - self.cpu_capacity
+        if shortage > 0:
+            old = taken[(taken < n - self._recent(n)) & ~np.isin(taken, positions)]
+            victims = old[np.argsort(self.hits[layer, seq, old], kind="stable")[:shortage]]
+            row_of[victims] = -1
+        used = np.zeros(self.cpu_capacity, dtype=bool)
+        used[row_of[:n][row_of[:n] >= 0]] = True
+        free = np.flatnonzero(~used)
+        keep = slice(max(0, len(positions) - len(free)), None)
+        positions, keys = positions[keep], keys[keep]
+        rows = free[: len(positions)]
+        row_of[positions] = rows
+        self.cpu_keys[layer, seq, rows] = keys
 
     def select(self, layer, q, n_groups):
         batch = q.shape[0]
@@ -87,15 +99,15 @@ class HierarchicalSelector(Selector):
                 pool = KeyPool(self._pool_path(layer, seq), np.arange(storage_n, dtype=np.int32), self.n_kv_heads, self.head_dim)
                 future = self._storage.submit(self.scorer.score, pool, query[seq], self.scaling, self.block_tokens,
                                               min(k_sel, 256))
-            cpu_pos = np.flatnonzero(self.in_cpu[layer, seq, :n])
-            keys = self.cpu_keys[layer, seq, cpu_pos].float()
+            cpu_pos = np.flatnonzero(self.row_of[layer, seq, :n] >= 0)
+            keys = self.cpu_keys[layer, seq, self.row_of[layer, seq, cpu_pos]].float()
             cpu_scores = torch.einsum("nhd,hd->n", keys, torch.from_numpy(query[seq])).numpy() * self.scaling
             pos, score = [cpu_pos], [cpu_scores]
             if future is not None:
                 result = future.result()
                 self.bytes_to_host += result.block_topk.nbytes
                 best = result.block_topk.reshape(-1) if result.block_topk.size else result.scores
-                best = best[(best["pos"] >= 0) & ~self.in_cpu[layer, seq, np.maximum(best["pos"], 0)]]
+                best = best[(best["pos"] >= 0) & (self.row_of[layer, seq, np.maximum(best["pos"], 0)] < 0)]
                 pos.append(best["pos"].astype(np.int64))
                 score.append(best["score"])
             pos, score = np.concatenate(pos), np.concatenate(score)
@@ -106,19 +118,17 @@ class HierarchicalSelector(Selector):
         return torch.from_numpy(groups), torch.from_numpy(valid)
 
     def _update_pools(self, layer: int, seq: int, n: int, selected: np.ndarray) -> None:
-        """Hit table; promote storage tokens among the top-alpha hit tokens, demote as many (equal numbers)."""
+        """Hit table; storage tokens among the top-alpha hit tokens are promoted, as many others demoted."""
         hits = self.hits[layer, seq]
         hits[selected] += 1
         hot = np.argsort(-hits[:n], kind="stable")[: max(1, math.ceil(self.alpha * n))]
-        promote = hot[~self.in_cpu[layer, seq, hot] & (hits[hot] > 0)]
+        promote = hot[(self.row_of[layer, seq, hot] < 0) & (hits[hot] > 0)]
         if len(promote):
             keys = np.memmap(self._pool_path(layer, seq), dtype=np.float16, mode="r").reshape(-1, self.n_kv_heads, self.head_dim)
-            self.cpu_keys[layer, seq, promote] = torch.from_numpy(np.ascontiguousarray(keys[promote]))
-            self.in_cpu[layer, seq, promote] = True
-            self._trim(layer, seq)
+            self._admit(layer, seq, np.sort(promote), torch.from_numpy(np.ascontiguousarray(keys[np.sort(promote)])))
 
     def release(self, seq: int) -> None:
-        for layer in range(self.in_cpu.shape[0]):
+        for layer in range(self.row_of.shape[0]):
             self._pool_path(layer, seq).unlink(missing_ok=True)
 
     def close(self) -> None:

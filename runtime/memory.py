@@ -7,10 +7,9 @@ buffer (G tokens per layer).  Slots count their O_DIRECT padding: it is resident
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
-from .config import RuntimeConfig
+from .config import RuntimeConfig, cpu_pool_tokens
 from .model import ModelDims
 
 MIB = 1024 * 1024
@@ -60,7 +59,7 @@ def plan_memory(
         parts = {
             "k_lowrank": 0 if policy in ("flexgen", "hillinfer") else dims.n_layers * cfg.max_context * rank * klr_itemsize,
             "k_cpu_pool": 0 if policy != "hillinfer" else
-            dims.n_layers * math.ceil(cfg.beta / (1 + cfg.beta) * cfg.max_context) * dims.n_kv_heads * dims.head_dim * 2,
+            dims.n_layers * cpu_pool_tokens(cfg.beta, cfg.max_context) * dims.n_kv_heads * dims.head_dim * 2,
             "slots": slots * stride_bytes,
             "rolling": dims.n_layers * cfg.G * token_bytes,
         }
