@@ -108,8 +108,7 @@ class Adapters:
         if self.fixed is not None:
             return self.fixed
         if sigma not in self._fitted:
-            rank = LowRankAdapter.rank_for(self._dims.n_kv_heads, self._dims.head_dim, sigma)
-            self._fitted[sigma] = LowRankAdapter.fit(self._keys, self._dims.n_kv_heads, self._dims.head_dim, rank)
+            self._fitted[sigma] = LowRankAdapter.fit_sigma(self._keys, self._dims.n_kv_heads, self._dims.head_dim, sigma)
         return self._fitted[sigma]
 
 

@@ -45,8 +45,7 @@ def selection_recall(model: DecoderModel, instances: list[TaskInstance], sigmas:
     """Recall and needle hit rate of the rank-r predictor for each sigma (adapters fitted on ``calibration``)."""
     dims = model.dims
     keys = collect_keys(model, calibration)
-    adapters = {s: LowRankAdapter.fit(keys, dims.n_kv_heads, dims.head_dim,
-                                      LowRankAdapter.rank_for(dims.n_kv_heads, dims.head_dim, s)) for s in sigmas}
+    adapters = {s: LowRankAdapter.fit_sigma(keys, dims.n_kv_heads, dims.head_dim, s) for s in sigmas}
     tallies = {s: {"recall": [], "needle_hit": []} for s in sigmas}
     for inst in instances:
         ids = inst.context + inst.forced[:2]  # up to the first queried key

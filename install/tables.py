@@ -78,9 +78,8 @@ def build_adapters(model, prompts: list[list[int]], sigmas, out_dir: Path) -> di
     dims = model.dims
     paths = {}
     for sigma in sigmas:
-        rank = LowRankAdapter.rank_for(dims.n_kv_heads, dims.head_dim, sigma)
         path = out_dir / f"adapter-sigma{sigma:g}.safetensors"
-        LowRankAdapter.fit(keys, dims.n_kv_heads, dims.head_dim, rank).save(path)
+        LowRankAdapter.fit_sigma(keys, dims.n_kv_heads, dims.head_dim, sigma).save(path)
         paths[sigma] = str(path)
     return paths
 

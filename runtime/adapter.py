@@ -53,6 +53,11 @@ class LowRankAdapter:
             matrices.append(top)
         return cls(matrices, n_kv_heads, head_dim)
 
+    @classmethod
+    def fit_sigma(cls, keys_per_layer: list[torch.Tensor], n_kv_heads: int, head_dim: int, sigma: float) -> "LowRankAdapter":
+        """``fit`` at the rank that compression ratio sigma gives."""
+        return cls.fit(keys_per_layer, n_kv_heads, head_dim, cls.rank_for(n_kv_heads, head_dim, sigma))
+
     def save(self, path: str | Path) -> None:
         meta = {"n_kv_heads": str(self.n_kv_heads), "head_dim": str(self.head_dim), "sigma": json.dumps(self.sigma)}
         save_file({f"layer.{i}": m for i, m in enumerate(self.matrices)}, str(path), metadata=meta)
@@ -105,6 +110,4 @@ def build_adapter(model, texts, sigma: float, tokenizer=None) -> LowRankAdapter:
                 raise AdapterError("calibration texts are strings but the model has no tokenizer; pass token-id lists")
             text = tokenizer(text)["input_ids"]
         prompts.append(list(text))
-    dims = model.dims
-    rank = LowRankAdapter.rank_for(dims.n_kv_heads, dims.head_dim, sigma)
-    return LowRankAdapter.fit(collect_keys(model, prompts), dims.n_kv_heads, dims.head_dim, rank)
+    return LowRankAdapter.fit_sigma(collect_keys(model, prompts), model.dims.n_kv_heads, model.dims.head_dim, sigma)
