@@ -137,10 +137,17 @@ class Deployment:
     reprofile: bool
     log: object
     _model: object = None
+    _fp: str | None = None
 
     @property
     def dims(self) -> ModelDims:
         return ModelDims.from_config(read_model_config(self.model_dir))
+
+    @property
+    def model_fp(self) -> str:
+        if self._fp is None:
+            self._fp = model_fingerprint(self.model_dir)
+        return self._fp
 
     @property
     def sigmas(self) -> list[float]:
@@ -193,10 +200,10 @@ def measure_disk(d: Deployment, seconds: float) -> disk.DiskProfile:
 
 def lookup_tables(d: Deployment, cache_root: Path, calibration: str | None) -> tuple[dict, dict]:
     """(reuse table, {sigma: adapter path}): hardware-independent, cached per model."""
-    tables_dir = cache_root / "tables" / model_fingerprint(d.model_dir)
+    tables_dir = cache_root / "tables" / d.model_fp
     tables_dir.mkdir(parents=True, exist_ok=True)
     context = min(4096, d.prof.max_context - 64)
-    fp = {"model": model_fingerprint(d.model_dir), "sigmas": d.sigmas, "g_max": d.prof.g_max, "mg_const": d.prof.mg_const,
+    fp = {"model": d.model_fp, "sigmas": d.sigmas, "g_max": d.prof.g_max, "mg_const": d.prof.mg_const,
           "calibration": _file_digest(calibration) if calibration else f"task corpus {context} x 2", "edgekv": VERSION}
     if _cached(tables_dir / "tables.json", fp, d.reprofile, "lookup tables", d.log):
         reuse, adapters, _ = tables.load_tables(tables_dir / "tables.json")
@@ -213,7 +220,7 @@ def lookup_tables(d: Deployment, cache_root: Path, calibration: str | None) -> t
 
 
 def measure_compute(d: Deployment, batches: list[int], contexts: list[int]) -> compute.ComputeProfile:
-    fp = {"model": model_fingerprint(d.model_dir), "device": str(d.device), "dtype": str(d.kv_dtype),
+    fp = {"model": d.model_fp, "device": str(d.device), "dtype": str(d.kv_dtype),
           "torch": torch.__version__, "cpu": _cpu_model(), "threads": torch.get_num_threads(), "platform": d.prof.platform,
           "batches": batches, "contexts": contexts, "mg_const": d.prof.mg_const, "edgekv": VERSION}
     cached = _cached(d.out / "compute.json", fp, d.reprofile, "compute", d.log)
