@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from edgekv.bench import StepTimer, decode_rate
-from edgekv.evals.harness import resolve_model
+from edgekv.runtime.checkpoints import resolve_checkpoint
 from edgekv.runtime import Engine, RuntimeConfig
 from edgekv.runtime.model import load_model
 from edgekv.runtime.prompt_cache import PromptKVCache
@@ -35,7 +35,7 @@ def main(argv=None):
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     contexts = [int(c) for c in args.contexts.split(",")]
-    model = load_model(resolve_model(args.model), torch.device("cpu"), torch.float32, max(contexts) + 64)
+    model = load_model(resolve_checkpoint(args.model), torch.device("cpu"), torch.float32, max(contexts) + 64)
     fixed = json.loads(args.config)
     rows = []
     for batch in (int(b) for b in args.batches.split(",")):

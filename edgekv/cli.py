@@ -7,19 +7,27 @@ import logging
 import sys
 from pathlib import Path
 
+from edgekv.runtime.checkpoints import MODEL_HELP
+
 
 def _generate(args) -> int:
     from edgekv.runtime import Engine
 
-    prompts = [json.loads(p) if p.lstrip().startswith("[") else p for p in args.prompt]
+    if not args.prompt and not args.chat:
+        raise ValueError("nothing to generate from: pass --prompt TEXT or --chat MESSAGE")
+    prompts = [json.loads(p) if p.lstrip().startswith("[") else p for p in args.prompt or []]
+    prompts += [[{"role": "user", "content": c}] for c in args.chat or []]
     with Engine.from_pretrained(args.model, kv_offload_path=args.kv_path, config=args.config, policy=args.policy) as engine:
         results = engine.generate(
             prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
             top_p=args.top_p, top_k=args.top_k, seed=args.seed,
         )
     for result in results:
-        print(json.dumps({"token_ids": result.token_ids, "text": result.text,
-                          "finish_reason": result.finish_reason, "stats": result.stats}))
+        if args.json:
+            print(json.dumps({"token_ids": result.token_ids, "text": result.text,
+                              "finish_reason": result.finish_reason, "stats": result.stats}))
+        else:
+            print(result.text)
     return 0
 
 
@@ -45,14 +53,14 @@ def _bench(args) -> int:
     import tempfile
 
     from edgekv import bench
-    from edgekv.evals.harness import resolve_model
+    from edgekv.runtime.checkpoints import resolve_checkpoint
 
     if args.quick:
         args.batches, args.contexts, args.budgets, args.steps, args.warmup, args.disk_seconds = "2", "4096", "1/13", 4, 2, 2
     for budget in args.budgets.split(","):
         _parse_budget(budget)
     with tempfile.TemporaryDirectory(dir=args.kv_path) as kv:
-        runs, meta = bench.run(resolve_model(args.model), Path(kv), [int(b) for b in args.batches.split(",")],
+        runs, meta = bench.run(resolve_checkpoint(args.model), Path(kv), [int(b) for b in args.batches.split(",")],
                                [int(c) for c in args.contexts.split(",")], args.budgets.split(","), args.steps,
                                args.warmup, args.disk_seconds, args.policies.split(","))
     meta["command"] = args.command_line
@@ -130,8 +138,9 @@ def _eval(args) -> int:
     import torch
 
     from edgekv.evals import harness
+    from edgekv.runtime.checkpoints import resolve_checkpoint
 
-    model = harness.resolve_model(args.model)
+    model = resolve_checkpoint(args.model)
     tasks = list(harness.TASKS) if args.tasks == "all" else args.tasks.split(",")
     budgets = [_parse_budget(b) for b in args.budgets.split(",")]
     variants = []
@@ -150,19 +159,22 @@ def _eval(args) -> int:
         variants.append(harness.Variant("kvswap", b, G=args.group_size, score_reduce=other, ablation=f"scores={other}"))
         variants += [harness.Variant("kvswap", b, G=g, score_reduce=args.score_reduce, ablation=f"G={g}")
                      for g in (1, 2, 4, 8, 16) if g != args.group_size]
+    contexts = [int(c) for c in args.contexts.split(",")]
+    if args.ppl:
+        return _eval_ppl(args, model, variants, contexts)
     if not any(v.policy == "full" for v in variants):
         variants.insert(0, harness.Variant("full"))
     contexts = [int(c) for c in args.contexts.split(",")]
     with tempfile.TemporaryDirectory(dir=args.kv_path) as kv:
-        results = harness.evaluate(model, kv, variants, contexts, tasks, args.samples, args.seed,
-                                   adapter_path=args.adapter)
+        results = harness.evaluate(model, kv, variants, contexts, tasks, args.samples or 20, args.seed,
+                                   adapter_path=args.adapter, quiet=args.quiet)
     print(harness.table(results))
     meta = {"model": str(model), "seed": args.seed, "samples": args.samples, "command": args.command_line}
     if args.niah:
         depths = [i / 10 for i in range(11)]
         variant = next(v for v in variants if v.policy == "kvswap") if "kvswap" in args.policies else variants[0]
         with tempfile.TemporaryDirectory(dir=args.kv_path) as kv:
-            grid = harness.niah_grid(model, kv, variant, contexts, depths, max(1, args.samples // 4), args.seed,
+            grid = harness.niah_grid(model, kv, variant, contexts, depths, max(1, (args.samples or 20) // 4), args.seed,
                                      adapter_path=args.adapter)
         harness.plot_niah(args.niah, grid, contexts, depths, f"NIAH, {variant.label}")
         meta["niah"] = {"variant": variant.label, "contexts": contexts, "depths": depths, "accuracy": grid.tolist()}
@@ -175,7 +187,7 @@ def _eval(args) -> int:
         decoder = load_model(model, torch.device("cpu"), torch.float32, max(contexts) + 64)
         fmt = harness.task_format(model)
         calibration = [i.context for i in harness.make_set(tasks, contexts[0], 1, args.seed + 1, fmt)]
-        rows = selection_recall(decoder, harness.make_set(tasks, contexts[0], max(1, args.samples // 2), args.seed, fmt),
+        rows = selection_recall(decoder, harness.make_set(tasks, contexts[0], max(1, (args.samples or 20) // 2), args.seed, fmt),
                                 sigmas, G=4, M=max(1, contexts[0] // 34 // 4), calibration=calibration)
         meta["selection_recall"] = rows
         for row in rows:
@@ -186,22 +198,43 @@ def _eval(args) -> int:
     return 0
 
 
+def _eval_ppl(args, model, variants, contexts) -> int:
+    import tempfile
+
+    from edgekv.evals import perplexity
+
+    if args.ablations or args.niah or args.recall_sigmas or args.adapter:
+        raise ValueError("--ppl runs perplexity only; drop --ablations/--niah/--recall-sigmas/--adapter")
+    text, source = perplexity.load_text(args.ppl)
+    with tempfile.TemporaryDirectory(dir=args.kv_path) as kv:
+        results = perplexity.evaluate_ppl(model, kv, variants, contexts, text, args.samples or 4, args.ppl_tokens,
+                                          quiet=args.quiet)
+    print(perplexity.table(results))
+    if args.json:
+        meta = {"model": str(args.model), "checkpoint": str(model), "text": source, "windows": args.samples or 4,
+                "continuation_tokens": args.ppl_tokens, "command": args.command_line}
+        perplexity.write_json(args.json, results, meta)
+    return 0
+
+
 def main(argv=None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     ap = argparse.ArgumentParser(prog="edgekv", description="Long-context LLM inference with the KV cache on disk")
     sub = ap.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate from prompts (text, or JSON lists of token ids)")
-    gen.add_argument("--model", required=True, help="local Hugging Face checkpoint folder")
+    gen.add_argument("--model", required=True, help=MODEL_HELP)
     gen.add_argument("--kv-path", help="folder on the disk that holds the KV cache (not needed for --policy full)")
     gen.add_argument("--config", help="runtime config JSON (G, M, sigma, C, max_kv_mem_mib, ...)")
     gen.add_argument("--policy", default="kvswap", choices=["kvswap", "full", "flexgen", "token"])
-    gen.add_argument("--prompt", action="append", required=True)
+    gen.add_argument("--prompt", action="append", help="plain text, or a JSON list of token ids (repeatable)")
+    gen.add_argument("--chat", action="append", help="a user message, sent through the model's chat template (repeatable)")
     gen.add_argument("--max-new-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--seed", type=int)
+    gen.add_argument("--json", action="store_true", help="one JSON line per prompt (token ids, text, stats) instead of the text")
     gen.set_defaults(func=_generate)
 
     nat = sub.add_parser("build-native", help="compile the C KV reader (io_uring and pthread backends)")
@@ -209,7 +242,7 @@ def main(argv=None) -> int:
 
     dep = sub.add_parser("deploy", help="profile this machine, solve the runtime parameters, run a smoke generation")
     dep.add_argument("--platform", default="auto", help="auto (detect), local, orin, rtx, smartssd, or a profile YAML")
-    dep.add_argument("--model", help="local checkpoint folder or 'fixture' (default: the profile's model)")
+    dep.add_argument("--model", help=MODEL_HELP + " (default: the profile's model)")
     dep.add_argument("--kv-path", help="folder for the KV cache (default: the profile's first kv path)")
     dep.add_argument("--reprofile", action="store_true", help="measure again even when a cached profile matches")
     dep.add_argument("--profile-only", action="store_true", help="profile and write the report; no solve, no smoke run")
@@ -219,12 +252,16 @@ def main(argv=None) -> int:
     dep.set_defaults(func=_deploy)
 
     ev = sub.add_parser("eval", help="RULER-style retrieval accuracy per policy and KV budget")
-    ev.add_argument("--model", default="fixture", help="'fixture' (shipped) or a local checkpoint folder")
+    ev.add_argument("--model", default="fixture", help=MODEL_HELP)
     ev.add_argument("--policies", default="full,kvswap,token")
     ev.add_argument("--budgets", default="1/13,1/34", help="fractions of the full KV cache")
     ev.add_argument("--contexts", default="4096")
     ev.add_argument("--tasks", default="all")
-    ev.add_argument("--samples", type=int, default=20, help="instances per task and context")
+    ev.add_argument("--samples", type=int, help="instances per task and context (default 20); with --ppl, windows per context (default 4)")
+    ev.add_argument("--ppl", metavar="TEXT_FILE|builtin",
+                    help="perplexity of a text's continuation through the decode path instead of retrieval tasks")
+    ev.add_argument("--ppl-tokens", type=int, default=256, help="continuation tokens per window, teacher-forced (with --ppl)")
+    ev.add_argument("--quiet", action="store_true", help="no progress bars")
     ev.add_argument("--seed", type=int, default=0)
     ev.add_argument("--ablations", action="store_true",
                     help="also, at the last budget: no rolling buffer, reuse forced off/on, the other score reduction, other G")
@@ -240,7 +277,7 @@ def main(argv=None) -> int:
 
     be = sub.add_parser("bench", help="decode throughput of every policy side by side (same model, prompts, budget)")
     be.add_argument("--quick", action="store_true", help="fixture, 4K context, batch 2, 4 steps, budget 1/13 (< 1 min)")
-    be.add_argument("--model", default="fixture", help="'fixture' (shipped) or a local checkpoint folder")
+    be.add_argument("--model", default="fixture", help=MODEL_HELP)
     be.add_argument("--batches", default="1,2,4")
     be.add_argument("--contexts", default="4096,16384")
     be.add_argument("--budgets", default="1/13,1/34", help="fractions of the full KV cache of the batch")

@@ -27,6 +27,7 @@ from edgekv.platforms.detect import detect_platform
 from edgekv.platforms.devices import platform_for
 from edgekv.runtime import Engine
 from edgekv.runtime.adapter import LowRankAdapter
+from edgekv.runtime.checkpoints import load_tokenizer, resolve_checkpoint
 from edgekv.runtime.model import ModelDims, load_model, read_model_config
 
 VERSION = "0.1.0"
@@ -36,16 +37,6 @@ def _progress(total: int, desc: str):
     from tqdm import tqdm
 
     return tqdm(total=total, desc=desc, file=sys.stderr, leave=True, ncols=80)
-
-
-def resolve_model(name: str) -> Path:
-    if name == "fixture":
-        from edgekv.evals.harness import resolve_model as fixture
-
-        return fixture("fixture")
-    path = Path(name)
-    read_model_config(path)  # refuses a folder that is not a supported checkpoint, naming why
-    return path
 
 
 def model_fingerprint(model_dir: Path) -> str:
@@ -95,10 +86,8 @@ def calibration_prompts(model_dir: Path, context: int, n: int, seed: int = 1234,
     prompts in the model's own tokens (the shipped fixture corpus, or words for a tokenizer)."""
     from edgekv.evals.harness import task_format
     from edgekv.evals.tasks import TASKS, make_instance
-    from edgekv.runtime.engine import _load_tokenizer
-
     if text_file:
-        tokenizer = _load_tokenizer(model_dir)
+        tokenizer = load_tokenizer(model_dir)
         if tokenizer is None:
             raise ValueError(f"--calibration needs a tokenizer but {model_dir} has none; drop the option to use the fixture corpus")
         ids = tokenizer(Path(text_file).read_text())["input_ids"]
@@ -169,7 +158,7 @@ def prepare(platform, model, kv_path, out_root, reprofile, log) -> Deployment:
     detected = detect_platform()
     prof = load_profile(platform if platform not in (None, "", "auto") else detected)
     log(f"platform {prof.platform} ({prof.description}); detected on this machine: {detected}; profile {prof.source}")
-    model_dir = resolve_model(model or prof.model)
+    model_dir = resolve_checkpoint(model or prof.model)
     kv_dir = Path(kv_path or prof.kv_paths[0])
     try:
         kv_dir.mkdir(parents=True, exist_ok=True)

@@ -19,8 +19,10 @@ import torch
 from edgekv.install.solver import Limits, fit_memory, quality_fit
 from edgekv.runtime import Engine, RuntimeConfig
 from edgekv.runtime.adapter import LowRankAdapter, collect_keys
+from edgekv.runtime.checkpoints import load_tokenizer
 from edgekv.runtime.model import DecoderModel, ModelDims, load_model, read_model_config
 
+from .progress import Progress
 from .tasks import TASKS, VOCAB_SIZE, FixtureFormat, TaskInstance, TextFormat, make_instance, make_set
 
 FIXTURE = Path(__file__).with_name("fixture")
@@ -84,9 +86,7 @@ class Result:
 
 def task_format(model_dir: str | Path):
     """The fixture's token ids for a 256-token model without a tokenizer, else words from its tokenizer."""
-    from edgekv.runtime.engine import _load_tokenizer
-
-    tokenizer = _load_tokenizer(model_dir)
+    tokenizer = load_tokenizer(model_dir)
     if tokenizer is not None:
         return TextFormat(tokenizer)
     if read_model_config(model_dir).get("vocab_size") == VOCAB_SIZE:
@@ -112,16 +112,31 @@ class Adapters:
         return self._fitted[sigma]
 
 
-def _score(model: DecoderModel, kv_path, variant: Variant, context: int, instances: list[TaskInstance],
-           max_batch: int, adapters: Adapters) -> tuple[list[bool], dict]:
-    """Run ``instances`` through one variant on an already loaded model; exact match per instance."""
+def engine_steps(forced_tokens: list[int], max_batch: int) -> int:
+    """Step events a teacher-forced run emits: a prefill per prompt, then per batch its longest forced span."""
+    chunks = [forced_tokens[i : i + max_batch] for i in range(0, len(forced_tokens), max_batch)]
+    return sum(len(c) + max(c) for c in chunks)
+
+
+def open_engine(model: DecoderModel, kv_path, variant: Variant, context: int, max_batch: int,
+                adapters: "Adapters") -> tuple[Engine, dict]:
+    """An engine for one variant at ``context`` on an already loaded model, and the config it runs."""
     config = budget_config(variant, context, model.dims, model.dtype, max_batch)
     adapter = None
     if variant.policy in ("kvswap", "token"):
         adapter = adapters(config["sigma"])
         if adapters.fixed is not None:
             config = {**config, "sigma": None}  # the file's rank replaces the fitted sigma
-    with Engine(model, RuntimeConfig.load(config), variant.policy, kv_path, adapter=adapter) as engine:
+    return Engine(model, RuntimeConfig.load(config), variant.policy, kv_path, adapter=adapter), config
+
+
+def _score(model: DecoderModel, kv_path, variant: Variant, context: int, instances: list[TaskInstance],
+           max_batch: int, adapters: Adapters, on_event=None) -> tuple[list[bool], dict]:
+    """Run ``instances`` through one variant; exact match per instance."""
+    engine, config = open_engine(model, kv_path, variant, context, max_batch, adapters)
+    with engine:
+        if on_event is not None:
+            engine.events.subscribe(on_event)
         outs = engine.generate([x.context for x in instances], teacher_forcing=[x.forced for x in instances])
     return [x.score(o.token_ids) for x, o in zip(instances, outs)], config
 
@@ -144,24 +159,27 @@ def evaluate(
     seed: int,
     max_batch: int = 4,
     adapter_path: str | None = None,
-    progress=print,
+    quiet: bool = False,
 ) -> list[Result]:
     """Every (task, context, variant) cell; the same instances for every variant."""
     model, adapters = _load(model_dir, contexts, tasks, seed, adapter_path)
     fmt = task_format(model_dir)
     results = []
-    for context in contexts:
-        instances = make_set(tasks, context, samples, seed, fmt)
-        for variant in variants:
-            start = time.perf_counter()
-            hits, config = _score(model, kv_path, variant, context, instances, max_batch, adapters)
-            seconds = time.perf_counter() - start
-            for task in tasks:
-                scored = [hit for inst, hit in zip(instances, hits) if inst.task == task]
-                results.append(Result(task, context, variant.policy, variant.budget, variant.label,
-                                      float(np.mean(scored)), len(scored), config, round(seconds, 2)))
-            progress(f"context {context:6d}  {variant.label:28s} "
-                     f"{np.mean([r.accuracy for r in results[-len(tasks):]]):.3f}  ({seconds:.1f} s)")
+    with Progress(len(contexts) * len(variants), "eval cells", quiet) as progress:
+        for context in contexts:
+            instances = make_set(tasks, context, samples, seed, fmt)
+            steps = engine_steps([len(x.forced) for x in instances], max_batch)
+            for variant in variants:
+                start = time.perf_counter()
+                with progress.cell(f"{context} {variant.label}", steps) as on_event:
+                    hits, config = _score(model, kv_path, variant, context, instances, max_batch, adapters, on_event)
+                seconds = time.perf_counter() - start
+                for task in tasks:
+                    scored = [hit for inst, hit in zip(instances, hits) if inst.task == task]
+                    results.append(Result(task, context, variant.policy, variant.budget, variant.label,
+                                          float(np.mean(scored)), len(scored), config, round(seconds, 2)))
+                progress.write(f"context {context:6d}  {variant.label:28s} "
+                               f"{np.mean([r.accuracy for r in results[-len(tasks):]]):.3f}  ({seconds:.1f} s)")
     return results
 
 
@@ -238,15 +256,6 @@ def plot_niah(path, grid: np.ndarray, contexts: list[int], depths: list[float], 
 def write_json(path: str | Path, results: list[Result], meta: dict) -> None:
     payload = {"meta": meta, "results": [asdict(r) for r in results], "relative": relative_accuracy(results)}
     Path(path).write_text(json.dumps(payload, indent=1))
-
-
-def resolve_model(model: str) -> Path:
-    if model == "fixture":
-        if not (FIXTURE / "config.json").exists():
-            raise FileNotFoundError(f"the fixture model is missing from {FIXTURE}; train it with "
-                                    "python -m edgekv.evals.train_fixture --out evals/fixture")
-        return FIXTURE
-    return Path(model)
 
 
 __all__ = ["Variant", "budget_config", "evaluate", "relative_accuracy", "table", "write_json", "TASKS", "TaskInstance"]

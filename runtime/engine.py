@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from .adapter import LowRankAdapter
+from .checkpoints import load_tokenizer, resolve_checkpoint
 from .config import ConfigError, RuntimeConfig
 from .disk_store import DiskKVStore, RecordLayout, check_offload_path
 from .events import EventBus, JsonLinesLog
@@ -81,7 +82,7 @@ class Engine:
     @classmethod
     def from_pretrained(
         cls,
-        model_dir: str | Path,
+        model: str | Path,
         kv_offload_path: str | Path | None = None,
         config: RuntimeConfig | dict | str | Path | None = None,
         policy: str = "kvswap",
@@ -91,10 +92,13 @@ class Engine:
     ) -> "Engine":
         """Everything that can be refused is checked before the weights are loaded.
 
+        ``model``: a Hugging Face folder, a ``.gguf`` file (or a folder holding one), or a name
+        (``fixture``, ``smollm2``), resolved by ``edgekv.runtime.checkpoints``.
         ``config`` may be a deployed config (with ``solutions``): each batch then runs with the
         solution for its (batch size, context), each checked here against its memory budget.
         """
         cfg, solutions = load_deployed(config)
+        model_dir = resolve_checkpoint(model)
         hf_cfg = read_model_config(model_dir)
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         dtype = dtype or _default_dtype(device)
@@ -104,8 +108,8 @@ class Engine:
         for _, _, sol in solutions or []:
             _preflight(policy, sol.for_policy(policy), dims, dtype, _load_adapter(sol, policy), kv_offload_path)
         max_context = max([cfg.max_context] + [s.max_context for _, _, s in solutions or []])
-        model = load_model(model_dir, device, dtype, max_context)
-        return cls(model, cfg, policy, kv_offload_path, _load_tokenizer(model_dir), adapter, solutions, scorer)
+        decoder = load_model(model_dir, device, dtype, max_context)
+        return cls(decoder, cfg, policy, kv_offload_path, load_tokenizer(model_dir), adapter, solutions, scorer)
 
     # ---- generation -------------------------------------------------------------------------
 
@@ -120,15 +124,19 @@ class Engine:
         stop_token_ids: list[int] | None = None,
         output_logits: bool = False,
         teacher_forcing: list[list[int]] | None = None,
+        chat: bool = False,
     ) -> list[GenerationResult]:
-        """One result per prompt (strings or token-id lists), in order; batches of at most max_batch.
+        """One result per prompt (strings, token-id lists, or chat messages), in order; batches of at most max_batch.
+
+        A prompt given as messages (a list of {"role", "content"} dicts) goes through the
+        checkpoint's chat template, as does every string prompt with ``chat=True``.
 
         stop_token_ids None means the checkpoint's eos ids; output_logits keeps each step's logits.
         teacher_forcing: per prompt, tokens fed as the decode inputs instead of the sampled ones
         (so every continuation token goes through the decode path and its KV policy); token_ids
         then holds the model's choice after the prompt and after each forced token.
         """
-        token_prompts = self._tokenize(prompts)
+        token_prompts = self._tokenize(prompts, chat)
         forced = teacher_forcing or [None] * len(token_prompts)
         if len(forced) != len(token_prompts):
             raise ValueError(f"teacher_forcing has {len(forced)} entries for {len(token_prompts)} prompts")
@@ -147,14 +155,18 @@ class Engine:
             results += self._run_batch(token_prompts[chunk], forced[chunk], max_new_tokens, sampler, stops, output_logits)
         return results
 
-    def _tokenize(self, prompts) -> list[list[int]]:
+    def _tokenize(self, prompts, chat: bool = False) -> list[list[int]]:
         if isinstance(prompts, (str, bytes)) or not isinstance(prompts, (list, tuple)):
             raise ValueError("prompts must be a list of strings or of token-id lists")
         if not prompts:
             raise ValueError("prompts is empty: pass at least one prompt")
         out = []
         for i, p in enumerate(prompts):
-            if isinstance(p, str):
+            if isinstance(p, str) and chat:
+                p = [{"role": "user", "content": p}]
+            if _is_messages(p):
+                p = self._apply_chat_template(i, p)
+            elif isinstance(p, str):
                 if self.tokenizer is None:
                     raise ValueError(f"prompt {i} is a string but {self.model.hf.name_or_path} has no tokenizer; pass token ids")
                 p = self.tokenizer(p)["input_ids"]
@@ -170,6 +182,13 @@ class Engine:
                 )
             out.append(ids)
         return out
+
+    def _apply_chat_template(self, i: int, messages: list[dict]) -> list[int]:
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError(f"prompt {i} is a chat but {self.model.hf.name_or_path} has no chat template; "
+                             "pass plain text (drop --chat / chat=True)")
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)
+        return list(ids["input_ids"])
 
     def _default_stops(self) -> list[int]:
         eos = getattr(self.model.hf.generation_config, "eos_token_id", None)
@@ -378,6 +397,10 @@ def _next_inputs(chosen: torch.Tensor, generated: list[list[int]], forced) -> to
     return inputs
 
 
+def _is_messages(prompt) -> bool:
+    return isinstance(prompt, (list, tuple)) and bool(prompt) and all(isinstance(m, dict) for m in prompt)
+
+
 def _load_adapter(cfg: RuntimeConfig, policy: str) -> LowRankAdapter | None:
     return LowRankAdapter.load(cfg.adapter_path) if cfg.adapter_path and policy in ("kvswap", "token") else None
 
@@ -411,11 +434,3 @@ def _default_dtype(device: torch.device) -> torch.dtype:
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     return torch.float32
 
-
-def _load_tokenizer(model_dir):
-    names = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
-    if not any((Path(model_dir) / n).exists() for n in names):
-        return None
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)

