@@ -24,9 +24,11 @@ import torch
 from edgekv.install import disk as diskprof
 from edgekv.install import solver, tables
 from edgekv.install.compute import profile_compute
+from edgekv.evals.progress import Progress
 from edgekv.install.iomodel import io_model
 from edgekv.runtime import Engine, RecordLayout, RuntimeConfig
 from edgekv.runtime.adapter import LowRankAdapter
+from edgekv.runtime.checkpoints import gguf_source
 from edgekv.runtime.model import DecoderModel
 from edgekv.runtime.prompt_cache import PromptKVCache
 
@@ -121,7 +123,9 @@ def policy_configs(model: DecoderModel, batch: int, context: int, budgets: list[
 
 def bench_point(model: DecoderModel, kv_dir: Path, batch: int, context: int, budgets: list[str], steps: int,
                 warmup: int, limits: solver.Limits, disk_profile, compute_profile, policies, reuse_table=None,
-                log=print) -> list[Run]:
+                log=print, gguf: Path | None = None, on_event=None) -> list[Run]:
+    """Every row at one (batch, context); with ``gguf`` (the model's source file, llama-cpp-python importable)
+    also the llama.cpp row at batch 1."""
     g = torch.Generator().manual_seed(batch * 100003 + context)
     vocab = model.dims.vocab
     prompt_len = context - steps - warmup - 8
@@ -138,6 +142,8 @@ def bench_point(model: DecoderModel, kv_dir: Path, batch: int, context: int, bud
         with Engine(model, RuntimeConfig.load(cfg), policy, kv_dir) as engine:
             engine.prompt_cache = cache
             engine.events.subscribe(timer)
+            if on_event is not None:
+                engine.events.subscribe(on_event)
             out = engine.generate(prompts, max_new_tokens=steps + warmup + 1, stop_token_ids=[])
         rate, step_ms = decode_rate(timer.steps, warmup)
         s = [r.stats for r in out]
@@ -159,9 +165,39 @@ def bench_point(model: DecoderModel, kv_dir: Path, batch: int, context: int, bud
                   s[0]["o_direct"])
         runs.append(run)
         log(f"  {name:15s} {budget or '':5s} {run.decode_tok_s:9.1f} tok/s  step {run.step_ms:7.2f} ms")
+    if gguf is not None and batch == 1:
+        runs.append(llama_cpp_run(gguf, model.dims, prompts[0], context, steps, warmup))
+        log(f"  {'llama.cpp':15s} {'':5s} {runs[-1].decode_tok_s:9.1f} tok/s  step {runs[-1].step_ms:7.2f} ms")
     for run in runs:
         run.ratio_to_full = ratio(run.decode_tok_s, full_rate)
     return runs
+
+
+def llama_cpp_run(gguf: Path, dims, prompt: list[int], context: int, steps: int, warmup: int) -> Run:
+    """llama.cpp on the same GGUF at batch 1 (its own quantized weights, the whole f16 KV in memory, as many
+    threads as torch uses): the reference a user would otherwise pick.  Decode steps are timed one by one
+    around ``eval`` of the greedy token, the first ``warmup`` excluded, like the engine's step events."""
+    import time
+
+    import llama_cpp
+
+    threads = torch.get_num_threads()
+    llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=context, n_threads=threads, n_threads_batch=threads, n_batch=512,
+                verbose=False)
+    try:
+        llm.eval(prompt)
+        step_ns = []
+        for _ in range(warmup + steps):
+            # without logits_all the high-level API keeps no scores: read the last token's logits from the context
+            token = int(np.argmax(np.ctypeslib.as_array(llama_cpp.llama_get_logits(llm.ctx), shape=(llm.n_vocab(),))))
+            start = time.perf_counter_ns()
+            llm.eval([token])
+            step_ns.append(time.perf_counter_ns() - start)
+    finally:
+        llm.close()
+    rate, step_ms = decode_rate([(i, 1, ns) for i, ns in enumerate(step_ns)], warmup)
+    kv_f16_bytes = dims.n_layers * context * 2 * dims.n_kv_heads * dims.head_dim * 2  # llama.cpp's default f16 cache
+    return Run("llama.cpp", None, 1, context, rate, None, kv_f16_bytes / 2**20, 0.0, None, None, 0.0, 0.0, step_ms)
 
 
 def table(runs: list[Run]) -> str:
@@ -221,7 +257,7 @@ def plot(runs: list[Run], png: Path) -> None:
 
 
 def run(model_dir: Path, kv_dir: Path, batches: list[int], contexts: list[int], budgets: list[str], steps: int,
-        warmup: int, disk_seconds: float, policies: list[str], log=print) -> tuple[list[Run], dict]:
+        warmup: int, disk_seconds: float, policies: list[str], log=print, quiet: bool = False) -> tuple[list[Run], dict]:
     from edgekv.runtime.model import load_model
 
     kv_dir.mkdir(parents=True, exist_ok=True)
@@ -234,17 +270,34 @@ def run(model_dir: Path, kv_dir: Path, batches: list[int], contexts: list[int], 
     compute_profile = profile_compute(model, {}, sorted(set(batches)), sorted(set(contexts)), ranks, limits.mg_const)
     reuse_table, source = cached_reuse_table(model_dir)
     log(f"reuse rate for the solver: {source}")
+    gguf, llama_note = llama_cpp_source(model_dir, policies)
+    log(f"llama.cpp row: {llama_note}")
+    points = [(c, b) for c in contexts for b in batches]
     runs = []
-    for context in contexts:
-        for batch in batches:
-            log(f"batch {batch}, context {context}")
-            runs += bench_point(model, kv_dir, batch, context, budgets, steps, warmup, limits, disk_profile,
-                                compute_profile, policies, reuse_table, log)
+    with Progress(len(points), "bench points", quiet) as progress:
+        for context, batch in points:
+            with progress.cell(f"batch {batch}, context {context}") as on_event:
+                runs += bench_point(model, kv_dir, batch, context, budgets, steps, warmup, limits, disk_profile,
+                                    compute_profile, policies, reuse_table, progress.write, gguf, on_event)
     meta = {"model": str(model_dir), "steps": steps, "warmup_steps": warmup, "queue_depth": QUEUE_DEPTH,
             "disk": {"reference": disk_profile.reference, "reader": disk_profile.reader, "o_direct": disk_profile.o_direct,
                      "points": [asdict(p) for p in disk_profile.points]},
-            "threads": torch.get_num_threads(), "reuse_table": source}
+            "threads": torch.get_num_threads(), "reuse_table": source, "llama_cpp": llama_note}
     return runs, meta
+
+
+def llama_cpp_source(model_dir: Path, policies: list[str]) -> tuple[Path | None, str]:
+    """The GGUF for the llama.cpp row when that row is asked for and can run, and what the row will be."""
+    import importlib.util
+
+    if "llama.cpp" not in policies:
+        return None, "not asked for"
+    gguf = gguf_source(model_dir)
+    if gguf is None:
+        return None, "none: the model is not a GGUF file"
+    if importlib.util.find_spec("llama_cpp") is None:
+        return None, "none: llama-cpp-python is not installed (pip install 'edgekv[llamacpp]')"
+    return gguf, f"{gguf.name} at batch 1 (llama-cpp-python runs one sequence; f16 KV in memory)"
 
 
 def cached_reuse_table(model_dir: Path) -> tuple[dict | None, str]:

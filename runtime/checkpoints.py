@@ -125,6 +125,15 @@ def convert_gguf(path: Path) -> Path:
     return out
 
 
+def gguf_source(model_dir: str | Path) -> Path | None:
+    """The GGUF file a converted folder was made from (None for an ordinary HF folder or a moved file)."""
+    meta = Path(model_dir) / _CONVERTED_META
+    if not meta.is_file():
+        return None
+    source = Path(json.loads(meta.read_text())["source"])
+    return source if source.is_file() else None
+
+
 def _write_hf_folder(path: Path, out: Path, has_tokenizer: bool) -> None:
     """Dequantised fp32 weights as safetensors, config, generation config and tokenizer.
 
