@@ -21,6 +21,7 @@ from edgekv.runtime import Engine, RuntimeConfig
 from edgekv.runtime.adapter import LowRankAdapter, collect_keys
 from edgekv.runtime.checkpoints import load_tokenizer
 from edgekv.runtime.model import DecoderModel, ModelDims, load_model, read_model_config
+from edgekv.runtime.prompt_cache import PromptKVCache
 
 from .progress import Progress
 from .tasks import TASKS, VOCAB_SIZE, FixtureFormat, TaskInstance, TextFormat, make_instance, make_set
@@ -131,10 +132,12 @@ def open_engine(model: DecoderModel, kv_path, variant: Variant, context: int, ma
 
 
 def _score(model: DecoderModel, kv_path, variant: Variant, context: int, instances: list[TaskInstance],
-           max_batch: int, adapters: Adapters, on_event=None) -> tuple[list[bool], dict]:
+           max_batch: int, adapters: Adapters, on_event=None, prompt_cache: PromptKVCache | None = None
+           ) -> tuple[list[bool], dict]:
     """Run ``instances`` through one variant; exact match per instance."""
     engine, config = open_engine(model, kv_path, variant, context, max_batch, adapters)
     with engine:
+        engine.prompt_cache = prompt_cache
         if on_event is not None:
             engine.events.subscribe(on_event)
         outs = engine.generate([x.context for x in instances], teacher_forcing=[x.forced for x in instances])
@@ -169,10 +172,12 @@ def evaluate(
         for context in contexts:
             instances = make_set(tasks, context, samples, seed, fmt)
             steps = engine_steps([len(x.forced) for x in instances], max_batch)
+            cache = PromptKVCache()  # every variant sees the same prompts: each is prefilled once
             for variant in variants:
                 start = time.perf_counter()
                 with progress.cell(f"{context} {variant.label}", steps) as on_event:
-                    hits, config = _score(model, kv_path, variant, context, instances, max_batch, adapters, on_event)
+                    hits, config = _score(model, kv_path, variant, context, instances, max_batch, adapters, on_event,
+                                          cache)
                 seconds = time.perf_counter() - start
                 for task in tasks:
                     scored = [hit for inst, hit in zip(instances, hits) if inst.task == task]
