@@ -110,10 +110,15 @@ def convert_gguf(path: Path) -> Path:
     meta = {"source": str(path.resolve()), "sha256": digest, "architecture": arch, "transformers": transformers.__version__}
     log.warning("converting %s to a Hugging Face folder (first use of this file; kept in %s)", path, out)
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.parent.mkdir(parents=True, exist_ok=True)
+    # transformers prefers a config.json / tokenizer.json beside the file over the file's own:
+    # it reads from a folder that holds nothing but a link to the GGUF
+    alone = tmp.with_name(tmp.name + ".src")
+    for folder in (tmp, alone):
+        shutil.rmtree(folder, ignore_errors=True)
+    alone.mkdir(parents=True)
+    (alone / path.name).symlink_to(path.resolve())
     try:
-        _write_hf_folder(path, tmp, has_tokenizer)
+        _write_hf_folder(alone / path.name, tmp, has_tokenizer)
         (tmp / _CONVERTED_META).write_text(json.dumps(meta, indent=1))
         try:
             tmp.rename(out)
@@ -121,7 +126,8 @@ def convert_gguf(path: Path) -> Path:
             if not (out / _CONVERTED_META).is_file():  # not another process's finished conversion
                 raise
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        for folder in (tmp, alone):
+            shutil.rmtree(folder, ignore_errors=True)
     return out
 
 
