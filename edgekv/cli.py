@@ -164,7 +164,6 @@ def _eval(args) -> int:
         return _eval_ppl(args, model, variants, contexts)
     if not any(v.policy == "full" for v in variants):
         variants.insert(0, harness.Variant("full"))
-    contexts = [int(c) for c in args.contexts.split(",")]
     with tempfile.TemporaryDirectory(dir=args.kv_path) as kv:
         results = harness.evaluate(model, kv, variants, contexts, tasks, args.samples or 20, args.seed,
                                    adapter_path=args.adapter, quiet=args.quiet)
