@@ -5,6 +5,7 @@ The whole offloading policy is visible in ``_make_policy``; the decode loop in
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -248,11 +249,12 @@ class Engine:
             ]
             for seq, result in enumerate(results if kept is not None else []):
                 result.logits = torch.stack(kept[seq]).cpu()
-            return results
-        finally:
-            for seq in range(batch):
-                policy.release_sequence(seq)
-            policy.close()
+        except BaseException:
+            with contextlib.suppress(Exception):  # the step's own error surfaces, not one of a read abandoned with it
+                _end_batch(policy, batch)
+            raise
+        _end_batch(policy, batch)
+        return results
 
     def _prefill(self, policy: KVPolicy, seq: int, ids: list[int]) -> torch.Tensor:
         """Compute the prompt's KV into the policy, or replay it from ``prompt_cache`` when set and filled."""
@@ -386,6 +388,15 @@ class Engine:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _end_batch(policy: KVPolicy, batch: int) -> None:
+    """Wait for the policy's work in flight, then release every sequence's KV (files included)."""
+    try:
+        policy.close()
+    finally:
+        for seq in range(batch):
+            policy.release_sequence(seq)
 
 
 def _next_inputs(chosen: torch.Tensor, generated: list[list[int]], forced) -> torch.Tensor:

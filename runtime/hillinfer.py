@@ -92,7 +92,10 @@ class HierarchicalSelector(Selector):
             n = int(n_groups[seq])
             if n == 0:
                 continue
-            storage_n = n - self._recent(n)
+            # storage scores the prefix up to the last token the CPU pool lacks: the prefix before the recent window,
+            # or more when the recent window (alpha * n) outgrows the pool and some recent tokens live in storage only
+            outside = np.flatnonzero(self.row_of[layer, seq, :n] < 0)
+            storage_n = int(outside[-1]) + 1 if len(outside) else 0
             k_sel = min(self.M, max(1, math.ceil(self.alpha * n)))
             future = None
             if storage_n > 0:  # in-storage scoring of the prefix, in parallel with the CPU pool

@@ -47,8 +47,7 @@ class OffloadedKV(KVPolicy):
         self.use_rolling_buffer = rolling_buffer
         self.predict = predict
         self.on_select = on_select  # on_select(layer, groups [B, M], valid [B, M]): the step's picks, for tuning
-        n_buffers = slots.buffer_index(dims.n_layers - 1) + 1
-        self._slot_bytes = aligned_zeros((n_buffers, batch, slots.capacity, self.layout.stride_bytes), self.layout.align_bytes)
+        self._slot_bytes = aligned_zeros((slots.n_buffers(dims.n_layers), batch, slots.capacity, self.layout.stride_bytes), self.layout.align_bytes)
         self.slot_kv = self.layout.typed(self._slot_bytes)
         self.rolling = torch.zeros(
             dims.n_layers, batch, 2, dims.n_kv_heads, self.G, dims.head_dim, dtype=model.dtype, device=model.device
@@ -152,9 +151,11 @@ class OffloadedKV(KVPolicy):
         self.selector.release(seq)
 
     def close(self):
-        for _, _, future in self._pending.values():
-            future.result()
+        """Reads still in flight finish before any file is closed; the first one's error is raised after cleanup."""
+        errors = [e for e in (future.exception() for _, _, future in self._pending.values()) if e is not None]
         self._pending.clear()
         self._io.shutdown(wait=True)
         self.selector.close()
         self.store.close()
+        if errors:
+            raise errors[0]

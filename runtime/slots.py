@@ -39,6 +39,10 @@ class SlotTable:
     def buffer_index(self, layer: int) -> int:
         return layer
 
+    @staticmethod
+    def n_buffers(n_layers: int) -> int:
+        return n_layers
+
     def assign(self, layer: int, groups: np.ndarray, valid: np.ndarray) -> tuple[np.ndarray, Misses]:
         """groups, valid: [B, M].  Returns slots [B, M] and the misses to read."""
         slots = np.zeros(groups.shape, dtype=np.int64)
@@ -97,6 +101,10 @@ class PreloadSlots:
 
     def buffer_index(self, layer: int) -> int:
         return layer % 2
+
+    @staticmethod
+    def n_buffers(n_layers: int) -> int:
+        return min(2, n_layers)
 
     def assign(self, layer: int, groups: np.ndarray, valid: np.ndarray) -> tuple[np.ndarray, Misses]:
         batch, m = groups.shape

@@ -1,0 +1,123 @@
+"""Every policy on unusual but valid models is exact against Hugging Face greedy decoding, and a failing
+decode step surfaces its own error, leaves no KV files and leaves the engine usable."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from edgekv.runtime import Engine
+from edgekv.runtime.disk_store import DiskKVStore
+from edgekv.runtime.offload import OffloadedKV
+from tests.conftest import files_under, save_model
+
+PROMPT = list(range(3, 40))  # 37 tokens: not a multiple of G
+NEW_TOKENS = 8
+EXACT = {"G": 4, "M": 16, "C": 16, "max_context": 64, "max_batch": 1, "sigma": 4}  # every group selected
+POLICIES = {
+    "full": ("full", {}),
+    "kvswap": ("kvswap", {}),
+    "kvswap-noreuse": ("kvswap", {"reuse": False}),
+    "token": ("token", {}),
+    "flexgen": ("flexgen", {}),
+    "hillinfer": ("hillinfer", {"importance_rate": 1.0, "score_block_tokens": 16}),  # alpha = 1 selects every token
+}
+MODELS = {  # name -> (arch, save_model overrides)
+    "1-layer": ("llama", {"num_hidden_layers": 1}),
+    "2-layers": ("llama", {"num_hidden_layers": 2}),
+    "3-layers": ("llama", {"num_hidden_layers": 3}),
+    "5-layers": ("llama", {"num_hidden_layers": 5}),
+    "mha": ("llama", {"num_hidden_layers": 3, "num_key_value_heads": 4}),
+    "qwen2-bias": ("qwen2", {"num_hidden_layers": 3}),
+    "head-dim-128": ("llama", {"num_hidden_layers": 3, "hidden_size": 256, "num_attention_heads": 2,
+                               "num_key_value_heads": 1}),
+}
+
+
+@pytest.fixture(scope="module")
+def matrix(tmp_path_factory):
+    """Per model: its folder and Hugging Face's own greedy continuation of PROMPT."""
+    from transformers import AutoModelForCausalLM
+
+    root = tmp_path_factory.mktemp("matrix")
+    out = {}
+    for name, (arch, overrides) in MODELS.items():
+        folder = save_model(root / name, arch, **overrides)
+        hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+        expected = hf.generate(torch.tensor([PROMPT]), max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None)
+        out[name] = (folder, expected[0, len(PROMPT):].tolist())
+    return out
+
+
+@pytest.mark.parametrize("policy", list(POLICIES))
+@pytest.mark.parametrize("model", list(MODELS))
+def test_every_policy_matches_hf_greedy(matrix, kv_dir, model, policy):
+    folder, expected = matrix[model]
+    name, overrides = POLICIES[policy]
+    with Engine.from_pretrained(folder, kv_offload_path=kv_dir, config={**EXACT, **overrides}, policy=name) as engine:
+        result = engine.generate([PROMPT], max_new_tokens=NEW_TOKENS, stop_token_ids=[])[0]
+    assert result.token_ids == expected
+    assert files_under(kv_dir) == []
+
+
+class Injected(RuntimeError):
+    pass
+
+
+def _slow_reads(monkeypatch):
+    """Reads take a while, so one is still in flight when a step fails (the case that used to be masked)."""
+    real = DiskKVStore.read
+
+    def read(self, batch):
+        time.sleep(0.05)
+        real(self, batch)
+
+    monkeypatch.setattr(DiskKVStore, "read", read)
+
+
+def _fail_prefetch_of_layer_1(monkeypatch):
+    real = OffloadedKV.prefetch
+
+    def prefetch(self, layer, *args):
+        if layer == 1:
+            raise Injected("injected in prefetch")
+        real(self, layer, *args)
+
+    monkeypatch.setattr(OffloadedKV, "prefetch", prefetch)
+
+
+def _fail_reads(monkeypatch):
+    def read(self, batch):
+        assert threading.current_thread().name.startswith("ekv-io")
+        raise Injected("injected in a read on the I/O thread")
+
+    monkeypatch.setattr(DiskKVStore, "read", read)
+
+
+def _fail_attend_of_layer_1(monkeypatch):
+    real = OffloadedKV.attend
+
+    def attend(self, layer, *args):
+        if layer == 1:
+            raise Injected("injected in attend")
+        return real(self, layer, *args)
+
+    monkeypatch.setattr(OffloadedKV, "attend", attend)
+
+
+@pytest.mark.parametrize("inject", [_fail_prefetch_of_layer_1, _fail_reads, _fail_attend_of_layer_1])
+@pytest.mark.parametrize("policy", ["kvswap", "kvswap-noreuse", "flexgen"])
+def test_a_failing_step_surfaces_its_own_error(matrix, kv_dir, monkeypatch, inject, policy):
+    folder, expected = matrix["3-layers"]
+    name, overrides = POLICIES[policy]
+    with Engine.from_pretrained(folder, kv_offload_path=kv_dir, config={**EXACT, **overrides}, policy=name) as engine:
+        with monkeypatch.context() as patch:
+            _slow_reads(patch)
+            inject(patch)
+            with pytest.raises(Injected, match="injected"):
+                engine.generate([PROMPT], max_new_tokens=NEW_TOKENS, stop_token_ids=[])
+        assert files_under(kv_dir) == []
+        after = engine.generate([PROMPT], max_new_tokens=NEW_TOKENS, stop_token_ids=[])[0]  # still usable
+    assert after.token_ids == expected
