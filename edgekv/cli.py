@@ -11,13 +11,19 @@ from edgekv.runtime.checkpoints import MODEL_HELP
 
 
 def _generate(args) -> int:
+    import contextlib
+    import tempfile
+
     from edgekv.runtime import Engine
 
     if not args.prompt and not args.chat:
         raise ValueError("nothing to generate from: pass --prompt TEXT or --chat MESSAGE")
     prompts = [json.loads(p) if p.lstrip().startswith("[") else p for p in args.prompt or []]
     prompts += [[{"role": "user", "content": c}] for c in args.chat or []]
-    with Engine.from_pretrained(args.model, kv_offload_path=args.kv_path, config=args.config, policy=args.policy) as engine:
+    with contextlib.ExitStack() as stack:
+        kv_path = args.kv_path or stack.enter_context(tempfile.TemporaryDirectory(prefix="edgekv-kv-"))
+        engine = stack.enter_context(Engine.from_pretrained(args.model, kv_offload_path=kv_path, config=args.config,
+                                                            policy=args.policy))
         results = engine.generate(
             prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
             top_p=args.top_p, top_k=args.top_k, seed=args.seed,
@@ -223,7 +229,7 @@ def main(argv=None) -> int:
 
     gen = sub.add_parser("generate", help="generate from prompts (text, or JSON lists of token ids)")
     gen.add_argument("--model", required=True, help=MODEL_HELP)
-    gen.add_argument("--kv-path", help="folder on the disk that holds the KV cache (not needed for --policy full)")
+    gen.add_argument("--kv-path", help="folder on the disk that holds the KV cache (default: a temporary one in the system temp dir)")
     gen.add_argument("--config", help="runtime config JSON (G, M, sigma, C, max_kv_mem_mib, ...)")
     gen.add_argument("--policy", default="kvswap", choices=["kvswap", "full", "flexgen", "token"])
     gen.add_argument("--prompt", action="append", help="plain text, or a JSON list of token ids (repeatable)")

@@ -106,3 +106,15 @@ def test_chat_command_prints_the_text_and_refuses_models_without_a_template(chat
     no_template = save_text_model(__import__("pathlib").Path(chat_model).parent / "plain")
     assert main(["generate", "--model", no_template, "--policy", "full", "--chat", "hello"]) == 2
     assert "no chat template" in capsys.readouterr().err
+
+
+def test_generate_without_a_kv_path_uses_a_temporary_one(tmp_path, monkeypatch, capsys):
+    """`edgekv generate --model M --chat ...` with the default (disk) policy needs no --kv-path, and cleans up."""
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", None)  # re-read TMPDIR
+    assert main(["generate", "--model", "fixture", "--prompt", "[1, 20, 30]", "--max-new-tokens", "3", "--json"]) == 0
+    stats = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["stats"]
+    assert stats["policy"] == "kvswap" and stats["kv_bytes_read"] >= 0
+    assert list(tmp_path.iterdir()) == []
