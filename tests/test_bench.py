@@ -51,3 +51,23 @@ def test_bench_end_to_end_writes_every_row(model_dirs, tmp_path, capsys):
     assert all(r["kv_resident_mib"] <= full_mib / 4 + 1e-6 for r in runs[2:])  # within the 1/4 budget
     assert "reproduce: edgekv bench" in capsys.readouterr().out
     assert (tmp_path / "bench.png").is_file()
+
+
+def test_llama_cpp_row_only_for_a_gguf_model_with_the_binding(model_dirs, tmp_path, monkeypatch):
+    """The row needs the model's GGUF file and llama-cpp-python; otherwise the bench says why there is none."""
+    import importlib.util
+
+    from edgekv.runtime import checkpoints
+
+    assert bench.llama_cpp_source(tmp_path, ["full"]) == (None, "not asked for")
+    gguf, note = bench.llama_cpp_source(model_dirs["llama"], ["full", "llama.cpp"])
+    assert gguf is None and "not a GGUF" in note
+    source = tmp_path / "m.gguf"
+    source.write_bytes(b"GGUF")
+    (tmp_path / checkpoints._CONVERTED_META).write_text(json.dumps({"source": str(source)}))
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "llama_cpp" else real(name))
+    gguf, note = bench.llama_cpp_source(tmp_path, ["llama.cpp"])
+    assert gguf is None and "pip install 'edgekv[llamacpp]'" in note
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: object() if name == "llama_cpp" else real(name))
+    assert bench.llama_cpp_source(tmp_path, ["llama.cpp"])[0] == source
