@@ -174,7 +174,8 @@ def _eval(args) -> int:
         results = harness.evaluate(model, kv, variants, contexts, tasks, args.samples or 20, args.seed,
                                    adapter_path=args.adapter, quiet=args.quiet)
     print(harness.table(results))
-    meta = {"model": str(model), "seed": args.seed, "samples": args.samples, "command": args.command_line}
+    meta = {"model": args.model, "checkpoint": str(model), "seed": args.seed, "samples": args.samples or 20,
+            "command": args.command_line}
     if args.niah:
         depths = [i / 10 for i in range(11)]
         variant = next(v for v in variants if v.policy == "kvswap") if "kvswap" in args.policies else variants[0]
