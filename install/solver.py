@@ -23,6 +23,7 @@ from edgekv.runtime import RecordLayout, RuntimeConfig
 from edgekv.runtime.adapter import LowRankAdapter
 from edgekv.runtime.memory import plan_memory
 from edgekv.runtime.model import ModelDims
+from edgekv.runtime.slots import SlotTable
 
 SIGMAS = (1, 2, 4, 8, 16, 32)
 
@@ -90,8 +91,7 @@ def fit_memory(budget_bytes: float, dims: ModelDims, kv_dtype: torch.dtype, limi
     """
     sigmas = [s for s in SIGMAS if s <= limits.sigma_max] or [limits.sigma_max]
     stride = RecordLayout(G, dims.n_kv_heads, dims.head_dim, kv_dtype, limits.io_align_bytes).stride_bytes
-    slot_layers = dims.n_layers if reuse else min(dims.n_layers, 2)
-    extra_slots = int(extra_bytes // (slot_layers * stride)) if reuse else 0
+    extra_slots = int(extra_bytes // (SlotTable.n_buffers(dims.n_layers) * stride)) if reuse else 0
     M = math.ceil(limits.mg_const / G)
 
     def need(m, sigma):

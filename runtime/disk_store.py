@@ -123,7 +123,8 @@ class DiskKVStore:
             grown = np.full((seq + 1, self.n_layers), -1, dtype=np.int32)
             grown[: len(self._fds)] = self._fds
             self._fds = grown
-        self._fds[seq] = [self._open(self._path(seq, layer)) for layer in range(self.n_layers)]
+        for layer in range(self.n_layers):  # recorded one by one: a failed open leaves the others for release
+            self._fds[seq, layer] = self._open(self._path(seq, layer))
 
     def write_groups(self, seq: int, layer: int, first_group: int, records: np.ndarray) -> None:
         """Write aligned records [n, stride] as groups first_group .. first_group+n-1."""
@@ -146,15 +147,17 @@ class DiskKVStore:
         self.reader.read(batch)
 
     def release(self, seq: int) -> None:
-        """Close and delete one sequence's files."""
-        if seq >= len(self._fds) or self._fds[seq, 0] < 0:
+        """Close and delete one sequence's files; each fd is forgotten before it is closed, so none is closed twice."""
+        if seq >= len(self._fds):
             return
-        for layer, fd in enumerate(self._fds[seq].tolist()):
+        for layer in np.flatnonzero(self._fds[seq] >= 0).tolist():
+            fd, self._fds[seq, layer] = int(self._fds[seq, layer]), -1
             os.close(fd)
             self._path(seq, layer).unlink(missing_ok=True)
-        self._fds[seq] = -1
 
     def close(self) -> None:
-        for seq in range(len(self._fds)):
-            self.release(seq)
-        shutil.rmtree(self.dir, ignore_errors=True)
+        try:
+            for seq in range(len(self._fds)):
+                self.release(seq)
+        finally:
+            shutil.rmtree(self.dir, ignore_errors=True)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from .config import RuntimeConfig, cpu_pool_tokens
 from .model import ModelDims
+from .slots import PreloadSlots, SlotTable
 
 MIB = 1024 * 1024
 
@@ -55,7 +56,7 @@ def plan_memory(
     if policy == "full":
         parts = {"kv": dims.n_layers * cfg.max_context * token_bytes}
     else:
-        slots = dims.n_layers * cfg.C if cfg.reuse else min(dims.n_layers, 2) * cfg.M
+        slots = SlotTable.n_buffers(dims.n_layers) * cfg.C if cfg.reuse else PreloadSlots.n_buffers(dims.n_layers) * cfg.M
         parts = {
             "k_lowrank": 0 if policy in ("flexgen", "hillinfer") else dims.n_layers * cfg.max_context * rank * klr_itemsize,
             "k_cpu_pool": 0 if policy != "hillinfer" else

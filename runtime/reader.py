@@ -12,7 +12,7 @@ import hashlib
 import logging
 import os
 import subprocess
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -72,8 +72,11 @@ class PythonPoolReader(KVReader):
             done += got
 
     def read(self, batch: ReadBatch) -> None:
+        """Every read ends before this returns, a failed one included: the caller may free the buffers after."""
         jobs = zip(batch.fds.tolist(), batch.offsets.tolist(), batch.addresses.tolist())
-        for future in [self._pool.submit(self._read_one, fd, off, addr, batch.nbytes) for fd, off, addr in jobs]:
+        futures = [self._pool.submit(self._read_one, fd, off, addr, batch.nbytes) for fd, off, addr in jobs]
+        wait(futures)
+        for future in futures:
             future.result()
 
     def close(self) -> None:

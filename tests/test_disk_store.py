@@ -1,10 +1,13 @@
 """The disk store writes what it reads back, at any group, past 4 GiB, through every reader backend."""
+import errno
+import time
+
 import numpy as np
 import pytest
 import torch
 
 from edgekv.runtime.disk_store import DiskKVStore, RecordLayout, StoreError, aligned_zeros
-from edgekv.runtime.reader import open_reader
+from edgekv.runtime.reader import PythonPoolReader, ReadBatch, open_reader
 
 BACKENDS = ["io_uring", "pthread", "python"]
 
@@ -111,4 +114,25 @@ def test_short_file_read_is_an_error(kv_dir):
     with pytest.raises(OSError):
         store.read(read_into(store, dest, 0, [3]))  # nothing written there
     store.close()
+    reader.close()
+
+
+def test_python_reader_raises_only_after_every_read_of_the_batch_ended(monkeypatch):
+    """The caller frees the buffers once read raises: no read of the batch may still write into them."""
+    ended = []
+
+    def read_one(fd, offset, address, nbytes):
+        if fd < 0:
+            raise OSError(errno.EBADF, "injected")
+        time.sleep(0.05)
+        ended.append(offset)
+
+    monkeypatch.setattr(PythonPoolReader, "_read_one", staticmethod(read_one))
+    reader = PythonPoolReader(threads=4)
+    n_reads = 4
+    batch = ReadBatch(np.array([-1] + [3] * (n_reads - 1), dtype=np.int32), np.arange(n_reads, dtype=np.int64),
+                      np.zeros(n_reads, dtype=np.int64), 4096)
+    with pytest.raises(OSError, match="injected"):
+        reader.read(batch)
+    assert sorted(ended) == [1, 2, 3]
     reader.close()

@@ -1,7 +1,8 @@
 """Every policy on unusual but valid models is exact against Hugging Face greedy decoding, and a failing
-decode step surfaces its own error, leaves no KV files and leaves the engine usable."""
+prefill or decode step surfaces its own error, leaves no KV file open or on disk and leaves the engine usable."""
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -58,12 +59,26 @@ def test_every_policy_matches_hf_greedy(matrix, kv_dir, model, policy):
     name, overrides = POLICIES[policy]
     with Engine.from_pretrained(folder, kv_offload_path=kv_dir, config={**EXACT, **overrides}, policy=name) as engine:
         result = engine.generate([PROMPT], max_new_tokens=NEW_TOKENS, stop_token_ids=[])[0]
+        assert result.stats["kv_resident_bytes"] == engine.memory_plan.total_bytes  # the plan counts the buffers made
     assert result.token_ids == expected
     assert files_under(kv_dir) == []
 
 
 class Injected(RuntimeError):
     pass
+
+
+def open_files_under(path) -> list[str]:
+    """This process's open files under ``path``, deleted ones included."""
+    found = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except FileNotFoundError:  # the listing's own fd, closed since
+            continue
+        if target.startswith(str(path)):
+            found.append(target)
+    return found
 
 
 def _slow_reads(monkeypatch):
@@ -88,6 +103,18 @@ def _fail_prefetch_of_layer_1(monkeypatch):
     monkeypatch.setattr(OffloadedKV, "prefetch", prefetch)
 
 
+def _fail_opening_layer_2(monkeypatch):
+    """Fails in prefill, with the files of layers 0 and 1 already open."""
+    real = DiskKVStore._open
+
+    def open_(self, path):
+        if path.name.endswith("layer2.kv"):
+            raise Injected("injected opening a KV file")
+        return real(self, path)
+
+    monkeypatch.setattr(DiskKVStore, "_open", open_)
+
+
 def _fail_reads(monkeypatch):
     def read(self, batch):
         assert threading.current_thread().name.startswith("ekv-io")
@@ -107,8 +134,8 @@ def _fail_attend_of_layer_1(monkeypatch):
     monkeypatch.setattr(OffloadedKV, "attend", attend)
 
 
-@pytest.mark.parametrize("inject", [_fail_prefetch_of_layer_1, _fail_reads, _fail_attend_of_layer_1])
-@pytest.mark.parametrize("policy", ["kvswap", "kvswap-noreuse", "flexgen"])
+@pytest.mark.parametrize("inject", [_fail_opening_layer_2, _fail_prefetch_of_layer_1, _fail_reads, _fail_attend_of_layer_1])
+@pytest.mark.parametrize("policy", ["kvswap", "kvswap-noreuse", "flexgen", "hillinfer"])
 def test_a_failing_step_surfaces_its_own_error(matrix, kv_dir, monkeypatch, inject, policy):
     folder, expected = matrix["3-layers"]
     name, overrides = POLICIES[policy]
@@ -118,6 +145,6 @@ def test_a_failing_step_surfaces_its_own_error(matrix, kv_dir, monkeypatch, inje
             inject(patch)
             with pytest.raises(Injected, match="injected"):
                 engine.generate([PROMPT], max_new_tokens=NEW_TOKENS, stop_token_ids=[])
-        assert files_under(kv_dir) == []
+        assert files_under(kv_dir) == [] and open_files_under(kv_dir) == []
         after = engine.generate([PROMPT], max_new_tokens=NEW_TOKENS, stop_token_ids=[])[0]  # still usable
     assert after.token_ids == expected

@@ -1,5 +1,6 @@
 """Reuse buffer bookkeeping on a scripted sequence of predictions."""
 import numpy as np
+import pytest
 
 from edgekv.runtime.slots import PreloadSlots, SlotTable
 
@@ -49,6 +50,15 @@ def test_preload_slots_read_everything():
     assert [slots.buffer_index(i) for i in range(4)] == [0, 1, 0, 1]
     idx, misses = slots.assign(0, np.array([[4, 2, 9]]), np.array([[True, True, False]]))
     assert idx.tolist() == [[0, 1, 2]] and [tuple(map(int, m)) for m in zip(*misses)] == [(0, 0, 4), (0, 1, 2)]
+
+
+@pytest.mark.parametrize("n_layers", [1, 2, 3, 5])
+def test_every_layer_has_a_buffer_of_its_own_while_the_next_one_loads(n_layers):
+    """Layer i+1 is read while layer i attends, so the two never share a buffer."""
+    for slots in (SlotTable(n_layers, batch=1, capacity=2, max_groups=8), PreloadSlots(batch=1, capacity=2)):
+        buffers = [slots.buffer_index(layer) for layer in range(n_layers)]
+        assert max(buffers) < slots.n_buffers(n_layers)
+        assert all(a != b for a, b in zip(buffers, buffers[1:]))
 
 
 def test_reverse_map_tracks_evictions():
