@@ -65,11 +65,12 @@ def _bench(args) -> int:
         args.batches, args.contexts, args.budgets, args.steps, args.warmup, args.disk_seconds = "2", "4096", "1/13", 4, 2, 2
     for budget in args.budgets.split(","):
         _parse_budget(budget)
+    checkpoint = resolve_checkpoint(args.model)
     with tempfile.TemporaryDirectory(dir=args.kv_path) as kv:
-        runs, meta = bench.run(resolve_checkpoint(args.model), Path(kv), [int(b) for b in args.batches.split(",")],
+        runs, meta = bench.run(checkpoint, Path(kv), [int(b) for b in args.batches.split(",")],
                                [int(c) for c in args.contexts.split(",")], args.budgets.split(","), args.steps,
                                args.warmup, args.disk_seconds, args.policies.split(","), quiet=args.quiet)
-    meta["command"] = args.command_line
+    meta.update(model=args.model, checkpoint=str(checkpoint), command=args.command_line)
     print(bench.table(runs))
     print(f"reproduce: {meta['command']}  (decode only; {args.warmup} warm-up steps excluded; "
           f"O_DIRECT={all(r.o_direct for r in runs if r.o_direct is not None)})")
