@@ -213,12 +213,14 @@ def _eval_ppl(args, model, variants, contexts) -> int:
     if args.ablations or args.niah or args.recall_sigmas or args.adapter:
         raise ValueError("--ppl runs perplexity only; drop --ablations/--niah/--recall-sigmas/--adapter")
     text, source = perplexity.load_text(args.ppl)
+    ids, tokens = perplexity.tokenize(model, text)
     with tempfile.TemporaryDirectory(dir=args.kv_path) as kv:
-        results = perplexity.evaluate_ppl(model, kv, variants, contexts, text, args.samples or 4, args.ppl_tokens,
+        results = perplexity.evaluate_ppl(model, kv, variants, contexts, ids, args.samples or 4, args.ppl_tokens,
                                           quiet=args.quiet)
     print(perplexity.table(results))
     if args.json:
-        meta = {"model": str(args.model), "checkpoint": str(model), "text": source, "windows": args.samples or 4,
+        meta = {"model": str(args.model), "checkpoint": str(model), "text": source,
+                "tokens": tokens, "windows": args.samples or 4,
                 "continuation_tokens": args.ppl_tokens, "command": args.command_line}
         perplexity.write_json(args.json, results, meta)
     return 0

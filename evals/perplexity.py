@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from edgekv.runtime.checkpoints import load_tokenizer
-from edgekv.runtime.model import load_model
+from edgekv.runtime.model import load_model, read_model_config
 from edgekv.runtime.prompt_cache import PromptKVCache
 
 from .harness import Adapters, Variant, engine_steps, open_engine
@@ -45,6 +45,20 @@ def load_text(source: str) -> tuple[str, str]:
     if not path.is_file():
         raise FileNotFoundError(f"--ppl {source}: no such file; pass a text file or 'builtin'")
     return path.read_text(encoding="utf-8", errors="replace"), str(path)
+
+
+def tokenize(model_dir: str | Path, text: str) -> tuple[list[int], str]:
+    """(token ids, how): the checkpoint's tokenizer, or, for a model without one whose vocabulary covers
+    the 256 byte values (the fixture), the text's UTF-8 bytes as ids; the ratios to ``full`` then still
+    measure what a policy changes, the perplexity itself is of a model never trained on bytes."""
+    tokenizer = load_tokenizer(model_dir)
+    if tokenizer is not None:
+        return tokenizer(text)["input_ids"], "the checkpoint's tokenizer"
+    vocab = read_model_config(model_dir)["vocab_size"]
+    if vocab < 256:
+        raise ValueError(f"{model_dir} has no tokenizer and {vocab} < 256 token ids; --ppl needs a tokenizer "
+                         "(or 256 ids to read the text as bytes)")
+    return list(text.encode("utf-8")), "UTF-8 bytes as token ids (the model has no tokenizer)"
 
 
 @dataclass(frozen=True)
@@ -101,15 +115,12 @@ def compare(logp: torch.Tensor, reference: torch.Tensor, targets: torch.Tensor) 
     return math.exp(float(nll)), float(agree), float(kl)
 
 
-def evaluate_ppl(model_dir: str | Path, kv_path: str | Path, variants: list[Variant], contexts: list[int], text: str,
-                 windows: int = 4, continuation: int = 256, max_batch: int = 4, quiet: bool = False) -> list[PplResult]:
-    """Every (context, variant) cell on the same windows; ``full`` first (it is the reference)."""
-    tokenizer = load_tokenizer(model_dir)
-    if tokenizer is None:
-        raise ValueError(f"{model_dir} has no tokenizer; --ppl needs one to read the text")
+def evaluate_ppl(model_dir: str | Path, kv_path: str | Path, variants: list[Variant], contexts: list[int],
+                 ids: list[int], windows: int = 4, continuation: int = 256, max_batch: int = 4,
+                 quiet: bool = False) -> list[PplResult]:
+    """Every (context, variant) cell on the same windows of the token stream ``ids``; ``full`` first (the reference)."""
     if continuation < 2 or continuation >= min(contexts):
         raise ValueError(f"--ppl-tokens {continuation} must be in [2, {min(contexts)}) (shorter than the context)")
-    ids = tokenizer(text)["input_ids"]
     calibration = min(contexts)
     splits = {c: split_text(ids, c, calibration, windows) for c in contexts}
     model = load_model(model_dir, torch.device("cpu"), torch.float32, max(contexts) + 64)

@@ -50,9 +50,9 @@ def test_full_perplexity_equals_the_hf_forward_pass(text_model, text_file, tmp_p
     """The decode path's perplexity of `full` is the model's own: the same number HF computes in one forward pass."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    results = perplexity.evaluate_ppl(text_model, tmp_path, [], [CONTEXT], text_file.read_text(), windows=2,
-                                      continuation=CONTINUATION, quiet=True)
     ids = AutoTokenizer.from_pretrained(text_model)(text_file.read_text())["input_ids"]
+    results = perplexity.evaluate_ppl(text_model, tmp_path, [], [CONTEXT], ids, windows=2, continuation=CONTINUATION,
+                                      quiet=True)
     windows = perplexity.split_text(ids, CONTEXT, CONTEXT, 2).windows
     hf = AutoModelForCausalLM.from_pretrained(text_model, dtype=torch.float32)
     with torch.no_grad():
@@ -100,3 +100,14 @@ def test_ppl_errors_name_the_fix(text_model, tmp_path, capsys):
 def test_builtin_text_is_real_english_prose():
     text, source = perplexity.load_text("builtin")
     assert len(text) > 150_000 and "GNU General Public License" in text and "builtin" in source
+
+
+def test_a_model_without_tokenizer_reads_the_text_as_bytes(model_dirs, text_file, tmp_path):
+    """The fixture has no tokenizer but 256 ids: --ppl runs on the text's bytes and says so."""
+    out = tmp_path / "ppl.json"
+    assert main(["eval", "--model", "fixture", "--ppl", str(text_file), "--contexts", "512", "--budgets", "1/4",
+                 "--policies", "full,kvswap", "--samples", "1", "--ppl-tokens", "16", "--json", str(out), "--quiet"]) == 0
+    data = json.loads(out.read_text())
+    assert "UTF-8 bytes" in data["meta"]["tokens"] and [r["variant"] for r in data["ppl"]] == ["full", "kvswap@1/4"]
+    with pytest.raises(ValueError, match="no tokenizer and 160 < 256"):
+        perplexity.tokenize(model_dirs["llama"], "text")
