@@ -182,8 +182,8 @@ def llama_cpp_run(gguf: Path, dims, prompt: list[int], context: int, steps: int,
     import llama_cpp
 
     threads = torch.get_num_threads()
-    llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=context, n_threads=threads, n_threads_batch=threads, n_batch=512,
-                verbose=False)
+    llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=context, n_threads=threads, n_threads_batch=threads,
+                          n_batch=512, verbose=False)
     try:
         llm.eval(prompt)
         step_ns = []

@@ -26,7 +26,6 @@ from edgekv.runtime.prompt_cache import PromptKVCache
 from .progress import Progress
 from .tasks import TASKS, VOCAB_SIZE, FixtureFormat, TaskInstance, TextFormat, make_instance, make_set
 
-FIXTURE = Path(__file__).with_name("fixture")
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,9 @@ from transformers import LlamaForCausalLM
 
 from edgekv.evals import harness
 from edgekv.evals.tasks import TASKS
+from edgekv.runtime.checkpoints import resolve_checkpoint
 
+FIXTURE = resolve_checkpoint("fixture")
 CONTEXT = 1024
 SAMPLES = 8
 
@@ -16,19 +18,19 @@ SAMPLES = 8
 def accuracy(tmp_path_factory):
     kv = tmp_path_factory.mktemp("kv")
     variants = [harness.Variant("full"), harness.Variant("kvswap", 1 / 13), harness.Variant("kvswap", 1 / 13, selector="random", ablation="random")]
-    results = harness.evaluate(harness.FIXTURE, kv, variants, [CONTEXT], list(TASKS), SAMPLES, seed=0,
+    results = harness.evaluate(FIXTURE, kv, variants, [CONTEXT], list(TASKS), SAMPLES, seed=0,
                                quiet=True)
     return {label: np.mean([r.accuracy for r in results if r.variant == label]) for label in
             ("full", "kvswap@1/13", "kvswap@1/13,random")}
 
 
 def test_fixture_is_a_small_gqa_llama():
-    model = LlamaForCausalLM.from_pretrained(harness.FIXTURE)
+    model = LlamaForCausalLM.from_pretrained(FIXTURE)
     cfg = model.config
     assert cfg.num_hidden_layers >= 4 and cfg.num_key_value_heads >= 2
     assert cfg.num_attention_heads // cfg.num_key_value_heads >= 2 and 64 <= cfg.head_dim <= 128
-    assert sum(f.stat().st_size for f in harness.FIXTURE.glob("*.safetensors")) < 8 * 2**20
-    log = json.loads((harness.FIXTURE / "train_log.json").read_text())
+    assert sum(f.stat().st_size for f in FIXTURE.glob("*.safetensors")) < 8 * 2**20
+    log = json.loads((FIXTURE / "train_log.json").read_text())
     assert log["trained_context"] >= CONTEXT
 
 

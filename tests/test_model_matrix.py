@@ -92,15 +92,20 @@ def _slow_reads(monkeypatch):
     monkeypatch.setattr(DiskKVStore, "read", read)
 
 
-def _fail_prefetch_of_layer_1(monkeypatch):
-    real = OffloadedKV.prefetch
+def _fail_at_layer_1(method: str):
+    """An injector: ``OffloadedKV.<method>`` raises when called for layer 1 (after layer 0's work started)."""
+    def inject(monkeypatch):
+        real = getattr(OffloadedKV, method)
 
-    def prefetch(self, layer, *args):
-        if layer == 1:
-            raise Injected("injected in prefetch")
-        real(self, layer, *args)
+        def failing(self, layer, *args):
+            if layer == 1:
+                raise Injected(f"injected in {method}")
+            return real(self, layer, *args)
 
-    monkeypatch.setattr(OffloadedKV, "prefetch", prefetch)
+        monkeypatch.setattr(OffloadedKV, method, failing)
+
+    inject.__name__ = f"fail_{method}_of_layer_1"
+    return inject
 
 
 def _fail_opening_layer_2(monkeypatch):
@@ -123,18 +128,8 @@ def _fail_reads(monkeypatch):
     monkeypatch.setattr(DiskKVStore, "read", read)
 
 
-def _fail_attend_of_layer_1(monkeypatch):
-    real = OffloadedKV.attend
-
-    def attend(self, layer, *args):
-        if layer == 1:
-            raise Injected("injected in attend")
-        return real(self, layer, *args)
-
-    monkeypatch.setattr(OffloadedKV, "attend", attend)
-
-
-@pytest.mark.parametrize("inject", [_fail_opening_layer_2, _fail_prefetch_of_layer_1, _fail_reads, _fail_attend_of_layer_1])
+@pytest.mark.parametrize("inject", [_fail_opening_layer_2, _fail_at_layer_1("prefetch"), _fail_reads,
+                                    _fail_at_layer_1("attend")], ids=lambda f: f.__name__)
 @pytest.mark.parametrize("policy", ["kvswap", "kvswap-noreuse", "flexgen", "hillinfer"])
 def test_a_failing_step_surfaces_its_own_error(matrix, kv_dir, monkeypatch, inject, policy):
     folder, expected = matrix["3-layers"]
