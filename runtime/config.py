@@ -45,6 +45,10 @@ class RuntimeConfig:
     ``max_kv_mem_mib`` is the KV memory budget for ``max_batch`` sequences of
     ``max_context`` tokens (None: no limit, resident bytes are still reported).
     ``selector`` "random" replaces the predictor by uniform picks (a quality floor for ablations).
+    ``sink_tokens`` S (the first tokens) and ``window_tokens`` W (the newest) are always attended
+    and held in memory, rounded up to whole groups; they count in M, so the predictor picks
+    ``picked_groups`` = M - ceil(S/G) - ceil(W/G) groups among the rest (attention sinks and a
+    local window: what a sparse selection must never drop).
     """
 
     G: int = 4
@@ -56,6 +60,8 @@ class RuntimeConfig:
     max_context: int = 32768
     reuse: bool = True
     rolling_buffer: bool = True
+    sink_tokens: int = 0
+    window_tokens: int = 0
     selector: str = "lowrank"
     score_reduce: str = "sum"
     adapter_path: str | None = None
@@ -100,10 +106,20 @@ class RuntimeConfig:
             not isinstance(self.max_kv_mem_mib, (int, float)) or self.max_kv_mem_mib <= 0
         ):
             raise ConfigError(f"config field 'max_kv_mem_mib' must be a positive number, got {self.max_kv_mem_mib!r}")
-        if self.reuse and self.C < self.M:
+        for name in ("sink_tokens", "window_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ConfigError(f"config field '{name}' must be an integer >= 0, got {value!r}")
+        if self.picked_groups < 1:
             raise ConfigError(
-                f"config field 'C' ({self.C}) must be >= 'M' ({self.M}): the selected groups of one step "
-                "must fit the reuse buffer together; raise C or set reuse=false"
+                f"config fields 'sink_tokens' ({self.sink_tokens}) and 'window_tokens' ({self.window_tokens}) take "
+                f"{self.sink_groups + self.window_groups} groups of G={self.G}, leaving none of 'M' ({self.M}) for the "
+                "predictor; raise M or lower them"
+            )
+        if self.reuse and self.C < self.picked_groups:
+            raise ConfigError(
+                f"config field 'C' ({self.C}) must be >= the groups picked per step ({self.picked_groups}: 'M' less the "
+                "sink and window groups): one step's picks must fit the reuse buffer together; raise C or set reuse=false"
             )
         if self.reader_backend not in READER_BACKENDS:
             raise ConfigError(f"config field 'reader_backend' must be one of {READER_BACKENDS}, got {self.reader_backend!r}")
@@ -124,8 +140,22 @@ class RuntimeConfig:
             raise ConfigError(f"config field 'io_align_bytes' must be a power of two >= 512, got {align!r}")
         return self
 
+    @property
+    def sink_groups(self) -> int:
+        return -(-self.sink_tokens // self.G)
+
+    @property
+    def window_groups(self) -> int:
+        return -(-self.window_tokens // self.G)
+
+    @property
+    def picked_groups(self) -> int:
+        """Groups the predictor chooses per layer and step: M less the always-attended sink and window groups."""
+        return self.M - self.sink_groups - self.window_groups
+
     def for_policy(self, policy: str) -> "RuntimeConfig":
-        """The effective parameters of a policy: ``token`` is G=1 with M*G kept and no reuse."""
+        """The effective parameters of a policy: ``token`` is G=1 with M*G kept (S and W too) and no reuse;
+        ``flexgen`` loads every group and ``hillinfer`` selects tokens its own way (no sinks, no window)."""
         if policy not in POLICIES:
             raise ConfigError(f"unknown policy {policy!r}; choose one of {POLICIES}")
         if policy == "token":
@@ -134,9 +164,11 @@ class RuntimeConfig:
             # the CPU KV pool: selected tokens stay resident in reuse slots, a pool of beta / (1 + beta) of the context
             m = math.ceil(self.importance_rate * self.max_context)
             pool = cpu_pool_tokens(self.beta, self.max_context)
-            return RuntimeConfig(**{**asdict(self), "G": 1, "M": m, "C": max(m, pool), "reuse": True})
+            return RuntimeConfig(**{**asdict(self), "G": 1, "M": m, "C": max(m, pool), "reuse": True,
+                                    "sink_tokens": 0, "window_tokens": 0})
         if policy == "flexgen":
-            return RuntimeConfig(**{**asdict(self), "M": math.ceil(self.max_context / self.G), "reuse": False})
+            return RuntimeConfig(**{**asdict(self), "M": math.ceil(self.max_context / self.G), "reuse": False,
+                                    "sink_tokens": 0, "window_tokens": 0})
         return self
 
     def to_dict(self) -> dict:

@@ -351,7 +351,7 @@ class Engine:
                 dims.head_dim, cfg.importance_rate, cfg.beta, model.scaling, cfg.score_block_tokens,
             )
         elif cfg.selector == "random":
-            selector = RandomSelector(cfg.M)
+            selector = RandomSelector(cfg.picked_groups)
         else:
             adapter, rank = self._adapter_for(cfg), self._rank(cfg)
             if adapter is None and not self._warned_adapter:
@@ -362,14 +362,14 @@ class Engine:
                 self._warned_adapter = True
             selector = LowRankSelector(
                 adapter, rank, dims.n_kv_heads, dims.head_dim, dims.n_layers, batch,
-                cfg.max_context, cfg.G, cfg.M, _KLR_DTYPES[cfg.klr_dtype], model.device,
+                cfg.max_context, cfg.G, cfg.picked_groups, _KLR_DTYPES[cfg.klr_dtype], model.device,
                 score_reduce=cfg.score_reduce, scaling=model.scaling,
             )
         max_groups = -(-cfg.max_context // cfg.G)
-        slots = SlotTable(dims.n_layers, batch, cfg.C, max_groups) if cfg.reuse else PreloadSlots(batch, cfg.M)
+        slots = SlotTable(dims.n_layers, batch, cfg.C, max_groups) if cfg.reuse else PreloadSlots(batch, cfg.picked_groups)
         return OffloadedKV(
-            model, batch, cfg.max_context, store, selector, slots, cfg.M,
-            rolling_buffer=cfg.rolling_buffer, predict=self.policy != "flexgen",
+            model, batch, cfg.max_context, store, selector, slots, cfg.picked_groups,
+            rolling_buffer=cfg.rolling_buffer, sink_groups=cfg.sink_groups, window_groups=cfg.window_groups, predict=self.policy != "flexgen",
             on_select=lambda layer, groups, valid: self.events.emit("groups_selected", layer=layer, groups=groups, valid=valid),
         )
 

@@ -83,7 +83,7 @@ class HierarchicalSelector(Selector):
         row_of[positions] = rows
         self.cpu_keys[layer, seq, rows] = keys
 
-    def select(self, layer, q, n_groups):
+    def select(self, layer, q, n_groups, first=0):  # no sinks: the config gives hillinfer none
         batch = q.shape[0]
         query = q.reshape(batch, self.n_kv_heads, -1, self.head_dim).sum(dim=2).float().cpu().numpy()  # heads summed
         groups = np.zeros((batch, self.M), dtype=np.int64)

@@ -2,8 +2,9 @@
 
 Per sequence: ``full`` keeps the whole cache; the offloading policies keep K_lr (not
 ``flexgen``, which predicts nothing), their slot buffers (reuse: C slots per layer; no
-reuse: M slots for two layers, the one computing and the one loading) and the rolling
-buffer (G tokens per layer).  Slots count their O_DIRECT padding: it is resident too.
+reuse: M slots for two layers, the one computing and the one loading; sink and window groups
+are not picked, so they take no slots), the sinks (S tokens per layer) and the rolling window
+(the W newest tokens plus the group being filled, per layer).  Slots count their O_DIRECT padding: it is resident too.
 """
 from __future__ import annotations
 
@@ -56,12 +57,14 @@ def plan_memory(
     if policy == "full":
         parts = {"kv": dims.n_layers * cfg.max_context * token_bytes}
     else:
-        slots = SlotTable.n_buffers(dims.n_layers) * cfg.C if cfg.reuse else PreloadSlots.n_buffers(dims.n_layers) * cfg.M
+        picked = cfg.picked_groups
+        slots = SlotTable.n_buffers(dims.n_layers) * cfg.C if cfg.reuse else PreloadSlots.n_buffers(dims.n_layers) * picked
         parts = {
             "k_lowrank": 0 if policy in ("flexgen", "hillinfer") else dims.n_layers * cfg.max_context * rank * klr_itemsize,
             "k_cpu_pool": 0 if policy != "hillinfer" else
             dims.n_layers * cpu_pool_tokens(cfg.beta, cfg.max_context) * dims.n_kv_heads * dims.head_dim * 2,
             "slots": slots * stride_bytes,
-            "rolling": dims.n_layers * cfg.G * token_bytes,
+            "sinks": dims.n_layers * cfg.sink_groups * cfg.G * token_bytes,
+            "rolling": dims.n_layers * (cfg.window_groups + 1) * cfg.G * token_bytes,
         }
     return MemoryPlan(parts, cfg.max_batch)

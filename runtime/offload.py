@@ -3,9 +3,11 @@
 Per layer and step, data flows one way: the selector picks groups from the coming layer's
 predicted query -> the slot table says which are already resident and where misses go ->
 the disk store reads the misses (on the I/O thread, overlapping the current layer) ->
-attention runs over the selected slots plus the rolling buffer.  The rolling buffer holds
-the tokens of the group still being filled; when it is full it is written to disk as one
-record and its keys enter K_lr.
+attention runs over the selected slots, the sinks and the rolling window.  The window is a
+ring of ``window_groups + 1`` groups in memory: the group still being filled (written to disk
+as one record when full, its keys then entering K_lr) and the newest full groups.  The sinks
+are the first ``sink_groups`` groups, copied into memory once written.  Neither is offered to
+the selector, so its picks go to the groups in between.
 """
 from __future__ import annotations
 
@@ -33,6 +35,8 @@ class OffloadedKV(KVPolicy):
         slots,
         groups_per_step: int,
         rolling_buffer: bool = True,
+        sink_groups: int = 0,
+        window_groups: int = 0,
         predict: bool = True,
         on_select=None,
     ):
@@ -49,9 +53,13 @@ class OffloadedKV(KVPolicy):
         self.on_select = on_select  # on_select(layer, groups [B, M], valid [B, M]): the step's picks, for tuning
         self._slot_bytes = aligned_zeros((slots.n_buffers(dims.n_layers), batch, slots.capacity, self.layout.stride_bytes), self.layout.align_bytes)
         self.slot_kv = self.layout.typed(self._slot_bytes)
-        self.rolling = torch.zeros(
-            dims.n_layers, batch, 2, dims.n_kv_heads, self.G, dims.head_dim, dtype=model.dtype, device=model.device
-        )
+        self.sink_groups = sink_groups
+        self.window_groups = window_groups
+        self.ring_groups = window_groups + 1
+        self.rolling = torch.zeros(dims.n_layers, batch, 2, dims.n_kv_heads, self.ring_groups * self.G, dims.head_dim,
+                                   dtype=model.dtype, device=model.device)
+        self.sinks = torch.zeros(dims.n_layers, batch, 2, dims.n_kv_heads, sink_groups * self.G, dims.head_dim,
+                                 dtype=model.dtype, device=model.device)
         self.n_groups = np.zeros(batch, dtype=np.int64)
         self.rb_len = np.zeros(batch, dtype=np.int64)
         self._pending: dict[int, tuple[torch.Tensor, torch.Tensor, Future]] = {}
@@ -61,7 +69,7 @@ class OffloadedKV(KVPolicy):
 
     @property
     def resident_bytes(self) -> int:
-        rolling = self.rolling.numel() * self.rolling.element_size()
+        rolling = self.rolling.numel() * self.rolling.element_size() + self.sinks.numel() * self.sinks.element_size()
         return self._slot_bytes.nbytes + rolling + self.selector.resident_bytes
 
     def start_sequence(self, seq):
@@ -76,9 +84,10 @@ class OffloadedKV(KVPolicy):
         tokens = n_full * self.G
         self.store.write_groups(seq, layer, 0, self.layout.pack(k[:, :tokens], v[:, :tokens]))
         self.selector.append(layer, seq, 0, k[:, :tokens])
+        for group in [*range(min(n_full, self.sink_groups))] + [*range(max(0, n_full - self.window_groups), n_full + 1)]:
+            span = slice(group * self.G, min((group + 1) * self.G, k.shape[1]))
+            self._keep_group(layer, seq, group, k[:, span], v[:, span], in_ring=group >= n_full - self.window_groups)
         rest = k.shape[1] - tokens
-        self.rolling[layer, seq, 0, :, :rest] = k[:, tokens:]
-        self.rolling[layer, seq, 1, :, :rest] = v[:, tokens:]
         if layer == self.model.dims.n_layers - 1:
             self.n_groups[seq] = n_full
             self.rb_len[seq] = rest
@@ -86,7 +95,8 @@ class OffloadedKV(KVPolicy):
     def prefetch(self, layer, x, cos, sin, active):
         started = time.perf_counter()
         q = self.model.query(layer, x, cos, sin) if self.predict else None
-        groups, valid = self.selector.select(layer, q, torch.from_numpy(self.n_groups))
+        outside_window = np.maximum(self.n_groups - self.window_groups, 0)
+        groups, valid = self.selector.select(layer, q, torch.from_numpy(outside_window), first=self.sink_groups)
         valid = valid.cpu().numpy() & active[:, None]
         groups = groups.cpu().numpy()
         if self.on_select is not None:
@@ -105,11 +115,36 @@ class OffloadedKV(KVPolicy):
         self.store.read(batch)
         self.io_read_s += time.perf_counter() - start
 
+    def _keep_group(self, layer: int, seq: int, group: int, k: torch.Tensor, v: torch.Tensor, in_ring: bool) -> None:
+        """Hold (part of) ``group`` in memory: in the sinks if it is one, in its ring slot if ``in_ring``."""
+        n = k.shape[1]
+        if group < self.sink_groups:
+            self.sinks[layer, seq, 0, :, group * self.G : group * self.G + n] = k
+            self.sinks[layer, seq, 1, :, group * self.G : group * self.G + n] = v
+        if in_ring:
+            start = (group % self.ring_groups) * self.G
+            self.rolling[layer, seq, 0, :, start : start + n] = k
+            self.rolling[layer, seq, 1, :, start : start + n] = v
+
+    def _resident_mask(self, device) -> torch.Tensor:
+        """[B, S + (W + 1) * G]: which sink and ring positions hold tokens to attend (never one the picks hold)."""
+        n_groups = torch.from_numpy(self.n_groups).to(device)[:, None]
+        sink_group = torch.arange(self.sink_groups * self.G, device=device) // self.G
+        sinks = sink_group < n_groups
+        ring_slot = torch.arange(self.ring_groups, device=device)
+        group = n_groups - (n_groups - ring_slot) % self.ring_groups  # [B, R]: the newest group in each ring slot
+        position = torch.arange(self.G, device=device)
+        rb_pos = torch.from_numpy(self.rb_len).to(device)[:, None, None]
+        filling = position <= rb_pos if self.use_rolling_buffer else position == rb_pos
+        full = ((group >= 0) & (group >= self.sink_groups))[..., None].expand(-1, -1, self.G)
+        ring = torch.where((group == n_groups)[..., None], filling, full)
+        return torch.cat([sinks, ring.reshape(len(self.n_groups), -1)], dim=1)
+
     def attend(self, layer, q, k, v):
-        rb_pos = torch.from_numpy(self.rb_len).to(q.device)
+        write_at = torch.from_numpy(self.n_groups % self.ring_groups * self.G + self.rb_len).to(q.device)
         rolling = self.rolling[layer]
-        rolling[self._batch_index, 0, :, rb_pos] = k[:, :, 0]
-        rolling[self._batch_index, 1, :, rb_pos] = v[:, :, 0]
+        rolling[self._batch_index, 0, :, write_at] = k[:, :, 0]
+        rolling[self._batch_index, 1, :, write_at] = v[:, :, 0]
 
         slots, valid, future = self._pending.pop(layer)
         start = time.perf_counter()
@@ -119,12 +154,10 @@ class OffloadedKV(KVPolicy):
         selected = self.slot_kv[self.slots.buffer_index(layer)][self._slot_rows, slots]
         selected = selected.to(q.device, non_blocking=True)
         b, m, _, h_kv, g, d = selected.shape
-        keys = torch.cat([selected[:, :, 0].transpose(1, 2).reshape(b, h_kv, m * g, d), rolling[:, 0]], dim=2)
-        values = torch.cat([selected[:, :, 1].transpose(1, 2).reshape(b, h_kv, m * g, d), rolling[:, 1]], dim=2)
-
-        positions = torch.arange(self.G, device=q.device)
-        in_rolling = positions <= rb_pos[:, None] if self.use_rolling_buffer else positions == rb_pos[:, None]
-        mask = torch.cat([valid.to(q.device).repeat_interleave(g, dim=1), in_rolling], dim=1)
+        sinks = self.sinks[layer]
+        keys = torch.cat([selected[:, :, 0].transpose(1, 2).reshape(b, h_kv, m * g, d), sinks[:, 0], rolling[:, 0]], dim=2)
+        values = torch.cat([selected[:, :, 1].transpose(1, 2).reshape(b, h_kv, m * g, d), sinks[:, 1], rolling[:, 1]], dim=2)
+        mask = torch.cat([valid.to(q.device).repeat_interleave(g, dim=1), self._resident_mask(q.device)], dim=1)
         return decode_attention(self.model, q, keys, values, mask[:, None, None, :])
 
     def end_step(self, active):
@@ -136,10 +169,13 @@ class OffloadedKV(KVPolicy):
     def _flush_group(self, seq: int) -> None:
         """The rolling buffer of ``seq`` is one full group: write it to disk and add its keys to K_lr."""
         group = int(self.n_groups[seq])
+        span = slice(group % self.ring_groups * self.G, (group % self.ring_groups + 1) * self.G)
         for layer in range(self.model.dims.n_layers):
-            k, v = self.rolling[layer, seq, 0], self.rolling[layer, seq, 1]
+            k, v = self.rolling[layer, seq, 0, :, span], self.rolling[layer, seq, 1, :, span]
             self.store.write_groups(seq, layer, group, self.layout.pack(k, v))
             self.selector.append(layer, seq, group * self.G, k)
+            if group < self.sink_groups:
+                self._keep_group(layer, seq, group, k, v, in_ring=False)
         self.n_groups[seq] += 1
         self.rb_len[seq] = 0
 

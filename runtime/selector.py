@@ -21,8 +21,10 @@ class Selector:
     def append(self, layer: int, seq: int, first_token: int, k: torch.Tensor) -> None:
         """New post-RoPE keys k [H_kv, T, d] of one sequence, starting at ``first_token``."""
 
-    def select(self, layer: int, q: torch.Tensor | None, n_groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: the layer's predicted queries [B, H, 1, d]; n_groups [B] groups on disk per sequence.
+    def select(self, layer: int, q: torch.Tensor | None, n_groups: torch.Tensor, first: int = 0
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q: the layer's predicted queries [B, H, 1, d]; choose among groups ``first <= g < n_groups[b]``
+        (the sinks before ``first`` and the window from ``n_groups`` on are attended anyway).
 
         Returns groups [B, M] (long) and valid [B, M] (bool; False pads sequences with fewer groups).
         """
@@ -39,9 +41,9 @@ class AllGroupsSelector(Selector):
     def __init__(self, max_groups: int, device: torch.device):
         self._all = torch.arange(max_groups, device=device)
 
-    def select(self, layer, q, n_groups):
+    def select(self, layer, q, n_groups, first=0):
         groups = self._all.expand(n_groups.shape[0], -1)
-        return groups, groups < n_groups.to(groups.device)[:, None]
+        return groups, (groups >= first) & (groups < n_groups.to(groups.device)[:, None])
 
 
 class RandomSelector(Selector):
@@ -51,10 +53,11 @@ class RandomSelector(Selector):
         self.M = groups_per_step
         self.generator = torch.Generator().manual_seed(seed)
 
-    def select(self, layer, q, n_groups):
+    def select(self, layer, q, n_groups, first=0):
         batch = n_groups.shape[0]
         noise = torch.rand(batch, int(n_groups.max()) or 1, generator=self.generator)
-        noise[torch.arange(noise.shape[1]) >= n_groups[:, None]] = -1.0
+        index = torch.arange(noise.shape[1])
+        noise[(index >= n_groups[:, None]) | (index < first)] = -1.0
         top = noise.topk(min(self.M, noise.shape[1]), dim=-1)
         groups = torch.zeros(batch, self.M, dtype=torch.long)
         valid = torch.zeros(batch, self.M, dtype=torch.bool)
@@ -125,7 +128,7 @@ class LowRankSelector(Selector):
         logits = (q_lr @ keys).float() * self.scaling
         return logits.softmax(dim=-1).sum(dim=1)
 
-    def select(self, layer, q, n_groups):
+    def select(self, layer, q, n_groups, first=0):
         max_groups = int(n_groups.max())
         batch = q.shape[0]
         groups = torch.zeros(batch, self.M, dtype=torch.long, device=q.device)
@@ -134,7 +137,8 @@ class LowRankSelector(Selector):
             return groups, valid
         scores = self.token_scores(layer, q, max_groups * self.G)
         group_scores = scores.view(batch, max_groups, self.G).amax(dim=-1)
-        present = torch.arange(max_groups, device=q.device) < n_groups.to(q.device)[:, None]
+        index = torch.arange(max_groups, device=q.device)
+        present = (index >= first) & (index < n_groups.to(q.device)[:, None])
         top = group_scores.masked_fill(~present, float("-inf")).topk(min(self.M, max_groups), dim=-1)
         k = top.indices.shape[1]
         groups[:, :k] = top.indices

@@ -21,7 +21,9 @@ POLICIES = {
     "full": ("full", {}),
     "kvswap": ("kvswap", {}),
     "kvswap-noreuse": ("kvswap", {"reuse": False}),
+    "kvswap-sinks-window": ("kvswap", {"sink_tokens": 4, "window_tokens": 8}),  # the ring wraps 3 times
     "token": ("token", {}),
+    "token-sinks-window": ("token", {"sink_tokens": 3, "window_tokens": 5}),
     "flexgen": ("flexgen", {}),
     "hillinfer": ("hillinfer", {"importance_rate": 1.0, "score_block_tokens": 16}),  # alpha = 1 selects every token
 }
