@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from edgekv.install import compute, disk, report, solver, tables
+from edgekv.install import compute, disk, quality, report, solver, tables
 from edgekv.install.iomodel import io_model
 from edgekv.install.profile import Profile, load_profile
 from edgekv.platforms.detect import detect_platform
@@ -208,6 +208,54 @@ def lookup_tables(d: Deployment, cache_root: Path, calibration: str | None) -> t
     return reuse, adapters
 
 
+def quality_windows(model_dir: Path, context: int, n: int, text_file: str | None) -> tuple[list[list[int]], str]:
+    """Calibration windows for the quality table, never evaluation text: the user's text or CPython's
+    documentation for a model with a tokenizer, the task corpus for the fixture."""
+    from edgekv.evals.perplexity import load_text, split_text, tokenize
+
+    if load_tokenizer(model_dir) is None:
+        return calibration_prompts(model_dir, context, n, seed=4242), f"task corpus {context} x {n}"
+    text, source = (Path(text_file).read_text(encoding="utf-8", errors="replace"), _file_digest(text_file)) if text_file \
+        else load_text("calibration")
+    ids, _ = tokenize(model_dir, text)
+    return split_text(ids, context, 0, n).windows, f"{source}, {n} x {context} tokens"
+
+
+def quality_table(d: Deployment, cache_root: Path, adapters: dict, calibration: str | None,
+                  limits: solver.Limits) -> list[quality.QualityPoint]:
+    """Measured loss per configuration at the profile's quality contexts (cached per model, grid and budget);
+    empty when the profile sets no quality target (the solver then keeps KVSwap's M*G = mg_const)."""
+    prof = d.prof
+    if prof.quality_target is None:
+        return []
+    from edgekv.evals.harness import Adapters
+    from edgekv.evals.perplexity import ConfigScorer
+    from edgekv.evals.progress import Progress
+
+    path = cache_root / "tables" / d.model_fp / "quality.json"
+    groups = [g for g in quality.GROUP_SIZES if g <= prof.g_max] or [1]
+    fp = {"model": d.model_fp, "contexts": list(prof.quality_contexts), "sigmas": d.sigmas, "groups": groups,
+          "target": prof.quality_target, "budget_mib_per_sequence": prof.batch_budget_mib,
+          "calibration": _file_digest(calibration) if calibration else "default", "edgekv": VERSION}
+    cached = _cached(path, fp, d.reprofile, "quality table", d.log)
+    if cached:
+        return quality.load(path)
+    budget = prof.batch_budget_mib * 2**20
+    dims = d.dims
+    points, start = [], time.perf_counter()
+    for context in prof.quality_contexts:
+        grid = [p for p in quality.candidates(context, groups, d.sigmas) if solver.smallest_bytes(
+            dims, d.kv_dtype, limits, context, p) <= budget]
+        windows, source = quality_windows(d.model_dir, context, quality.WINDOWS, calibration)
+        d.log(f"quality table at {context}: up to {len(grid)} configurations on {source}")
+        with Progress(len(grid) + 1, f"quality table {context}") as progress:
+            scorer = ConfigScorer(d.model(), d.kv_dir, Adapters.from_files(d.model(), adapters), windows,
+                                  quality.continuation(context), progress, max_batch=quality.WINDOWS, label=str(context))
+            points += quality.measure(scorer, grid, context, prof.quality_target)
+    quality.save(path, fp, points, {"seconds": round(time.perf_counter() - start, 1)})
+    return points
+
+
 def measure_compute(d: Deployment, batches: list[int], contexts: list[int]) -> compute.ComputeProfile:
     fp = {"model": d.model_fp, "device": str(d.device), "dtype": str(d.kv_dtype),
           "torch": torch.__version__, "cpu": _cpu_model(), "threads": torch.get_num_threads(), "platform": d.prof.platform,
@@ -264,19 +312,26 @@ def run(platform: str | None = None, model: str | None = None, kv_path: str | No
         log(f"profiling report: {out / 'report.txt'}")
         return {"report": str(out / "report.txt")}
 
-    limits = solver.Limits(prof.sigma_max, prof.g_max, prof.mg_const, prof.alpha, prof.reuse_step)
+    limits = solver.Limits(prof.sigma_max, prof.g_max, prof.mg_const, prof.alpha, prof.reuse_step,
+                           quality_target=prof.quality_target)
+    quality_points = quality_table(d, cache_root, adapters, calibration, limits)
+    d.release_model()
+    measurements["quality_table"] = [p.__dict__ for p in quality_points]
     queue_depth = 32
     t_io = io_model(disk_profile, dims, d.kv_dtype, limits.io_align_bytes, queue_depth)
     budget = prof.batch_budget_mib * 2**20
+    rate = lambda G, C, M: tables.reuse_rate(reuse, G, C, M)  # noqa: E731
     solutions = [
-        solver.solve(b, s, budget, dims, d.kv_dtype, limits, t_io, compute_profile.t_model_ms,
-                     lambda G, C, M: tables.reuse_rate(reuse, G, C, M))
+        solver.solve_for_quality(b, s, budget, dims, d.kv_dtype, limits, quality.points_at(quality_points, s), t_io,
+                                 compute_profile.t_model_ms, rate, log=log) if quality_points else
+        solver.solve(b, s, budget, dims, d.kv_dtype, limits, t_io, compute_profile.t_model_ms, rate)
         for b in batches for s in contexts
     ]
     top = next(x for x in solutions if x.batch == prof.max_batch and x.context == prof.max_context)
     config = {
         "platform": prof.platform, "model": str(d.model_dir), "kv_path": str(d.kv_dir),
         "G": top.G, "M": top.M, "C": top.C, "sigma": top.sigma, "reuse": top.reuse, "alpha": prof.alpha,
+        "sink_tokens": top.sink_tokens, "window_tokens": top.window_tokens,
         "max_kv_mem_mib": prof.max_kv_mem_mib, "max_batch": prof.max_batch, "max_context": prof.max_context,
         "adapter_path": adapters[float(top.sigma)], "io_align_bytes": limits.io_align_bytes, "io_queue_depth": queue_depth,
         "klr_dtype": limits.klr_dtype,
@@ -290,7 +345,7 @@ def run(platform: str | None = None, model: str | None = None, kv_path: str | No
     tmp.replace(out / "config.json")
     tuning_s = time.perf_counter() - started
     log(f"config: {out / 'config.json'}  (G={top.G} M={top.M} C={top.C} sigma={top.sigma:g} reuse={top.reuse} "
-        f"at batch {top.batch}, context {top.context}; {len(solutions)} solutions; tuning {tuning_s:.0f} s)")
+        f"S={top.sink_tokens} W={top.window_tokens} ppl ratio {top.ppl_ratio} at batch {top.batch}, context {top.context}; {len(solutions)} solutions; tuning {tuning_s:.0f} s)")
 
     scorer = None
     if "smartssd" in prof.scorers:  # the smartssd profile runs HillInfer's hierarchical selector

@@ -98,15 +98,23 @@ class Adapters:
     """Low-rank adapters per sigma, calibrated once on task prompts of another seed (never on the
     evaluated prompts), or one fixed adapter file whose rank then replaces the fitted sigma."""
 
-    def __init__(self, model: DecoderModel, calibration: list[list[int]], fixed: LowRankAdapter | None = None):
+    def __init__(self, model: DecoderModel, calibration: list[list[int]], fixed: LowRankAdapter | None = None,
+                 fitted: dict[float, LowRankAdapter] | None = None):
         self.fixed = fixed
-        self._keys = None if fixed else collect_keys(model, calibration)
+        self._fitted: dict[float, LowRankAdapter] = dict(fitted or {})
+        self._keys = None if fixed or fitted else collect_keys(model, calibration)
         self._dims = model.dims
-        self._fitted: dict[float, LowRankAdapter] = {}
+
+    @classmethod
+    def from_files(cls, model: DecoderModel, paths: dict[float, str]) -> "Adapters":
+        """The install step's adapter files, one per sigma."""
+        return cls(model, [], fitted={float(s): LowRankAdapter.load(p) for s, p in paths.items()})
 
     def __call__(self, sigma: float) -> LowRankAdapter:
         if self.fixed is not None:
             return self.fixed
+        if sigma not in self._fitted and self._keys is None:
+            raise ValueError(f"no adapter for sigma {sigma:g}; the install step built {sorted(self._fitted)}")
         if sigma not in self._fitted:
             self._fitted[sigma] = LowRankAdapter.fit_sigma(self._keys, self._dims.n_kv_heads, self._dims.head_dim, sigma)
         return self._fitted[sigma]
@@ -121,13 +129,18 @@ def engine_steps(forced_tokens: list[int], max_batch: int) -> int:
 def open_engine(model: DecoderModel, kv_path, variant: Variant, context: int, max_batch: int,
                 adapters: "Adapters") -> tuple[Engine, dict]:
     """An engine for one variant at ``context`` on an already loaded model, and the config it runs."""
-    config = budget_config(variant, context, model.dims, model.dtype, max_batch)
+    return engine_for(model, kv_path, variant.policy, budget_config(variant, context, model.dims, model.dtype, max_batch),
+                      adapters)
+
+
+def engine_for(model: DecoderModel, kv_path, policy: str, config: dict, adapters: "Adapters") -> tuple[Engine, dict]:
+    """An engine running ``config`` with the calibrated adapter of its sigma, and the config it runs."""
     adapter = None
-    if variant.policy in ("kvswap", "token"):
+    if policy in ("kvswap", "token"):
         adapter = adapters(config["sigma"])
         if adapters.fixed is not None:
             config = {**config, "sigma": None}  # the file's rank replaces the fitted sigma
-    return Engine(model, RuntimeConfig.load(config), variant.policy, kv_path, adapter=adapter), config
+    return Engine(model, RuntimeConfig.load(config), policy, kv_path, adapter=adapter), config
 
 
 def _score(model: DecoderModel, kv_path, variant: Variant, context: int, instances: list[TaskInstance],

@@ -19,11 +19,12 @@ from pathlib import Path
 
 import torch
 
+from edgekv.runtime import Engine, RuntimeConfig
 from edgekv.runtime.checkpoints import load_tokenizer
-from edgekv.runtime.model import load_model, read_model_config
+from edgekv.runtime.model import DecoderModel, load_model, read_model_config
 from edgekv.runtime.prompt_cache import PromptKVCache
 
-from .harness import Adapters, Variant, engine_steps, open_engine
+from .harness import Adapters, Variant, engine_for, engine_steps, open_engine
 from .progress import Progress
 
 LICENSES = Path("/usr/share/common-licenses")
@@ -33,7 +34,12 @@ BUILTIN_TEXTS = ("GPL-3", "LGPL-2.1", "GFDL-1.3", "MPL-2.0", "Apache-2.0", "GPL-
 
 
 def load_text(source: str) -> tuple[str, str]:
-    """(text, description) for ``builtin`` or a text file's path."""
+    """(text, description) for ``builtin`` (evaluation text), ``calibration`` (Python's own documentation,
+    which every CPython carries and no evaluation scores) or a text file's path."""
+    if source == "calibration":
+        from pydoc_data.topics import topics
+
+        return "\n\n".join(topics[k] for k in sorted(topics)), "calibration: CPython's pydoc_data.topics"
     if source == "builtin":
         missing = [n for n in BUILTIN_TEXTS if not (LICENSES / n).is_file()]
         if missing:
@@ -107,6 +113,44 @@ def _predictions(engine, windows: list[list[int]], continuation: int, on_event) 
     return torch.stack([o.logits[1:continuation] for o in outs]).log_softmax(dim=-1)
 
 
+def _run(engine, cache: PromptKVCache, windows: list[list[int]], continuation: int, on_event) -> torch.Tensor:
+    with engine:
+        engine.prompt_cache = cache
+        return _predictions(engine, windows, continuation, on_event)
+
+
+class ConfigScorer:
+    """Perplexity ratio, top-1 agreement and KL against ``full`` of any (policy, config), every one on
+    the same windows: ``full`` runs once, each window's prefix is prefilled once and replayed.
+
+    The install step's quality table and the eval's ablation rows both come from here."""
+
+    def __init__(self, model: DecoderModel, kv_path, adapters: Adapters, windows: list[list[int]], continuation: int,
+                 progress: Progress, max_batch: int = 4, label: str = ""):
+        self.model, self.kv_path, self.adapters, self.windows = model, kv_path, adapters, windows
+        self.continuation, self.progress, self.max_batch, self.label = continuation, progress, max_batch, label
+        self.targets = torch.tensor([w[-continuation + 1 :] for w in windows])
+        self.cache = PromptKVCache()
+        self.steps = engine_steps([continuation] * len(windows), max_batch)
+        config = RuntimeConfig.load({"max_context": max(len(w) for w in windows) + 64, "max_batch": max_batch})
+        with progress.cell(f"{label} full".strip(), self.steps) as on_event:
+            self.reference = _run(Engine(model, config, "full", kv_path), self.cache, windows, continuation, on_event)
+        self.full_ppl = compare(self.reference, self.reference, self.targets)[0]
+
+    def __call__(self, policy: str, config: dict) -> dict:
+        engine, ran = engine_for(self.model, self.kv_path, policy, {**config, "max_batch": self.max_batch}, self.adapters)
+        with self.progress.cell(f"{self.label} {policy} {_short(config)}".strip(), self.steps) as on_event:
+            logp = _run(engine, self.cache, self.windows, self.continuation, on_event)
+        ppl, agree, kl = compare(logp, self.reference, self.targets)
+        self.progress.write(f"{self.label} {policy} {_short(config)}: ppl x full {ppl / self.full_ppl:.3f}  top-1 {agree:.3f}")
+        return {"policy": policy, "config": ran, "ppl": ppl, "ppl_ratio": ppl / self.full_ppl, "top1_agreement": agree,
+                "kl": kl}
+
+
+def _short(config: dict) -> str:
+    return " ".join(f"{k}={config[k]}" for k in ("G", "M", "sigma", "sink_tokens", "window_tokens") if k in config)
+
+
 def compare(logp: torch.Tensor, reference: torch.Tensor, targets: torch.Tensor) -> tuple[float, float, float]:
     """(perplexity, top-1 agreement with the reference, KL(reference || policy)) over all positions."""
     nll = -logp.gather(-1, targets[..., None]).mean()
@@ -137,9 +181,8 @@ def evaluate_ppl(model_dir: str | Path, kv_path: str | Path, variants: list[Vari
             for variant in variants:
                 start = time.perf_counter()
                 engine, config = open_engine(model, kv_path, variant, context, max_batch, adapters)
-                with engine, progress.cell(f"{context} {variant.label}", steps) as on_event:
-                    engine.prompt_cache = cache
-                    logp = _predictions(engine, split.windows, continuation, on_event)
+                with progress.cell(f"{context} {variant.label}", steps) as on_event:
+                    logp = _run(engine, cache, split.windows, continuation, on_event)
                 if reference is None:  # full runs first
                     reference = logp
                 ppl, agree, kl = compare(logp, reference, targets)

@@ -38,6 +38,8 @@ SCHEMA = {
     "profiling": {"disk_seconds": (float, True, None), "disk_file_mib": (int, True, None)},
     "power_meter": (str, True, POWER_METERS),
     "scorers": (list, True, None),
+    "quality_target": (float, False, None),
+    "quality_contexts": (list, False, None),
 }
 
 
@@ -67,6 +69,8 @@ class Profile:
     disk_file_mib: int
     power_meter: str
     scorers: tuple[str, ...]
+    quality_target: float | None = None  # ppl ratio to full the solver must meet (None: KVSwap's M*G = mg_const)
+    quality_contexts: tuple[int, ...] = ()  # where the quality table is measured (default: max_context)
 
     @property
     def batch_budget_mib(self) -> float:
@@ -106,6 +110,8 @@ def load_profile(source: str | Path, profiles_dir: Path = PROFILES_DIR) -> Profi
         context_min=flat["solver.context_min"], context_step=flat["solver.context_step"],
         disk_seconds=float(flat["profiling.disk_seconds"]), disk_file_mib=flat["profiling.disk_file_mib"],
         power_meter=flat["power_meter"], scorers=tuple(flat["scorers"]),
+        quality_target=flat.get("quality_target"),
+        quality_contexts=tuple(flat.get("quality_contexts") or [flat["memory.max_context"]]),
     )
 
 
@@ -154,6 +160,14 @@ def _check_ranges(path: Path, flat: dict) -> None:
             raise ProfileError(f"{path}: field '{name}' must be in [0, 1), got {flat[name]!r}")
     if not flat["kv.paths"] or not all(isinstance(p, str) for p in flat["kv.paths"]):
         raise ProfileError(f"{path}: field 'kv.paths' must be a non-empty list of folders, e.g. [/mnt/nvme/edgekv]")
+    target = flat.get("quality_target")
+    if target is not None and target < 1:
+        raise ProfileError(f"{path}: field 'quality_target' is a perplexity ratio to full (>= 1, e.g. 1.05), got {target!r}")
+    contexts = flat.get("quality_contexts")
+    if contexts is not None and (not contexts or not all(isinstance(c, int) and not isinstance(c, bool)
+                                                         and 0 < c <= flat["memory.max_context"] for c in contexts)):
+        raise ProfileError(f"{path}: field 'quality_contexts' must list contexts in (0, memory.max_context], "
+                           f"e.g. [{flat['memory.max_context']}]; got {contexts!r}")
     bad = [s for s in flat["scorers"] if s not in SCORERS]
     if bad or not flat["scorers"]:
         raise ProfileError(f"{path}: field 'scorers' must list some of {list(SCORERS)}, got {flat['scorers']!r}")

@@ -20,19 +20,35 @@ def write(out: Path, prof, model_dir, measurements: dict, solutions, stats, tuni
               + ", ".join(f"b={b} {t} tokens {ms:.2f}" for b, t, ms in c["block_ms"][:6]), ""]
     lines.append("reuse rate vs C/M (lookup table): " + "; ".join(
         f"G={g}: " + " ".join(f"{float(r):g}->{v:.2f}" for r, v in rows.items()) for g, rows in measurements["reuse_table"].items()))
+    table = measurements.get("quality_table") or []
+    if table:
+        lines += ["", f"quality table (ppl ratio / top-1 agreement vs full on calibration text), target "
+                  f"{prof.quality_target:g}:", f"{'context':>7} {'G':>3} {'M*G':>5} {'sigma':>5} {'S':>3} {'W':>4} "
+                  f"{'ppl x':>6} {'top-1':>6}"]
+        lines += [f"{p['context']:>7} {p['G']:>3} {p['mg_tokens']:>5} {p['sigma']:>5g} {p['sink_tokens']:>3} "
+                  f"{p['window_tokens']:>4} {p['ppl_ratio']:6.3f} {p['top1_agreement']:6.3f}" for p in table]
     if solutions:
         lines += ["", f"budget {prof.max_kv_mem_mib:g} MiB for {prof.max_batch} x {prof.max_context} tokens "
                   f"({prof.batch_budget_mib:.2f} MiB per sequence), alpha {prof.alpha}, MG const {prof.mg_const}",
                   f"{'batch':>5} {'context':>7} {'G':>3} {'M':>4} {'C':>4} {'sigma':>5} {'reuse':>5} {'hit':>5} "
-                  f"{'T_io ms':>8} {'T_model ms':>10} {'hidden':>6} {'MG<const':>8}"]
+                  f"{'T_io ms':>8} {'T_model ms':>10} {'hidden':>6} {'MG<const':>8} {'S':>3} {'W':>4} {'ppl x':>6} {'target':>6}"]
         for s in solutions:
             lines.append(f"{s.batch:>5} {s.context:>7} {s.G:>3} {s.M:>4} {s.C:>4} {s.sigma:>5g} {str(s.reuse):>5} "
-                         f"{s.reuse_rate:5.2f} {s.t_io_ms:8.2f} {s.t_model_ms:10.2f} {str(s.hidden):>6} {str(s.mg_scaled):>8}")
+                         f"{s.reuse_rate:5.2f} {s.t_io_ms:8.2f} {s.t_model_ms:10.2f} {str(s.hidden):>6} {str(s.mg_scaled):>8} "
+                         f"{s.sink_tokens:>3} {s.window_tokens:>4} {_opt(s.ppl_ratio):>6} {_met(s.quality_met):>6}")
         _plot_solutions(out / "solutions.png", solutions)
     if stats:
         lines += ["", "smoke generation: " + ", ".join(f"{k}={v}" for k, v in stats.items())]
     lines += ["", f"tuning time {tuning_s:.0f} s"]
     (out / "report.txt").write_text("\n".join(lines) + "\n")
+
+
+def _opt(x) -> str:
+    return "-" if x is None else f"{x:.3f}"
+
+
+def _met(met) -> str:
+    return {None: "-", True: "met", False: "MISSED"}[met]
 
 
 def _size(n: int) -> str:

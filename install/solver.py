@@ -37,6 +37,7 @@ class Limits:
     reuse_step: float = 0.05
     io_align_bytes: int = 4096
     klr_dtype: str = "bfloat16"
+    quality_target: float | None = None  # ppl ratio to full the configuration must stay within (quality table needed)
 
 
 @dataclass(frozen=True)
@@ -66,17 +67,22 @@ class Solution:
     mg_scaled: bool
     bytes_per_sequence: int
     reuse: bool
+    sink_tokens: int = 0
+    window_tokens: int = 0
+    ppl_ratio: float | None = None  # the quality table's measured loss of this configuration (None: no table)
+    quality_met: bool | None = None  # ppl_ratio within Limits.quality_target (None: no target)
 
     def to_json(self) -> dict:
         return {k: round(v, 4) if isinstance(v, float) else v for k, v in asdict(self).items()}
 
 
 def _sequence_bytes(dims: ModelDims, kv_dtype: torch.dtype, limits: Limits, context: int, G: int, M: int, C: int,
-                    sigma: float, reuse: bool) -> tuple[int, int]:
+                    sigma: float, reuse: bool, sink_tokens: int = 0, window_tokens: int = 0) -> tuple[int, int]:
     """(bytes, rank) of one sequence, from the runtime's own memory plan."""
     rank = LowRankAdapter.rank_for(dims.n_kv_heads, dims.head_dim, sigma)
     cfg = RuntimeConfig(G=G, M=M, C=C, sigma=sigma, max_batch=1, max_context=context, reuse=reuse,
-                        io_align_bytes=limits.io_align_bytes, klr_dtype=limits.klr_dtype)
+                        io_align_bytes=limits.io_align_bytes, klr_dtype=limits.klr_dtype,
+                        sink_tokens=sink_tokens, window_tokens=window_tokens)
     itemsize = torch.empty(0, dtype=kv_dtype).element_size()
     klr_itemsize = torch.empty(0, dtype=getattr(torch, limits.klr_dtype)).element_size()
     stride = RecordLayout(G, dims.n_kv_heads, dims.head_dim, kv_dtype, limits.io_align_bytes).stride_bytes
@@ -166,6 +172,56 @@ def solve(batch: int, context: int, budget_bytes: float, dims: ModelDims, kv_dty
             f"no configuration fits {budget_bytes / 2**20:.2f} MiB per sequence at context {context}: even one group "
             f"with sigma_max={limits.sigma_max:g} needs more; raise memory.max_kv_mem_mib or lower max_batch/max_context"
         )
+    return best
+
+
+def smallest_bytes(dims: ModelDims, kv_dtype: torch.dtype, limits: Limits, context: int, point: dict) -> int:
+    """Bytes per sequence of a quality-grid point in its leanest form (no reuse buffer): more never fits."""
+    G = point["G"]
+    M = math.ceil(point["mg_tokens"] / G)
+    return _sequence_bytes(dims, kv_dtype, limits, context, G, M, 1, point["sigma"], False, point["sink_tokens"],
+                           point["window_tokens"])[0]
+
+
+def solve_for_quality(batch: int, context: int, budget_bytes: float, dims: ModelDims, kv_dtype: torch.dtype,
+                      limits: Limits, points, t_io_ms, t_model_ms, reuse_rate, log=None) -> Solution:
+    """Quality first: among the quality table's configurations (``points``, one context) that meet
+    ``limits.quality_target``, those that fit the budget (with no reuse buffer, or one of C/M in
+    ``C_RATIOS``), the one that leaves the least I/O exposed (then the lower loss).  When none meets
+    the target under the budget, the lowest-loss one that fits, reported through ``log`` and in the
+    solution (``quality_met`` False): never silently."""
+    from .tables import C_RATIOS
+
+    target = limits.quality_target
+    fitting = []
+    for p in points:
+        M = math.ceil(p.mg_tokens / p.G)
+        picked = M - -(-p.sink_tokens // p.G) - -(-p.window_tokens // p.G)
+        for reuse, ratio in [(False, 1.0)] + [(True, r) for r in C_RATIOS]:
+            C = max(picked, round(ratio * picked))
+            total, rank = _sequence_bytes(dims, kv_dtype, limits, context, p.G, M, C, p.sigma, reuse,
+                                          p.sink_tokens, p.window_tokens)
+            if total > budget_bytes:
+                continue
+            hit = reuse_rate(p.G, C, picked) if reuse else 0.0
+            io = t_io_ms(batch, picked, p.G, hit)
+            model = t_model_ms(batch, context, rank, picked, p.G, reuse)
+            met = None if target is None else p.ppl_ratio <= target
+            fitting.append(Solution(batch, context, p.G, M, C, p.sigma, hit, io, model, (1 - limits.alpha) * io <= model,
+                                    False, total, reuse, p.sink_tokens, p.window_tokens, p.ppl_ratio, met))
+    if not fitting:
+        raise ValueError(
+            f"no configuration of the quality table fits {budget_bytes / 2**20:.2f} MiB per sequence at context {context}; "
+            "raise memory.max_kv_mem_mib or lower max_batch/max_context"
+        )
+    met = [s for s in fitting if s.quality_met is not False]
+    if met:
+        return min(met, key=lambda s: (_exposed(s), s.ppl_ratio, s.bytes_per_sequence))
+    best = min(fitting, key=lambda s: (s.ppl_ratio, _exposed(s)))
+    if log is not None:
+        log(f"quality target ppl ratio <= {target:g} not reachable at batch {batch}, context {context} within "
+            f"{budget_bytes / 2**20:.2f} MiB per sequence: best reachable {best.ppl_ratio:.3f} (G={best.G} M={best.M} "
+            f"sigma={best.sigma:g} S={best.sink_tokens} W={best.window_tokens}); raise the budget or the target")
     return best
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 POLICIES = ("kvswap", "full", "flexgen", "token", "hillinfer")
 READER_BACKENDS = ("auto", "io_uring", "pthread", "python")
-SELECTORS = ("lowrank", "random")
+SELECTORS = ("lowrank", "random", "oracle")
 SCORE_REDUCES = ("sum", "softmax")
 KLR_DTYPES = ("bfloat16", "float16", "float32")
 
@@ -44,7 +44,9 @@ class RuntimeConfig:
     ``sigma`` K compression ratio (H_kv*d / rank), ``C`` reuse-buffer slots per layer.
     ``max_kv_mem_mib`` is the KV memory budget for ``max_batch`` sequences of
     ``max_context`` tokens (None: no limit, resident bytes are still reported).
-    ``selector`` "random" replaces the predictor by uniform picks (a quality floor for ablations).
+    ``selector`` "random" replaces the predictor by uniform picks (a quality floor for ablations);
+    "oracle" scores with the layer's own query at attention time instead of predicting it a layer
+    ahead (a quality ceiling: with sigma=1 and score_reduce "softmax" it is top-k by true attention).
     ``sink_tokens`` S (the first tokens) and ``window_tokens`` W (the newest) are always attended
     and held in memory, rounded up to whole groups; they count in M, so the predictor picks
     ``picked_groups`` = M - ceil(S/G) - ceil(W/G) groups among the rest (attention sinks and a

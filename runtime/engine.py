@@ -369,7 +369,8 @@ class Engine:
         slots = SlotTable(dims.n_layers, batch, cfg.C, max_groups) if cfg.reuse else PreloadSlots(batch, cfg.picked_groups)
         return OffloadedKV(
             model, batch, cfg.max_context, store, selector, slots, cfg.picked_groups,
-            rolling_buffer=cfg.rolling_buffer, sink_groups=cfg.sink_groups, window_groups=cfg.window_groups, predict=self.policy != "flexgen",
+            rolling_buffer=cfg.rolling_buffer, sink_groups=cfg.sink_groups, window_groups=cfg.window_groups,
+            oracle=cfg.selector == "oracle", predict=self.policy != "flexgen",
             on_select=lambda layer, groups, valid: self.events.emit("groups_selected", layer=layer, groups=groups, valid=valid),
         )
 

@@ -38,6 +38,7 @@ class OffloadedKV(KVPolicy):
         sink_groups: int = 0,
         window_groups: int = 0,
         predict: bool = True,
+        oracle: bool = False,
         on_select=None,
     ):
         super().__init__(model, batch, max_context)
@@ -50,6 +51,8 @@ class OffloadedKV(KVPolicy):
         self.slots = slots
         self.use_rolling_buffer = rolling_buffer
         self.predict = predict
+        self.oracle = oracle  # an ablation: pick by the layer's true query at attention time (reads not overlapped)
+        self._active = np.ones(batch, dtype=bool)
         self.on_select = on_select  # on_select(layer, groups [B, M], valid [B, M]): the step's picks, for tuning
         self._slot_bytes = aligned_zeros((slots.n_buffers(dims.n_layers), batch, slots.capacity, self.layout.stride_bytes), self.layout.align_bytes)
         self.slot_kv = self.layout.typed(self._slot_bytes)
@@ -93,8 +96,13 @@ class OffloadedKV(KVPolicy):
             self.rb_len[seq] = rest
 
     def prefetch(self, layer, x, cos, sin, active):
+        if self.oracle:  # selects in attend, from the layer's own query
+            self._active = active
+            return
         started = time.perf_counter()
-        q = self.model.query(layer, x, cos, sin) if self.predict else None
+        self._select_and_read(layer, self.model.query(layer, x, cos, sin) if self.predict else None, active, started)
+
+    def _select_and_read(self, layer: int, q: torch.Tensor | None, active: np.ndarray, started: float) -> None:
         outside_window = np.maximum(self.n_groups - self.window_groups, 0)
         groups, valid = self.selector.select(layer, q, torch.from_numpy(outside_window), first=self.sink_groups)
         valid = valid.cpu().numpy() & active[:, None]
@@ -141,6 +149,8 @@ class OffloadedKV(KVPolicy):
         return torch.cat([sinks, ring.reshape(len(self.n_groups), -1)], dim=1)
 
     def attend(self, layer, q, k, v):
+        if self.oracle:
+            self._select_and_read(layer, q, self._active, time.perf_counter())
         write_at = torch.from_numpy(self.n_groups % self.ring_groups * self.G + self.rb_len).to(q.device)
         rolling = self.rolling[layer]
         rolling[self._batch_index, 0, :, write_at] = k[:, :, 0]

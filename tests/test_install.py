@@ -232,3 +232,82 @@ def test_deploy_writes_config_report_and_smoke_stats_and_reuses_only_matching_pr
                disk_seconds=0.5)
     assert any("disk: cached profile is for another seconds" in line for line in logs)
     assert any(line.startswith("compute: reusing") for line in logs)
+
+
+# ---- quality first ----------------------------------------------------------------------------
+
+def _point(mg, sigma, ppl, S=0, W=0, G=4, context=8192):
+    from edgekv.install.quality import QualityPoint
+    return QualityPoint(context, G, mg, sigma, S, W, ppl, 1.0 - (ppl - 1.0))
+
+
+SYNTHETIC = [_point(400, 16, 2.5), _point(400, 4, 1.3), _point(1600, 8, 1.04, 4, 64), _point(1600, 1, 1.01, 4, 64),
+             _point(400, 1, 1.08, 4, 64)]
+
+
+def _solve_quality(budget_fraction, target, logs=None, points=SYNTHETIC):
+    limits = solver.Limits(io_align_bytes=512, quality_target=target)
+    return solver.solve_for_quality(2, 8192, _full_bytes(8192) * budget_fraction, DIMS, torch.float32, limits, points,
+                                    lambda b, M, G, hit: 0.1, lambda b, S, rank, M, G, reuse=True: 1.0,
+                                    lambda G, C, M: 0.5, log=None if logs is None else logs.append)
+
+
+def test_solver_meets_the_quality_target_within_the_budget():
+    sol = _solve_quality(1 / 4, 1.05)
+    assert sol.quality_met and sol.ppl_ratio <= 1.05
+    assert (sol.M * sol.G, sol.sink_tokens, sol.window_tokens) in {(1600, 4, 64)}
+    assert sol.bytes_per_sequence <= _full_bytes(8192) / 4
+    sigma_1 = _solve_quality(1.0, 1.02)  # only the full-rank point meets 1.02, and it fits the whole KV's memory
+    assert sigma_1.sigma == 1 and sigma_1.quality_met
+
+
+def test_solver_says_when_no_configuration_meets_the_target():
+    logs = []
+    sol = _solve_quality(1 / 4, 1.001, logs)
+    assert sol.quality_met is False
+    assert sol.ppl_ratio == min(p.ppl_ratio for p in SYNTHETIC if p.sigma >= 2)  # the best that fits 1/4 (sigma 1 does not)
+    assert len(logs) == 1 and "not reachable" in logs[0] and f"{sol.ppl_ratio:.3f}" in logs[0]
+
+
+def test_solver_without_room_for_any_point_names_the_budget():
+    with pytest.raises(ValueError, match="max_kv_mem_mib"):
+        _solve_quality(1e-5, 1.05)
+
+
+def test_deploy_with_a_quality_target_measures_the_table_and_says_whether_it_is_met(tiny_profile, monkeypatch):
+    import edgekv.deploy as deploy
+    from edgekv.install import quality
+
+    monkeypatch.setattr(quality, "MG_SHARES", (0.2,))  # a small grid: one M*G, with and without sinks and window
+    root, path = tiny_profile
+    data = yaml.safe_load(path.read_text())
+    data["solver"]["sigma_max"] = 8
+    logs = []
+    for target in (1.5, 1.0001):  # a target the fixture meets, and one no sparse configuration meets
+        data.update(quality_target=target, quality_contexts=[1024])
+        mine = root / f"quality-{target}.yaml"
+        mine.write_text(yaml.safe_dump(data))
+        deploy.run(str(mine), "fixture", out_root=root / "q", cache_dir=root / "cache", log=logs.append, smoke=False)
+        config = json.loads((root / "q" / "local" / "config.json").read_text())
+        table = config["measurements"]["quality_table"]
+        assert table and all(p["context"] == 1024 for p in table)
+        assert {"sink_tokens", "window_tokens"} <= set(config)
+        met = [s["quality_met"] for s in config["solutions"]]
+        report = (root / "q" / "local" / "report.txt").read_text()
+        assert "quality table" in report
+        if target == 1.5:
+            assert all(met) and all(s["ppl_ratio"] <= 1.5 for s in config["solutions"])
+        else:
+            assert not any(met) and "MISSED" in report
+            assert any("quality target ppl ratio <= 1.0001 not reachable" in line for line in logs)
+
+
+@pytest.mark.parametrize("field, value, message", [("quality_target", 0.9, "perplexity ratio"),
+                                                  ("quality_contexts", [0], "quality_contexts")])
+def test_bad_quality_fields_are_named(tmp_path, field, value, message):
+    data = yaml.safe_load((PROFILES_DIR / "local.yaml").read_text())
+    data[field] = value
+    path = tmp_path / "mine.yaml"
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(ProfileError, match=message):
+        load_profile(path)

@@ -1,0 +1,92 @@
+"""The quality lookup table (hardware-independent, cached per model like the reuse table).
+
+Each point is one kvswap configuration (G, M*G, sigma, sinks S, window W) at one context, with
+its measured loss against ``full``: the perplexity ratio and the top-1 agreement of the decode
+path, teacher-forced over calibration text that the evaluation never scores.  The solver reads
+it to meet a quality target before it spends memory on anything else; KVSwap's fixed
+M*G = mg_const is what it falls back to without a table.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+MG_SHARES = (0.05, 0.1, 0.2)  # M*G candidates as shares of the context (KVSwap's 400 tokens is 5 % at 8K)
+SINK_WINDOW = ((0, 0), (4, 64))  # (S, W): none (KVSwap as published), and one sink group with a 64-token window
+GROUP_SIZES = (4, 16)  # quality at a small and a large group; the solver picks among the measured ones
+WINDOWS = 2  # calibration windows per context
+
+
+def continuation(context: int) -> int:
+    """Tokens teacher-forced through the decode path per window (the rest is the prompt)."""
+    return min(128, context // 4)
+
+
+@dataclass(frozen=True)
+class QualityPoint:
+    context: int
+    G: int
+    mg_tokens: int
+    sigma: float
+    sink_tokens: int
+    window_tokens: int
+    ppl_ratio: float
+    top1_agreement: float
+
+    @property
+    def M(self) -> int:
+        return math.ceil(self.mg_tokens / self.G)
+
+
+def candidates(context: int, group_sizes, sigmas) -> list[dict]:
+    """The grid measured at one context: every G, M*G share, sigma and (S, W) that leaves the predictor a pick."""
+    out = []
+    for G in group_sizes:
+        for share in MG_SHARES:
+            mg = max(G, round(share * context / G) * G)
+            for S, W in SINK_WINDOW:
+                if mg - S - W < G:
+                    continue
+                out += [{"G": G, "mg_tokens": mg, "sigma": float(s), "sink_tokens": S, "window_tokens": W} for s in sigmas]
+    return out
+
+
+def measure(scorer, grid: list[dict], context: int, target: float | None) -> list[QualityPoint]:
+    """Every grid point through ``scorer`` (an edgekv.evals.perplexity.ConfigScorer on calibration windows
+    of ``context`` tokens).  Points that differ only in sigma are measured from the largest sigma down,
+    stopping at the first that meets ``target``: a smaller sigma costs more memory for a loss already met."""
+    points = []
+    families: dict[tuple, list[dict]] = {}
+    for p in grid:
+        families.setdefault((p["G"], p["mg_tokens"], p["sink_tokens"], p["window_tokens"]), []).append(p)
+    for family in families.values():
+        for p in sorted(family, key=lambda p: -p["sigma"]):
+            row = scorer("kvswap", {"G": p["G"], "M": math.ceil(p["mg_tokens"] / p["G"]), "C": 1, "reuse": False,
+                                    "sigma": p["sigma"], "sink_tokens": p["sink_tokens"],
+                                    "window_tokens": p["window_tokens"], "max_context": context + 64, "io_align_bytes": 512})
+            points.append(QualityPoint(context, p["G"], p["mg_tokens"], p["sigma"], p["sink_tokens"], p["window_tokens"],
+                                       round(row["ppl_ratio"], 4), round(row["top1_agreement"], 4)))
+            if target is not None and points[-1].ppl_ratio <= target:
+                break
+    return points
+
+
+def points_at(table: list[QualityPoint], context: int) -> list[QualityPoint]:
+    """The points measured at the smallest context >= ``context`` (the loss grows with context), else the largest."""
+    measured = sorted({p.context for p in table})
+    if not measured:
+        return []
+    at = next((c for c in measured if c >= context), measured[-1])
+    return [p for p in table if p.context == at]
+
+
+def save(path: Path, fingerprint: dict, table: list[QualityPoint], meta: dict) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"fingerprint": fingerprint, "meta": meta, "points": [asdict(p) for p in table]}, indent=1))
+    tmp.replace(path)
+
+
+def load(path: Path) -> list[QualityPoint]:
+    return [QualityPoint(**p) for p in json.loads(Path(path).read_text())["points"]]
