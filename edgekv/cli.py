@@ -154,10 +154,13 @@ def _eval(args) -> int:
     main = {"G": args.group_size, "score_reduce": args.score_reduce}
     for policy in args.policies.split(","):
         if policy in ("kvswap", "token"):
-            variants += [harness.Variant(policy, b, **main) for b in budgets]
+            rule = args.rule if policy == "kvswap" else "mg_const"  # token: KVSwap's rule (its cells cost 4x to measure)
+            variants += [harness.Variant(policy, b, **main, rule=rule) for b in budgets]
         else:
             variants.append(harness.Variant(policy))
     if args.ablations:
+        variants += loss_stages(harness, budgets[-1], main, args.rule)
+    if args.ablations and not args.ppl:
         b = budgets[-1]
         variants += [harness.Variant("kvswap", b, **main, rolling_buffer=False, ablation="no-rb"),
                      harness.Variant("kvswap", b, **main, reuse=False, ablation="reuse=off"),
@@ -205,13 +208,28 @@ def _eval(args) -> int:
     return 0
 
 
+def loss_stages(harness, budget: float, main: dict, rule: str) -> list:
+    """The loss of kvswap's main row taken apart, each row changing one thing of the chosen configuration:
+    top-k by the layer's true attention (oracle: exact query and keys), the layer-ahead prediction with exact
+    keys (sigma=1), head votes by softmax, no sinks or window, and KVSwap's own rule (M*G = 400)."""
+    stage = lambda name, **over: harness.Variant("kvswap", budget, **main, rule=rule, ablation=name,  # noqa: E731
+                                                overrides=tuple(over.items()))
+    rows = [stage("oracle", selector="oracle", score_reduce="softmax", sigma=1), stage("sigma=1", sigma=1),
+            stage("no-sinks-window", sink_tokens=0, window_tokens=0)]
+    if main["score_reduce"] == "sum":
+        rows.append(stage("softmax-votes", score_reduce="softmax"))
+    if rule == "quality":
+        rows.append(harness.Variant("kvswap", budget, **main, rule="mg_const", ablation="mg=400"))
+    return rows
+
+
 def _eval_ppl(args, model, variants, contexts) -> int:
     import tempfile
 
     from edgekv.evals import perplexity
 
-    if args.ablations or args.niah or args.recall_sigmas or args.adapter:
-        raise ValueError("--ppl runs perplexity only; drop --ablations/--niah/--recall-sigmas/--adapter")
+    if args.niah or args.recall_sigmas or args.adapter:
+        raise ValueError("--ppl runs perplexity only; drop --niah/--recall-sigmas/--adapter")
     text, source = perplexity.load_text(args.ppl)
     ids, tokens = perplexity.tokenize(model, text)
     with tempfile.TemporaryDirectory(dir=args.kv_path) as kv:
@@ -272,8 +290,13 @@ def main(argv=None) -> int:
     ev.add_argument("--ppl-tokens", type=int, default=256, help="continuation tokens per window, teacher-forced (with --ppl)")
     ev.add_argument("--quiet", action="store_true", help="no progress bars")
     ev.add_argument("--seed", type=int, default=0)
+    ev.add_argument("--rule", default="quality", choices=["quality", "mg_const"],
+                    help="how a budget becomes kvswap's configuration: the lowest measured loss that fits it (quality; "
+                         "measured once per model, context and budget on calibration text, then cached), or KVSwap's "
+                         "M*G = 400 with the smallest sigma that fits (mg_const)")
     ev.add_argument("--ablations", action="store_true",
-                    help="also, at the last budget: no rolling buffer, reuse forced off/on, the other score reduction, other G")
+                    help="also, at the last budget: the loss taken apart (oracle top-k, sigma=1, softmax votes, no sinks/"
+                         "window, M*G = 400); with tasks also no rolling buffer, reuse forced off/on, other G")
     ev.add_argument("--group-size", type=int, default=4, help="G of the kvswap rows (token is always G=1)")
     ev.add_argument("--score-reduce", default="sum", choices=["sum", "softmax"],
                     help="predictor: logits summed over heads (KVSwap), or each head's softmax summed")

@@ -208,19 +208,6 @@ def lookup_tables(d: Deployment, cache_root: Path, calibration: str | None) -> t
     return reuse, adapters
 
 
-def quality_windows(model_dir: Path, context: int, n: int, text_file: str | None) -> tuple[list[list[int]], str]:
-    """Calibration windows for the quality table, never evaluation text: the user's text or CPython's
-    documentation for a model with a tokenizer, the task corpus for the fixture."""
-    from edgekv.evals.perplexity import load_text, split_text, tokenize
-
-    if load_tokenizer(model_dir) is None:
-        return calibration_prompts(model_dir, context, n, seed=4242), f"task corpus {context} x {n}"
-    text, source = (Path(text_file).read_text(encoding="utf-8", errors="replace"), _file_digest(text_file)) if text_file \
-        else load_text("calibration")
-    ids, _ = tokenize(model_dir, text)
-    return split_text(ids, context, 0, n).windows, f"{source}, {n} x {context} tokens"
-
-
 def quality_table(d: Deployment, cache_root: Path, adapters: dict, calibration: str | None,
                   limits: solver.Limits) -> list[quality.QualityPoint]:
     """Measured loss per configuration at the profile's quality contexts (cached per model, grid and budget);
@@ -229,7 +216,7 @@ def quality_table(d: Deployment, cache_root: Path, adapters: dict, calibration: 
     if prof.quality_target is None:
         return []
     from edgekv.evals.harness import Adapters
-    from edgekv.evals.perplexity import ConfigScorer
+    from edgekv.evals.perplexity import ConfigScorer, calibration_windows
     from edgekv.evals.progress import Progress
 
     path = cache_root / "tables" / d.model_fp / "quality.json"
@@ -246,7 +233,7 @@ def quality_table(d: Deployment, cache_root: Path, adapters: dict, calibration: 
     for context in prof.quality_contexts:
         grid = [p for p in quality.candidates(context, groups, d.sigmas) if solver.smallest_bytes(
             dims, d.kv_dtype, limits, context, p) <= budget]
-        windows, source = quality_windows(d.model_dir, context, quality.WINDOWS, calibration)
+        windows, source = calibration_windows(d.model_dir, context, quality.WINDOWS, calibration)
         d.log(f"quality table at {context}: up to {len(grid)} configurations on {source}")
         with Progress(len(grid) + 1, f"quality table {context}") as progress:
             scorer = ConfigScorer(d.model(), d.kv_dir, Adapters.from_files(d.model(), adapters), windows,

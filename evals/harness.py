@@ -7,8 +7,10 @@ sigma that fits).  Quality needs no disk timing, so G stays the variant's.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import math
+import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -40,6 +42,8 @@ class Variant:
     selector: str = "lowrank"
     score_reduce: str = "sum"
     ablation: str = ""  # what differs from the main row of its policy, e.g. "G=2" (part of the label)
+    rule: str = "mg_const"  # "quality": the best measured configuration under the budget; "mg_const": KVSwap's M*G = 400
+    overrides: tuple = ()  # (field, value) pairs set on the chosen configuration (ablations; may exceed the budget)
 
     @property
     def label(self) -> str:
@@ -48,9 +52,10 @@ class Variant:
 
 
 def budget_config(variant: Variant, context: int, dims: ModelDims, kv_dtype: torch.dtype, max_batch: int,
-                  limits: Limits = Limits(io_align_bytes=512)) -> dict:
-    """(sigma, M, G, C, reuse) for ``variant.budget`` of the full KV at ``context`` tokens, by the
-    install step's memory fit (edgekv.install.solver.quality_fit); ``token`` is G = 1 without reuse."""
+                  limits: Limits = Limits(io_align_bytes=512), chooser: "QualityChooser | None" = None) -> dict:
+    """(sigma, M, G, C, reuse, S, W) for ``variant.budget`` of the full KV at ``context`` tokens: by measured
+    quality (``rule="quality"``, through ``chooser``), else by the install step's memory fit with M*G = 400
+    (edgekv.install.solver.quality_fit); ``token`` is G = 1 without reuse.  ``overrides`` are applied last."""
     G = 1 if variant.policy == "token" else variant.G
     max_context = context + 64
     base = {"max_context": max_context, "max_batch": max_batch, "G": G, "rolling_buffer": variant.rolling_buffer,
@@ -59,6 +64,15 @@ def budget_config(variant: Variant, context: int, dims: ModelDims, kv_dtype: tor
         return {**base, "M": 1, "C": 1, "sigma": 8}
     itemsize = torch.empty(0, dtype=kv_dtype).element_size()
     budget = variant.budget * dims.n_layers * max_context * 2 * dims.n_kv_heads * dims.head_dim * itemsize
+    if variant.rule == "quality":
+        if chooser is None:
+            raise ValueError("rule 'quality' needs a QualityChooser (measured configurations); pass one or use 'mg_const'")
+        chosen = chooser(variant, context, budget, max_batch)
+        overridden = dict(variant.overrides)
+        config = {**base, **chosen, **overridden, "max_kv_mem_mib": budget * max_batch / 2**20}
+        if overridden:  # an ablation may leave the budget (sigma=1): it measures quality, not memory
+            config["max_kv_mem_mib"] = None
+        return config
     if variant.policy == "token":
         fit = fit_memory(budget, dims, kv_dtype, limits, max_context, G, reuse=False)
     else:
@@ -67,8 +81,51 @@ def budget_config(variant: Variant, context: int, dims: ModelDims, kv_dtype: tor
         raise ValueError(f"budget 1/{round(1 / variant.budget)} leaves no room for one group at context {context}")
     reuse = fit.reuse if variant.reuse is None else variant.reuse
     over = reuse and not fit.reuse  # per-layer slots at the shared buffers' M: a quality ablation, over budget
-    return {**base, "sigma": fit.sigma, "M": fit.M, "C": fit.C, "reuse": reuse, "io_align_bytes": limits.io_align_bytes,
-            "max_kv_mem_mib": None if over else budget * max_batch / 2**20}
+    config = {**base, "sigma": fit.sigma, "M": fit.M, "C": fit.C, "reuse": reuse, "io_align_bytes": limits.io_align_bytes,
+              "max_kv_mem_mib": None if over else budget * max_batch / 2**20}
+    return {**config, **dict(variant.overrides)}
+
+
+class QualityChooser:
+    """Budget -> the configuration with the lowest measured loss that fits it (the install step's quality
+    table, restricted to its budget frontier), measured once per (context, budget, G) on calibration
+    windows no evaluation scores, and cached on disk per model."""
+
+    def __init__(self, model: DecoderModel, model_dir: str | Path, kv_path, adapters: "Adapters", quiet: bool = False,
+                 cache_dir: str | Path | None = None):
+        from edgekv.deploy import model_fingerprint
+
+        self.model, self.model_dir, self.kv_path, self.adapters, self.quiet = model, Path(model_dir), kv_path, adapters, quiet
+        root = Path(cache_dir or os.environ.get("EDGEKV_CACHE") or Path.home() / ".cache" / "edgekv")
+        self.path = root / "tables" / model_fingerprint(self.model_dir) / "eval-quality.json"
+        self.cache = json.loads(self.path.read_text()) if self.path.is_file() else {}
+
+    def __call__(self, variant: Variant, context: int, budget_bytes: float, max_batch: int) -> dict:
+        from edgekv.install import quality, solver
+        from .perplexity import ConfigScorer, calibration_windows
+
+        G = 1 if variant.policy == "token" else variant.G
+        key = f"{variant.policy} context={context} G={G} budget={budget_bytes:.0f} adapters={self.adapters.source}"
+        if key not in self.cache:
+            limits = Limits(io_align_bytes=512)
+            grid = quality.frontier(quality.candidates(context, [G], solver.SIGMAS),
+                                    lambda p: solver.smallest_bytes(self.model.dims, self.model.dtype, limits, context + 64, p),
+                                    budget_bytes)
+            if not grid:
+                raise ValueError(f"budget {budget_bytes / 2**20:.1f} MiB leaves no room for one group at context {context}")
+            windows, source = calibration_windows(self.model_dir, context, quality.WINDOWS)
+            with Progress(len(grid) + 1, f"choosing by quality at {context}", self.quiet) as progress:
+                scorer = ConfigScorer(self.model, self.kv_path, self.adapters, windows, quality.continuation(context),
+                                      progress, max_batch=quality.WINDOWS, label=f"{context}")
+                rows = [{**p, **{k: scorer(variant.policy, quality.run_config(p, context))[k]
+                                 for k in ("ppl_ratio", "top1_agreement")}} for p in grid]
+            self.cache[key] = {"source": source, "measured": rows}
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.path.write_text(json.dumps(self.cache, indent=1))
+        best = min(self.cache[key]["measured"], key=lambda r: (r["ppl_ratio"], -r["top1_agreement"]))
+        config = quality.run_config(best, context)
+        picked = config["M"] - -(-best["sink_tokens"] // G) - -(-best["window_tokens"] // G)
+        return {**config, "C": picked, "calibration_ppl_ratio": best["ppl_ratio"]}
 
 
 @dataclass
@@ -104,6 +161,8 @@ class Adapters:
         self._fitted: dict[float, LowRankAdapter] = dict(fitted or {})
         self._keys = None if fixed or fitted else collect_keys(model, calibration)
         self._dims = model.dims
+        what = "fixed" if fixed else "files" if fitted else json.dumps(calibration)
+        self.source = hashlib.sha256(what.encode()).hexdigest()[:12]  # what the adapters were fitted on
 
     @classmethod
     def from_files(cls, model: DecoderModel, paths: dict[float, str]) -> "Adapters":
@@ -127,10 +186,15 @@ def engine_steps(forced_tokens: list[int], max_batch: int) -> int:
 
 
 def open_engine(model: DecoderModel, kv_path, variant: Variant, context: int, max_batch: int,
-                adapters: "Adapters") -> tuple[Engine, dict]:
+                adapters: "Adapters", chooser: QualityChooser | None = None) -> tuple[Engine, dict]:
     """An engine for one variant at ``context`` on an already loaded model, and the config it runs."""
-    return engine_for(model, kv_path, variant.policy, budget_config(variant, context, model.dims, model.dtype, max_batch),
-                      adapters)
+    config = budget_config(variant, context, model.dims, model.dtype, max_batch, chooser=chooser)
+    return engine_for(model, kv_path, variant.policy, config, adapters)
+
+
+def quality_chooser(model: DecoderModel, model_dir, kv_path, adapters: "Adapters", variants: list[Variant],
+                    quiet: bool) -> QualityChooser | None:
+    return QualityChooser(model, model_dir, kv_path, adapters, quiet) if any(v.rule == "quality" for v in variants) else None
 
 
 def engine_for(model: DecoderModel, kv_path, policy: str, config: dict, adapters: "Adapters") -> tuple[Engine, dict]:
@@ -140,14 +204,16 @@ def engine_for(model: DecoderModel, kv_path, policy: str, config: dict, adapters
         adapter = adapters(config["sigma"])
         if adapters.fixed is not None:
             config = {**config, "sigma": None}  # the file's rank replaces the fitted sigma
-    return Engine(model, RuntimeConfig.load(config), policy, kv_path, adapter=adapter), config
+    known = set(RuntimeConfig.__dataclass_fields__)
+    return Engine(model, RuntimeConfig.load({k: v for k, v in config.items() if k in known}), policy, kv_path,
+                  adapter=adapter), config
 
 
 def _score(model: DecoderModel, kv_path, variant: Variant, context: int, instances: list[TaskInstance],
-           max_batch: int, adapters: Adapters, on_event=None, prompt_cache: PromptKVCache | None = None
-           ) -> tuple[list[bool], dict]:
+           max_batch: int, adapters: Adapters, on_event=None, prompt_cache: PromptKVCache | None = None,
+           chooser: QualityChooser | None = None) -> tuple[list[bool], dict]:
     """Run ``instances`` through one variant; exact match per instance."""
-    engine, config = open_engine(model, kv_path, variant, context, max_batch, adapters)
+    engine, config = open_engine(model, kv_path, variant, context, max_batch, adapters, chooser)
     with engine:
         engine.prompt_cache = prompt_cache
         if on_event is not None:
@@ -178,6 +244,7 @@ def evaluate(
 ) -> list[Result]:
     """Every (task, context, variant) cell; the same instances for every variant."""
     model, adapters = _load(model_dir, contexts, tasks, seed, adapter_path)
+    chooser = quality_chooser(model, model_dir, kv_path, adapters, variants, quiet)
     fmt = task_format(model_dir)
     results = []
     with Progress(len(contexts) * len(variants), "eval cells", quiet) as progress:
@@ -189,7 +256,7 @@ def evaluate(
                 start = time.perf_counter()
                 with progress.cell(f"{context} {variant.label}", steps) as on_event:
                     hits, config = _score(model, kv_path, variant, context, instances, max_batch, adapters, on_event,
-                                          cache)
+                                          cache, chooser)
                 seconds = time.perf_counter() - start
                 for task in tasks:
                     scored = [hit for inst, hit in zip(instances, hits) if inst.task == task]
@@ -228,7 +295,8 @@ def table(results: list[Result]) -> str:
         configs = {r.variant: r.config for r in results if r.context == context}
         for lab in labels:
             c = configs[lab]
-            lines.append(f"  {lab}: G={c['G']} M={c['M']} C={c['C']} sigma={c['sigma']} reuse={c.get('reuse', '-')}")
+            lines.append(f"  {lab}: G={c['G']} M={c['M']} C={c['C']} sigma={c['sigma']} reuse={c.get('reuse', '-')} "
+                         f"S={c.get('sink_tokens', 0)} W={c.get('window_tokens', 0)} {c.get('selector', '')}")
         lines.append("")
     return "\n".join(lines)
 
@@ -239,12 +307,13 @@ def niah_grid(
 ) -> np.ndarray:
     """Single-needle accuracy [context, depth] for one variant (KVSwap Fig. 9)."""
     model, adapters = _load(model_dir, contexts, ["single_needle"], seed, adapter_path)
+    chooser = quality_chooser(model, model_dir, kv_path, adapters, [variant], quiet=True)
     fmt = task_format(model_dir)
     grid = np.zeros((len(contexts), len(depths)))
     for i, context in enumerate(contexts):
         rng = np.random.default_rng([seed, context])
         instances = [make_instance("single_needle", context, rng, depth=d, fmt=fmt) for d in depths for _ in range(samples)]
-        hits, _ = _score(model, kv_path, variant, context, instances, max_batch, adapters)
+        hits, _ = _score(model, kv_path, variant, context, instances, max_batch, adapters, chooser=chooser)
         grid[i] = np.array(hits).reshape(len(depths), samples).mean(axis=1)
     return grid
 

@@ -24,7 +24,7 @@ from edgekv.runtime.checkpoints import load_tokenizer
 from edgekv.runtime.model import DecoderModel, load_model, read_model_config
 from edgekv.runtime.prompt_cache import PromptKVCache
 
-from .harness import Adapters, Variant, engine_for, engine_steps, open_engine
+from .harness import Adapters, Variant, engine_for, engine_steps, open_engine, quality_chooser
 from .progress import Progress
 
 LICENSES = Path("/usr/share/common-licenses")
@@ -65,6 +65,22 @@ def tokenize(model_dir: str | Path, text: str) -> tuple[list[int], str]:
         raise ValueError(f"{model_dir} has no tokenizer and {vocab} < 256 token ids; --ppl needs a tokenizer "
                          "(or 256 ids to read the text as bytes)")
     return list(text.encode("utf-8")), "UTF-8 bytes as token ids (the model has no tokenizer)"
+
+
+def calibration_windows(model_dir: str | Path, context: int, n: int, text_file: str | None = None
+                        ) -> tuple[list[list[int]], str]:
+    """``n`` windows of ``context`` tokens that no evaluation scores: the given text or CPython's documentation
+    for a model with a tokenizer, retrieval-task prompts of a seed the eval never uses for the fixture."""
+    if load_tokenizer(model_dir) is None:
+        from .harness import task_format
+        from .tasks import TASKS, make_set
+
+        instances = make_set(list(TASKS), context, max(1, -(-n // len(TASKS))), 4242, task_format(model_dir))[:n]
+        return [(x.context + x.forced)[:context] for x in instances], f"task corpus (seed 4242), {n} x {context} tokens"
+    text, source = (Path(text_file).read_text(encoding="utf-8", errors="replace"), str(text_file)) if text_file \
+        else load_text("calibration")
+    ids, _ = tokenize(model_dir, text)
+    return split_text(ids, context, 0, n).windows, f"{source}, {n} x {context} tokens"
 
 
 @dataclass(frozen=True)
@@ -169,6 +185,7 @@ def evaluate_ppl(model_dir: str | Path, kv_path: str | Path, variants: list[Vari
     splits = {c: split_text(ids, c, calibration, windows) for c in contexts}
     model = load_model(model_dir, torch.device("cpu"), torch.float32, max(contexts) + 64)
     adapters = Adapters(model, [splits[min(contexts)].calibration])
+    chooser = quality_chooser(model, model_dir, kv_path, adapters, variants, quiet)
     variants = [Variant("full")] + [v for v in variants if v.policy != "full"]
     results = []
     with Progress(len(contexts) * len(variants), "ppl cells", quiet) as progress:
@@ -180,7 +197,7 @@ def evaluate_ppl(model_dir: str | Path, kv_path: str | Path, variants: list[Vari
             reference, full_ppl = None, math.nan
             for variant in variants:
                 start = time.perf_counter()
-                engine, config = open_engine(model, kv_path, variant, context, max_batch, adapters)
+                engine, config = open_engine(model, kv_path, variant, context, max_batch, adapters, chooser)
                 with progress.cell(f"{context} {variant.label}", steps) as on_event:
                     logp = _run(engine, cache, split.windows, continuation, on_event)
                 if reference is None:  # full runs first
@@ -200,7 +217,8 @@ def table(results: list[PplResult]) -> str:
     lines = [head]
     for r in results:
         c = r.config
-        config = "" if r.policy == "full" else f"G={c['G']} M={c['M']} C={c['C']} sigma={c['sigma']} reuse={c.get('reuse')}"
+        config = "" if r.policy == "full" else f"G={c['G']} M={c['M']} C={c['C']} sigma={c['sigma']} reuse={c.get('reuse')} " \
+            f"S={c.get('sink_tokens', 0)} W={c.get('window_tokens', 0)}"
         lines.append(f"{r.context:>7} {r.variant:24} {r.ppl:9.3f} {r.ratio_to_full:7.3f} {r.top1_agreement:6.3f} "
                      f"{r.kl_full_policy:8.4f}  {config}")
     return "\n".join(lines)

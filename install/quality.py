@@ -53,6 +53,24 @@ def candidates(context: int, group_sizes, sigmas) -> list[dict]:
     return out
 
 
+def frontier(grid: list[dict], bytes_of, budget_bytes: float) -> list[dict]:
+    """Per family (all but sigma), the smallest sigma whose leanest form fits ``budget_bytes``: the best
+    a family can do under the budget, since a smaller sigma never predicts worse."""
+    best: dict[tuple, dict] = {}
+    for p in grid:
+        key = (p["G"], p["mg_tokens"], p["sink_tokens"], p["window_tokens"])
+        if bytes_of(p) <= budget_bytes and (key not in best or p["sigma"] < best[key]["sigma"]):
+            best[key] = p
+    return list(best.values())
+
+
+def run_config(point: dict, context: int) -> dict:
+    """The runtime config that measures ``point``: shared preload buffers, no reuse (quality does not depend on C)."""
+    return {"G": point["G"], "M": math.ceil(point["mg_tokens"] / point["G"]), "C": 1, "reuse": False,
+            "sigma": point["sigma"], "sink_tokens": point["sink_tokens"], "window_tokens": point["window_tokens"],
+            "max_context": context + 64, "io_align_bytes": 512}
+
+
 def measure(scorer, grid: list[dict], context: int, target: float | None) -> list[QualityPoint]:
     """Every grid point through ``scorer`` (an edgekv.evals.perplexity.ConfigScorer on calibration windows
     of ``context`` tokens).  Points that differ only in sigma are measured from the largest sigma down,
@@ -63,9 +81,7 @@ def measure(scorer, grid: list[dict], context: int, target: float | None) -> lis
         families.setdefault((p["G"], p["mg_tokens"], p["sink_tokens"], p["window_tokens"]), []).append(p)
     for family in families.values():
         for p in sorted(family, key=lambda p: -p["sigma"]):
-            row = scorer("kvswap", {"G": p["G"], "M": math.ceil(p["mg_tokens"] / p["G"]), "C": 1, "reuse": False,
-                                    "sigma": p["sigma"], "sink_tokens": p["sink_tokens"],
-                                    "window_tokens": p["window_tokens"], "max_context": context + 64, "io_align_bytes": 512})
+            row = scorer("kvswap", run_config(p, context))
             points.append(QualityPoint(context, p["G"], p["mg_tokens"], p["sigma"], p["sink_tokens"], p["window_tokens"],
                                        round(row["ppl_ratio"], 4), round(row["top1_agreement"], 4)))
             if target is not None and points[-1].ppl_ratio <= target:

@@ -31,7 +31,7 @@ from .prompt_cache import PromptKV, PromptKVCache
 from .reader import KVReader, open_reader
 from .sampling import Sampler, SamplingParams
 from .scoring import InStorageScorer, NumpyScorer
-from .selector import AllGroupsSelector, LowRankSelector, RandomSelector
+from .selector import KEYS_PER_RANK, AllGroupsSelector, LowRankSelector, RandomSelector
 from .slots import PreloadSlots, SlotTable
 from .solutions import SolutionTable, load_deployed
 
@@ -213,6 +213,7 @@ class Engine:
                 policy.end_prompt(seq, len(ids))
                 prefill_s.append(time.perf_counter() - start)
                 self.events.emit("prefill_end", seq=seq, tokens=len(ids))
+            policy.end_prefill()
             self._keep_fitted_adapter(policy, cfg)
 
             logits = torch.stack(first_logits)
@@ -356,8 +357,9 @@ class Engine:
             adapter, rank = self._adapter_for(cfg), self._rank(cfg)
             if adapter is None and not self._warned_adapter:
                 log.warning(
-                    "no adapter file: deriving the low-rank K adapter (rank %d) from the first prompt's own keys; "
-                    "build a calibrated one with edgekv.install for better predictions", rank
+                    "no adapter file: fitting the low-rank K adapter (rank %d) on this batch's prompt keys, kept once a "
+                    "batch gives %d keys per layer; build a calibrated one with edgekv.install for better predictions",
+                    rank, KEYS_PER_RANK * rank,
                 )
                 self._warned_adapter = True
             selector = LowRankSelector(
@@ -375,9 +377,20 @@ class Engine:
         )
 
     def _keep_fitted_adapter(self, policy: KVPolicy, cfg: RuntimeConfig) -> None:
-        """An adapter derived from the first prompt is kept for later batches of the same rank."""
-        if self._adapter_for(cfg) is None and isinstance(policy, OffloadedKV) and isinstance(policy.selector, LowRankSelector):
-            self.adapter = policy.selector.fitted_adapter()
+        """A projection fitted on a batch's prompts is kept for later batches of the same rank when it saw
+        enough keys (KEYS_PER_RANK x rank per layer); a coarser one serves this batch only, and says so."""
+        if self._adapter_for(cfg) is not None or not isinstance(policy, OffloadedKV) \
+                or not isinstance(policy.selector, LowRankSelector):
+            return
+        fitted, n_keys = policy.selector.fitted_adapter()
+        if fitted is None:
+            return
+        if n_keys >= KEYS_PER_RANK * fitted.rank:
+            self.adapter = fitted
+            return
+        log.warning("the low-rank K adapter (rank %d) of this batch was fitted on %d keys per layer, fewer than the %d "
+                    "a stable fit needs: predictions are coarse, and the next batch fits its own; pass an adapter file "
+                    "from the install step to avoid this", fitted.rank, n_keys, KEYS_PER_RANK * fitted.rank)
 
     def close(self) -> None:
         if self.reader is not None:

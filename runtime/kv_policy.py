@@ -42,6 +42,9 @@ class KVPolicy:
     def end_prompt(self, seq: int, n_tokens: int) -> None:
         self.lengths[seq] = n_tokens
 
+    def end_prefill(self) -> None:
+        """Every prompt of the batch is stored; decoding starts."""
+
     def prefetch(self, layer: int, x: torch.Tensor, cos, sin, active: np.ndarray) -> None:
         """Start bringing ``layer``'s KV in, predicting from hidden states x (input of the layer before)."""
 

@@ -95,6 +95,9 @@ class OffloadedKV(KVPolicy):
             self.n_groups[seq] = n_full
             self.rb_len[seq] = rest
 
+    def end_prefill(self):
+        self.selector.end_prefill()
+
     def prefetch(self, layer, x, cos, sin, active):
         if self.oracle:  # selects in attend, from the layer's own query
             self._active = active

@@ -33,6 +33,9 @@ class Selector:
     def release(self, seq: int) -> None:
         """The sequence is done: drop what the selector keeps for it."""
 
+    def end_prefill(self) -> None:
+        """Every prompt of the batch is stored; decoding starts."""
+
     def close(self) -> None:
         pass
 
@@ -66,9 +69,13 @@ class RandomSelector(Selector):
         return groups, valid
 
 
+KEYS_PER_RANK = 4  # a projection fitted on fewer than 4 x rank keys is coarse: the engine does not keep it
+
+
 class LowRankSelector(Selector):
-    """``adapter`` None: each layer's projection is fitted from the first keys it receives
-    (a calibrated adapter from the install step is better; the engine warns)."""
+    """``adapter`` None: each layer's projection is fitted on the keys of every prompt of the batch
+    (``end_prefill``, or the first selection), then those keys are projected; ``fitted_on`` says how
+    many keys each fit saw.  A calibrated adapter from the install step is better; the engine warns."""
 
     def __init__(
         self,
@@ -98,20 +105,39 @@ class LowRankSelector(Selector):
         self.adapter = [None] * n_layers if adapter is None else [a.to(device, dtype) for a in adapter.matrices]
         self.k_lr = torch.zeros(n_layers, batch, max_context, rank, dtype=dtype, device=device)
         self.resident_bytes = self.k_lr.numel() * self.k_lr.element_size()
+        self.fitted_on = [0] * n_layers
+        self._unfitted: list[list[tuple[int, int, torch.Tensor]]] = [[] for _ in range(n_layers)]
 
-    def fitted_adapter(self) -> LowRankAdapter | None:
+    def fitted_adapter(self) -> tuple[LowRankAdapter | None, int]:
+        """The projections fitted here (None if some layer had no keys) and the fewest keys a layer's fit saw."""
         if any(a is None for a in self.adapter):
-            return None
-        return LowRankAdapter([a.float().cpu() for a in self.adapter], self.n_kv_heads, self.head_dim)
+            return None, 0
+        return LowRankAdapter([a.float().cpu() for a in self.adapter], self.n_kv_heads, self.head_dim), min(self.fitted_on)
 
     def append(self, layer, seq, first_token, k):
         if k.shape[1] == 0:
             return
         flat = k.transpose(0, 1).reshape(k.shape[1], -1)
         if self.adapter[layer] is None:
-            fitted = LowRankAdapter.fit([flat], self.n_kv_heads, self.head_dim, self.rank)
-            self.adapter[layer] = fitted.matrices[0].to(self.device, self.dtype)
+            self._unfitted[layer].append((seq, first_token, flat))
+            return
         self.k_lr[layer, seq, first_token : first_token + flat.shape[0]] = flat.to(self.dtype) @ self.adapter[layer]
+
+    def end_prefill(self) -> None:
+        for layer in range(len(self.adapter)):
+            self._fit(layer)
+
+    def _fit(self, layer: int) -> None:
+        """Fit the layer's projection on every key waiting for it, then project them."""
+        waiting, self._unfitted[layer] = self._unfitted[layer], []
+        if self.adapter[layer] is not None or not waiting:
+            return
+        keys = torch.cat([flat for _, _, flat in waiting])
+        fitted = LowRankAdapter.fit([keys], self.n_kv_heads, self.head_dim, self.rank)
+        self.adapter[layer] = fitted.matrices[0].to(self.device, self.dtype)
+        self.fitted_on[layer] = keys.shape[0]
+        for seq, first_token, flat in waiting:
+            self.k_lr[layer, seq, first_token : first_token + flat.shape[0]] = flat.to(self.dtype) @ self.adapter[layer]
 
     def token_scores(self, layer: int, q: torch.Tensor, n_tokens: int) -> torch.Tensor:
         """Approximate attention, [B, n_tokens]: logits summed over heads ("sum", KVSwap), or each
@@ -129,6 +155,7 @@ class LowRankSelector(Selector):
         return logits.softmax(dim=-1).sum(dim=1)
 
     def select(self, layer, q, n_groups, first=0):
+        self._fit(layer)
         max_groups = int(n_groups.max())
         batch = q.shape[0]
         groups = torch.zeros(batch, self.M, dtype=torch.long, device=q.device)

@@ -61,3 +61,19 @@ def test_build_adapter_save_load_and_use(model_dirs, kv_dir, tmp_path):
         Engine.from_pretrained(deeper, kv_offload_path=kv_dir, config=config)
 
 
+
+
+def test_fit_without_an_adapter_file_uses_the_whole_batch_and_is_kept_only_when_it_saw_enough_keys(model_dirs, kv_dir,
+                                                                                                   caplog):
+    config = {"G": 4, "M": 4, "C": 8, "max_context": 128, "sigma": 4}  # rank 8: a fit is kept from 32 keys per layer
+    with Engine.from_pretrained(model_dirs["llama"], kv_offload_path=kv_dir, config=config) as engine:
+        with caplog.at_level("WARNING", logger="edgekv"):
+            engine.generate([list(range(1, 8))], max_new_tokens=3, stop_token_ids=[])  # 7 tokens: one group, 4 keys
+        assert engine.adapter is None  # not kept for later batches
+        assert any("fitted on 4 keys per layer" in r.getMessage() for r in caplog.records)
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="edgekv"):
+            # 2 x 18 tokens: 4 groups each, 32 keys per layer only when both prompts of the batch are fitted on
+            engine.generate([list(range(1, 19)), list(range(40, 58))], max_new_tokens=3, stop_token_ids=[])
+        assert engine.adapter is not None and engine.adapter.rank == 8
+        assert not any("fitted on" in r.getMessage() for r in caplog.records)
