@@ -94,9 +94,23 @@ class StepTimer:
             self.steps.append((step, event.info["active"], event.t_ns - self._start.pop(step)))
 
 
+def chosen_configs(eval_json: str | Path | None) -> dict[tuple[int, str], dict]:
+    """{(context, budget label): config} of the kvswap main rows of an ``edgekv eval --json`` result: the
+    configurations chosen by measured quality, to time against KVSwap's rule (M*G = 400) side by side."""
+    if not eval_json:
+        return {}
+    data = json.loads(Path(eval_json).read_text())
+    rows = data.get("ppl") or data.get("results") or []
+    keys = ("G", "M", "C", "sigma", "reuse", "sink_tokens", "window_tokens", "score_reduce")
+    return {(r["context"], f"1/{round(1 / r['budget'])}"): {k: r["config"][k] for k in keys if k in r["config"]}
+            for r in rows if r["policy"] == "kvswap" and r["budget"] and r["variant"] == f"kvswap@1/{round(1 / r['budget'])}"}
+
+
 def policy_configs(model: DecoderModel, batch: int, context: int, budgets: list[str], limits: solver.Limits,
-                   disk_profile, compute_profile, reuse_table: dict | None = None) -> list[tuple[str, str | None, dict]]:
-    """(row name, budget label, runtime config) for every row of one (batch, context)."""
+                   disk_profile, compute_profile, reuse_table: dict | None = None, chosen: dict | None = None
+                   ) -> list[tuple[str, str | None, dict]]:
+    """(row name, budget label, runtime config) for every row of one (batch, context); ``kvswap-quality``
+    rows run the configurations of ``chosen`` (see chosen_configs) at this batch."""
     dims = model.dims
     base = {"max_context": context, "max_batch": batch, "io_align_bytes": limits.io_align_bytes,
             "io_queue_depth": QUEUE_DEPTH}
@@ -118,12 +132,14 @@ def policy_configs(model: DecoderModel, batch: int, context: int, budgets: list[
                 continue
             rows.append((name, label, {**base, "G": fit.G, "M": fit.M, "C": fit.C, "sigma": fit.sigma, "reuse": reuse,
                                        "max_kv_mem_mib": budget_mib}))
+        if (context, label) in (chosen or {}):
+            rows.append(("kvswap-quality", label, {**base, **chosen[(context, label)], "max_kv_mem_mib": budget_mib}))
     return rows
 
 
 def bench_point(model: DecoderModel, kv_dir: Path, batch: int, context: int, budgets: list[str], steps: int,
                 warmup: int, limits: solver.Limits, disk_profile, compute_profile, policies, reuse_table=None,
-                log=print, gguf: Path | None = None, on_event=None) -> list[Run]:
+                log=print, gguf: Path | None = None, on_event=None, chosen: dict | None = None) -> list[Run]:
     """Every row at one (batch, context); with ``gguf`` (the model's source file, llama-cpp-python importable)
     also the llama.cpp row at batch 1."""
     g = torch.Generator().manual_seed(batch * 100003 + context)
@@ -134,7 +150,7 @@ def bench_point(model: DecoderModel, kv_dir: Path, batch: int, context: int, bud
     runs: list[Run] = []
     full_rate = None
     for name, budget, cfg in policy_configs(model, batch, context, budgets, limits, disk_profile, compute_profile,
-                                            reuse_table):
+                                            reuse_table, chosen):
         if name not in policies:
             continue
         policy = "kvswap" if name.startswith("kvswap") else name
@@ -257,7 +273,8 @@ def plot(runs: list[Run], png: Path) -> None:
 
 
 def run(model_dir: Path, kv_dir: Path, batches: list[int], contexts: list[int], budgets: list[str], steps: int,
-        warmup: int, disk_seconds: float, policies: list[str], log=print, quiet: bool = False) -> tuple[list[Run], dict]:
+        warmup: int, disk_seconds: float, policies: list[str], log=print, quiet: bool = False,
+        chosen_from: str | None = None) -> tuple[list[Run], dict]:
     from edgekv.runtime.model import load_model
 
     kv_dir.mkdir(parents=True, exist_ok=True)
@@ -278,11 +295,13 @@ def run(model_dir: Path, kv_dir: Path, batches: list[int], contexts: list[int], 
         for context, batch in points:
             with progress.cell(f"batch {batch}, context {context}") as on_event:
                 runs += bench_point(model, kv_dir, batch, context, budgets, steps, warmup, limits, disk_profile,
-                                    compute_profile, policies, reuse_table, progress.write, gguf, on_event)
+                                    compute_profile, policies, reuse_table, progress.write, gguf, on_event,
+                                    chosen_configs(chosen_from))
     meta = {"model": str(model_dir), "steps": steps, "warmup_steps": warmup, "queue_depth": QUEUE_DEPTH,
             "disk": {"reference": disk_profile.reference, "reader": disk_profile.reader, "o_direct": disk_profile.o_direct,
                      "points": [asdict(p) for p in disk_profile.points]},
-            "threads": torch.get_num_threads(), "reuse_table": source, "llama_cpp": llama_note}
+            "threads": torch.get_num_threads(), "reuse_table": source, "llama_cpp": llama_note,
+            "quality_configs_from": chosen_from}
     return runs, meta
 
 

@@ -69,7 +69,8 @@ def _bench(args) -> int:
     with tempfile.TemporaryDirectory(dir=args.kv_path) as kv:
         runs, meta = bench.run(checkpoint, Path(kv), [int(b) for b in args.batches.split(",")],
                                [int(c) for c in args.contexts.split(",")], args.budgets.split(","), args.steps,
-                               args.warmup, args.disk_seconds, args.policies.split(","), quiet=args.quiet)
+                               args.warmup, args.disk_seconds, args.policies.split(","), quiet=args.quiet,
+                               chosen_from=args.quality_configs)
     meta.update(model=args.model, checkpoint=str(checkpoint), command=args.command_line)
     print(bench.table(runs))
     print(f"reproduce: {meta['command']}  (decode only; {args.warmup} warm-up steps excluded; "
@@ -315,7 +316,10 @@ def main(argv=None) -> int:
     be.add_argument("--budgets", default="1/13,1/34", help="fractions of the full KV cache of the batch")
     be.add_argument("--steps", type=int, default=16, help="timed decode steps per run")
     be.add_argument("--warmup", type=int, default=4, help="decode steps excluded from timing")
-    be.add_argument("--policies", default="full,flexgen,token,kvswap-noreuse,kvswap,llama.cpp",
+    be.add_argument("--quality-configs", metavar="EVAL_JSON",
+                    help="also time kvswap-quality rows: the configurations an `edgekv eval --json` run chose by measured "
+                         "quality, per context and budget, beside the solver's kvswap rows (M*G = 400)")
+    be.add_argument("--policies", default="full,flexgen,token,kvswap-noreuse,kvswap,kvswap-quality,llama.cpp",
                     help="rows; llama.cpp runs when the model is a GGUF file and llama-cpp-python is installed")
     be.add_argument("--quiet", action="store_true", help="no progress bars")
     be.add_argument("--disk-seconds", type=float, default=10, help="time for the disk profile the solver and ratios use")
