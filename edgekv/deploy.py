@@ -321,7 +321,7 @@ def run(platform: str | None = None, model: str | None = None, kv_path: str | No
         "sink_tokens": top.sink_tokens, "window_tokens": top.window_tokens,
         "max_kv_mem_mib": prof.max_kv_mem_mib, "max_batch": prof.max_batch, "max_context": prof.max_context,
         "adapter_path": adapters[float(top.sigma)], "io_align_bytes": limits.io_align_bytes, "io_queue_depth": queue_depth,
-        "klr_dtype": limits.klr_dtype,
+        "klr_dtype": top.klr_dtype,
         "solutions": [{**x.to_json(), "adapter_path": adapters[float(x.sigma)]} for x in solutions],
         "measurements": measurements, "edgekv_version": VERSION,
     }

@@ -98,13 +98,14 @@ def time_block(model: DecoderModel, batch: int, tokens: int) -> float:
 
 @torch.inference_mode()
 def time_predictor(model: DecoderModel, batch: int, context: int, rank: int, group_tokens: int, groups: int,
-                   klr_dtype: torch.dtype) -> float:
+                   klr_dtype: str) -> float:
     """Layer-ahead prediction for one layer: q-proj of the next layer, scores over K_lr, top-M groups."""
     d = model.dims
     selector = LowRankSelector(None, rank, d.n_kv_heads, d.head_dim, 1, batch, context, group_tokens, groups,
                                klr_dtype, model.device, scaling=model.scaling)
-    selector.adapter = [torch.randn(d.n_kv_heads * d.head_dim, rank, dtype=klr_dtype, device=model.device)]
-    selector.k_lr.normal_()
+    selector.adapter = [torch.randn(d.n_kv_heads * d.head_dim, rank, dtype=selector.dtype, device=model.device)]
+    selector.k_lr.copy_(torch.randint(-127, 128, selector.k_lr.shape) if selector.quantized else torch.randn(selector.k_lr.shape))
+    selector.k_scale.fill_(0.01)
     x = torch.randn(batch, 1, d.hidden, dtype=model.dtype, device=model.device)
     cos, sin = model.rope(torch.full((batch, 1), context, device=model.device))
     n_groups = torch.full((batch,), context // group_tokens)
@@ -122,7 +123,7 @@ def time_reuse(batch: int, groups_per_step: int, max_groups: int) -> float:
 
 
 def profile_compute(model: DecoderModel, fingerprint: dict, batches, contexts, ranks, mg_const: int,
-                    klr_dtype: torch.dtype = torch.bfloat16, progress=None) -> ComputeProfile:
+                    klr_dtype: str = "bfloat16", progress=None) -> ComputeProfile:
     """Sample every part at the given batch sizes, contexts and ranks."""
     start = time.perf_counter()
     profile = ComputeProfile(fingerprint, model.dims.n_layers)

@@ -15,6 +15,7 @@ from pathlib import Path
 
 MG_SHARES = (0.05, 0.1, 0.2)  # M*G candidates as shares of the context (KVSwap's 400 tokens is 5 % at 8K)
 SINK_WINDOW = ((0, 0), (4, 64))  # (S, W): none (KVSwap as published), and one sink group with a 64-token window
+KLR_DTYPES = ("bfloat16", "int8")  # K_lr formats: int8 rows cost half, so a sigma half as large fits the same memory
 GROUP_SIZES = (4, 16)  # quality at a small and a large group; the solver picks among the measured ones
 WINDOWS = 2  # calibration windows per context
 
@@ -34,6 +35,7 @@ class QualityPoint:
     window_tokens: int
     ppl_ratio: float
     top1_agreement: float
+    klr_dtype: str = "bfloat16"
 
     @property
     def M(self) -> int:
@@ -49,17 +51,20 @@ def candidates(context: int, group_sizes, sigmas) -> list[dict]:
             for S, W in SINK_WINDOW:
                 if mg - S - W < G:
                     continue
-                out += [{"G": G, "mg_tokens": mg, "sigma": float(s), "sink_tokens": S, "window_tokens": W} for s in sigmas]
+                out += [{"G": G, "mg_tokens": mg, "sigma": float(s), "sink_tokens": S, "window_tokens": W, "klr_dtype": k}
+                        for s in sigmas for k in KLR_DTYPES]
     return out
 
 
 def frontier(grid: list[dict], bytes_of, budget_bytes: float) -> list[dict]:
-    """Per family (all but sigma), the smallest sigma whose leanest form fits ``budget_bytes``: the best
-    a family can do under the budget, since a smaller sigma never predicts worse."""
+    """Per family (G, M*G, S, W), the smallest sigma whose leanest form fits ``budget_bytes``, in bf16 where
+    that fits, else in int8: the best a family can do under the budget (a smaller sigma never predicts worse,
+    and int8 rows of twice the rank beat bf16 rows in the same bytes)."""
     best: dict[tuple, dict] = {}
+    order = lambda p: (p["sigma"], p["klr_dtype"] != "bfloat16")  # noqa: E731
     for p in grid:
         key = (p["G"], p["mg_tokens"], p["sink_tokens"], p["window_tokens"])
-        if bytes_of(p) <= budget_bytes and (key not in best or p["sigma"] < best[key]["sigma"]):
+        if bytes_of(p) <= budget_bytes and (key not in best or order(p) < order(best[key])):
             best[key] = p
     return list(best.values())
 
@@ -68,7 +73,7 @@ def run_config(point: dict, context: int) -> dict:
     """The runtime config that measures ``point``: shared preload buffers, no reuse (quality does not depend on C)."""
     return {"G": point["G"], "M": math.ceil(point["mg_tokens"] / point["G"]), "C": 1, "reuse": False,
             "sigma": point["sigma"], "sink_tokens": point["sink_tokens"], "window_tokens": point["window_tokens"],
-            "max_context": context + 64, "io_align_bytes": 512}
+            "klr_dtype": point.get("klr_dtype", "bfloat16"), "max_context": context + 64, "io_align_bytes": 512}
 
 
 def measure(scorer, grid: list[dict], context: int, target: float | None) -> list[QualityPoint]:
@@ -78,12 +83,12 @@ def measure(scorer, grid: list[dict], context: int, target: float | None) -> lis
     points = []
     families: dict[tuple, list[dict]] = {}
     for p in grid:
-        families.setdefault((p["G"], p["mg_tokens"], p["sink_tokens"], p["window_tokens"]), []).append(p)
+        families.setdefault((p["G"], p["mg_tokens"], p["sink_tokens"], p["window_tokens"], p["klr_dtype"]), []).append(p)
     for family in families.values():
         for p in sorted(family, key=lambda p: -p["sigma"]):
             row = scorer("kvswap", run_config(p, context))
             points.append(QualityPoint(context, p["G"], p["mg_tokens"], p["sigma"], p["sink_tokens"], p["window_tokens"],
-                                       round(row["ppl_ratio"], 4), round(row["top1_agreement"], 4)))
+                                       round(row["ppl_ratio"], 4), round(row["top1_agreement"], 4), p["klr_dtype"]))
             if target is not None and points[-1].ppl_ratio <= target:
                 break
     return points

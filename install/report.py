@@ -24,9 +24,10 @@ def write(out: Path, prof, model_dir, measurements: dict, solutions, stats, tuni
     if table:
         lines += ["", f"quality table (ppl ratio / top-1 agreement vs full on calibration text), target "
                   f"{prof.quality_target:g}:", f"{'context':>7} {'G':>3} {'M*G':>5} {'sigma':>5} {'S':>3} {'W':>4} "
-                  f"{'ppl x':>6} {'top-1':>6}"]
+                  f"{'K_lr':>8} {'ppl x':>6} {'top-1':>6}"]
         lines += [f"{p['context']:>7} {p['G']:>3} {p['mg_tokens']:>5} {p['sigma']:>5g} {p['sink_tokens']:>3} "
-                  f"{p['window_tokens']:>4} {p['ppl_ratio']:6.3f} {p['top1_agreement']:6.3f}" for p in table]
+                  f"{p['window_tokens']:>4} {p.get('klr_dtype', 'bfloat16'):>8} {p['ppl_ratio']:6.3f} {p['top1_agreement']:6.3f}"
+                  for p in table]
     if solutions:
         lines += ["", f"budget {prof.max_kv_mem_mib:g} MiB for {prof.max_batch} x {prof.max_context} tokens "
                   f"({prof.batch_budget_mib:.2f} MiB per sequence), alpha {prof.alpha}, MG const {prof.mg_const}",

@@ -71,22 +71,23 @@ class Solution:
     window_tokens: int = 0
     ppl_ratio: float | None = None  # the quality table's measured loss of this configuration (None: no table)
     quality_met: bool | None = None  # ppl_ratio within Limits.quality_target (None: no target)
+    klr_dtype: str = "bfloat16"
 
     def to_json(self) -> dict:
         return {k: round(v, 4) if isinstance(v, float) else v for k, v in asdict(self).items()}
 
 
 def _sequence_bytes(dims: ModelDims, kv_dtype: torch.dtype, limits: Limits, context: int, G: int, M: int, C: int,
-                    sigma: float, reuse: bool, sink_tokens: int = 0, window_tokens: int = 0) -> tuple[int, int]:
+                    sigma: float, reuse: bool, sink_tokens: int = 0, window_tokens: int = 0,
+                    klr_dtype: str | None = None) -> tuple[int, int]:
     """(bytes, rank) of one sequence, from the runtime's own memory plan."""
     rank = LowRankAdapter.rank_for(dims.n_kv_heads, dims.head_dim, sigma)
     cfg = RuntimeConfig(G=G, M=M, C=C, sigma=sigma, max_batch=1, max_context=context, reuse=reuse,
-                        io_align_bytes=limits.io_align_bytes, klr_dtype=limits.klr_dtype,
+                        io_align_bytes=limits.io_align_bytes, klr_dtype=klr_dtype or limits.klr_dtype,
                         sink_tokens=sink_tokens, window_tokens=window_tokens)
     itemsize = torch.empty(0, dtype=kv_dtype).element_size()
-    klr_itemsize = torch.empty(0, dtype=getattr(torch, limits.klr_dtype)).element_size()
     stride = RecordLayout(G, dims.n_kv_heads, dims.head_dim, kv_dtype, limits.io_align_bytes).stride_bytes
-    return plan_memory("kvswap", cfg, dims, itemsize, klr_itemsize, rank, stride).total_bytes, rank
+    return plan_memory("kvswap", cfg, dims, itemsize, rank, stride).total_bytes, rank
 
 
 def fit_memory(budget_bytes: float, dims: ModelDims, kv_dtype: torch.dtype, limits: Limits, context: int, G: int,
@@ -159,7 +160,7 @@ def solve(batch: int, context: int, budget_bytes: float, dims: ModelDims, kv_dty
             model = t_model_ms(batch, context, fit.rank, fit.M, G, fit.reuse)
             hidden = (1 - limits.alpha) * io <= model
             sol = Solution(batch, context, G, fit.M, fit.C, fit.sigma, hit, io, model, hidden, fit.mg_scaled,
-                           fit.bytes_per_sequence, fit.reuse)
+                           fit.bytes_per_sequence, fit.reuse, klr_dtype=limits.klr_dtype)
             if best is None or _exposed(sol) < _exposed(best) - 1e-9:
                 best = sol
             if hidden:
@@ -180,7 +181,7 @@ def smallest_bytes(dims: ModelDims, kv_dtype: torch.dtype, limits: Limits, conte
     G = point["G"]
     M = math.ceil(point["mg_tokens"] / G)
     return _sequence_bytes(dims, kv_dtype, limits, context, G, M, 1, point["sigma"], False, point["sink_tokens"],
-                           point["window_tokens"])[0]
+                           point["window_tokens"], point.get("klr_dtype"))[0]
 
 
 def solve_for_quality(batch: int, context: int, budget_bytes: float, dims: ModelDims, kv_dtype: torch.dtype,
@@ -200,7 +201,7 @@ def solve_for_quality(batch: int, context: int, budget_bytes: float, dims: Model
         for reuse, ratio in [(False, 1.0)] + [(True, r) for r in C_RATIOS]:
             C = max(picked, round(ratio * picked))
             total, rank = _sequence_bytes(dims, kv_dtype, limits, context, p.G, M, C, p.sigma, reuse,
-                                          p.sink_tokens, p.window_tokens)
+                                          p.sink_tokens, p.window_tokens, p.klr_dtype)
             if total > budget_bytes:
                 continue
             hit = reuse_rate(p.G, C, picked) if reuse else 0.0
@@ -208,7 +209,7 @@ def solve_for_quality(batch: int, context: int, budget_bytes: float, dims: Model
             model = t_model_ms(batch, context, rank, picked, p.G, reuse)
             met = None if target is None else p.ppl_ratio <= target
             fitting.append(Solution(batch, context, p.G, M, C, p.sigma, hit, io, model, (1 - limits.alpha) * io <= model,
-                                    False, total, reuse, p.sink_tokens, p.window_tokens, p.ppl_ratio, met))
+                                    False, total, reuse, p.sink_tokens, p.window_tokens, p.ppl_ratio, met, p.klr_dtype))
     if not fitting:
         raise ValueError(
             f"no configuration of the quality table fits {budget_bytes / 2**20:.2f} MiB per sequence at context {context}; "
@@ -221,7 +222,8 @@ def solve_for_quality(batch: int, context: int, budget_bytes: float, dims: Model
     if log is not None:
         log(f"quality target ppl ratio <= {target:g} not reachable at batch {batch}, context {context} within "
             f"{budget_bytes / 2**20:.2f} MiB per sequence: best reachable {best.ppl_ratio:.3f} (G={best.G} M={best.M} "
-            f"sigma={best.sigma:g} S={best.sink_tokens} W={best.window_tokens}); raise the budget or the target")
+            f"sigma={best.sigma:g} {best.klr_dtype} S={best.sink_tokens} W={best.window_tokens}); raise the budget or "
+            "the target")
     return best
 
 

@@ -14,7 +14,7 @@ POLICIES = ("kvswap", "full", "flexgen", "token", "hillinfer")
 READER_BACKENDS = ("auto", "io_uring", "pthread", "python")
 SELECTORS = ("lowrank", "random", "oracle")
 SCORE_REDUCES = ("sum", "softmax")
-KLR_DTYPES = ("bfloat16", "float16", "float32")
+KLR_DTYPES = ("bfloat16", "float16", "float32", "int8")
 
 
 class ConfigError(ValueError):

@@ -37,7 +37,6 @@ from .solutions import SolutionTable, load_deployed
 
 log = logging.getLogger(__name__)
 
-_KLR_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 @dataclass
@@ -364,7 +363,7 @@ class Engine:
                 self._warned_adapter = True
             selector = LowRankSelector(
                 adapter, rank, dims.n_kv_heads, dims.head_dim, dims.n_layers, batch,
-                cfg.max_context, cfg.G, cfg.picked_groups, _KLR_DTYPES[cfg.klr_dtype], model.device,
+                cfg.max_context, cfg.G, cfg.picked_groups, cfg.klr_dtype, model.device,
                 score_reduce=cfg.score_reduce, scaling=model.scaling,
             )
         max_groups = -(-cfg.max_context // cfg.G)
@@ -450,8 +449,7 @@ def _preflight(policy, cfg: RuntimeConfig, dims: ModelDims, dtype, adapter, kv_o
 def _plan(policy: str, cfg: RuntimeConfig, dims: ModelDims, dtype: torch.dtype, rank: int) -> MemoryPlan:
     itemsize = torch.empty(0, dtype=dtype).element_size()
     stride = RecordLayout(cfg.G, dims.n_kv_heads, dims.head_dim, dtype, cfg.io_align_bytes).stride_bytes
-    klr_itemsize = torch.empty(0, dtype=_KLR_DTYPES[cfg.klr_dtype]).element_size()
-    return plan_memory(policy, cfg, dims, itemsize, klr_itemsize, rank, stride)
+    return plan_memory(policy, cfg, dims, itemsize, rank, stride)
 
 
 def _default_dtype(device: torch.device) -> torch.dtype:

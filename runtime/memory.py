@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from .config import RuntimeConfig, cpu_pool_tokens
 from .model import ModelDims
+from .selector import klr_token_bytes
 from .slots import PreloadSlots, SlotTable
 
 MIB = 1024 * 1024
@@ -48,7 +49,6 @@ def plan_memory(
     cfg: RuntimeConfig,
     dims: ModelDims,
     kv_itemsize: int,
-    klr_itemsize: int,
     rank: int,
     stride_bytes: int,
 ) -> MemoryPlan:
@@ -60,7 +60,7 @@ def plan_memory(
         picked = cfg.picked_groups
         slots = SlotTable.n_buffers(dims.n_layers) * cfg.C if cfg.reuse else PreloadSlots.n_buffers(dims.n_layers) * picked
         parts = {
-            "k_lowrank": 0 if policy in ("flexgen", "hillinfer") else dims.n_layers * cfg.max_context * rank * klr_itemsize,
+            "k_lowrank": 0 if policy in ("flexgen", "hillinfer") else dims.n_layers * cfg.max_context * klr_token_bytes(rank, cfg.klr_dtype),
             "k_cpu_pool": 0 if policy != "hillinfer" else
             dims.n_layers * cpu_pool_tokens(cfg.beta, cfg.max_context) * dims.n_kv_heads * dims.head_dim * 2,
             "slots": slots * stride_bytes,

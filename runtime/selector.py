@@ -70,12 +70,24 @@ class RandomSelector(Selector):
 
 
 KEYS_PER_RANK = 4  # a projection fitted on fewer than 4 x rank keys is coarse: the engine does not keep it
+# K_lr formats: torch dtype, bytes per element, bytes of per-token scale (int8 rows carry one bf16 absmax scale)
+KLR_FORMATS = {"bfloat16": (torch.bfloat16, 2, 0), "float16": (torch.float16, 2, 0), "float32": (torch.float32, 4, 0),
+               "int8": (torch.int8, 1, 2)}
+
+
+def klr_token_bytes(rank: int, klr_dtype: str) -> int:
+    """Bytes of one token's K_lr row in one layer."""
+    _, itemsize, scale = KLR_FORMATS[klr_dtype]
+    return rank * itemsize + scale
 
 
 class LowRankSelector(Selector):
     """``adapter`` None: each layer's projection is fitted on the keys of every prompt of the batch
     (``end_prefill``, or the first selection), then those keys are projected; ``fitted_on`` says how
-    many keys each fit saw.  A calibrated adapter from the install step is better; the engine warns."""
+    many keys each fit saw.  A calibrated adapter from the install step is better; the engine warns.
+
+    ``klr_dtype`` "int8" stores each projected key as int8 with its own absmax scale (half of bf16's
+    bytes, so a lower sigma in the same memory); scores are computed in bf16 and rescaled per token."""
 
     def __init__(
         self,
@@ -88,7 +100,7 @@ class LowRankSelector(Selector):
         max_context: int,
         group_tokens: int,
         groups_per_step: int,
-        dtype: torch.dtype,
+        klr_dtype: str,
         device: torch.device,
         score_reduce: str = "sum",
         scaling: float = 1.0,
@@ -97,14 +109,18 @@ class LowRankSelector(Selector):
         self.scaling = scaling
         self.G = group_tokens
         self.M = groups_per_step
-        self.dtype = dtype
+        stored, _, _ = KLR_FORMATS[klr_dtype]
+        self.quantized = stored == torch.int8
+        self.dtype = torch.bfloat16 if self.quantized else stored  # what projections and scores compute in
+        dtype = self.dtype
         self.device = device
         self.rank = rank
         self.n_kv_heads = n_kv_heads
         self.head_dim = head_dim
         self.adapter = [None] * n_layers if adapter is None else [a.to(device, dtype) for a in adapter.matrices]
-        self.k_lr = torch.zeros(n_layers, batch, max_context, rank, dtype=dtype, device=device)
-        self.resident_bytes = self.k_lr.numel() * self.k_lr.element_size()
+        self.k_lr = torch.zeros(n_layers, batch, max_context, rank, dtype=stored, device=device)
+        self.k_scale = torch.zeros(n_layers, batch, max_context if self.quantized else 0, dtype=torch.bfloat16, device=device)
+        self.resident_bytes = self.k_lr.numel() * self.k_lr.element_size() + self.k_scale.numel() * 2
         self.fitted_on = [0] * n_layers
         self._unfitted: list[list[tuple[int, int, torch.Tensor]]] = [[] for _ in range(n_layers)]
 
@@ -121,7 +137,24 @@ class LowRankSelector(Selector):
         if self.adapter[layer] is None:
             self._unfitted[layer].append((seq, first_token, flat))
             return
-        self.k_lr[layer, seq, first_token : first_token + flat.shape[0]] = flat.to(self.dtype) @ self.adapter[layer]
+        self._store(layer, seq, first_token, flat)
+
+    def _store(self, layer: int, seq: int, first_token: int, flat: torch.Tensor) -> None:
+        rows = slice(first_token, first_token + flat.shape[0])
+        projected = flat.to(self.dtype) @ self.adapter[layer]
+        if not self.quantized:
+            self.k_lr[layer, seq, rows] = projected
+            return
+        scale = projected.float().abs().amax(dim=-1).clamp_min(1e-12) / 127
+        self.k_lr[layer, seq, rows] = (projected.float() / scale[:, None]).round().to(torch.int8)
+        self.k_scale[layer, seq, rows] = scale.to(torch.bfloat16)
+
+    def _keys(self, layer: int, n_tokens: int) -> torch.Tensor:
+        """K_lr rows [B, n_tokens, r] in the compute dtype (int8 rows dequantised)."""
+        keys = self.k_lr[layer, :, :n_tokens]
+        if not self.quantized:
+            return keys
+        return keys.to(self.dtype) * self.k_scale[layer, :, :n_tokens, None]
 
     def end_prefill(self) -> None:
         for layer in range(len(self.adapter)):
@@ -137,7 +170,7 @@ class LowRankSelector(Selector):
         self.adapter[layer] = fitted.matrices[0].to(self.device, self.dtype)
         self.fitted_on[layer] = keys.shape[0]
         for seq, first_token, flat in waiting:
-            self.k_lr[layer, seq, first_token : first_token + flat.shape[0]] = flat.to(self.dtype) @ self.adapter[layer]
+            self._store(layer, seq, first_token, flat)
 
     def token_scores(self, layer: int, q: torch.Tensor, n_tokens: int) -> torch.Tensor:
         """Approximate attention, [B, n_tokens]: logits summed over heads ("sum", KVSwap), or each
@@ -148,8 +181,11 @@ class LowRankSelector(Selector):
         if self.score_reduce == "sum":
             q_lr = torch.einsum("bgd,gdr->br", grouped.sum(dim=2).to(self.dtype), adapter)
             # K_lr rows times one vector: bmm over [B, S, r] reads K_lr in its stored order (~3x the transposed matmul on CPU)
+            if self.quantized:  # per-token scales factor out of the dot product
+                raw = torch.bmm(self.k_lr[layer, :, :n_tokens].to(self.dtype), q_lr[:, :, None])[..., 0]
+                return raw.float() * self.k_scale[layer, :, :n_tokens].float()
             return torch.bmm(self.k_lr[layer, :, :n_tokens], q_lr[:, :, None])[..., 0].float()
-        keys = self.k_lr[layer, :, :n_tokens].transpose(1, 2)
+        keys = self._keys(layer, n_tokens).transpose(1, 2)
         q_lr = torch.einsum("bgnd,gdr->bgnr", grouped.to(self.dtype), adapter).reshape(b, h, -1)
         logits = (q_lr @ keys).float() * self.scaling
         return logits.softmax(dim=-1).sum(dim=1)

@@ -79,7 +79,7 @@ def _plan_bytes(fit, context):
     cfg = RuntimeConfig(G=fit.G, M=fit.M, C=fit.C, sigma=fit.sigma, max_batch=1, max_context=context, reuse=fit.reuse,
                         io_align_bytes=512)
     stride = RecordLayout(fit.G, 2, 64, torch.float32, 512).stride_bytes
-    return plan_memory("kvswap", cfg, DIMS, 4, 2, fit.rank, stride).total_bytes
+    return plan_memory("kvswap", cfg, DIMS, 4, fit.rank, stride).total_bytes
 
 
 def test_fit_keeps_mg_const_when_the_budget_allows_and_takes_the_smallest_sigma():
@@ -279,6 +279,7 @@ def test_deploy_with_a_quality_target_measures_the_table_and_says_whether_it_is_
     from edgekv.install import quality
 
     monkeypatch.setattr(quality, "MG_SHARES", (0.2,))  # a small grid: one M*G, with and without sinks and window
+    monkeypatch.setattr(quality, "KLR_DTYPES", ("bfloat16",))
     root, path = tiny_profile
     data = yaml.safe_load(path.read_text())
     data["solver"]["sigma_max"] = 8

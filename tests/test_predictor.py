@@ -8,8 +8,9 @@ from edgekv.runtime.selector import LowRankSelector
 from tests.conftest import save_model
 
 
-def make_selector(adapter, rank, G=4, M=2, max_context=64):
-    return LowRankSelector(adapter, rank, 2, 16, 1, 1, max_context, G, M, torch.float32, torch.device("cpu"))
+def make_selector(adapter, rank, G=4, M=2, max_context=64, klr_dtype="float32", score_reduce="sum"):
+    return LowRankSelector(adapter, rank, 2, 16, 1, 1, max_context, G, M, klr_dtype, torch.device("cpu"),
+                           score_reduce=score_reduce)
 
 
 def test_full_rank_scores_equal_true_attention_logits_summed_over_heads():
@@ -77,3 +78,18 @@ def test_fit_without_an_adapter_file_uses_the_whole_batch_and_is_kept_only_when_
             engine.generate([list(range(1, 19)), list(range(40, 58))], max_new_tokens=3, stop_token_ids=[])
         assert engine.adapter is not None and engine.adapter.rank == 8
         assert not any("fitted on" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("score_reduce", ["sum", "softmax"])
+def test_int8_k_lowrank_scores_track_the_float_ones_at_half_the_bytes(score_reduce):
+    torch.manual_seed(2)
+    k = torch.randn(2, 64, 16)
+    q = torch.randn(1, 4, 1, 16)
+    adapter = LowRankAdapter.fit([k.transpose(0, 1).reshape(64, -1)], 2, 16, rank=8)
+    exact, int8 = (make_selector(adapter, 8, klr_dtype=t, score_reduce=score_reduce) for t in ("float32", "int8"))
+    for selector in (exact, int8):
+        selector.append(0, 0, 0, k)
+    want, got = exact.token_scores(0, q, 64)[0], int8.token_scores(0, q, 64)[0]
+    assert (got - want).abs().max() <= 0.02 * want.abs().max()  # int8 rows with a bf16 scale: ~1 % of the range
+    assert int8.resident_bytes == 64 * (8 + 2)  # one byte per element and a 2-byte scale per token
+    assert exact.resident_bytes == 64 * 8 * 4

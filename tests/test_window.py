@@ -42,11 +42,11 @@ def test_memory_plan_counts_sinks_and_window():
     dims = ModelDims(n_layers=3, n_heads=4, n_kv_heads=2, head_dim=16, hidden=64, vocab=256)
     token_bytes = 2 * 2 * 16 * 4
     cfg = RuntimeConfig.load({"G": 4, "M": 20, "C": 20, "sink_tokens": 6, "window_tokens": 32, "max_context": 512})
-    parts = plan_memory("kvswap", cfg, dims, 4, 2, 8, 512).per_sequence_bytes
+    parts = plan_memory("kvswap", cfg, dims, 4, 8, 512).per_sequence_bytes
     assert parts["sinks"] == 3 * 8 * token_bytes  # 6 tokens round up to 2 groups
     assert parts["rolling"] == 3 * (32 + 4) * token_bytes  # the window and the group being filled
     assert cfg.picked_groups == 20 - 2 - 8
-    no_window = plan_memory("kvswap", RuntimeConfig.load({"G": 4, "M": 20, "C": 20, "max_context": 512}), dims, 4, 2, 8, 512)
+    no_window = plan_memory("kvswap", RuntimeConfig.load({"G": 4, "M": 20, "C": 20, "max_context": 512}), dims, 4, 8, 512)
     assert no_window.per_sequence_bytes["sinks"] == 0 and no_window.per_sequence_bytes["rolling"] == 3 * 4 * token_bytes
 
 

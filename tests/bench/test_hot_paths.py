@@ -24,7 +24,7 @@ class _Model:
 
 @pytest.fixture(scope="module")
 def selector():
-    sel = LowRankSelector(None, RANK, H_KV, D, 1, B, S, G, M, torch.bfloat16, torch.device("cpu"))
+    sel = LowRankSelector(None, RANK, H_KV, D, 1, B, S, G, M, "bfloat16", torch.device("cpu"))
     sel.adapter = [torch.randn(H_KV * D, RANK, dtype=torch.bfloat16)]
     sel.k_lr.normal_()
     return sel
