@@ -105,12 +105,13 @@ class QualityChooser:
         from .perplexity import ConfigScorer, calibration_windows
 
         G = 1 if variant.policy == "token" else variant.G
-        key = f"{variant.policy} context={context} G={G} budget={budget_bytes:.0f} adapters={self.adapters.source}"
+        limits = Limits(io_align_bytes=512)
+        grid = quality.frontier(quality.candidates(context, [G], solver.SIGMAS),
+                                lambda p: solver.smallest_bytes(self.model.dims, self.model.dtype, limits, context + 64, p),
+                                budget_bytes)
+        points = hashlib.sha256(json.dumps(grid, sort_keys=True).encode()).hexdigest()[:12]
+        key = f"{variant.policy} context={context} G={G} budget={budget_bytes:.0f} adapters={self.adapters.source} grid={points}"
         if key not in self.cache:
-            limits = Limits(io_align_bytes=512)
-            grid = quality.frontier(quality.candidates(context, [G], solver.SIGMAS),
-                                    lambda p: solver.smallest_bytes(self.model.dims, self.model.dtype, limits, context + 64, p),
-                                    budget_bytes)
             if not grid:
                 raise ValueError(f"budget {budget_bytes / 2**20:.1f} MiB leaves no room for one group at context {context}")
             windows, source = calibration_windows(self.model_dir, context, quality.WINDOWS)

@@ -2,9 +2,19 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 
 import pytest
 import torch
+
+# the tests' caches (native reader build, GGUF conversions, measured quality choices) never touch the user's
+_CACHE = tempfile.mkdtemp(prefix="edgekv-test-cache-")
+os.environ["EDGEKV_CACHE"] = _CACHE
+
+
+def pytest_sessionfinish(session, exitstatus):
+    shutil.rmtree(_CACHE, ignore_errors=True)
 
 SMALL = dict(
     vocab_size=160,
