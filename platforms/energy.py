@@ -4,7 +4,8 @@
 measures a child process, which writes its events to ``EDGEKV_EVENTS_FILE`` (JSON lines on
 the same monotonic clock).  Prefill is the union of prefill_start..prefill_end windows,
 decode the union of decode steps; J/token divides by the prompt tokens and the generated
-tokens of those windows.
+tokens of those windows.  A combined meter (``nvml+rapl``) reports each part beside the total;
+a meter that failed part-way reports its error and no energy.
 """
 from __future__ import annotations
 
@@ -14,18 +15,25 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .detect import jetson_module
 from .power import PowerTrace, open_meter
 
 
 @dataclass
 class EnergyReport:
     meter: str
-    energy_j: float
+    energy_j: float | None  # None when the meter failed part-way (see error)
     duration_s: float
-    avg_power_w: float
-    peak_power_w: float
+    avg_power_w: float | None
+    peak_power_w: float | None
     samples: int
     phases: dict = field(default_factory=dict)  # prefill/decode: energy_j, seconds, tokens, j_per_token
+    parts: dict = field(default_factory=dict)  # per source of a combined meter (nvml, rapl): the same fields
+    rate_hz: float | None = None  # the rate sampled at, after any cap
+    samples_without_reading: int = 0  # samples with neither power nor counter (an "N/A" sensor, jtop before its update)
+    notes: list = field(default_factory=list)  # what the meter covers and what it leaves out
+    error: str | None = None  # why the meter stopped early; no energy is reported then
+    jetson_module: str | None = None  # which Jetson this ran on (None elsewhere)
 
     def to_json(self) -> dict:
         return self.__dict__.copy()
@@ -46,19 +54,34 @@ def phase_windows(events: list[dict]) -> dict[str, list[tuple[int, int, int]]]:
     return out
 
 
-def report(trace: PowerTrace, events: list[dict] | None = None) -> EnergyReport:
+def _measure(trace: PowerTrace, windows: dict) -> dict:
+    """energy_j, duration_s, avg and peak W, and per-phase energy of one trace."""
     powers = [p for _, p in trace.powers_w()]
     energy = trace.energy_j()
     duration = trace.duration_s
     phases = {}
-    for name, windows in phase_windows(events or []).items():
-        if windows:
-            joules = sum(trace.energy_j(t0, t1) for t0, t1, _ in windows)
-            tokens = sum(n for _, _, n in windows)
-            phases[name] = {"energy_j": joules, "seconds": sum(t1 - t0 for t0, t1, _ in windows) / 1e9,
+    for name, spans in windows.items():
+        if spans:
+            joules = sum(trace.energy_j(t0, t1) for t0, t1, _ in spans)
+            tokens = sum(n for _, _, n in spans)
+            phases[name] = {"energy_j": joules, "seconds": sum(t1 - t0 for t0, t1, _ in spans) / 1e9,
                             "tokens": tokens, "j_per_token": joules / tokens if tokens else None}
-    return EnergyReport(trace.meter, energy, duration, energy / duration if duration > 0 else 0.0,
-                        max(powers) if powers else 0.0, len(trace.samples), phases)
+    return {"energy_j": energy, "duration_s": duration, "avg_power_w": energy / duration if duration > 0 else 0.0,
+            "peak_power_w": max(powers) if powers else 0.0, "phases": phases}
+
+
+def report(trace: PowerTrace, events: list[dict] | None = None, root: str | Path = "/") -> EnergyReport:
+    """The trace's energy, per phase and per part; a failed trace reports its error and no energy."""
+    common = {"meter": trace.meter, "samples": len(trace.samples), "rate_hz": trace.rate_hz, "notes": list(trace.notes),
+              "samples_without_reading": sum(s.power_w is None and s.energy_j is None
+                                             for t in (list(trace.parts.values()) or [trace]) for s in t.samples),
+              "jetson_module": jetson_module(root)}
+    if trace.error:
+        return EnergyReport(energy_j=None, duration_s=trace.duration_s, avg_power_w=None, peak_power_w=None,
+                            error=trace.error, **common)
+    windows = phase_windows(events or [])
+    parts = {name: _measure(part, windows) for name, part in trace.parts.items()}
+    return EnergyReport(**_measure(trace, windows), parts=parts, **common)
 
 
 @contextmanager
@@ -117,6 +140,9 @@ def plot(path: Path, trace: PowerTrace, events: list[dict]) -> None:
     pts = trace.powers_w()
     fig, ax = plt.subplots(figsize=(8, 3.2))
     ax.plot([t for t, _ in pts], [p for _, p in pts], "-", lw=1, label=f"power ({trace.meter})")
+    for name, part in trace.parts.items():
+        part_pts = part.powers_w()
+        ax.plot([t for t, _ in part_pts], [p for _, p in part_pts], "-", lw=0.8, alpha=0.7, label=name)
     colors = {"prefill": "C1", "decode": "C2"}
     for name, windows in phase_windows(events).items():
         for i, (a, b, _) in enumerate(windows):

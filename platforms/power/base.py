@@ -3,16 +3,26 @@
 A read returns the instantaneous power (W) and, where the hardware keeps one, a cumulative
 energy counter (J).  Energy over a window comes from the counter when there is one (exact,
 wrap-around handled by the meter), else from integrating power with the trapezoid rule.
+
+A read that raises in the sampling thread ends the sampling: the trace carries the error, and
+asking it for energy raises, because energy bridged across the missing samples would be a guess.
 """
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
 
+log = logging.getLogger(__name__)
+
 
 class MeterUnavailable(RuntimeError):
     """This meter's source is absent or unreadable on this machine; the message says what is missing."""
+
+
+class MeterFailed(RuntimeError):
+    """The meter stopped reading part-way through a measurement; the message says when and why."""
 
 
 @dataclass(frozen=True)
@@ -27,11 +37,20 @@ class PowerSample:
 class PowerTrace:
     meter: str
     samples: list[PowerSample]
+    rate_hz: float | None = None  # the rate the meter sampled at (after any cap)
+    notes: list[str] = field(default_factory=list)  # what the numbers cover and what they miss
+    error: str | None = None  # the read that ended sampling early; energy is then refused
+    parts: dict[str, PowerTrace] = field(default_factory=dict)  # per-source traces of a combined meter
 
     def energy_j(self, t0_ns: int | None = None, t1_ns: int | None = None) -> float:
-        """Energy between two instants (default: the whole trace), counter-based when available."""
+        """Energy between two instants (default: the whole trace): the sum of the parts when the meter
+        combines sources, else counter-based when available, else the integral of power."""
+        if self.error:
+            raise MeterFailed(self.error)
         t0 = self.samples[0].t_ns if t0_ns is None else t0_ns
         t1 = self.samples[-1].t_ns if t1_ns is None else t1_ns
+        if self.parts:
+            return sum(part.energy_j(t0, t1) for part in self.parts.values())
         if all(s.energy_j is not None for s in self.samples):
             return _interp(self.samples, t1, "energy_j") - _interp(self.samples, t0, "energy_j")
         return integrate_power(self.samples, t0, t1)
@@ -45,11 +64,19 @@ class PowerTrace:
         t0 = self.samples[0].t_ns
         out = []
         for prev, cur in zip([None] + self.samples[:-1], self.samples):
-            if cur.power_w is not None:
-                out.append(((cur.t_ns - t0) / 1e9, cur.power_w))
-            elif prev is not None and cur.energy_j is not None and cur.t_ns > prev.t_ns:
-                out.append(((cur.t_ns - t0) / 1e9, (cur.energy_j - prev.energy_j) / ((cur.t_ns - prev.t_ns) / 1e9)))
+            power = instant_power_w(prev, cur)
+            if power is not None:
+                out.append(((cur.t_ns - t0) / 1e9, power))
         return out
+
+
+def instant_power_w(prev: PowerSample | None, cur: PowerSample) -> float | None:
+    """The sample's power reading, else the counter's rate since the previous sample, else None."""
+    if cur.power_w is not None:
+        return cur.power_w
+    if prev is not None and cur.energy_j is not None and prev.energy_j is not None and cur.t_ns > prev.t_ns:
+        return (cur.energy_j - prev.energy_j) / ((cur.t_ns - prev.t_ns) / 1e9)
+    return None
 
 
 def _interp(samples, t_ns: int, attr: str) -> float:
@@ -80,15 +107,22 @@ def integrate_power(samples, t0_ns: int, t1_ns: int) -> float:
 
 
 class PowerMeter:
-    """Samples ``read()`` on a background thread at ``rate_hz`` between start() and stop()."""
+    """Samples ``read()`` on a background thread at ``rate_hz`` between start() and stop().
+
+    ``notes`` collects what a reader of the numbers must know (domains chosen, sources missing,
+    rate caps); they travel with the trace into the energy report.
+    """
 
     name = "abstract"
 
     def __init__(self, rate_hz: float = 10.0):
         if rate_hz <= 0:
             raise ValueError(f"rate_hz must be > 0, got {rate_hz}")
+        self.rate_hz = rate_hz
         self.period_s = 1.0 / rate_hz
+        self.notes: list[str] = []
         self._samples: list[PowerSample] = []
+        self._error: str | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -104,6 +138,7 @@ class PowerMeter:
 
     def start(self) -> None:
         self._samples = []
+        self._error = None
         self._stop.clear()
         self.sample()
         self._thread = threading.Thread(target=self._loop, name=f"edgekv-{self.name}", daemon=True)
@@ -111,14 +146,30 @@ class PowerMeter:
 
     def _loop(self) -> None:
         while not self._stop.wait(self.period_s):
-            self.sample()
+            try:
+                self.sample()
+            except Exception as exc:  # noqa: BLE001 - any failure ends sampling and is reported by stop()
+                self._fail(exc)
+                return
+
+    def _fail(self, exc: Exception) -> None:
+        elapsed = (time.monotonic_ns() - self._samples[0].t_ns) / 1e9 if self._samples else 0.0
+        self._error = (f"the {self.name} meter stopped after {len(self._samples)} samples ({elapsed:.1f} s): "
+                       f"{type(exc).__name__}: {exc}; no energy is reported for this run, "
+                       "fix the meter and measure again")
+        log.warning(self._error)
 
     def stop(self) -> PowerTrace:
+        """The trace; when a read failed, ``trace.error`` says so and ``trace.energy_j()`` raises MeterFailed."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
-        self.sample()
-        return PowerTrace(self.name, list(self._samples))
+        if self._error is None:
+            try:
+                self.sample()
+            except Exception as exc:  # noqa: BLE001 - same contract as the thread
+                self._fail(exc)
+        return PowerTrace(self.name, list(self._samples), self.rate_hz, list(self.notes), self._error)
 
     def close(self) -> None:
         pass

@@ -1,5 +1,6 @@
 """NVML through nvidia-ml-py (import name ``pynvml``): the GPU's energy counter in mJ (Volta and
-newer), else its power draw in mW integrated over time."""
+newer), else its power draw in mW integrated over time.  The GPU board only: the host's CPU and
+DRAM are RAPL's (the ``rtx`` order combines both, see select.py)."""
 from __future__ import annotations
 
 from .base import MeterUnavailable, PowerMeter
@@ -26,6 +27,8 @@ class NvmlMeter(PowerMeter):
             self.has_counter = True
         except nvml.NVMLError:
             self.has_counter = False
+        integrated = "" if self.has_counter else ", power integrated (no energy counter)"
+        self.notes.append(f"nvml: GPU {index} board only{integrated}")
 
     def read(self):
         power_w = self.nvml.nvmlDeviceGetPowerUsage(self.handle) / 1000  # mW
