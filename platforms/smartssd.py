@@ -4,15 +4,18 @@
   keyed by the source hash; ``make -C fpga csim`` builds the same library).  It reads the pool
   file itself, so only score blocks cross to Python.
 - ``xrt``: the same kernel as an .xclbin on the card through pyxrt; the pool is read NAND -> FPGA
-  DRAM with a P2P buffer (O_DIRECT pread into the mapped BO), never through host RAM.  pyxrt is
-  not on PyPI: it comes with XRT (``source /opt/xilinx/xrt/setup.sh``).
+  DRAM with a P2P buffer (O_DIRECT pread of the aligned span into the mapped BO, the kernel handed
+  a sub-buffer at the block's first key), never through host RAM.  pyxrt is not on PyPI: it comes
+  with XRT (``source /opt/xilinx/xrt/setup.sh``).
 """
 from __future__ import annotations
 
 import ctypes
+import errno
 import hashlib
 import os
 import platform
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +26,21 @@ from edgekv.runtime.scoring import SCORE_ENTRY, InStorageScorer, KeyPool, ScoreR
 FPGA_DIR = Path(__file__).resolve().parents[1] / "fpga"
 SOURCES = (FPGA_DIR / "kernels" / "ekv_score.cpp", FPGA_DIR / "host" / "ekv_csim.cpp")
 EMPTY = np.array((-1, -np.inf), dtype=SCORE_ENTRY)
+MAX_HEAD_DIM, MAX_KV_HEADS, MAX_BLOCK, MAX_TOPK = 128, 8, 1024, 256  # the kernel's EKV_MAX_* loop bounds
+PORT_BYTES = 64  # the keys port is 512 bits wide: the kernel reads whole 64-byte beats from a 64-byte-aligned start
+DIRECT_ALIGN = 4096  # O_DIRECT offset, length and address unit: the largest logical block of an SSD (a multiple of 512)
+# ekv_score(keys, positions, query, n_tokens, n_kv_heads, head_dim, top_k, scores_out, topk_out): buffer arguments
+ARG_KEYS, ARG_POSITIONS, ARG_QUERY, ARG_SCORES, ARG_TOPK = 0, 1, 2, 7, 8
+
+
+def check_bounds(n_kv_heads: int, head_dim: int, block_tokens: int, top_k: int) -> None:
+    """The kernel's loops stop at static bounds, so a larger shape would be scored truncated without a word: refuse it."""
+    if not (1 <= head_dim <= MAX_HEAD_DIM and 1 <= n_kv_heads <= MAX_KV_HEADS and 1 <= block_tokens <= MAX_BLOCK
+            and 0 <= top_k <= MAX_TOPK):
+        raise ValueError(f"the kernel supports head_dim <= {MAX_HEAD_DIM}, <= {MAX_KV_HEADS} KV heads, blocks of 1 to "
+                         f"{MAX_BLOCK} tokens and top_k <= {MAX_TOPK}; got head_dim {head_dim}, {n_kv_heads} heads, "
+                         f"block {block_tokens}, k {top_k}: use the numpy scorer for this model, or a smaller "
+                         f"score_block_tokens / top-k")
 
 
 def build_csim() -> Path:
@@ -41,7 +59,9 @@ def build_csim() -> Path:
 
 
 class CsimScorer(InStorageScorer):
-    name = "csim"
+    """The kernel compiled for the host CPU: its results are the card's, its speed and byte counts are not."""
+
+    name, emulated, max_top_k = "csim", True, MAX_TOPK
 
     def __init__(self):
         lib = ctypes.CDLL(str(build_csim()))
@@ -52,6 +72,7 @@ class CsimScorer(InStorageScorer):
         self._lib = lib
 
     def score(self, pool: KeyPool, query, scale, block_tokens=1024, top_k=0):
+        check_bounds(pool.n_kv_heads, pool.head_dim, block_tokens, top_k)
         n = pool.n_tokens
         n_blocks = -(-n // block_tokens)
         positions = np.ascontiguousarray(pool.positions, dtype=np.int32)
@@ -63,19 +84,46 @@ class CsimScorer(InStorageScorer):
                                            positions.ctypes.data, q.ctypes.data, scale, block_tokens, top_k,
                                            scores.ctypes.data, block_topk.ctypes.data if top_k else None,
                                            ctypes.byref(read))
-        if rc == -22:
-            raise ValueError(f"the kernel supports head_dim <= 128, <= 8 KV heads, blocks <= 1024 and top_k <= 256; "
-                             f"got head_dim {pool.head_dim}, {pool.n_kv_heads} heads, block {block_tokens}, k {top_k}")
         if rc != 0:
             raise OSError(-rc, f"csim scoring of {pool.path} failed: {os.strerror(-rc)}")
         crossed = scores.nbytes + block_topk.nbytes
         return ScoreResult(scores, block_topk, crossed, read.value)
 
 
-class XrtScorer(InStorageScorer):
-    """The kernel on the SmartSSD's FPGA (needs XRT, the card and fpga/build/hw/ekv_score.xclbin)."""
+def _round_up(n: int, unit: int) -> int:
+    return -(-n // unit) * unit
 
-    name = "xrt"
+
+def read_direct(fd: int, buf: memoryview, offset: int, length: int, path) -> tuple[int, int]:
+    """Read file bytes [offset, offset + length) through O_DIRECT into ``buf``; returns (where they start in buf,
+    bytes read from storage).
+
+    O_DIRECT takes only aligned offsets, lengths and addresses, and a pool block rarely starts or ends on one, so
+    the read covers the aligned span around the bytes: they start ``offset % DIRECT_ALIGN`` into buf (the kernel is
+    handed a sub-buffer there).  A short read resumes from its last aligned byte."""
+    span_start = offset - offset % DIRECT_ALIGN
+    need = offset + length - span_start
+    done = read = 0
+    while done < need:
+        got = os.preadv(fd, [buf[done : done + _round_up(need - done, DIRECT_ALIGN)]], span_start + done)
+        read += got
+        if done + got >= need:
+            break
+        resume = (done + got) - (done + got) % DIRECT_ALIGN
+        if resume == done:
+            raise OSError(errno.EIO, f"{path} ends at byte {span_start + done + got}, before the block's keys end at "
+                                     f"byte {offset + length}: the pool file is shorter than its positions say")
+        done = resume
+    return offset - span_start, read
+
+
+class XrtScorer(InStorageScorer):
+    """The kernel on the SmartSSD's FPGA (needs XRT, the card and fpga/build/hw/ekv_score.xclbin).
+
+    Five buffers are allocated once, at the kernel's bounds, and reused by every call (under a lock: one call at a
+    time owns them).  The keys buffer is a P2P buffer: the pool is read NAND -> FPGA DRAM through its mapping."""
+
+    name, emulated, max_top_k = "xrt", False, MAX_TOPK
 
     def __init__(self, xclbin: str | Path = FPGA_DIR / "build" / "hw" / "ekv_score.xclbin", device_index: int = 0):
         try:
@@ -89,37 +137,66 @@ class XrtScorer(InStorageScorer):
         self.device = pyxrt.device(device_index)
         uuid = self.device.load_xclbin(str(xclbin))
         self.kernel = pyxrt.kernel(self.device, uuid, "ekv_score")
+        bo, k, entry = pyxrt.bo, self.kernel, SCORE_ENTRY.itemsize
+        keys_bytes = _round_up(MAX_BLOCK * MAX_KV_HEADS * MAX_HEAD_DIM * 2, DIRECT_ALIGN) + DIRECT_ALIGN  # + the lead
+        self._keys = bo(self.device, keys_bytes, bo.flags.p2p, k.group_id(ARG_KEYS))  # NAND -> FPGA DRAM, no host copy
+        self._keys_map = memoryview(self._keys.map())
+        self._positions = bo(self.device, MAX_BLOCK * 4, bo.flags.normal, k.group_id(ARG_POSITIONS))
+        self._query = bo(self.device, MAX_KV_HEADS * MAX_HEAD_DIM * 4, bo.flags.normal, k.group_id(ARG_QUERY))
+        self._scores = bo(self.device, MAX_BLOCK * entry, bo.flags.normal, k.group_id(ARG_SCORES))
+        self._topk = bo(self.device, MAX_TOPK * entry, bo.flags.normal, k.group_id(ARG_TOPK))
+        self._lock = threading.Lock()
 
     def score(self, pool: KeyPool, query, scale, block_tokens=1024, top_k=0):
-        x, k = self.pyxrt, self.kernel
-        n, token_bytes = pool.n_tokens, pool.key_bytes
-        keys_bo = x.bo(self.device, block_tokens * token_bytes, x.bo.p2p, k.group_id(0))  # NAND -> FPGA DRAM, no host copy
-        pos_bo = x.bo(self.device, block_tokens * 4, x.bo.normal, k.group_id(1))
-        q_bo = x.bo(self.device, query.size * 4, x.bo.normal, k.group_id(2))
-        out_bo = x.bo(self.device, block_tokens * SCORE_ENTRY.itemsize, x.bo.normal, k.group_id(8))
-        top_bo = x.bo(self.device, max(1, top_k) * SCORE_ENTRY.itemsize, x.bo.normal, k.group_id(9))
-        q_bo.write(np.ascontiguousarray(query, dtype=np.float32).tobytes(), 0)
-        q_bo.sync(x.xclBOSyncDirection.XCL_BO_SYNC_BO_TO_DEVICE)
-        keys_map = np.frombuffer(keys_bo.map(), dtype=np.uint8)
-        scores, tops, read = [], [], 0
-        fd = os.open(pool.path, os.O_RDONLY | os.O_DIRECT)
-        try:
-            for start in range(0, n, block_tokens):
-                m = min(block_tokens, n - start)
-                read += os.preadv(fd, [memoryview(keys_map)[: m * token_bytes]], pool.offset_bytes + start * token_bytes)
-                pos_bo.write(np.ascontiguousarray(pool.positions[start : start + m], dtype=np.int32).tobytes(), 0)
-                pos_bo.sync(x.xclBOSyncDirection.XCL_BO_SYNC_BO_TO_DEVICE)
-                k(keys_bo, pos_bo, q_bo, m, pool.n_kv_heads, pool.head_dim, scale, top_k, out_bo, top_bo).wait()
-                out_bo.sync(x.xclBOSyncDirection.XCL_BO_SYNC_BO_FROM_DEVICE)
-                scores.append(np.frombuffer(out_bo.read(m * SCORE_ENTRY.itemsize, 0), dtype=SCORE_ENTRY))
-                if top_k:
-                    top_bo.sync(x.xclBOSyncDirection.XCL_BO_SYNC_BO_FROM_DEVICE)
-                    tops.append(np.frombuffer(top_bo.read(top_k * SCORE_ENTRY.itemsize, 0), dtype=SCORE_ENTRY))
-        finally:
-            os.close(fd)
-        all_scores = np.concatenate(scores)
-        block_topk = np.stack(tops) if tops else np.empty((0, 0), SCORE_ENTRY)
-        return ScoreResult(all_scores, block_topk, all_scores.nbytes + block_topk.nbytes, read)
+        check_bounds(pool.n_kv_heads, pool.head_dim, block_tokens, top_k)
+        if pool.offset_bytes % PORT_BYTES or block_tokens * pool.key_bytes % PORT_BYTES:
+            raise ValueError(f"every block's keys must start on a {PORT_BYTES}-byte boundary for the kernel's 512-bit "
+                             f"port; pool offset {pool.offset_bytes} B and blocks of {block_tokens} x {pool.key_bytes} B "
+                             f"do not: write the pool at a multiple of {PORT_BYTES} bytes and use an even block size")
+        n = pool.n_tokens
+        scores = np.empty(n, dtype=SCORE_ENTRY)
+        block_topk = np.full((-(-n // block_tokens), top_k), EMPTY, SCORE_ENTRY) if top_k else np.empty((0, 0), SCORE_ENTRY)
+        read = 0
+        with self._lock:
+            fd = os.open(pool.path, os.O_RDONLY | os.O_DIRECT)
+            try:
+                # the kernel takes no scale (pyxrt passes only buffers and ints, a Python float is dropped):
+                # scale * (q . k) = (scale * q) . k
+                self._to_device(self._query, np.ascontiguousarray(query, dtype=np.float32) * np.float32(scale))
+                for b, start in enumerate(range(0, n, block_tokens)):
+                    m = min(block_tokens, n - start)
+                    read += self._score_block(fd, pool, start, m, top_k, scores[start : start + m],
+                                              block_topk[b] if top_k else None)
+            finally:
+                os.close(fd)
+        return ScoreResult(scores, block_topk, scores.nbytes + block_topk.nbytes, read)
+
+    def _score_block(self, fd: int, pool: KeyPool, start: int, m: int, top_k: int, scores, topk_row) -> int:
+        """One kernel call on pool tokens [start, start + m), results into ``scores`` and ``topk_row``; returns the
+        bytes read from storage."""
+        token_bytes = pool.key_bytes
+        lead, read = read_direct(fd, self._keys_map, pool.offset_bytes + start * token_bytes, m * token_bytes, pool.path)
+        keys = self.pyxrt.bo(self._keys, _round_up(m * token_bytes, PORT_BYTES), lead)  # a view from the first key
+        self._to_device(self._positions, np.ascontiguousarray(pool.positions[start : start + m], dtype=np.int32))
+        state = self.kernel(keys, self._positions, self._query, m, pool.n_kv_heads, pool.head_dim, top_k, self._scores,
+                            self._topk).wait()
+        if state != self.pyxrt.ert_cmd_state.ERT_CMD_STATE_COMPLETED:  # wait() returns the state, completed or not
+            raise OSError(errno.EIO, f"ekv_score on the card ended in {getattr(state, 'name', state)}, not "
+                                     f"ERT_CMD_STATE_COMPLETED; see `xbutil examine` and dmesg")
+        scores[:] = self._from_device(self._scores, m)
+        if topk_row is not None:
+            topk_row[:] = self._from_device(self._topk, top_k)
+            topk_row[m:] = EMPTY  # past the block's tokens: stale in an xclbin that does not pad
+        return read
+
+    def _to_device(self, buffer, array: np.ndarray) -> None:
+        buffer.write(array.tobytes(), 0)
+        buffer.sync(self.pyxrt.xclBOSyncDirection.XCL_BO_SYNC_BO_TO_DEVICE, array.nbytes, 0)
+
+    def _from_device(self, buffer, entries: int) -> np.ndarray:
+        size = entries * SCORE_ENTRY.itemsize
+        buffer.sync(self.pyxrt.xclBOSyncDirection.XCL_BO_SYNC_BO_FROM_DEVICE, size, 0)
+        return np.frombuffer(buffer.read(size, 0), SCORE_ENTRY)
 
 
 def open_scorer(backend: str) -> InStorageScorer:
@@ -135,6 +212,8 @@ def selftest(backend: str, cases: int, seed: int, work: Path) -> dict:
     """Random pools (ragged tails, head_dim 64/128, 1-8 KV heads, random k) against the numpy reference."""
     from edgekv.runtime.scoring import NumpyScorer, write_pool
 
+    if cases < 1:
+        raise ValueError(f"the selftest needs at least one case, got {cases}; pass --cases N with N >= 1")
     scorer, ref = open_scorer(backend), NumpyScorer()
     rng = np.random.default_rng(seed)
     max_err, agreement, to_host, host_would = 0.0, [], 0, 0
@@ -157,6 +236,6 @@ def selftest(backend: str, cases: int, seed: int, work: Path) -> dict:
         # HIE: score blocks + the selected tokens' K and V; host-side: every key + the selected V
         to_host += got.scores.nbytes + k * 2 * pool.key_bytes
         host_would += want.bytes_to_host + k * pool.key_bytes
-    return {"backend": backend, "cases": cases, "seed": seed, "max_abs_err": max_err,
-            "topk_agreement": float(np.mean(agreement)), "bytes_to_host": int(to_host),
+    return {"backend": backend, "scorer_backend": scorer.backend_label, "cases": cases, "seed": seed,
+            "max_abs_err": max_err, "topk_agreement": float(np.mean(agreement)), "bytes_to_host": int(to_host),
             "bytes_host_scoring_would_read": int(host_would)}

@@ -48,9 +48,18 @@ class ScoreResult:
 
 
 class InStorageScorer:
-    """Interface: score one query against a pool; ``name`` says where the scoring ran."""
+    """Interface: score one query against a pool; ``name`` says where the scoring ran.
+
+    ``emulated``: the scoring ran on the host, not in storage, so its speed and byte counts are host figures, never
+    the card's.  ``max_top_k``: the largest per-block top-k the backend computes (the kernel's static bound)."""
 
     name = "abstract"
+    emulated = True
+    max_top_k = 1 << 30
+
+    @property
+    def backend_label(self) -> str:
+        return f"{self.name} (emulated)" if self.emulated else self.name
 
     def score(self, pool: KeyPool, query: np.ndarray, scale: float, block_tokens: int = 1024, top_k: int = 0) -> ScoreResult:
         raise NotImplementedError
@@ -61,6 +70,22 @@ def write_pool(path: Path, keys: np.ndarray) -> None:
     np.ascontiguousarray(keys, dtype=np.float16).tofile(path)
 
 
+def score_keys(keys: np.ndarray, positions: np.ndarray, query: np.ndarray, scale: float, block_tokens: int,
+               top_k: int) -> tuple[np.ndarray, np.ndarray]:
+    """What the kernel computes, on keys [n, H_kv, d] in memory: the score blocks and each block's top-k, best first,
+    padded to k with (-1, -inf); one owner for the reference scorer and test doubles of the card."""
+    n = len(positions)
+    values = np.einsum("nhd,hd->n", keys.astype(np.float32), query.astype(np.float32)) * scale
+    scores = np.empty(n, dtype=SCORE_ENTRY)
+    scores["pos"], scores["score"] = positions, values
+    blocks = []
+    for start in range(0, n, block_tokens) if top_k else []:
+        block = scores[start : start + block_tokens]
+        best = block[np.argsort(-block["score"], kind="stable")[:top_k]]
+        blocks.append(np.pad(best, (0, top_k - len(best)), constant_values=np.array((-1, -np.inf), SCORE_ENTRY)))
+    return scores, np.stack(blocks) if blocks else np.empty((0, 0), dtype=SCORE_ENTRY)
+
+
 class NumpyScorer(InStorageScorer):
     """The reference: the host reads every key and scores in fp32 (what host-side scoring costs)."""
 
@@ -69,15 +94,7 @@ class NumpyScorer(InStorageScorer):
     def score(self, pool, query, scale, block_tokens=1024, top_k=0):
         n = pool.n_tokens
         keys = np.fromfile(pool.path, dtype=np.float16, count=n * pool.n_kv_heads * pool.head_dim,
-                           offset=pool.offset_bytes).reshape(n, pool.n_kv_heads, pool.head_dim).astype(np.float32)
-        values = np.einsum("nhd,hd->n", keys, query.astype(np.float32)) * scale
-        scores = np.empty(n, dtype=SCORE_ENTRY)
-        scores["pos"], scores["score"] = pool.positions, values
-        blocks = []
-        for start in range(0, n, block_tokens) if top_k else []:
-            block = scores[start : start + block_tokens]
-            best = block[np.argsort(-block["score"], kind="stable")[:top_k]]
-            blocks.append(np.pad(best, (0, top_k - len(best)), constant_values=np.array((-1, -np.inf), SCORE_ENTRY)))
-        block_topk = np.stack(blocks) if blocks else np.empty((0, 0), dtype=SCORE_ENTRY)
+                           offset=pool.offset_bytes).reshape(n, pool.n_kv_heads, pool.head_dim)
+        scores, block_topk = score_keys(keys, pool.positions, query, scale, block_tokens, top_k)
         read = n * pool.key_bytes
         return ScoreResult(scores, block_topk, read, read)
