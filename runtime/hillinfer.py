@@ -3,9 +3,11 @@
 Per layer and sequence every key is in the storage pool (a file of fp16 keys in position order,
 what the SmartSSD holds); the CPU pool keeps in host memory the keys of the most recent
 alpha*N tokens and of the tokens selected most often (the hit table).  Each step:
-- the in-storage scorer scores the storage-only tokens (the prefix before the recent window) on
-  an I/O thread, emitting score blocks and per-block top-k, while the CPU scores its pool;
-- the two are merged and the top alpha*N tokens selected; only their KV is fetched;
+- the in-storage scorer scores the prefix up to the last token the CPU pool lacks (the recent
+  window can outgrow the pool) on an I/O thread, emitting score blocks and per-block top-k,
+  while the CPU scores its pool;
+- the two are merged, storage scores kept only for tokens outside the CPU pool (each token is
+  scored by exactly one pool), and the top alpha*N tokens selected; only their KV is fetched;
 - hits are counted; storage tokens among the top-alpha hit tokens are promoted into the CPU
   pool and the same number of the lowest-hit non-recent CPU tokens demoted (bidirectional pools).
 With alpha = 1 every token is selected and decoding equals full attention.
@@ -97,18 +99,20 @@ class HierarchicalSelector(Selector):
             outside = np.flatnonzero(self.row_of[layer, seq, :n] < 0)
             storage_n = int(outside[-1]) + 1 if len(outside) else 0
             k_sel = min(self.M, max(1, math.ceil(self.alpha * n)))
+            # each block's top-k_sel holds every storage token of the global top-k_sel; past the backend's top-k bound
+            # a block's top-k could drop some, so its full score block is merged instead (k = 0)
+            block_k = k_sel if k_sel <= self.scorer.max_top_k else 0
             future = None
             if storage_n > 0:  # in-storage scoring of the prefix, in parallel with the CPU pool
                 pool = KeyPool(self._pool_path(layer, seq), np.arange(storage_n, dtype=np.int32), self.n_kv_heads, self.head_dim)
-                future = self._storage.submit(self.scorer.score, pool, query[seq], self.scaling, self.block_tokens,
-                                              min(k_sel, 256))
+                future = self._storage.submit(self.scorer.score, pool, query[seq], self.scaling, self.block_tokens, block_k)
             cpu_pos = np.flatnonzero(self.row_of[layer, seq, :n] >= 0)
             keys = self.cpu_keys[layer, seq, self.row_of[layer, seq, cpu_pos]].float()
             cpu_scores = torch.einsum("nhd,hd->n", keys, torch.from_numpy(query[seq])).numpy() * self.scaling
             pos, score = [cpu_pos], [cpu_scores]
             if future is not None:
                 result = future.result()
-                self.bytes_to_host += result.block_topk.nbytes
+                self.bytes_to_host += result.bytes_to_host
                 best = result.block_topk.reshape(-1) if result.block_topk.size else result.scores
                 best = best[(best["pos"] >= 0) & (self.row_of[layer, seq, np.maximum(best["pos"], 0)] < 0)]
                 pos.append(best["pos"].astype(np.int64))
