@@ -259,19 +259,30 @@ def measure_compute(d: Deployment, batches: list[int], contexts: list[int]) -> c
     return profile
 
 
-def hillinfer_pools(d: Deployment, budget_bytes: float) -> tuple[float, dict]:
-    """beta from the CPU and in-storage scoring throughputs (the card's FPGA when present, else its C-simulation)."""
-    from edgekv.install.scorers import pool_ratio, scoring_throughputs
+def smartssd_scorer(d: Deployment):
+    """The card's FPGA when this machine has the SmartSSD, else the kernel's C-simulation on the host CPU, said in the
+    log (and, through the scorer's label, in the config and the report): its speed is the host's, not the card's."""
     from edgekv.platforms.smartssd import open_scorer
 
+    if d.detected == "smartssd":
+        return open_scorer("xrt")
+    d.log(f"WARNING: no SmartSSD on this machine (detected: {d.detected}); in-storage scoring is emulated by the "
+          "kernel's C-simulation on the host CPU: f_ssd and beta are host figures, not the card's, and the keys are "
+          "read into host memory; deploy on the card for device figures")
+    return open_scorer("csim")
+
+
+def hillinfer_pools(d: Deployment, scorer, budget_bytes: float) -> tuple[float, dict]:
+    """beta from the CPU and in-storage scoring throughputs; the rates name the scorer that measured f_ssd."""
+    from edgekv.install.scorers import pool_ratio, scoring_throughputs
+
     dims = d.dims
-    backend = "xrt" if d.detected == "smartssd" else "csim"
-    rates = scoring_throughputs(open_scorer(backend), dims.n_kv_heads, dims.head_dim, work=d.kv_dir)
+    rates = scoring_throughputs(scorer, dims.n_kv_heads, dims.head_dim, work=d.kv_dir)
     keys_bytes = d.prof.max_context * dims.n_layers * dims.n_kv_heads * dims.head_dim * 2
     beta = pool_ratio(rates["f_cpu_tok_s"], rates["f_ssd_tok_s"], budget_bytes, keys_bytes)
-    d.log(f"HillInfer pools: f_cpu {rates['f_cpu_tok_s']:.3g} tok/s, f_ssd ({backend}) {rates['f_ssd_tok_s']:.3g} tok/s, "
-          f"beta {beta:.3f}")
-    return beta, rates
+    d.log(f"HillInfer pools: f_cpu {rates['f_cpu_tok_s']:.3g} tok/s, f_ssd ({rates['scorer_backend']}) "
+          f"{rates['f_ssd_tok_s']:.3g} tok/s, beta {beta:.3f}")
+    return beta, {**rates, "beta": beta}
 
 
 def run(platform: str | None = None, model: str | None = None, kv_path: str | None = None, reprofile: bool = False,
@@ -325,8 +336,10 @@ def run(platform: str | None = None, model: str | None = None, kv_path: str | No
         "solutions": [{**x.to_json(), "adapter_path": adapters[float(x.sigma)]} for x in solutions],
         "measurements": measurements, "edgekv_version": VERSION,
     }
-    if "smartssd" in prof.scorers:
-        config["beta"], measurements["scoring"] = hillinfer_pools(d, budget)
+    scorer = None
+    if "smartssd" in prof.scorers:  # the smartssd profile runs HillInfer's hierarchical selector
+        scorer = smartssd_scorer(d)
+        config["beta"], measurements["scoring"] = hillinfer_pools(d, scorer, budget)
     tmp = out / "config.json.tmp"
     tmp.write_text(json.dumps(config, indent=1))
     tmp.replace(out / "config.json")
@@ -334,11 +347,6 @@ def run(platform: str | None = None, model: str | None = None, kv_path: str | No
     log(f"config: {out / 'config.json'}  (G={top.G} M={top.M} C={top.C} sigma={top.sigma:g} reuse={top.reuse} "
         f"S={top.sink_tokens} W={top.window_tokens} ppl ratio {top.ppl_ratio} at batch {top.batch}, context {top.context}; {len(solutions)} solutions; tuning {tuning_s:.0f} s)")
 
-    scorer = None
-    if "smartssd" in prof.scorers:  # the smartssd profile runs HillInfer's hierarchical selector
-        from edgekv.platforms.smartssd import open_scorer
-
-        scorer = open_scorer("xrt" if d.detected == "smartssd" else "csim")
     stats = smoke_run(d.model_dir, d.kv_dir, out / "config.json", prof, d.device, scorer) if smoke else None
     report.write(out, prof, d.model_dir, measurements, solutions, stats, tuning_s)
     log(f"report: {out / 'report.txt'}")
@@ -363,5 +371,6 @@ def smoke_run(model_dir: Path, kv_dir: Path, config: Path, prof: Profile, device
         "prefill_s": round(sum(x["prefill_s"] for x in s), 2),
         "kv_read_mib": round(sum(x["kv_bytes_read"] for x in s) / 2**20, 1),
         "reader": s[0]["reader"], "o_direct": s[0]["o_direct"], **{k: s[0]["config"][k] for k in ("G", "M", "C", "sigma", "reuse")},
+        **({"scorer_backend": scorer.backend_label} if scorer is not None else {}),
     }
 

@@ -20,6 +20,13 @@ def write(out: Path, prof, model_dir, measurements: dict, solutions, stats, tuni
               + ", ".join(f"b={b} {t} tokens {ms:.2f}" for b, t, ms in c["block_ms"][:6]), ""]
     lines.append("reuse rate vs C/M (lookup table): " + "; ".join(
         f"G={g}: " + " ".join(f"{float(r):g}->{v:.2f}" for r, v in rows.items()) for g, rows in measurements["reuse_table"].items()))
+    scoring = measurements.get("scoring")
+    if scoring:
+        lines += ["", f"HillInfer pools: in-storage scorer {scoring['scorer_backend']}, f_cpu {scoring['f_cpu_tok_s']:.3g} "
+                  f"tok/s, f_ssd {scoring['f_ssd_tok_s']:.3g} tok/s, beta {scoring['beta']:.3f}"]
+        if scoring["emulated"]:
+            lines.append("  no SmartSSD: f_ssd is the host CPU running the kernel's C-simulation, not the card's; beta "
+                         "was set from it and the scored keys were read into host memory, not kept in storage")
     table = measurements.get("quality_table") or []
     if table:
         lines += ["", f"quality table (ppl ratio / top-1 agreement vs full on calibration text), target "

@@ -1,8 +1,8 @@
 """Scoring throughputs for HillInfer's pool split: beta ~ f_cpu / f_ssd with M_cpu < M_0 (Eq. 1).
 
 f_cpu: the CPU pool's scorer (keys in host memory, the selector's own einsum); f_ssd: the
-in-storage scorer on a pool file (the FPGA on the card, its g++ C-simulation here).  Both in
-tokens per second over the same keys and query.
+in-storage scorer on a pool file (the FPGA on the card, else its g++ C-simulation, whose rate is
+the host's and is labelled emulated).  Both in tokens per second over the same keys and query.
 """
 from __future__ import annotations
 
@@ -40,7 +40,8 @@ def scoring_throughputs(storage: InStorageScorer, n_kv_heads: int, head_dim: int
         write_pool(path, keys)
         pool = KeyPool(path, np.arange(tokens, dtype=np.int32), n_kv_heads, head_dim)
         f_ssd = _rate(lambda: storage.score(pool, q, 1.0, 1024, 64), tokens)
-    return {"f_cpu_tok_s": f_cpu, "f_ssd_tok_s": f_ssd, "backend": storage.name, "tokens": tokens}
+    return {"f_cpu_tok_s": f_cpu, "f_ssd_tok_s": f_ssd, "scorer_backend": storage.backend_label,
+            "emulated": storage.emulated, "tokens": tokens}
 
 
 def pool_ratio(f_cpu: float, f_ssd: float, cpu_budget_bytes: float, key_bytes_all_tokens: float) -> float:

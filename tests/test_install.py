@@ -234,6 +234,26 @@ def test_deploy_writes_config_report_and_smoke_stats_and_reuses_only_matching_pr
     assert any(line.startswith("compute: reusing") for line in logs)
 
 
+def test_deploy_smartssd_scorers_on_a_host_without_the_card_say_the_scoring_is_emulated(tiny_profile, monkeypatch):
+    import edgekv.deploy as deploy
+
+    root, path = tiny_profile
+    data = yaml.safe_load(path.read_text())
+    data["scorers"] = ["cpu", "smartssd"]
+    data["memory"]["max_kv_mem_mib"] = 64  # room for the smoke run's hillinfer slots
+    mine = root / "smartssd-scorers.yaml"
+    mine.write_text(yaml.safe_dump(data))
+    monkeypatch.setattr(deploy, "detect_platform", lambda: "local")  # no card on this host
+    logs = []
+    result = deploy.run(str(mine), "fixture", out_root=root / "out", cache_dir=root / "cache", log=logs.append)
+    config = json.loads((root / "out" / "local" / "config.json").read_text())
+    assert config["measurements"]["scoring"]["scorer_backend"] == "csim (emulated)" and config["beta"] > 0
+    assert any(line.startswith("WARNING: no SmartSSD") for line in logs)
+    assert result["stats"]["policy"] == "hillinfer" and result["stats"]["scorer_backend"] == "csim (emulated)"
+    report = (root / "out" / "local" / "report.txt").read_text()
+    assert "in-storage scorer csim (emulated)" in report and "not the card's" in report
+
+
 # ---- quality first ----------------------------------------------------------------------------
 
 def _point(mg, sigma, ppl, S=0, W=0, G=4, context=8192):
