@@ -1,6 +1,8 @@
 """The scoring kernel's HLS contract: interface, top-k padding, whole-word reads, the test bench,
-and the synthesis lint's rules (against small illegal snippets and the kernel before the UG1399 review)."""
+the synthesis lint's rules (against small illegal snippets and the kernel before the UG1399 review),
+and the Vitis build files."""
 import ctypes
+import platform
 import re
 import subprocess
 from pathlib import Path
@@ -222,3 +224,29 @@ def test_lint_flags_every_error_class_of_the_kernel_before_the_review():
                      "loop-carried floating-point dependency: 'acc'"]:
         assert any(expected in p for p in problems), (expected, problems)
     assert lint_file(KERNEL) == []
+
+
+# -- the Vitis build files ------------------------------------------------------------------------
+
+def _make_n(*args):
+    return subprocess.run(["make", "-s", "-n", "-B", "-C", str(FPGA_DIR), *args], capture_output=True, text=True,
+                          check=True).stdout
+
+
+def test_connectivity_config_maps_every_m_axi_port_of_one_compute_unit():
+    ports = set(re.findall(r"#pragma HLS INTERFACE m_axi port = (\w+)", KERNEL.read_text()))
+    cfg = (FPGA_DIR / "ekv_score.cfg").read_text()
+    assert "[connectivity]" in cfg and re.search(r"^nk=ekv_score:1:ekv_score_1$", cfg, re.M)
+    assert set(re.findall(r"^sp=ekv_score_1\.(\w+):\S+$", cfg, re.M)) == ports == {
+        "keys", "positions", "query", "scores_out", "topk_out"}
+
+
+def test_makefile_emulation_run_and_portable_csim_flags():
+    run = _make_n("run", "TARGET=sw_emu")
+    assert "emconfigutil --platform" in run and "XCL_EMULATION_MODE=sw_emu" in run
+    assert "--config ekv_score.cfg" in run and "fpga selftest --backend xrt" in run
+    assert re.search(r"v\+\+ -c .*-t sw_emu .*-g", run)
+    assert "XCL_EMULATION_MODE" not in _make_n("run", "TARGET=hw")
+    assert "XCL_EMULATION_MODE=hw_emu" in _make_n("hw_emu")
+    csim = _make_n("csim")
+    assert ("-mf16c" in csim) == (platform.machine() == "x86_64")
