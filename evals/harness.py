@@ -106,9 +106,9 @@ class QualityChooser:
 
         G = 1 if variant.policy == "token" else variant.G
         limits = Limits(io_align_bytes=512)
-        grid = quality.frontier(quality.candidates(context, [G], solver.SIGMAS),
-                                lambda p: solver.smallest_bytes(self.model.dims, self.model.dtype, limits, context + 64, p),
-                                budget_bytes)
+        bytes_of = lambda p: solver.smallest_bytes(self.model.dims, self.model.dtype, limits, context + 64, p)  # noqa: E731
+        grid = (quality.frontier(quality.candidates(context, [G], solver.SIGMAS), bytes_of, budget_bytes)
+                or quality.squeezed(context, G, solver.SIGMAS, bytes_of, budget_bytes))
         points = hashlib.sha256(json.dumps(grid, sort_keys=True).encode()).hexdigest()[:12]
         key = f"{variant.policy} context={context} G={G} budget={budget_bytes:.0f} adapters={self.adapters.source} grid={points}"
         if key not in self.cache:

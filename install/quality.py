@@ -42,12 +42,17 @@ class QualityPoint:
         return math.ceil(self.mg_tokens / self.G)
 
 
+def share_tokens(share: float, context: int, G: int) -> int:
+    """M*G for a share of the context, in whole groups (at least one)."""
+    return max(G, round(share * context / G) * G)
+
+
 def candidates(context: int, group_sizes, sigmas) -> list[dict]:
     """The grid measured at one context: every G, M*G share, sigma and (S, W) that leaves the predictor a pick."""
     out = []
     for G in group_sizes:
         for share in MG_SHARES:
-            mg = max(G, round(share * context / G) * G)
+            mg = share_tokens(share, context, G)
             for S, W in SINK_WINDOW:
                 if mg - S - W < G:
                     continue
@@ -67,6 +72,23 @@ def frontier(grid: list[dict], bytes_of, budget_bytes: float) -> list[dict]:
         if bytes_of(p) <= budget_bytes and (key not in best or order(p) < order(best[key])):
             best[key] = p
     return list(best.values())
+
+
+def squeezed(context: int, G: int, sigmas, bytes_of, budget_bytes: float) -> list[dict]:
+    """When no share of the grid fits the budget: per (S, W), the most tokens that fit at the largest sigma
+    (in bf16 where that fits, else int8), as KVSwap's rule shrinks M·G under a tight budget, so a tight
+    budget still gets a measured choice instead of none."""
+    sigma = float(max(sigmas))
+    top = share_tokens(MG_SHARES[0], context, G)
+    out = []
+    for S, W in SINK_WINDOW:
+        for mg in range(top, S + W + G - 1, -G):
+            fits = [p for p in ({"G": G, "mg_tokens": mg, "sigma": sigma, "sink_tokens": S, "window_tokens": W,
+                                 "klr_dtype": k} for k in KLR_DTYPES) if bytes_of(p) <= budget_bytes]
+            if fits:
+                out.append(fits[0])
+                break
+    return out
 
 
 def run_config(point: dict, context: int) -> dict:

@@ -289,6 +289,23 @@ def test_solver_says_when_no_configuration_meets_the_target():
     assert len(logs) == 1 and "not reachable" in logs[0] and f"{sol.ppl_ratio:.3f}" in logs[0]
 
 
+def test_a_budget_below_every_share_of_the_grid_still_gets_the_most_tokens_that_fit():
+    from edgekv.install import quality
+
+    limits = solver.Limits(io_align_bytes=512)
+    bytes_of = lambda p: solver.smallest_bytes(DIMS, torch.float32, limits, 8192, p)  # noqa: E731
+    grid = quality.candidates(8192, [4], solver.SIGMAS)
+    least = min(bytes_of(p) for p in grid)
+    budget = least * 0.9
+    assert quality.frontier(grid, bytes_of, budget) == []
+    points = quality.squeezed(8192, 4, solver.SIGMAS, bytes_of, budget)
+    assert {(p["sink_tokens"], p["window_tokens"]) for p in points} == set(quality.SINK_WINDOW)
+    for p in points:
+        assert bytes_of(p) <= budget < bytes_of({**p, "mg_tokens": p["mg_tokens"] + 4, "klr_dtype": "int8"})
+        assert p["mg_tokens"] - p["sink_tokens"] - p["window_tokens"] >= 4 and p["sigma"] == max(solver.SIGMAS)
+    assert quality.squeezed(8192, 4, solver.SIGMAS, bytes_of, 1.0) == []
+
+
 def test_solver_without_room_for_any_point_names_the_budget():
     with pytest.raises(ValueError, match="max_kv_mem_mib"):
         _solve_quality(1e-5, 1.05)
