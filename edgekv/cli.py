@@ -115,6 +115,9 @@ def _energy(args) -> int:
         energy.write_csv(args.csv, trace)
     if args.png:
         energy.plot(args.png, trace, events)
+    if result.get("error"):
+        print(f"edgekv energy: {result['error']}", file=sys.stderr)
+        return rc or 3
     return rc
 
 

@@ -23,7 +23,7 @@ import torch
 from edgekv.install import compute, disk, quality, report, solver, tables
 from edgekv.install.iomodel import io_model
 from edgekv.install.profile import Profile, load_profile
-from edgekv.platforms.detect import detect_platform
+from edgekv.platforms.detect import detect_platform, jetson_module
 from edgekv.platforms.devices import platform_for
 from edgekv.runtime import Engine
 from edgekv.runtime.adapter import LowRankAdapter
@@ -158,6 +158,9 @@ def prepare(platform, model, kv_path, out_root, reprofile, log) -> Deployment:
     detected = detect_platform()
     prof = load_profile(platform if platform not in (None, "", "auto") else detected)
     log(f"platform {prof.platform} ({prof.description}); detected on this machine: {detected}; profile {prof.source}")
+    module = jetson_module()
+    if module:
+        log(f"Jetson module: {module}")
     model_dir = resolve_checkpoint(model or prof.model)
     kv_dir = Path(kv_path or prof.kv_paths[0])
     try:

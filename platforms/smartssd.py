@@ -117,6 +117,11 @@ def read_direct(fd: int, buf: memoryview, offset: int, length: int, path) -> tup
     return offset - span_start, read
 
 
+def default_xclbin() -> Path:
+    """``EDGEKV_XCLBIN`` (fpga/Makefile's run, sw_emu and hw_emu targets set it), else the hardware build."""
+    return Path(os.environ.get("EDGEKV_XCLBIN") or FPGA_DIR / "build" / "hw" / "ekv_score.xclbin")
+
+
 class XrtScorer(InStorageScorer):
     """The kernel on the SmartSSD's FPGA (needs XRT, the card and fpga/build/hw/ekv_score.xclbin).
 
@@ -125,7 +130,8 @@ class XrtScorer(InStorageScorer):
 
     name, emulated, max_top_k = "xrt", False, MAX_TOPK
 
-    def __init__(self, xclbin: str | Path = FPGA_DIR / "build" / "hw" / "ekv_score.xclbin", device_index: int = 0):
+    def __init__(self, xclbin: str | Path | None = None, device_index: int = 0):
+        xclbin = xclbin or default_xclbin()
         try:
             import pyxrt
         except ImportError as exc:

@@ -437,3 +437,15 @@ def test_energy_command_measures_a_child_and_aligns_its_events(sysfs, tmp_path, 
     assert data["energy_j"] == 0.0  # the fake counter never moved: nothing is invented
     assert data["phases"]["prefill"]["tokens"] == 5 and data["phases"]["decode"]["tokens"] == 2
     assert (tmp_path / "t.csv").read_text().startswith("t_s,power_w,energy_j")
+
+
+def test_energy_command_fails_when_the_meter_failed_part_way(tmp_path, monkeypatch, capsys):
+    from edgekv.cli import main
+    from edgekv.platforms import power
+
+    monkeypatch.setattr(power, "open_meter", lambda *a: FlakyMeter())
+    out = tmp_path / "e.json"
+    rc = main(["energy", "--json", str(out), "--", sys.executable, "-c", "import time; time.sleep(0.2)"])
+    data = json.loads(out.read_text())
+    assert rc != 0 and data["returncode"] == 0 and "hwmon read failed" in data["error"] and data["energy_j"] is None
+    assert "hwmon read failed" in capsys.readouterr().err

@@ -141,3 +141,16 @@ def test_fpga_selftest_refuses_no_cases(tmp_path, capsys, cases):
     assert main(["fpga", "selftest", "--backend", "csim", "--cases", cases, "--json", str(out)]) == 2
     captured = capsys.readouterr()
     assert "at least one case" in captured.err and "NaN" not in captured.out and not out.exists()
+
+
+def test_xrt_loads_the_binary_named_by_edgekv_xclbin(tmp_path, monkeypatch):
+    """fpga/Makefile's run, sw_emu and hw_emu targets name their build through EDGEKV_XCLBIN."""
+    monkeypatch.setitem(sys.modules, "pyxrt", fake)
+    emulated = tmp_path / "sw_emu" / "ekv_score.xclbin"
+    emulated.parent.mkdir()
+    emulated.write_bytes(b"xclbin")
+    monkeypatch.setenv("EDGEKV_XCLBIN", str(emulated))
+    XrtScorer()
+    monkeypatch.setenv("EDGEKV_XCLBIN", str(tmp_path / "missing.xclbin"))
+    with pytest.raises(OSError, match="missing.xclbin is missing"):
+        XrtScorer()
