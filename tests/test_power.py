@@ -55,37 +55,29 @@ def _rapl_add(root, zone, joules):
     path.write_text(str(int(path.read_text()) + int(joules * 1e6)))
 
 
-def test_rapl_client_counts_psys_alone(sysfs):
-    zones = {"intel-rapl:0": ("package-0", 100), "intel-rapl:0:0": ("core", 50), "intel-rapl:0:1": ("uncore", 7),
-             "intel-rapl:1": ("psys", 300), "intel-rapl-mmio:0": ("package-0", 100)}
-    _rapl_tree(sysfs, zones)
+RAPL_HOSTS = {
+    # an Intel client: psys (the platform) already holds the package; intel-rapl-mmio re-exposes package-0
+    "client with psys": ({"intel-rapl:0": ("package-0", 10), "intel-rapl:0:0": ("core", 6), "intel-rapl:0:1": ("uncore", 2),
+                          "intel-rapl:1": ("psys", 25), "intel-rapl-mmio:0": ("package-0", 10)}, 25.0, ["psys"]),
+    # a two-socket server: DRAM is outside the package domain
+    "server": ({"intel-rapl:0": ("package-0", 30), "intel-rapl:0:0": ("dram", 5), "intel-rapl:1": ("package-1", 20),
+                "intel-rapl:1:0": ("dram", 4)}, 59.0, ["package-0", "package-1", "package-0/dram", "package-1/dram"]),
+    # a client without psys: dram added, core and uncore are inside the package
+    "client without psys": ({"intel-rapl:0": ("package-0", 12), "intel-rapl:0:0": ("core", 8),
+                             "intel-rapl:0:1": ("uncore", 1), "intel-rapl:0:2": ("dram", 3)}, 15.0,
+                            ["package-0", "package-0/dram"]),
+}
+
+
+@pytest.mark.parametrize("host", RAPL_HOSTS)
+def test_rapl_counts_each_joule_once(sysfs, host):
+    zones, total_j, domains = RAPL_HOSTS[host]
+    _rapl_tree(sysfs, {zone: (name, 0) for zone, (name, _) in zones.items()})
     meter = RaplMeter()
-    for zone, joules in {"intel-rapl:0": 10, "intel-rapl:0:0": 6, "intel-rapl:0:1": 2, "intel-rapl:1": 25,
-                         "intel-rapl-mmio:0": 10}.items():
+    for zone, (_, joules) in zones.items():
         _rapl_add(sysfs, zone, joules)
-    assert meter.read()[1] == pytest.approx(25.0)  # the platform, which already holds the package
-    assert meter.domains == ["psys"] and any("psys" in n for n in meter.notes)
-
-
-def test_rapl_server_counts_packages_and_their_dram(sysfs):
-    zones = {"intel-rapl:0": ("package-0", 0), "intel-rapl:0:0": ("dram", 0), "intel-rapl:1": ("package-1", 0),
-             "intel-rapl:1:0": ("dram", 0)}
-    _rapl_tree(sysfs, zones)
-    meter = RaplMeter()
-    for zone, joules in {"intel-rapl:0": 30, "intel-rapl:0:0": 5, "intel-rapl:1": 20, "intel-rapl:1:0": 4}.items():
-        _rapl_add(sysfs, zone, joules)
-    assert meter.read()[1] == pytest.approx(59.0)  # DRAM is outside the package domain
-    assert meter.domains == ["package-0", "package-1", "package-0/dram", "package-1/dram"]
-
-
-def test_rapl_client_without_psys_adds_dram_but_not_core_or_uncore(sysfs):
-    zones = {"intel-rapl:0": ("package-0", 0), "intel-rapl:0:0": ("core", 0), "intel-rapl:0:1": ("uncore", 0),
-             "intel-rapl:0:2": ("dram", 0)}
-    _rapl_tree(sysfs, zones)
-    meter = RaplMeter()
-    for zone, joules in {"intel-rapl:0": 12, "intel-rapl:0:0": 8, "intel-rapl:0:1": 1, "intel-rapl:0:2": 3}.items():
-        _rapl_add(sysfs, zone, joules)
-    assert meter.read()[1] == pytest.approx(15.0) and meter.domains == ["package-0", "package-0/dram"]
+    assert meter.read()[1] == pytest.approx(total_j) and meter.domains == domains
+    assert "psys" not in domains or any("psys" in n for n in meter.notes)
 
 
 # hwmon files: Linux Documentation/hwmon/ina3221.rst (in[123]_label/_input mV, curr[123]_input mA, in[456] shunt
