@@ -343,6 +343,7 @@ def run(platform: str | None = None, model: str | None = None, kv_path: str | No
     if "smartssd" in prof.scorers:  # the smartssd profile runs HillInfer's hierarchical selector
         scorer = smartssd_scorer(d)
         config["beta"], measurements["scoring"] = hillinfer_pools(d, scorer, budget)
+        config["scorer_backend"] = scorer.backend_label  # "csim (emulated)" off the card: beta is a host figure
     tmp = out / "config.json.tmp"
     tmp.write_text(json.dumps(config, indent=1))
     tmp.replace(out / "config.json")

@@ -248,6 +248,7 @@ def test_deploy_smartssd_scorers_on_a_host_without_the_card_say_the_scoring_is_e
     result = deploy.run(str(mine), "fixture", out_root=root / "out", cache_dir=root / "cache", log=logs.append)
     config = json.loads((root / "out" / "local" / "config.json").read_text())
     assert config["measurements"]["scoring"]["scorer_backend"] == "csim (emulated)" and config["beta"] > 0
+    assert config["scorer_backend"] == "csim (emulated)"
     assert any(line.startswith("WARNING: no SmartSSD") for line in logs)
     assert result["stats"]["policy"] == "hillinfer" and result["stats"]["scorer_backend"] == "csim (emulated)"
     report = (root / "out" / "local" / "report.txt").read_text()
