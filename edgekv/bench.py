@@ -24,6 +24,7 @@ import torch
 from edgekv.install import disk as diskprof
 from edgekv.install import solver, tables
 from edgekv.install.compute import profile_compute
+from edgekv.evals.harness import recorded_configs
 from edgekv.evals.progress import Progress
 from edgekv.install.iomodel import io_model
 from edgekv.runtime import Engine, RecordLayout, RuntimeConfig
@@ -56,6 +57,9 @@ class Run:
     C: int | None = None
     sigma: float | None = None
     o_direct: bool | None = None
+    sink_tokens: int | None = None
+    window_tokens: int | None = None
+    klr_dtype: str | None = None  # the K_lr rows' format (int8 halves their bytes at the same sigma)
 
 
 def ratio(value: float | None, reference: float | None) -> float | None:
@@ -94,23 +98,11 @@ class StepTimer:
             self.steps.append((step, event.info["active"], event.t_ns - self._start.pop(step)))
 
 
-def chosen_configs(eval_json: str | Path | None) -> dict[tuple[int, str], dict]:
-    """{(context, budget label): config} of the kvswap main rows of an ``edgekv eval --json`` result: the
-    configurations chosen by measured quality, to time against KVSwap's rule (M*G = 400) side by side."""
-    if not eval_json:
-        return {}
-    data = json.loads(Path(eval_json).read_text())
-    rows = data.get("ppl") or data.get("results") or []
-    keys = ("G", "M", "C", "sigma", "reuse", "sink_tokens", "window_tokens", "score_reduce")
-    return {(r["context"], f"1/{round(1 / r['budget'])}"): {k: r["config"][k] for k in keys if k in r["config"]}
-            for r in rows if r["policy"] == "kvswap" and r["budget"] and r["variant"] == f"kvswap@1/{round(1 / r['budget'])}"}
-
-
 def policy_configs(model: DecoderModel, batch: int, context: int, budgets: list[str], limits: solver.Limits,
                    disk_profile, compute_profile, reuse_table: dict | None = None, chosen: dict | None = None
                    ) -> list[tuple[str, str | None, dict]]:
     """(row name, budget label, runtime config) for every row of one (batch, context); ``kvswap-quality``
-    rows run the configurations of ``chosen`` (see chosen_configs) at this batch."""
+    rows run the configurations of ``chosen`` (edgekv.evals.harness.recorded_configs) at this batch."""
     dims = model.dims
     base = {"max_context": context, "max_batch": batch, "io_align_bytes": limits.io_align_bytes,
             "io_queue_depth": QUEUE_DEPTH}
@@ -178,7 +170,8 @@ def bench_point(model: DecoderModel, kv_dir: Path, batch: int, context: int, bud
                   ratio(eff, profile_bw), float(np.mean([x["reuse_rate"] for x in s])), s[0]["io_stall_share"], step_ms,
                   parts, cfg["G"] if name != "full" else None, cfg["M"] if name.startswith(("kvswap", "token")) else None,
                   cfg["C"] if name == "kvswap" else None, cfg["sigma"] if name.startswith(("kvswap", "token")) else None,
-                  s[0]["o_direct"])
+                  s[0]["o_direct"], *((cfg.get("sink_tokens", 0), cfg.get("window_tokens", 0), cfg.get("klr_dtype", "bfloat16"))
+                                      if name.startswith("kvswap") else ()))
         runs.append(run)
         log(f"  {name:15s} {budget or '':5s} {run.decode_tok_s:9.1f} tok/s  step {run.step_ms:7.2f} ms")
     if gguf is not None and batch == 1:
@@ -296,7 +289,7 @@ def run(model_dir: Path, kv_dir: Path, batches: list[int], contexts: list[int], 
             with progress.cell(f"batch {batch}, context {context}") as on_event:
                 runs += bench_point(model, kv_dir, batch, context, budgets, steps, warmup, limits, disk_profile,
                                     compute_profile, policies, reuse_table, progress.write, gguf, on_event,
-                                    chosen_configs(chosen_from))
+                                    recorded_configs(chosen_from) if chosen_from else {})
     meta = {"model": str(model_dir), "steps": steps, "warmup_steps": warmup, "queue_depth": QUEUE_DEPTH,
             "disk": {"reference": disk_profile.reference, "reader": disk_profile.reader, "o_direct": disk_profile.o_direct,
                      "points": [asdict(p) for p in disk_profile.points]},

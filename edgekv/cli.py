@@ -174,13 +174,15 @@ def _eval(args) -> int:
         variants += [harness.Variant("kvswap", b, G=g, score_reduce=args.score_reduce, ablation=f"G={g}")
                      for g in (1, 2, 4, 8, 16) if g != args.group_size]
     contexts = [int(c) for c in args.contexts.split(",")]
+    if args.configs_from and args.rule != "quality":
+        raise ValueError("--configs-from replays the quality rule's choices; drop it or use --rule quality")
     if args.ppl:
         return _eval_ppl(args, model, variants, contexts)
     if not any(v.policy == "full" for v in variants):
         variants.insert(0, harness.Variant("full"))
     with tempfile.TemporaryDirectory(dir=args.kv_path) as kv:
         results = harness.evaluate(model, kv, variants, contexts, tasks, args.samples or 20, args.seed,
-                                   adapter_path=args.adapter, quiet=args.quiet)
+                                   adapter_path=args.adapter, quiet=args.quiet, configs_from=args.configs_from)
     print(harness.table(results))
     meta = {"model": args.model, "checkpoint": str(model), "seed": args.seed, "samples": args.samples or 20,
             "command": args.command_line}
@@ -238,7 +240,7 @@ def _eval_ppl(args, model, variants, contexts) -> int:
     ids, tokens = perplexity.tokenize(model, text)
     with tempfile.TemporaryDirectory(dir=args.kv_path) as kv:
         results = perplexity.evaluate_ppl(model, kv, variants, contexts, ids, args.samples or 4, args.ppl_tokens,
-                                          quiet=args.quiet)
+                                          quiet=args.quiet, configs_from=args.configs_from)
     print(perplexity.table(results))
     if args.json:
         meta = {"model": str(args.model), "checkpoint": str(model), "text": source,
@@ -298,6 +300,9 @@ def main(argv=None) -> int:
                     help="how a budget becomes kvswap's configuration: the lowest measured loss that fits it (quality; "
                          "measured once per model, context and budget on calibration text, then cached), or KVSwap's "
                          "M*G = 400 with the smallest sigma that fits (mg_const)")
+    ev.add_argument("--configs-from", metavar="EVAL_JSON",
+                    help="with --rule quality: kvswap runs the configurations an earlier eval chose (its --json, tasks "
+                         "or --ppl) at the same contexts and budgets, instead of measuring the choice again")
     ev.add_argument("--ablations", action="store_true",
                     help="also, at the last budget: the loss taken apart (oracle top-k, sigma=1, softmax votes, no sinks/"
                          "window, M*G = 400); with tasks also no rolling buffer, reuse forced off/on, other G")

@@ -193,9 +193,39 @@ def open_engine(model: DecoderModel, kv_path, variant: Variant, context: int, ma
     return engine_for(model, kv_path, variant.policy, config, adapters)
 
 
+def recorded_configs(eval_json: str | Path) -> dict[tuple[int, str], dict]:
+    """{(context, budget label): config} of the kvswap main rows of an ``edgekv eval --json`` result (tasks or
+    perplexity): the configurations that eval ran, for another eval or the bench to run again."""
+    data = json.loads(Path(eval_json).read_text())
+    rows = data.get("ppl") or data.get("results") or []
+    keys = ("G", "M", "C", "sigma", "reuse", "sink_tokens", "window_tokens", "score_reduce", "klr_dtype")
+    return {(r["context"], f"1/{round(1 / r['budget'])}"): {k: r["config"][k] for k in keys if k in r["config"]}
+            for r in rows if r["policy"] == "kvswap" and r["budget"] and r["variant"] == f"kvswap@1/{round(1 / r['budget'])}"}
+
+
+class RecordedChooser:
+    """The quality rule's choices read back from an earlier eval's JSON instead of measured again, so a retrieval
+    run uses the very configurations a perplexity run chose (and reports, under the same budget)."""
+
+    def __init__(self, eval_json: str | Path):
+        self.path = Path(eval_json)
+        self.configs = recorded_configs(eval_json)
+
+    def __call__(self, variant: Variant, context: int, budget_bytes: float, max_batch: int) -> dict:
+        key = (context, f"1/{round(1 / variant.budget)}")
+        if key not in self.configs:
+            raise ValueError(f"{self.path} has no kvswap row at context {key[0]}, budget {key[1]} (it has "
+                             f"{sorted(self.configs)}); run that eval with this context and budget, or drop --configs-from")
+        return dict(self.configs[key])
+
+
 def quality_chooser(model: DecoderModel, model_dir, kv_path, adapters: "Adapters", variants: list[Variant],
-                    quiet: bool) -> QualityChooser | None:
-    return QualityChooser(model, model_dir, kv_path, adapters, quiet) if any(v.rule == "quality" for v in variants) else None
+                    quiet: bool, configs_from: str | Path | None = None) -> "QualityChooser | RecordedChooser | None":
+    """What turns a budget into kvswap's configuration under the quality rule: an earlier eval's choices
+    (``configs_from``), else measured (and cached) here."""
+    if not any(v.rule == "quality" for v in variants):
+        return None
+    return RecordedChooser(configs_from) if configs_from else QualityChooser(model, model_dir, kv_path, adapters, quiet)
 
 
 def engine_for(model: DecoderModel, kv_path, policy: str, config: dict, adapters: "Adapters") -> tuple[Engine, dict]:
@@ -242,10 +272,11 @@ def evaluate(
     max_batch: int = 4,
     adapter_path: str | None = None,
     quiet: bool = False,
+    configs_from: str | Path | None = None,
 ) -> list[Result]:
     """Every (task, context, variant) cell; the same instances for every variant."""
     model, adapters = _load(model_dir, contexts, tasks, seed, adapter_path)
-    chooser = quality_chooser(model, model_dir, kv_path, adapters, variants, quiet)
+    chooser = quality_chooser(model, model_dir, kv_path, adapters, variants, quiet, configs_from)
     fmt = task_format(model_dir)
     results = []
     with Progress(len(contexts) * len(variants), "eval cells", quiet) as progress:

@@ -177,7 +177,7 @@ def compare(logp: torch.Tensor, reference: torch.Tensor, targets: torch.Tensor) 
 
 def evaluate_ppl(model_dir: str | Path, kv_path: str | Path, variants: list[Variant], contexts: list[int],
                  ids: list[int], windows: int = 4, continuation: int = 256, max_batch: int = 4,
-                 quiet: bool = False) -> list[PplResult]:
+                 quiet: bool = False, configs_from: str | Path | None = None) -> list[PplResult]:
     """Every (context, variant) cell on the same windows of the token stream ``ids``; ``full`` first (the reference)."""
     if continuation < 2 or continuation >= min(contexts):
         raise ValueError(f"--ppl-tokens {continuation} must be in [2, {min(contexts)}) (shorter than the context)")
@@ -185,7 +185,7 @@ def evaluate_ppl(model_dir: str | Path, kv_path: str | Path, variants: list[Vari
     splits = {c: split_text(ids, c, calibration, windows) for c in contexts}
     model = load_model(model_dir, torch.device("cpu"), torch.float32, max(contexts) + 64)
     adapters = Adapters(model, [splits[min(contexts)].calibration])
-    chooser = quality_chooser(model, model_dir, kv_path, adapters, variants, quiet)
+    chooser = quality_chooser(model, model_dir, kv_path, adapters, variants, quiet, configs_from)
     variants = [Variant("full")] + [v for v in variants if v.policy != "full"]
     results = []
     with Progress(len(contexts) * len(variants), "ppl cells", quiet) as progress:

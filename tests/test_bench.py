@@ -38,7 +38,7 @@ def test_bench_end_to_end_writes_every_row(model_dirs, tmp_path, capsys):
 
     out = tmp_path / "bench.json"
     chosen = {"G": 4, "M": 6, "C": 4, "sigma": 8.0, "reuse": False, "sink_tokens": 4, "window_tokens": 4,
-              "max_context": 576}  # as `edgekv eval --json` records a kvswap row chosen by measured quality
+              "klr_dtype": "int8", "max_context": 576}  # as `edgekv eval --json` records a kvswap row chosen by measured quality
     harness.write_json(tmp_path / "eval.json", [harness.Result("single_needle", 512, "kvswap", 0.25, "kvswap@1/4", 1.0,
                                                                4, chosen, 1.0)], {})
     rc = main(["bench", "--model", model_dirs["llama"], "--batches", "2", "--contexts", "512", "--budgets", "1/4",
@@ -47,7 +47,7 @@ def test_bench_end_to_end_writes_every_row(model_dirs, tmp_path, capsys):
     assert rc == 0
     runs = json.loads(out.read_text())["runs"]
     assert [r["policy"] for r in runs] == ["full", "flexgen", "token", "kvswap-noreuse", "kvswap", "kvswap-quality"]
-    assert (runs[-1]["G"], runs[-1]["M"]) == (4, 6)
+    assert (runs[-1]["G"], runs[-1]["M"], runs[-1]["sink_tokens"], runs[-1]["klr_dtype"]) == (4, 6, 4, "int8")
     keys = {"policy", "budget", "batch", "context", "decode_tok_s", "ratio_to_full", "kv_resident_mib",
             "read_bytes_per_token", "eff_read_bw_mib_s", "eff_bw_vs_profile", "reuse_rate", "io_stall_share"}
     for r in runs:

@@ -92,3 +92,23 @@ def test_quality_rule_takes_the_lowest_measured_loss_under_the_budget_and_caches
     assert harness.budget_config(variant, 512, model.dims, torch.float32, 2, chooser=again) == config
     with pytest.raises(ValueError, match="QualityChooser"):
         harness.budget_config(variant, 512, model.dims, torch.float32, 2)
+
+
+def test_configs_from_an_earlier_eval_are_run_as_recorded(model_dirs, tmp_path):
+    from edgekv.runtime.model import load_model
+
+    model = load_model(model_dirs["llama"], torch.device("cpu"), torch.float32, 512 + 64)
+    recorded = {"G": 4, "M": 20, "C": 3, "sigma": 16.0, "reuse": False, "sink_tokens": 4, "window_tokens": 64,
+                "klr_dtype": "int8", "score_reduce": "sum", "max_batch": 4}
+    rows = [{"policy": "kvswap", "budget": 1 / 4, "variant": "kvswap@1/4", "context": 512, "config": recorded},
+            {"policy": "kvswap", "budget": 1 / 4, "variant": "kvswap@1/4,sigma=1", "context": 512, "config": {"G": 16}}]
+    path = tmp_path / "eval.json"
+    path.write_text(json.dumps({"ppl": rows}))
+    chooser = harness.quality_chooser(model, model_dirs["llama"], tmp_path, None, [harness.Variant("kvswap", 1 / 4, rule="quality")],
+                                      True, configs_from=path)
+    variant = harness.Variant("kvswap", 1 / 4, rule="quality")
+    config = harness.budget_config(variant, 512, model.dims, torch.float32, 2, chooser=chooser)
+    assert {k: config[k] for k in recorded if k != "max_batch"} == {k: v for k, v in recorded.items() if k != "max_batch"}
+    assert config["max_batch"] == 2  # the run's own batch, not the recorded one
+    with pytest.raises(ValueError, match="no kvswap row at context 1024, budget 1/4"):
+        harness.budget_config(variant, 1024, model.dims, torch.float32, 2, chooser=chooser)
