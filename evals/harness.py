@@ -198,7 +198,7 @@ def recorded_configs(eval_json: str | Path) -> dict[tuple[int, str], dict]:
     perplexity): the configurations that eval ran, for another eval or the bench to run again."""
     data = json.loads(Path(eval_json).read_text())
     rows = data.get("ppl") or data.get("results") or []
-    keys = ("G", "M", "C", "sigma", "reuse", "sink_tokens", "window_tokens", "score_reduce", "klr_dtype")
+    keys = ("G", "M", "C", "sigma", "reuse", "sink_tokens", "window_tokens", "score_reduce", "klr_dtype", "io_align_bytes")
     return {(r["context"], f"1/{round(1 / r['budget'])}"): {k: r["config"][k] for k in keys if k in r["config"]}
             for r in rows if r["policy"] == "kvswap" and r["budget"] and r["variant"] == f"kvswap@1/{round(1 / r['budget'])}"}
 

@@ -99,7 +99,7 @@ def test_configs_from_an_earlier_eval_are_run_as_recorded(model_dirs, tmp_path):
 
     model = load_model(model_dirs["llama"], torch.device("cpu"), torch.float32, 512 + 64)
     recorded = {"G": 4, "M": 20, "C": 3, "sigma": 16.0, "reuse": False, "sink_tokens": 4, "window_tokens": 64,
-                "klr_dtype": "int8", "score_reduce": "sum", "max_batch": 4}
+                "klr_dtype": "int8", "score_reduce": "sum", "io_align_bytes": 512, "max_batch": 4}
     rows = [{"policy": "kvswap", "budget": 1 / 4, "variant": "kvswap@1/4", "context": 512, "config": recorded},
             {"policy": "kvswap", "budget": 1 / 4, "variant": "kvswap@1/4,sigma=1", "context": 512, "config": {"G": 16}}]
     path = tmp_path / "eval.json"
