@@ -20,6 +20,7 @@ import torch
 
 from edgekv.install.solver import Limits, fit_memory, quality_fit
 from edgekv.runtime import Engine, RuntimeConfig
+from edgekv.runtime.config import picked_groups
 from edgekv.runtime.adapter import LowRankAdapter, collect_keys
 from edgekv.runtime.checkpoints import load_tokenizer
 from edgekv.runtime.model import DecoderModel, ModelDims, load_model, read_model_config
@@ -125,7 +126,7 @@ class QualityChooser:
             self.path.write_text(json.dumps(self.cache, indent=1))
         best = min(self.cache[key]["measured"], key=lambda r: (r["ppl_ratio"], -r["top1_agreement"]))
         config = quality.run_config(best, context)
-        picked = config["M"] - -(-best["sink_tokens"] // G) - -(-best["window_tokens"] // G)
+        picked = picked_groups(config["M"], G, best["sink_tokens"], best["window_tokens"])
         return {**config, "C": picked, "calibration_ppl_ratio": best["ppl_ratio"]}
 
 

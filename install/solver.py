@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from edgekv.runtime import RecordLayout, RuntimeConfig
+from edgekv.runtime.config import picked_groups
 from edgekv.runtime.adapter import LowRankAdapter
 from edgekv.runtime.memory import plan_memory
 from edgekv.runtime.model import ModelDims
@@ -197,7 +198,7 @@ def solve_for_quality(batch: int, context: int, budget_bytes: float, dims: Model
     fitting = []
     for p in points:
         M = math.ceil(p.mg_tokens / p.G)
-        picked = M - -(-p.sink_tokens // p.G) - -(-p.window_tokens // p.G)
+        picked = picked_groups(M, p.G, p.sink_tokens, p.window_tokens)
         for reuse, ratio in [(False, 1.0)] + [(True, r) for r in C_RATIOS]:
             C = max(picked, round(ratio * picked))
             total, rank = _sequence_bytes(dims, kv_dtype, limits, context, p.G, M, C, p.sigma, reuse,

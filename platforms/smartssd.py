@@ -191,8 +191,7 @@ class XrtScorer(InStorageScorer):
                                      f"ERT_CMD_STATE_COMPLETED; see `xbutil examine` and dmesg")
         scores[:] = self._from_device(self._scores, m)
         if topk_row is not None:
-            topk_row[:] = self._from_device(self._topk, top_k)
-            topk_row[m:] = EMPTY  # past the block's tokens: stale in an xclbin that does not pad
+            topk_row[:] = self._from_device(self._topk, top_k)  # the kernel pads past the block's tokens
         return read
 
     def _to_device(self, buffer, array: np.ndarray) -> None:

@@ -17,6 +17,11 @@ SCORE_REDUCES = ("sum", "softmax")
 KLR_DTYPES = ("bfloat16", "float16", "float32", "int8")
 
 
+def picked_groups(M: int, G: int, sink_tokens: int, window_tokens: int) -> int:
+    """M less the groups that sinks and the window (each rounded up to whole groups) always hold."""
+    return M - -(-sink_tokens // G) - -(-window_tokens // G)
+
+
 class ConfigError(ValueError):
     """A config field is missing, unknown or out of range; the message names it."""
 
@@ -153,7 +158,7 @@ class RuntimeConfig:
     @property
     def picked_groups(self) -> int:
         """Groups the predictor chooses per layer and step: M less the always-attended sink and window groups."""
-        return self.M - self.sink_groups - self.window_groups
+        return picked_groups(self.M, self.G, self.sink_tokens, self.window_tokens)
 
     def for_policy(self, policy: str) -> "RuntimeConfig":
         """The effective parameters of a policy: ``token`` is G=1 with M*G kept (S and W too) and no reuse;

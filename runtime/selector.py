@@ -112,15 +112,14 @@ class LowRankSelector(Selector):
         stored, _, _ = KLR_FORMATS[klr_dtype]
         self.quantized = stored == torch.int8
         self.dtype = torch.bfloat16 if self.quantized else stored  # what projections and scores compute in
-        dtype = self.dtype
         self.device = device
         self.rank = rank
         self.n_kv_heads = n_kv_heads
         self.head_dim = head_dim
-        self.adapter = [None] * n_layers if adapter is None else [a.to(device, dtype) for a in adapter.matrices]
+        self.adapter = [None] * n_layers if adapter is None else [a.to(device, self.dtype) for a in adapter.matrices]
         self.k_lr = torch.zeros(n_layers, batch, max_context, rank, dtype=stored, device=device)
         self.k_scale = torch.zeros(n_layers, batch, max_context if self.quantized else 0, dtype=torch.bfloat16, device=device)
-        self.resident_bytes = self.k_lr.numel() * self.k_lr.element_size() + self.k_scale.numel() * 2
+        self.resident_bytes = self.k_lr.numel() * self.k_lr.element_size() + self.k_scale.numel() * self.k_scale.element_size()
         self.fitted_on = [0] * n_layers
         self._unfitted: list[list[tuple[int, int, torch.Tensor]]] = [[] for _ in range(n_layers)]
 
