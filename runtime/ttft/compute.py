@@ -29,6 +29,10 @@ class PrefixKV:
         self.kv[layer, 0, :, start:stop] = k
         self.kv[layer, 1, :, start:stop] = v
 
+    def put_prompt(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """The ``forward.prefill`` callback: a whole layer of the prompt at once."""
+        self.put(layer, 0, k, v)
+
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.kv[layer, 0], self.kv[layer, 1]
 
