@@ -26,6 +26,7 @@ from .compute import ChunkCompute
 from .grid import COMPUTE, LOAD, ChunkGrid, compute_ready
 
 PENDING, CLAIMED, DONE = 0, 1, 2
+RATE_WINDOW = 4  # loads the measured link rate averages over: recent enough to see a drop within a stage
 
 
 class ChunkLoader(Protocol):
@@ -80,6 +81,7 @@ class Executor:
         self._moves: dict[tuple[str, int], int] = {}
         self._compute_speed = 1.0  # measured / predicted compute time
         self._loading: tuple[int, int, float] | None = None  # (t, l, started) of the load in flight
+        self._recent: list[tuple[int, float]] = []  # (bytes, seconds) per finished load: the measured link rate
 
     # ---- shared state (callers hold self._cv) ----------------------------------------------
 
@@ -164,7 +166,9 @@ class Executor:
                     self.stats.load_busy_s += spent
                     nbytes = self.loader.nbytes(t, l)
                     self.stats.bytes_loaded += nbytes
-                    self.link_bytes_s = 0.7 * self.link_bytes_s + 0.3 * (nbytes / spent) if self.link_bytes_s else nbytes / spent
+                    self._recent.append((nbytes, spent))
+                    recent = self._recent[-RATE_WINDOW:]
+                    self.link_bytes_s = sum(b for b, _ in recent) / max(sum(s for _, s in recent), 1e-9)
                     self._finish("load", t, l)
         except BaseException as exc:  # surfaces on the compute thread as itself
             with self._cv:
@@ -199,13 +203,14 @@ class Executor:
             if self._ready(t, l):
                 return t, l
             first_blocked = first_blocked or (t, l)
-        if first_blocked is None:
-            return None
-        return (self._steal_for_compute(*first_blocked) if self.adapt else None) or "wait"
+        if not self.adapt:
+            return "wait" if first_blocked else None
+        return self._steal_for_compute(first_blocked) or ("wait" if first_blocked else None)
 
-    def _steal_for_compute(self, t: int, l: int) -> tuple[int, int] | None:
-        """A load-assigned chunk computable now, when the wait for (t, l)'s inputs is longer than computing it."""
-        wait_s = self._expected_wait_s(t, l)
+    def _steal_for_compute(self, blocked: tuple[int, int] | None) -> tuple[int, int] | None:
+        """A load-assigned chunk computable now, when the wait for the blocked chunk's inputs (or, with no
+        computing left, for the last load) is longer than computing it."""
+        wait_s = self._expected_wait_s(*blocked) if blocked else self._expected_wait_s(None, None)
         for c in self.load_order:
             if self.state[c] == PENDING and self.assign[c] == LOAD and self._ready(*c):
                 if self.compute_s[c] * self._compute_speed < wait_s and self._budget("compute", *c):
@@ -215,11 +220,15 @@ class Executor:
                 return None
         return None
 
-    def _expected_wait_s(self, t: int, l: int) -> float:
-        """Bytes the I/O thread moves before every input of (t, l) is present, at the measured link rate."""
+    def _expected_wait_s(self, t: int | None, l: int | None) -> float:
+        """Bytes the I/O thread moves before every input of (t, l) is present (every pending load when t is None),
+        at the measured link rate."""
         if self.link_bytes_s <= 0:
             return 0.0
-        needed = {(tt, l - 1) for tt in range(t) if not self.present[tt, l - 1]}
+        if t is None:
+            needed = {c for c in self.load_order if self.state[c] == PENDING and self.assign[c] == LOAD}
+        else:
+            needed = {(tt, l - 1) for tt in range(t) if not self.present[tt, l - 1]}
         ahead = 0
         for c in self.load_order:
             if not needed:
