@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -38,6 +39,7 @@ class ChunkProfile:
     layer_s: list = field(default_factory=list)  # [n, p, seconds, held_out 0|1] (layers >= 1)
     roofline: dict = field(default_factory=dict)  # RooflineCostModel.to_json(): model shapes + measured peaks
     seconds: float = 0.0
+    loadavg: list = field(default_factory=list)  # the machine's 1-minute load before and after (other processes' share)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -136,11 +138,13 @@ def profile_chunks(model: DecoderModel, chunk_tokens_list=(256, 512, 1024), cont
     """Time layer-0 and layer >= 1 chunks at ``sample_points`` (a PrefixKV of random values up to the
     largest context), measure the device's peaks, and return the samples with the roofline.
 
-    Each sample's time is the median of ``repeats`` calls in each of ``sweeps`` passes over all the
-    samples: a burst of load from another process spoils the calls of one pass, not the median."""
+    Each sample's time is the lowest of its ``sweeps`` medians, one median of ``repeats`` calls per pass
+    over all the samples: load from another process that spans a whole pass (a shared machine) spoils
+    that pass's medians, not the sample, as long as one pass ran undisturbed."""
     if model.dims.n_layers < 2:
         raise ValueError("profiling chunks needs a model of at least 2 layers")
     start = time.perf_counter()
+    load_before = _loadavg()
     tick = progress or (lambda: None)
     peaks = [measure_peaks(model.device, model.dtype)]  # before and after the samples; the higher of each is kept
     points = sample_points(chunk_tokens_list, contexts)
@@ -159,18 +163,23 @@ def profile_chunks(model: DecoderModel, chunk_tokens_list=(256, 512, 1024), cont
     for _ in range(sweeps):
         for (n, p), (first, rest) in zip(points, times):
             a, b = time_chunk(compute, (p, p + n), repeats)
-            first += a
-            rest += b
+            first.append(float(np.median(a)))
+            rest.append(float(np.median(b)))
             tick()
     for i, ((n, p), (first, rest)) in enumerate(zip(points, times)):
-        profile.layer0_s.append([n, p, float(np.median(first)), _held_out(i)])
-        profile.layer_s.append([n, p, float(np.median(rest)), _held_out(i)])
+        profile.layer0_s.append([n, p, min(first), _held_out(i)])
+        profile.layer_s.append([n, p, min(rest), _held_out(i)])
     del compute, kv
     peaks.append(measure_peaks(model.device, model.dtype))  # (another process's load lowers one, not both)
     profile.roofline = roofline_for(model, max(f for f, _ in peaks), max(b for _, b in peaks)).to_json()
     tick()
     profile.seconds = round(time.perf_counter() - start, 1)
+    profile.loadavg = [load_before, _loadavg()]
     return profile
+
+
+def _loadavg() -> float | None:
+    return round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None
 
 
 # ---- the fit and its errors -------------------------------------------------------------------
@@ -228,7 +237,8 @@ def format_report(profile: ChunkProfile, report: dict) -> str:
     r = report["roofline"]
     lines = [f"chunk compute: {fp.get('model', '?')} ({profile.n_layers} layers) on {fp.get('device', '?')} "
              f"{fp.get('dtype', '?')}: {len(profile.layer_s)} chunk samples in {profile.seconds} s; "
-             f"peak {r['peak_flops'] / 1e9:.1f} GFLOP/s, copy {r['bandwidth'] / 1e9:.1f} GB/s",
+             f"peak {r['peak_flops'] / 1e9:.1f} GFLOP/s, copy {r['bandwidth'] / 1e9:.1f} GB/s; "
+             f"load average {' -> '.join(str(x) for x in profile.loadavg) or '?'}",
              f"{'':23}{'predictor':>20}{'roofline':>20}",
              f"{'':23}{'MAPE %':>10}{'max %':>10}{'MAPE %':>10}{'max %':>10}"]
     for kind, label in (("layer", "layer>=1"), ("layer0", "layer 0")):
@@ -259,7 +269,7 @@ def main(argv=None) -> int:
     parser.add_argument("--contexts", type=_ints, default=(1024, 2048, 3072, 4096, 6144, 8192),
                         help="chunk ends (keys attended), comma-separated")
     parser.add_argument("--repeats", type=int, default=2, help="timed calls per sample and sweep")
-    parser.add_argument("--sweeps", type=int, default=3, help="passes over all samples (the median is over all of them)")
+    parser.add_argument("--sweeps", type=int, default=3, help="passes over all samples (each sample keeps its lowest pass median)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
 
