@@ -79,6 +79,9 @@ def test_put_match_read_round_trip_is_bit_exact(tmp_path):
     assert saved.n_tokens == 20 and [(r.start, r.n_tokens) for r in saved.chunks] == [(0, 8), (8, 8), (16, 4)]
     found = store.match(ids)
     assert found == saved  # limit (22 - 1) // 4 * 4 = 20
+    h0 = hashlib.sha256(bytes.fromhex(FP["id"]) + np.arange(1, 9, dtype="<i8").tobytes()).hexdigest()
+    h1 = hashlib.sha256(bytes.fromhex(h0) + np.arange(9, 17, dtype="<i8").tobytes()).hexdigest()
+    assert [r.hash for r in saved.chunks[:2]] == [h0, h1]  # chained, seeded by the fingerprint
     assert_same_kv(read_back(store, found), kv, 20)
     # the blob is layer-major records: layer l of a full chunk is one aligned range
     ref = found.chunks[0]
@@ -116,8 +119,11 @@ def test_prefix_matching(tmp_path):
     b = a[:16] + [200, 201, 202, 203]  # shares chunks 0-1, ends with a partial chunk
     kv_b = torch.stack([torch.stack(layer) for layer in make_kv(20, seed=2)])  # [L, 2, H, T, d] like PrefixKV.kv
     kv_b[:, :, :, :16] = torch.stack([torch.stack(layer) for layer in kv_a])[:, :, :, :16]
+    written = []
+    write_blob = store._write_blob
+    store._write_blob = lambda ref, kv: written.append(ref.start) or write_blob(ref, kv)
     saved_b = store.put(b, kv_b)
-    assert len(blobs(tmp_path)) == 4  # only the partial chunk was new
+    assert written == [16] and len(blobs(tmp_path)) == 4  # only the partial chunk was new
     got = store.match(b + [5, 5])
     assert got == saved_b and got.n_tokens == 20 and got.chunks[-1].n_tokens == 4
     assert_same_kv(read_back(store, got), [tuple(layer) for layer in kv_b], 20)
@@ -388,6 +394,25 @@ def test_local_reads_fall_back_from_o_direct_once_and_resume_short_reads(tmp_pat
         store.read(saved.chunks[1], 0, buf)
 
 
+def finishes(fn, *args):
+    """Run fn in a thread and return (or raise) what it did; a read that hangs fails the test instead of it."""
+    result = {}
+
+    def run():
+        try:
+            result["value"] = fn(*args)
+        except BaseException as exc:
+            result["error"] = exc
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(60)
+    assert not thread.is_alive(), f"{fn} still running after 60 s: hung"
+    if "error" in result:
+        raise result["error"]
+    return result.get("value")
+
+
 # ---- HTTP ---------------------------------------------------------------------------------------------
 
 class RangeHandler(http.server.BaseHTTPRequestHandler):
@@ -422,6 +447,8 @@ class RangeHandler(http.server.BaseHTTPRequestHandler):
             self.wfile.write(data)
             return
         a, b = (int(x) for x in rng.removeprefix("bytes=").split("-"))
+        if srv.mode == "wrong-range":  # the right length from the wrong place
+            a, b = a + 4096, b + 4096
         body = data[a:b + 1]
         self._head(206, len(body), Content_Range=f"bytes {a}-{a + len(body) - 1}/{len(data)}")
         if srv.mode in ("drop", "stall"):
@@ -476,13 +503,16 @@ def test_http_failures_raise_chunk_unavailable(server):
         remote.read(saved.chunks[1], 0, buf)
     server.mode = "drop"  # the connection closes mid-body
     with pytest.raises(ChunkUnavailable):
-        remote.read(ref, 1, buf)
+        finishes(remote.read, ref, 1, buf)
+    server.mode = "wrong-range"
+    with pytest.raises(ChunkUnavailable, match="Content-Range"):
+        remote.read(ref, 0, buf)
     server.mode = "ignore-range"
     with pytest.raises(ChunkUnavailable, match="ignores Range"):
         remote.read(ref, 1, buf)
     server.mode = "stall"  # half the body, then silence: the timeout ends it
     with pytest.raises(ChunkUnavailable):
-        remote.read(ref, 2, buf)
+        finishes(remote.read, ref, 2, buf)
     server.release.set()
     server.mode = "normal"
     remote.read(ref, 2, buf)  # a fresh connection after the failures
