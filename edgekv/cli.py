@@ -16,17 +16,22 @@ def _generate(args) -> int:
 
     from edgekv.runtime import Engine
 
-    if not args.prompt and not args.chat:
-        raise ValueError("nothing to generate from: pass --prompt TEXT or --chat MESSAGE")
+    if not args.prompt and not args.chat and not args.context:
+        raise ValueError("nothing to generate from: pass --prompt TEXT, --chat MESSAGE or --context NAME")
     prompts = [json.loads(p) if p.lstrip().startswith("[") else p for p in args.prompt or []]
     prompts += [[{"role": "user", "content": c}] for c in args.chat or []]
+    prompts = prompts or [""]  # --context alone: continue the stored context
+    if args.context and not (args.kv_path or args.store):
+        raise ValueError(f"--context {args.context} needs the store it was saved to: pass the same --kv-path (or --store)")
     with contextlib.ExitStack() as stack:
         kv_path = args.kv_path or stack.enter_context(tempfile.TemporaryDirectory(prefix="edgekv-kv-"))
         engine = stack.enter_context(Engine.from_pretrained(args.model, kv_offload_path=kv_path, config=args.config,
                                                             policy=args.policy))
+        if args.context or args.store:
+            engine.open_context_store(_store_location(args))
         results = engine.generate(
             prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-            top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+            top_p=args.top_p, top_k=args.top_k, seed=args.seed, context=args.context,
         )
     for result in results:
         if args.json:
@@ -34,6 +39,71 @@ def _generate(args) -> int:
                               "finish_reason": result.finish_reason, "stats": result.stats}))
         else:
             print(result.text)
+    return 0
+
+
+def _store_location(args) -> str:
+    """--store, else the store folder under --kv-path: contexts live on the KV disk beside the running KV."""
+    if not (args.store or args.kv_path):
+        raise ValueError("which context store? pass --kv-path (the store is KV_PATH/contexts) or --store")
+    return args.store or str(Path(args.kv_path) / "contexts")
+
+
+def _context(args) -> int:
+    from edgekv.runtime.store import ContextStore
+
+    if args.action == "save":
+        from edgekv.runtime import Engine
+
+        if not args.name or not args.file:
+            raise ValueError("context save needs NAME and FILE (or - for standard input)")
+        if args.model is None:
+            raise ValueError("context save needs --model: the KV is the model's")
+        text = sys.stdin.read() if args.file == "-" else Path(args.file).read_text(encoding="utf-8")
+        context = json.loads(text) if text.lstrip().startswith("[") else text  # token ids, like generate's --prompt
+        with Engine.from_pretrained(args.model, config={"max_context": args.max_context}, policy="full") as engine:
+            engine.open_context_store(_store_location(args), chunk_tokens=args.chunk_tokens,
+                                      max_bytes=int(args.max_mib * 2**20) if args.max_mib else None)
+            stored = engine.save_context(context, name=args.name)
+        print(json.dumps({"name": args.name, "stored_tokens": stored.n_tokens, "chunks": len(stored.chunks)}))
+        return 0
+    store = ContextStore.open_existing(_store_location(args))
+    if args.action == "list":
+        for row in store.contexts():
+            print(json.dumps(row))
+    elif args.all:
+        store.remove_all()
+    elif args.name:
+        store.remove(args.name)
+    else:
+        raise ValueError("context rm needs NAME (or --all)")
+    return 0
+
+
+def _ttft(args) -> int:
+    from edgekv import ttft_bench
+
+    rates = [float(r) for r in args.link_mib_s.split(",") if r]
+    if not rates or min(rates) <= 0:
+        raise ValueError(f"--link-mib-s {args.link_mib_s}: give positive rates, e.g. 50,100,200,400")
+    if args.drop_at is not None and not 0 < args.drop_at < 1:
+        raise ValueError(f"--drop-at {args.drop_at}: a fraction of the load-only time, between 0 and 1")
+    costs = None
+    if args.costs:
+        from edgekv.runtime.ttft.costs import cost_model_from_json
+
+        data = json.loads(Path(args.costs).read_text())
+        costs = cost_model_from_json(data.get("predictor", data))
+    contexts = [int(c) for c in args.contexts.split(",")]
+    meta = {"model": args.model, "contexts": contexts, "link_mib_s": rates, "drop_at": args.drop_at,
+            "chunk_tokens": args.chunk_tokens, "costs": args.costs}
+    runs = ttft_bench.run(args.model, contexts, rates, args.drop_at, args.kv_path, chunk_tokens=args.chunk_tokens,
+                          new_tokens=args.new_tokens, costs=costs, quiet=args.quiet, text=args.text, meta=meta)
+    print(ttft_bench.table(runs))
+    if args.json:
+        ttft_bench.write_json(Path(args.json), runs, meta)
+    if args.png:
+        ttft_bench.plot(runs, Path(args.png))
     return 0
 
 
@@ -268,7 +338,41 @@ def main(argv=None) -> int:
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--seed", type=int)
     gen.add_argument("--json", action="store_true", help="one JSON line per prompt (token ids, text, stats) instead of the text")
+    gen.add_argument("--context", help="a context saved with `edgekv context save`, put before every prompt (its KV is loaded "
+                                       "or recomputed chunk by chunk, whichever is faster)")
+    gen.add_argument("--store", help="the context store: a folder or an http(s):// URL of a published one (default: "
+                                     "KV_PATH/contexts); prompts reuse their longest stored prefix")
     gen.set_defaults(func=_generate)
+
+    ctx = sub.add_parser("context", help="the context store: save a context's KV once, reuse it across requests")
+    ctx.add_argument("action", choices=["save", "list", "rm"])
+    ctx.add_argument("name", nargs="?", help="the context's name (save, rm)")
+    ctx.add_argument("file", nargs="?", help="the context's text file (or a JSON list of token ids), - for standard input (save)")
+    ctx.add_argument("--model", help=MODEL_HELP + " (save)")
+    ctx.add_argument("--kv-path", help="folder on the KV disk; the store is KV_PATH/contexts")
+    ctx.add_argument("--store", help="the store folder itself (instead of --kv-path)")
+    ctx.add_argument("--chunk-tokens", type=int, default=512, help="tokens per stored chunk (a multiple of G) (save)")
+    ctx.add_argument("--max-context", type=int, default=32768, help="the longest context to accept (save)")
+    ctx.add_argument("--max-mib", type=float, help="size cap of the store; least recently used chunks are evicted (save)")
+    ctx.add_argument("--all", action="store_true", help="remove every context (rm)")
+    ctx.set_defaults(func=_context)
+
+    tt = sub.add_parser("ttft", help="time to first token with a stored context: full prefill, load-only, "
+                                     "bidirectional (Cake) and edgekv's load-or-compute plan, per link rate")
+    tt.add_argument("--model", default="fixture", help=MODEL_HELP)
+    tt.add_argument("--contexts", default="8192")
+    tt.add_argument("--link-mib-s", default="50,100,200,400", help="store read rates to emulate (pacing the reads)")
+    tt.add_argument("--drop-at", type=float, help="halve the link rate once this fraction of the load-only time has passed")
+    tt.add_argument("--kv-path", help="folder on the KV disk for the store (default: the system temp dir)")
+    tt.add_argument("--chunk-tokens", type=int, default=512)
+    tt.add_argument("--new-tokens", type=int, default=8, help="greedy tokens compared with full prefill's")
+    tt.add_argument("--costs", help="compute cost model JSON from `python -m edgekv.install.chunk_profile` "
+                                    "(default: profiled and fit here, the report in the JSON)")
+    tt.add_argument("--text", default="builtin", help="the context text: builtin (license texts) or a file")
+    tt.add_argument("--json", help="write {runs: [...]} here")
+    tt.add_argument("--png", help="TTFT vs link rate plot")
+    tt.add_argument("--quiet", action="store_true")
+    tt.set_defaults(func=_ttft)
 
     nat = sub.add_parser("build-native", help="compile the C KV reader (io_uring and pthread backends)")
     nat.set_defaults(func=_build_native)

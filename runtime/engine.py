@@ -34,6 +34,8 @@ from .scoring import InStorageScorer, NumpyScorer
 from .selector import KEYS_PER_RANK, AllGroupsSelector, LowRankSelector, RandomSelector
 from .slots import PreloadSlots, SlotTable
 from .solutions import SolutionTable, load_deployed
+from .ttft.compute import PrefixKV
+from .ttft.prefill import TTFTOptions, run_prefill
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +71,9 @@ class Engine:
         self.solutions = solutions
         self.scorer = scorer  # hillinfer's in-storage scorer (a platform's backend); the numpy reference if None
         self.prompt_cache: PromptKVCache | None = None  # set to share prompt KV across engines on this model
+        self.context_store = None  # a runtime.store.ContextStore (open_context_store): stored prefixes skip compute
+        self.ttft = TTFTOptions()  # how a prompt with a stored prefix is prefilled (method, costs, link rate)
+        self.prefill_stats: list[dict] = []  # per prompt of the last batch: how its prefill went
         self._adapters: dict[str, LowRankAdapter] = {}
         self.events = EventBus()
         if os.environ.get("EDGEKV_EVENTS_FILE"):  # set by `edgekv energy` for the process it measures
@@ -111,6 +116,42 @@ class Engine:
         decoder = load_model(model_dir, device, dtype, max_context)
         return cls(decoder, cfg, policy, kv_offload_path, load_tokenizer(model_dir), adapter, solutions, scorer)
 
+    # ---- the context store ----------------------------------------------------------------------
+
+    def open_context_store(self, location: str | Path, chunk_tokens: int = 512, max_bytes: int | None = None):
+        """Attach a context store (a local folder, or an http(s):// URL of a published one, read-only).
+
+        Prompts then reuse their longest stored prefix; ``save_context`` adds contexts to it.
+        """
+        from .store import ContextStore, model_fingerprint
+
+        dims = self.model.dims
+        found = ContextStore.geometry_at(location) or {}  # an existing store keeps its geometry
+        G = found.get("group_tokens", self.config.G)
+        layout = RecordLayout(G, dims.n_kv_heads, dims.head_dim, self.model.dtype,
+                              found.get("align_bytes", self.config.io_align_bytes))
+        self.context_store = ContextStore.open(location, model_fingerprint(self.model), layout, dims.n_layers,
+                                               chunk_tokens=found.get("chunk_tokens", chunk_tokens), max_bytes=max_bytes)
+        return self.context_store
+
+    @torch.inference_mode()
+    def save_context(self, context, name: str | None = None):
+        """Compute a context's KV once (text, token ids, or chat messages) and keep it in the store; returns what is stored.
+
+        A prompt that starts with it later loads or recomputes each chunk, whichever is faster (``ttft``).
+        """
+        if self.context_store is None:
+            raise ValueError("no context store: call open_context_store(folder) first (CLI: --kv-path)")
+        ids = self._tokenize([context])[0]
+        kv = PrefixKV(self.model, len(ids))
+        prefill(self.model, ids, kv.put_prompt)
+        return self.context_store.put(ids, [kv.layer(layer) for layer in range(self.model.dims.n_layers)], name=name)
+
+    def context_ids(self, name: str) -> list[int]:
+        if self.context_store is None:
+            raise ValueError(f"context {name!r} asked for but no context store is open: pass the --kv-path it was saved to")
+        return self.context_store.context_ids(name)
+
     # ---- generation -------------------------------------------------------------------------
 
     def generate(
@@ -125,6 +166,7 @@ class Engine:
         output_logits: bool = False,
         teacher_forcing: list[list[int]] | None = None,
         chat: bool = False,
+        context: str | None = None,
     ) -> list[GenerationResult]:
         """One result per prompt (strings, token-id lists, or chat messages), in order; batches of at most max_batch.
 
@@ -135,7 +177,11 @@ class Engine:
         teacher_forcing: per prompt, tokens fed as the decode inputs instead of the sampled ones
         (so every continuation token goes through the decode path and its KV policy); token_ids
         then holds the model's choice after the prompt and after each forced token.
+        context: the name of a stored context, put before every prompt (its KV comes from the store).
         """
+        if context is not None:
+            head = self.context_ids(context)
+            prompts = [head + p if _is_ids(p) else head + self._tokenize([p], chat)[0] for p in prompts]
         token_prompts = self._tokenize(prompts, chat)
         forced = teacher_forcing or [None] * len(token_prompts)
         if len(forced) != len(token_prompts):
@@ -202,6 +248,7 @@ class Engine:
         needed = max(len(p) + (len(f) + 1 if f is not None else max_new_tokens) for p, f in zip(prompts, forced))
         cfg = self._batch_config(batch, needed)
         policy = self._make_policy(batch, cfg)
+        self.prefill_stats = []
         try:
             prefill_s, first_logits = [], []
             for seq, ids in enumerate(prompts):
@@ -263,6 +310,14 @@ class Engine:
             for layer, (k, v) in enumerate(cached.kv):
                 policy.store_prompt(layer, seq, k, v)
             return cached.logits
+        stored = self.context_store.match(ids) if self.context_store is not None else None
+        if stored is not None:
+            result = run_prefill(self.model, ids, self.context_store, stored, self.ttft)
+            self.prefill_stats.append(result.stats)
+            self.events.emit("prefill_from_store", seq=seq, stored_tokens=stored.n_tokens, method=result.method)
+            for layer in range(self.model.dims.n_layers):
+                policy.store_prompt(layer, seq, *result.kv.layer(layer))
+            return result.logits
         kept = []
 
         def keep(layer, k, v):
@@ -419,6 +474,10 @@ def _next_inputs(chosen: torch.Tensor, generated: list[list[int]], forced) -> to
         if f is not None and len(generated[seq]) <= len(f):
             inputs[seq] = f[len(generated[seq]) - 1]
     return inputs
+
+
+def _is_ids(prompt) -> bool:
+    return isinstance(prompt, (list, tuple)) and bool(prompt) and all(isinstance(t, int) for t in prompt)
 
 
 def _is_messages(prompt) -> bool:

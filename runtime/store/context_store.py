@@ -116,6 +116,31 @@ class ContextStore:
             store._clean()
         return store
 
+    @staticmethod
+    def geometry_at(location: str | Path, timeout_s: float = 30.0) -> dict | None:
+        """The geometry (G, align, chunk_tokens) of the store at ``location``; None when there is none yet.
+
+        An engine opens an existing store with its geometry, so a config with another G still reuses it.
+        """
+        loc = str(location)
+        if loc.startswith(("http://", "https://")):
+            data = HttpBackend(loc, timeout_s).read_file(STORE_FILE)
+        else:
+            path = Path(loc) / STORE_FILE
+            data = path.read_bytes() if path.is_file() else None
+        return json.loads(data) if data else None
+
+    @classmethod
+    def open_existing(cls, location: str | Path, timeout_s: float = 30.0) -> "ContextStore":
+        """An existing store opened with no model, to list and remove contexts (``edgekv context list|rm``);
+        it matches no prompt (its fingerprint is no model's)."""
+        found = cls.geometry_at(location, timeout_s)
+        if found is None:
+            raise ContextStoreError(f"no context store at {location} (no {STORE_FILE}); save a context there first "
+                                    "(edgekv context save NAME --model M --kv-path P FILE)")
+        layout = RecordLayout(found["group_tokens"], 1, 1, torch.float32, found["align_bytes"])
+        return cls.open(location, {"id": "00"}, layout, 1, found["chunk_tokens"], timeout_s=timeout_s)
+
     def _geometry(self) -> dict:
         return {"format": FORMAT, "group_tokens": self.layout.group_tokens, "align_bytes": self.layout.align_bytes,
                 "chunk_tokens": self.chunk_tokens}

@@ -23,6 +23,7 @@ class PrefixKV:
         self.kv = torch.zeros(shape, dtype=model.dtype, device=model.device)
         self.n_tokens = n_tokens
 
+    @torch.inference_mode()  # also on the I/O thread: the buffer is an inference tensor when made in the engine
     def put(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v [H_kv, n, d] become tokens [start, start + n) of ``layer``."""
         stop = start + k.shape[1]
