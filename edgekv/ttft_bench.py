@@ -50,6 +50,7 @@ class TTFTRun:
     to_compute: int = 0
     to_load: int = 0
     failed_loads: int = 0
+    recomputed: int = 0
     plan_s: float | None = None
     chunks_s: float | None = None  # the load/compute phase alone (the executor's wall time)
     overlap_bound_s: float | None = None  # no schedule of the stored chunks can be faster (see overlap_bound_s)
@@ -134,7 +135,7 @@ def run(model: str, contexts: list[int], link_rates: list[float], drop_at: float
                         method, context, round(rate, 1), result.stats["prefill_s"], result.token_ids == full.token_ids,
                         drop_at, rate == crossover, stats.get("stored_tokens", 0), stats.get("loaded", 0),
                         stats.get("computed", 0), stats.get("bytes_loaded", 0), stats.get("to_compute", 0),
-                        stats.get("to_load", 0), stats.get("failed_loads", 0), stats.get("plan_s"),
+                        stats.get("to_load", 0), stats.get("failed_loads", 0), stats.get("recomputed", 0), stats.get("plan_s"),
                         stats.get("wall_s"), bound,
                     ))
                     progress.write(_line(runs[-1]))

@@ -158,3 +158,24 @@ def test_a_slow_link_moves_chunks_to_the_compute_thread(model, reference):
     assert 0 < stats.to_compute <= 4  # one stage in a depth plan: at most max_migrations moves
     assert stats.loaded == grid.n_chunks * (grid.n_layers - 1) - stats.to_compute
     _assert_exact(reference, kv, logits)
+
+
+def test_an_idle_compute_thread_continues_a_chain_through_loaded_layers(model, reference):
+    """Layer 1 of every chunk arrives at once, the layers above it slowly: to take a layer-2 chunk the compute
+    thread first computes the loaded layer 1 again (its hidden states never existed), and says so."""
+    _run.ref_kv = reference[1]
+
+    class Staged(MemoryLoader):
+        def load(self, t, l):
+            self.delay_s = 0.0 if l == 1 else 0.3
+            return super().load(t, l)
+
+    def make(grid, computer):
+        plan = plan_from_depths(grid, [1] * grid.n_chunks)
+        return Executor(grid, computer, Staged(grid, reference[1]), plan.compute_order, plan.load_order, assign=plan.assign,
+                        compute_s=np.full(grid.shape, 1e-3), link_mib_s=1000.0, adapt=True)
+
+    grid, kv, logits, stats = _run(model, reference, make)
+    assert stats.to_compute > 0 and stats.recomputed > 0
+    assert stats.computed == grid.n_chunks + stats.to_compute  # layer 0 everywhere, plus the stolen ones
+    _assert_exact(reference, kv, logits)

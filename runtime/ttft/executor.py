@@ -7,7 +7,7 @@ unless the run drifts from it (runtime adaptation, SparKV IV-D):
     is longer than that chunk's compute (predicted x measured compute speed);
   * the I/O thread, out of loads, takes the top computed layer of the last token chunk
     still pending when loading it ends before the compute thread would reach it;
-at most ``max_migrations`` moves per path per plan stage.  A load that fails (the store
+at most ``max_migrations`` moves per path per plan stage (default: 5 % of the chunks, at least 4).  A load that fails (the store
 raised) is recomputed: its token chunk's layers up to it move to the compute path, and the
 answer is unchanged.  In ``claim`` mode (Cake's bidirectional baseline) both paths walk
 their own order over all chunks and the first to claim a chunk takes it.
@@ -49,6 +49,7 @@ class RunStats:
     to_compute: int = 0  # load-assigned chunks the compute thread took (adaptation)
     to_load: int = 0  # compute-assigned chunks the I/O thread took (adaptation)
     failed_loads: int = 0
+    recomputed: int = 0  # loaded chunks computed again on the way to a stolen one
     events: list = field(default_factory=list)  # ("load" | "compute", t, l, finished_s) in finishing order
 
     def to_json(self) -> dict:
@@ -58,7 +59,7 @@ class RunStats:
 class Executor:
     def __init__(self, grid: ChunkGrid, compute: ChunkCompute, loader: ChunkLoader, compute_order, load_order,
                  assign: np.ndarray | None = None, compute_s: np.ndarray | None = None, link_mib_s: float | None = None,
-                 stages: np.ndarray | None = None, adapt: bool = True, max_migrations: int = 4):
+                 stages: np.ndarray | None = None, adapt: bool = True, max_migrations: int | None = None):
         """``assign`` None means claim mode (both orders cover every chunk); else plan mode with that assignment."""
         self.grid = grid
         self.compute = compute
@@ -71,7 +72,7 @@ class Executor:
         self.link_bytes_s = (link_mib_s or 0.0) * 2**20
         self.stages = stages
         self.adapt = adapt and not self.claim_mode
-        self.max_migrations = max_migrations
+        self.max_migrations = max_migrations or max(4, grid.n_chunks * grid.n_layers // 20)  # per path and stage
         self.state = np.full(grid.shape, PENDING, np.int8)
         self.computed = np.zeros(grid.shape, bool)
         self.present = np.zeros(grid.shape, bool)
@@ -82,6 +83,7 @@ class Executor:
         self._compute_speed = 1.0  # measured / predicted compute time
         self._loading: tuple[int, int, float] | None = None  # (t, l, started) of the load in flight
         self._recent: list[tuple[int, float]] = []  # (bytes, seconds) per finished load: the measured link rate
+        self._through: dict[int, list[int]] = {}  # token chunk -> loaded layers to compute again before a stolen one
 
     # ---- shared state (callers hold self._cv) ----------------------------------------------
 
@@ -208,16 +210,28 @@ class Executor:
         return self._steal_for_compute(first_blocked) or ("wait" if first_blocked else None)
 
     def _steal_for_compute(self, blocked: tuple[int, int] | None) -> tuple[int, int] | None:
-        """A load-assigned chunk computable now, when the wait for the blocked chunk's inputs (or, with no
-        computing left, for the last load) is longer than computing it."""
+        """The lowest token chunk whose next load-assigned layer the compute thread can reach now, when the wait
+        for the blocked chunk's inputs (or, with no computing left, for the last load) is longer than reaching it.
+
+        Reaching it may pass through layers already loaded (their KV holds no hidden states): those are
+        computed again on the way, as Cake's compute thread would have, and their cost is counted."""
         wait_s = self._expected_wait_s(*blocked) if blocked else self._expected_wait_s(None, None)
-        for c in self.load_order:
-            if self.state[c] == PENDING and self.assign[c] == LOAD and self._ready(*c):
-                if self.compute_s[c] * self._compute_speed < wait_s and self._budget("compute", *c):
-                    self.assign[c] = COMPUTE
-                    self.stats.to_compute += 1
-                    return c
-                return None
+        for t in range(self.grid.n_chunks):
+            depth = int(np.argmin(self.computed[t])) if not self.computed[t].all() else self.grid.n_layers
+            if depth < self.grid.n_layers and self.state[t, depth] == CLAIMED and self.assign[t, depth] == COMPUTE:
+                continue  # its chain is being computed right now
+            target = next((l for l in range(depth, self.grid.n_layers)
+                           if self.state[t, l] == PENDING and self.assign[t, l] == LOAD), None)
+            if target is None or any(self.state[t, l] != DONE for l in range(depth, target)):
+                continue
+            if any(l > 0 and not self.present[:t, l - 1].all() for l in range(depth, target + 1)):
+                continue
+            cost_s = float(self.compute_s[t, depth:target + 1].sum()) * self._compute_speed
+            if cost_s < wait_s and self._budget("compute", t, target):
+                self.assign[t, target] = COMPUTE
+                self._through[t] = list(range(depth, target))
+                self.stats.to_compute += 1
+                return t, target
         return None
 
     def _expected_wait_s(self, t: int | None, l: int | None) -> float:
@@ -263,13 +277,19 @@ class Executor:
                         break
                     t, l = nxt
                     self.state[t, l] = CLAIMED
+                    through = self._through.pop(t, [])
                 started = time.perf_counter()
+                for k in through:
+                    self.compute.advance(self.grid.span(t), k)
                 self.compute.advance(self.grid.span(t), l)
                 spent = time.perf_counter() - started
                 with self._cv:
+                    self.computed[t, through] = True
+                    self.stats.recomputed += len(through)
                     self.stats.compute_busy_s += spent
-                    if self.compute_s[t, l] > 0:
-                        self._compute_speed = 0.7 * self._compute_speed + 0.3 * spent / self.compute_s[t, l]
+                    predicted = self.compute_s[t, [*through, l]].sum()
+                    if predicted > 0:
+                        self._compute_speed = 0.7 * self._compute_speed + 0.3 * spent / predicted
                     self._finish("compute", t, l)
         finally:
             with self._cv:
