@@ -94,6 +94,7 @@ class DiskKVStore:
         self.dir = root / f"edgekv-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.o_direct: bool | None = None
         self._fds = np.full((0, n_layers), -1, dtype=np.int32)  # [sequence, layer] -> fd, -1 when closed
+        self._prefix: dict[int, tuple[np.ndarray, np.ndarray, int]] = {}  # seq -> (blob fds, groups per blob, groups)
         self.bytes_written = 0
 
     def _open(self, path: Path) -> int:
@@ -126,8 +127,41 @@ class DiskKVStore:
         for layer in range(self.n_layers):  # recorded one by one: a failed open leaves the others for release
             self._fds[seq, layer] = self._open(self._path(seq, layer))
 
+    def attach_prefix(self, seq: int, blobs: list[tuple[Path, int]]) -> None:
+        """Serve the first groups of ``seq`` from stored blobs instead of its own files (no copy).
+
+        ``blobs``: (path, groups) per stored token chunk, in order; a blob holds every layer's records,
+        layer-major (the context store's layout), so group g of layer l sits in blob g // groups_of_chunk
+        at record l * groups + g % groups_of_chunk.  Writes to those groups are skipped from now on.
+        """
+        fds = []
+        try:
+            for path, _ in blobs:
+                fds.append(self._open_read(Path(path)))
+        except BaseException:
+            for fd in fds:
+                os.close(fd)
+            raise
+        groups = np.array([g for _, g in blobs], dtype=np.int64)
+        self._prefix[seq] = (np.array(fds, dtype=np.int32), groups, int(groups.sum()))
+
+    def prefix_groups(self, seq: int) -> int:
+        return self._prefix[seq][2] if seq in self._prefix else 0
+
+    def _open_read(self, path: Path) -> int:
+        if self.o_direct is not False:
+            try:
+                return os.open(path, os.O_RDONLY | os.O_DIRECT)
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+        return os.open(path, os.O_RDONLY)
+
     def write_groups(self, seq: int, layer: int, first_group: int, records: np.ndarray) -> None:
-        """Write aligned records [n, stride] as groups first_group .. first_group+n-1."""
+        """Write aligned records [n, stride] as groups first_group .. first_group+n-1 (those an attached
+        prefix holds are already on disk and are skipped)."""
+        skip = max(0, min(self.prefix_groups(seq) - first_group, records.shape[0]))
+        records, first_group = records[skip:], first_group + skip
         if records.shape[0] == 0:
             return
         fd = int(self._fds[seq, layer])
@@ -140,14 +174,28 @@ class DiskKVStore:
 
     def batch(self, layer: int, seqs: np.ndarray, groups: np.ndarray, addresses: np.ndarray) -> ReadBatch:
         """Reads of group records ``groups[i]`` of sequences ``seqs[i]`` into aligned host ``addresses[i]``."""
-        return ReadBatch(self._fds[seqs, layer], groups.astype(np.int64) * self.layout.stride_bytes,
-                         addresses, self.layout.stride_bytes)
+        fds = np.array(self._fds[seqs, layer])
+        offsets = groups.astype(np.int64) * self.layout.stride_bytes
+        for seq in set(self._prefix) & set(np.unique(seqs).tolist()):
+            blob_fds, blob_groups, n_prefix = self._prefix[seq]
+            hit = (seqs == seq) & (groups < n_prefix)
+            if hit.any():
+                per_blob = int(blob_groups[0])  # every blob but the last holds a full chunk
+                g = groups[hit].astype(np.int64)
+                t, within = g // per_blob, g % per_blob
+                fds[hit] = blob_fds[t]
+                offsets[hit] = (layer * blob_groups[t] + within) * self.layout.stride_bytes
+        return ReadBatch(fds, offsets, addresses, self.layout.stride_bytes)
 
     def read(self, batch: ReadBatch) -> None:
         self.reader.read(batch)
 
     def release(self, seq: int) -> None:
-        """Close and delete one sequence's files; each fd is forgotten before it is closed, so none is closed twice."""
+        """Close and delete one sequence's files; each fd is forgotten before it is closed, so none is closed twice.
+        An attached prefix's blobs are closed, never deleted (the context store owns them)."""
+        blob_fds = self._prefix.pop(seq, (np.zeros(0, np.int32),))[0]
+        for fd in blob_fds.tolist():
+            os.close(fd)
         if seq >= len(self._fds):
             return
         for layer in np.flatnonzero(self._fds[seq] >= 0).tolist():

@@ -315,6 +315,7 @@ class Engine:
             result = run_prefill(self.model, ids, self.context_store, stored, self.ttft)
             self.prefill_stats.append(result.stats)
             self.events.emit("prefill_from_store", seq=seq, stored_tokens=stored.n_tokens, method=result.method)
+            self._attach_stored(policy, seq, stored)
             for layer in range(self.model.dims.n_layers):
                 policy.store_prompt(layer, seq, *result.kv.layer(layer))
             return result.logits
@@ -329,6 +330,16 @@ class Engine:
         if self.prompt_cache is not None:
             self.prompt_cache.put(ids, PromptKV(kept, logits))
         return logits
+
+    def _attach_stored(self, policy: KVPolicy, seq: int, stored) -> None:
+        """A disk policy with the store's record layout reads the stored prefix from the store's blobs in place
+        (its own files get only the rest); a remote store or another layout is copied like any prompt."""
+        store = self.context_store
+        disk = getattr(policy, "store", None)
+        if not isinstance(policy, OffloadedKV) or store.root is None or disk.layout != store.layout:
+            return
+        G = store.layout.group_tokens
+        disk.attach_prefix(seq, [(store.backend.blob_path(ref.hash), ref.n_tokens // G) for ref in stored.chunks])
 
     def _decode_step(self, policy: KVPolicy, tokens: torch.Tensor, active: np.ndarray) -> torch.Tensor:
         """One token for every sequence: layer i+1's KV is fetched while layer i computes."""

@@ -51,12 +51,13 @@ def test_every_method_gives_full_prefills_tokens(tmp_path, ids, reference, metho
             assert stats["loaded"] == 4 * engine.model.dims.n_layers and stats["computed"] == 0
 
 
-def test_kvswap_decodes_from_a_stored_prefix(tmp_path, ids):
+@pytest.mark.parametrize("policy", ["kvswap", "flexgen", "hillinfer"])
+def test_disk_policies_decode_from_a_stored_prefix(tmp_path, ids, policy):
     kv = tmp_path / "kv"
     kv.mkdir()
-    with Engine.from_pretrained("fixture", policy="kvswap", kv_offload_path=kv) as plain:
+    with Engine.from_pretrained("fixture", policy=policy, kv_offload_path=kv) as plain:
         expected = plain.generate([ids], max_new_tokens=NEW_TOKENS)[0].token_ids
-    with _engine(tmp_path / "store", policy="kvswap", kv_path=kv) as engine:
+    with _engine(tmp_path / "store", policy=policy, kv_path=kv) as engine:
         engine.save_context(ids[:CONTEXT_TOKENS])
         out = engine.generate([ids], max_new_tokens=NEW_TOKENS)[0]
     assert engine.prefill_stats[0]["stored_tokens"] == CONTEXT_TOKENS
@@ -189,3 +190,44 @@ def test_overlap_bound_is_below_every_schedule():
         assert bound > 0
     assert overlap_bound_s(np.array([1.0, 1.0]), np.array([1.0, 1.0])) == 1.0
     assert abs(overlap_bound_s(np.array([2.0, 2.0]), np.array([1.0, 1.0])) - 4 / 3) < 1e-12
+
+
+def test_the_disk_store_reads_a_stored_prefix_in_place_and_writes_only_the_rest(tmp_path, ids):
+    """kvswap decodes straight from the store's blobs: a group of the prefix is read from its blob (chunk
+    t = g // groups per chunk, layer-major inside), the sequence's own file gets only the groups after it."""
+    import numpy as np
+
+    from edgekv.runtime.disk_store import DiskKVStore, aligned_zeros
+    from edgekv.runtime.reader import open_reader
+    from edgekv.runtime.ttft.compute import PrefixKV
+    from edgekv.runtime.forward import prefill
+
+    with _engine(tmp_path / "store") as engine:
+        model, store = engine.model, engine.context_store
+        kv = PrefixKV(model, len(ids))
+        prefill(model, ids, kv.put_prompt)
+        stored = store.put(ids[:CONTEXT_TOKENS], [kv.layer(layer) for layer in range(model.dims.n_layers)])
+        layout, G = store.layout, store.layout.group_tokens
+        (tmp_path / "kv").mkdir()
+        reader = open_reader("python", 8)
+        disk = DiskKVStore(tmp_path / "kv", model.dims.n_layers, layout, reader)
+        try:
+            disk.open_sequence(0)
+            disk.attach_prefix(0, [(store.backend.blob_path(r.hash), r.n_tokens // G) for r in stored.chunks])
+            n_groups, prefix = len(ids) // G, stored.n_tokens // G
+            for layer in range(model.dims.n_layers):
+                k, v = kv.layer(layer)
+                disk.write_groups(0, layer, 0, layout.pack(k[:, : n_groups * G], v[:, : n_groups * G]))
+            assert disk.bytes_written == model.dims.n_layers * (n_groups - prefix) * layout.stride_bytes
+            groups = np.array([0, prefix // 2, prefix - 1, prefix, n_groups - 1])  # both sides of the boundary
+            for layer in range(model.dims.n_layers):
+                out = aligned_zeros((len(groups), layout.stride_bytes), layout.align_bytes)
+                addresses = out.ctypes.data + np.arange(len(groups)) * layout.stride_bytes
+                disk.read(disk.batch(layer, np.zeros(len(groups), np.int64), groups, addresses))
+                k, v = kv.layer(layer)
+                expected = layout.pack(k[:, : n_groups * G], v[:, : n_groups * G])[groups]
+                assert (out[:, : layout.record_bytes] == expected[:, : layout.record_bytes]).all()
+        finally:
+            disk.close()
+            reader.close()
+        assert all(store.backend.blob_path(r.hash).exists() for r in stored.chunks)  # closed, never deleted
