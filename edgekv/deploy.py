@@ -262,6 +262,29 @@ def measure_compute(d: Deployment, batches: list[int], contexts: list[int]) -> c
     return profile
 
 
+def measure_chunks(d: Deployment, contexts: list[int]) -> tuple[Path, dict]:
+    """The chunk compute profile (load-or-compute prefill with stored contexts): the predictor fit on it is
+    written beside the config; the report keeps its and a roofline's held-out errors."""
+    from edgekv.install import chunk_profile
+
+    lengths = tuple(n for n in (256, 512) if n < d.prof.max_context) or (d.prof.max_context // 2,)
+    fp = {"model": d.model_fp, "device": str(d.device), "dtype": str(d.kv_dtype), "torch": torch.__version__,
+          "cpu": _cpu_model(), "threads": torch.get_num_threads(), "chunks": lengths, "contexts": contexts,
+          "edgekv": VERSION}
+    path = d.out / "ttft_costs.json"
+    cached = _cached(d.out / "chunks.json", fp, d.reprofile, "chunk compute", d.log)
+    if cached and path.is_file():
+        return path, cached["errors"]
+    steps = chunk_profile.n_chunk_steps(lengths, contexts, 2)
+    with _progress(steps, "chunk compute profile") as bar:
+        profile = chunk_profile.profile_chunks(d.model(), chunk_tokens_list=lengths, contexts=tuple(contexts),
+                                               sweeps=2, progress=bar.update, fingerprint=fp)
+    fitted = chunk_profile.fit_report(profile)
+    path.write_text(json.dumps(fitted, indent=1))
+    _save(d.out / "chunks.json", fp, {"profile": profile.to_json(), "errors": fitted["errors"]})
+    return path, fitted["errors"]
+
+
 def smartssd_scorer(d: Deployment):
     """The card's FPGA when this machine has the SmartSSD, else the kernel's C-simulation on the host CPU, said in the
     log (and, through the scorer's label, in the config and the report): its speed is the host's, not the card's."""
@@ -299,6 +322,7 @@ def run(platform: str | None = None, model: str | None = None, kv_path: str | No
     cache_root = Path(cache_dir or os.environ.get("EDGEKV_CACHE") or Path.home() / ".cache" / "edgekv")
     reuse, adapters = lookup_tables(d, cache_root, calibration)
     compute_profile = measure_compute(d, batches, contexts)
+    ttft_costs, ttft_errors = measure_chunks(d, contexts)
     d.release_model()
     measurements = {
         "platform": platform_for(prof).facts(),
@@ -306,6 +330,7 @@ def run(platform: str | None = None, model: str | None = None, kv_path: str | No
                  "fingerprint": disk_profile.fingerprint, "points": [p.__dict__ for p in disk_profile.points]},
         "compute": {"device": str(d.device), "dtype": str(d.kv_dtype), "block_ms": compute_profile.block_ms,
                     "predict_ms": compute_profile.predict_ms, "reuse_ms": compute_profile.reuse_ms},
+        "chunk_compute_errors": ttft_errors,
         "reuse_table": {str(g): rows for g, rows in reuse.items()},
     }
     if profile_only:
@@ -335,7 +360,7 @@ def run(platform: str | None = None, model: str | None = None, kv_path: str | No
         "sink_tokens": top.sink_tokens, "window_tokens": top.window_tokens,
         "max_kv_mem_mib": prof.max_kv_mem_mib, "max_batch": prof.max_batch, "max_context": prof.max_context,
         "adapter_path": adapters[float(top.sigma)], "io_align_bytes": limits.io_align_bytes, "io_queue_depth": queue_depth,
-        "klr_dtype": top.klr_dtype,
+        "klr_dtype": top.klr_dtype, "ttft_costs_path": str(ttft_costs),
         "solutions": [{**x.to_json(), "adapter_path": adapters[float(x.sigma)]} for x in solutions],
         "measurements": measurements, "edgekv_version": VERSION,
     }

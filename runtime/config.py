@@ -79,6 +79,7 @@ class RuntimeConfig:
     importance_rate: float = 0.2  # hillinfer alpha: the share of tokens selected (and kept recent in the CPU pool)
     beta: float = 1.0  # hillinfer: CPU / storage pool size ratio, ~ f_cpu / f_ssd (HillInfer Eq. 1)
     score_block_tokens: int = 1024  # hillinfer: tokens per in-storage score block
+    ttft_costs_path: str | None = None  # the install step's chunk compute predictor (JSON) for load-or-compute plans
 
     @classmethod
     def load(cls, source: "RuntimeConfig | dict | str | Path | None") -> "RuntimeConfig":

@@ -6,6 +6,7 @@ The whole offloading policy is visible in ``_make_policy``; the decode loop in
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import time
@@ -72,7 +73,7 @@ class Engine:
         self.scorer = scorer  # hillinfer's in-storage scorer (a platform's backend); the numpy reference if None
         self.prompt_cache: PromptKVCache | None = None  # set to share prompt KV across engines on this model
         self.context_store = None  # a runtime.store.ContextStore (open_context_store): stored prefixes skip compute
-        self.ttft = TTFTOptions()  # how a prompt with a stored prefix is prefilled (method, costs, link rate)
+        self.ttft = TTFTOptions(compute_costs=_ttft_costs(self.config.ttft_costs_path))  # prefill with a stored prefix
         self.prefill_stats: list[dict] = []  # per prompt of the last batch: how its prefill went
         self._adapters: dict[str, LowRankAdapter] = {}
         self.events = EventBus()
@@ -109,6 +110,7 @@ class Engine:
         dtype = dtype or _default_dtype(device)
         dims = ModelDims.from_config(hf_cfg)
         adapter = _load_adapter(cfg, policy)
+        _ttft_costs(cfg.ttft_costs_path)  # a bad cost model file is named before the weights load
         _preflight(policy, cfg.for_policy(policy), dims, dtype, adapter, kv_offload_path)
         for _, _, sol in solutions or []:
             _preflight(policy, sol.for_policy(policy), dims, dtype, _load_adapter(sol, policy), kv_offload_path)
@@ -520,6 +522,20 @@ def _plan(policy: str, cfg: RuntimeConfig, dims: ModelDims, dtype: torch.dtype, 
     itemsize = torch.empty(0, dtype=dtype).element_size()
     stride = RecordLayout(cfg.G, dims.n_kv_heads, dims.head_dim, dtype, cfg.io_align_bytes).stride_bytes
     return plan_memory(policy, cfg, dims, itemsize, rank, stride)
+
+
+def _ttft_costs(path: str | None):
+    """The chunk compute predictor the install step fit (``ttft_costs_path``); None: calibrated on first use."""
+    if path is None:
+        return None
+    from .ttft.costs import cost_model_from_json
+
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"config 'ttft_costs_path' {path}: cannot read the cost model ({exc}); "
+                          "run the deploy step again or drop the field") from exc
+    return cost_model_from_json(data.get("predictor", data))
 
 
 def _default_dtype(device: torch.device) -> torch.dtype:

@@ -1,6 +1,7 @@
 """The install step: profiles, platform detection, the solver, the I/O model, solutions at runtime, deploy."""
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -220,6 +221,8 @@ def test_deploy_writes_config_report_and_smoke_stats_and_reuses_only_matching_pr
     assert {(s["batch"], s["context"]) for s in config["solutions"]} == {(b, c) for b in (1, 2) for c in (512, 1024)}
     assert all(s["bytes_per_sequence"] <= 1 * 2**20 for s in config["solutions"])  # 2 MiB / 2 sequences
     assert config["measurements"]["disk"]["points"] and config["measurements"]["compute"]["predict_ms"]
+    costs = json.loads(Path(config["ttft_costs_path"]).read_text())  # the chunk predictor for stored contexts
+    assert costs["predictor"]["kind"] == "fit" and config["measurements"]["chunk_compute_errors"]["layer"]["held_out"]
     assert (out_root / "local" / "report.txt").is_file() and (out_root / "local" / "disk.png").is_file()
     assert result["stats"]["decode_tok_s"] > 0 and result["stats"]["kv_resident_mib"] <= 2
     assert not list((root / "kv").iterdir())  # no test file or KV left behind

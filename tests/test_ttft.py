@@ -231,3 +231,16 @@ def test_the_disk_store_reads_a_stored_prefix_in_place_and_writes_only_the_rest(
             disk.close()
             reader.close()
         assert all(store.backend.blob_path(r.hash).exists() for r in stored.chunks)  # closed, never deleted
+
+
+def test_a_deployed_cost_model_is_used_and_a_bad_one_is_named(tmp_path):
+    from edgekv.runtime.config import ConfigError
+    from edgekv.runtime.ttft.costs import ComputeCostModel
+
+    model = ComputeCostModel((1e-4, 1e-6), (1e-3, 5e-5, 2e-8, 0.0))
+    path = tmp_path / "ttft_costs.json"
+    path.write_text(json.dumps({"predictor": model.to_json()}))
+    with Engine.from_pretrained("fixture", policy="full", config={"ttft_costs_path": str(path)}) as engine:
+        assert engine.ttft.compute_costs == model
+    with pytest.raises(ConfigError, match="ttft_costs_path"):
+        Engine.from_pretrained("fixture", policy="full", config={"ttft_costs_path": str(tmp_path / "missing.json")})
