@@ -32,6 +32,7 @@ from edgekv.runtime.ttft.prefill import METHODS, TTFTOptions
 
 QUESTION_TOKENS = 32
 STORED_METHODS = tuple(m for m in METHODS if m != "full_prefill")
+COUNTS = ("stored_tokens", "loaded", "computed", "bytes_loaded", "to_compute", "to_load", "failed_loads", "recomputed")
 
 
 @dataclass
@@ -122,22 +123,20 @@ def run(model: str, contexts: list[int], link_rates: list[float], drop_at: float
 
             full, _ = timed("full_prefill", None, None)
             runs.append(TTFTRun("full_prefill", context, None, full.stats["prefill_s"], True))
-            total_bytes = _stored_bytes(store, stored, engine.model.dims.n_layers)
-            crossover = total_bytes / full.stats["prefill_s"] / 2**20
             grid = ChunkGrid(stored.n_tokens, store.chunk_tokens, engine.model.dims.n_layers)
             chunk_bytes = np.array([store.read_bytes_per_chunk_layer(ref) for ref in stored.chunks], float)
+            total_bytes = float(chunk_bytes.sum()) * grid.n_layers
+            crossover = total_bytes / full.stats["prefill_s"] / 2**20
             for rate in [*link_rates, crossover]:
                 drop_s = drop_at * total_bytes / (rate * 2**20) if drop_at else None
                 bound = overlap_bound_s(costs.compute_s(grid), load_s(grid, chunk_bytes, rate))
                 for method in STORED_METHODS:
                     result, stats = timed(method, rate, drop_s)
-                    runs.append(TTFTRun(
-                        method, context, round(rate, 1), result.stats["prefill_s"], result.token_ids == full.token_ids,
-                        drop_at, rate == crossover, stats.get("stored_tokens", 0), stats.get("loaded", 0),
-                        stats.get("computed", 0), stats.get("bytes_loaded", 0), stats.get("to_compute", 0),
-                        stats.get("to_load", 0), stats.get("failed_loads", 0), stats.get("recomputed", 0), stats.get("plan_s"),
-                        stats.get("wall_s"), bound,
-                    ))
+                    counts = {k: stats.get(k, 0) for k in COUNTS}
+                    runs.append(TTFTRun(method, context, round(rate, 1), result.stats["prefill_s"],
+                                        result.token_ids == full.token_ids, drop_at=drop_at, crossover=rate == crossover,
+                                        plan_s=stats.get("plan_s"), chunks_s=stats.get("wall_s"), overlap_bound_s=bound,
+                                        **counts))
                     progress.write(_line(runs[-1]))
         if meter is not None:
             trace = meter.stop()
@@ -162,10 +161,6 @@ def overlap_bound_s(compute_s: np.ndarray, load_s: np.ndarray) -> float:
     c_prev, l_prev, ck, sk = computed[k - 1], loaded[k - 1], c[k - 1], s[k - 1]
     f = (l_prev - c_prev) / max(ck + sk, 1e-12)  # fraction of chunk k-1 computed at the balance
     return float(c_prev + f * ck)
-
-
-def _stored_bytes(store, stored, n_layers: int) -> int:
-    return sum(store.read_bytes_per_chunk_layer(ref) for ref in stored.chunks) * n_layers
 
 
 def _line(r: TTFTRun) -> str:

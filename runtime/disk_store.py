@@ -71,6 +71,18 @@ class RecordLayout:
         return out
 
 
+def open_maybe_direct(path: Path, flags: int, mode: int = 0o600, direct: bool = True) -> tuple[int, bool]:
+    """(fd, True) opened with O_DIRECT, or (fd, False) buffered when ``direct`` is off or the filesystem refuses
+    O_DIRECT (EINVAL, e.g. tmpfs); any other error surfaces as itself.  Callers decide whether to warn."""
+    if direct:
+        try:
+            return os.open(path, flags | os.O_DIRECT, mode), True
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise
+    return os.open(path, flags, mode), False
+
+
 def check_offload_path(root) -> Path:
     """The offload folder must exist and be writable; nothing is created here."""
     if root is None:
@@ -98,21 +110,12 @@ class DiskKVStore:
         self.bytes_written = 0
 
     def _open(self, path: Path) -> int:
-        flags = os.O_RDWR | os.O_CREAT | os.O_TRUNC
-        if self.o_direct is not False:
-            try:
-                fd = os.open(path, flags | os.O_DIRECT, 0o600)
-                self.o_direct = True
-                return fd
-            except OSError as exc:
-                if exc.errno != errno.EINVAL:
-                    raise
-                log.warning(
-                    "O_DIRECT refused on %s (%s): falling back to buffered I/O, "
-                    "so reads may come from the page cache rather than the disk", self.root, exc
-                )
-                self.o_direct = False
-        return os.open(path, flags, 0o600)
+        fd, direct = open_maybe_direct(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, direct=self.o_direct is not False)
+        if not direct and self.o_direct is not False:
+            log.warning("O_DIRECT refused on %s: falling back to buffered I/O, "
+                        "so reads may come from the page cache rather than the disk", self.root)
+        self.o_direct = direct
+        return fd
 
     def _path(self, seq: int, layer: int) -> Path:
         return self.dir / f"seq{seq}_layer{layer}.kv"
@@ -137,7 +140,7 @@ class DiskKVStore:
         fds = []
         try:
             for path, _ in blobs:
-                fds.append(self._open_read(Path(path)))
+                fds.append(open_maybe_direct(Path(path), os.O_RDONLY)[0])  # the store's own reads say if it is buffered
         except BaseException:
             for fd in fds:
                 os.close(fd)
@@ -147,15 +150,6 @@ class DiskKVStore:
 
     def prefix_groups(self, seq: int) -> int:
         return self._prefix[seq][2] if seq in self._prefix else 0
-
-    def _open_read(self, path: Path) -> int:
-        if self.o_direct is not False:
-            try:
-                return os.open(path, os.O_RDONLY | os.O_DIRECT)
-            except OSError as exc:
-                if exc.errno != errno.EINVAL:
-                    raise
-        return os.open(path, os.O_RDONLY)
 
     def write_groups(self, seq: int, layer: int, first_group: int, records: np.ndarray) -> None:
         """Write aligned records [n, stride] as groups first_group .. first_group+n-1 (those an attached
@@ -174,9 +168,9 @@ class DiskKVStore:
 
     def batch(self, layer: int, seqs: np.ndarray, groups: np.ndarray, addresses: np.ndarray) -> ReadBatch:
         """Reads of group records ``groups[i]`` of sequences ``seqs[i]`` into aligned host ``addresses[i]``."""
-        fds = np.array(self._fds[seqs, layer])
+        fds = self._fds[seqs, layer]  # fancy indexing: a copy, safe to edit
         offsets = groups.astype(np.int64) * self.layout.stride_bytes
-        for seq in set(self._prefix) & set(np.unique(seqs).tolist()):
+        for seq in set(self._prefix) & set(np.unique(seqs).tolist()) if self._prefix else ():
             blob_fds, blob_groups, n_prefix = self._prefix[seq]
             hit = (seqs == seq) & (groups < n_prefix)
             if hit.any():

@@ -11,7 +11,6 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
-from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -183,7 +182,7 @@ class Engine:
         """
         if context is not None:
             head = self.context_ids(context)
-            prompts = [head + p if _is_ids(p) else head + self._tokenize([p], chat)[0] for p in prompts]
+            prompts = [head + _own_ids(p, lambda q: self._tokenize([q], chat)[0]) for p in prompts]
         token_prompts = self._tokenize(prompts, chat)
         forced = teacher_forcing or [None] * len(token_prompts)
         if len(forced) != len(token_prompts):
@@ -489,8 +488,13 @@ def _next_inputs(chosen: torch.Tensor, generated: list[list[int]], forced) -> to
     return inputs
 
 
-def _is_ids(prompt) -> bool:
-    return isinstance(prompt, (list, tuple)) and bool(prompt) and all(isinstance(t, int) for t in prompt)
+def _own_ids(prompt, tokenize) -> list[int]:
+    """A prompt's tokens after a stored context: none for an empty prompt (the context alone), ids as given."""
+    if not prompt:
+        return []
+    if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+        return list(prompt)
+    return tokenize(prompt)
 
 
 def _is_messages(prompt) -> bool:

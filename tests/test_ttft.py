@@ -155,6 +155,9 @@ def test_cli_save_list_generate_rm(tmp_path):
     out = json.loads(_cli("generate", "--model", "fixture", "--policy", "full", "--kv-path", str(tmp_path),
                           "--context", "fox", "--prompt", json.dumps(list(b"And then")), "--max-new-tokens", "3", "--json"))
     assert out["stats"]["prompt_tokens"] > saved["stored_tokens"]
+    alone = json.loads(_cli("generate", "--model", "fixture", "--policy", "full", "--kv-path", str(tmp_path),
+                            "--context", "fox", "--max-new-tokens", "2", "--json"))  # the context alone, no prompt
+    assert alone["stats"]["prompt_tokens"] == len(json.loads(text))
     _cli("context", "rm", "fox", "--kv-path", str(tmp_path))
     assert _cli("context", "list", "--kv-path", str(tmp_path)).strip() == ""
 

@@ -2,7 +2,6 @@
 chunk read measures (and loads) the disk rather than the page cache, like DiskKVStore."""
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import threading
@@ -10,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..disk_store import open_maybe_direct
 from .errors import ChunkUnavailable
 
 log = logging.getLogger(__name__)
@@ -40,20 +40,14 @@ class LocalBackend:
             return None
 
     def _open(self, path: Path, direct: bool) -> tuple[int, bool]:
+        fd, is_direct = open_maybe_direct(path, os.O_RDONLY, direct=direct and self.o_direct is not False)
         if direct and self.o_direct is not False:
-            try:
-                fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-                self.o_direct = True
-                return fd, True
-            except OSError as exc:
-                if exc.errno != errno.EINVAL:
-                    raise
-                with self._warn_lock:
-                    if self.o_direct is not False:
-                        log.warning("O_DIRECT refused on %s (%s): context store reads fall back to buffered I/O, "
-                                    "so they may come from the page cache rather than the disk", self.root, exc)
-                        self.o_direct = False
-        return os.open(path, os.O_RDONLY), False
+            with self._warn_lock:
+                if not is_direct and self.o_direct is not False:
+                    log.warning("O_DIRECT refused on %s: context store reads fall back to buffered I/O, "
+                                "so they may come from the page cache rather than the disk", self.root)
+                self.o_direct = is_direct
+        return fd, is_direct
 
     def read_range(self, blob: str, offset: int, nbytes: int, out: np.ndarray) -> None:
         """Fill out[:nbytes] with bytes [offset, offset + nbytes) of a blob, or raise ChunkUnavailable."""
