@@ -55,10 +55,6 @@ def _context(args) -> int:
     if args.action == "save":
         from edgekv.runtime import Engine
 
-        if not args.name or not args.file:
-            raise ValueError("context save needs NAME and FILE (or - for standard input)")
-        if args.model is None:
-            raise ValueError("context save needs --model: the KV is the model's")
         text = sys.stdin.read() if args.file == "-" else Path(args.file).read_text(encoding="utf-8")
         context = json.loads(text) if text.lstrip().startswith("[") else text  # token ids, like generate's --prompt
         with Engine.from_pretrained(args.model, config={"max_context": args.max_context}, policy="full") as engine:
@@ -71,7 +67,7 @@ def _context(args) -> int:
     if args.action == "list":
         for row in store.contexts():
             print(json.dumps(row))
-    elif args.all:
+    elif getattr(args, "all", False):
         store.remove_all()
     elif args.name:
         store.remove(args.name)
@@ -345,17 +341,22 @@ def main(argv=None) -> int:
     gen.set_defaults(func=_generate)
 
     ctx = sub.add_parser("context", help="the context store: save a context's KV once, reuse it across requests")
-    ctx.add_argument("action", choices=["save", "list", "rm"])
-    ctx.add_argument("name", nargs="?", help="the context's name (save, rm)")
-    ctx.add_argument("file", nargs="?", help="the context's text file (or a JSON list of token ids), - for standard input (save)")
-    ctx.add_argument("--model", help=MODEL_HELP + " (save)")
-    ctx.add_argument("--kv-path", help="folder on the KV disk; the store is KV_PATH/contexts")
-    ctx.add_argument("--store", help="the store folder itself (instead of --kv-path)")
-    ctx.add_argument("--chunk-tokens", type=int, default=512, help="tokens per stored chunk (a multiple of G) (save)")
-    ctx.add_argument("--max-context", type=int, default=32768, help="the longest context to accept (save)")
-    ctx.add_argument("--max-mib", type=float, help="size cap of the store; least recently used chunks are evicted (save)")
-    ctx.add_argument("--all", action="store_true", help="remove every context (rm)")
-    ctx.set_defaults(func=_context)
+    ctx_sub = ctx.add_subparsers(dest="action", required=True)
+    save = ctx_sub.add_parser("save", help="compute a context's KV and keep it under NAME")
+    save.add_argument("name", help="the context's name")
+    save.add_argument("file", help="the context's text file (or a JSON list of token ids), - for standard input")
+    save.add_argument("--model", required=True, help=MODEL_HELP)
+    save.add_argument("--chunk-tokens", type=int, default=512, help="tokens per stored chunk (a multiple of G)")
+    save.add_argument("--max-context", type=int, default=32768, help="the longest context to accept")
+    save.add_argument("--max-mib", type=float, help="size cap of the store; least recently used chunks are evicted")
+    listing = ctx_sub.add_parser("list", help="every saved context, one JSON line each")
+    rm = ctx_sub.add_parser("rm", help="forget a saved context (and the chunks no other context uses)")
+    rm.add_argument("name", nargs="?", help="the context's name")
+    rm.add_argument("--all", action="store_true", help="remove every context")
+    for p in (save, listing, rm):
+        p.add_argument("--kv-path", help="folder on the KV disk; the store is KV_PATH/contexts")
+        p.add_argument("--store", help="the store folder itself (instead of --kv-path)")
+        p.set_defaults(func=_context)
 
     tt = sub.add_parser("ttft", help="time to first token with a stored context: full prefill, load-only, "
                                      "bidirectional (Cake) and edgekv's load-or-compute plan, per link rate")

@@ -147,8 +147,8 @@ def _cli(*args, stdin=None):
 
 def test_cli_save_list_generate_rm(tmp_path):
     text = json.dumps(list(b"The quick brown fox jumps over the lazy dog. " * 8))  # the fixture reads bytes as tokens
-    saved = json.loads(_cli("context", "save", "fox", "-", "--model", "fixture", "--kv-path", str(tmp_path),
-                            "--chunk-tokens", "128", stdin=text))
+    saved = json.loads(_cli("context", "save", "fox", "--model", "fixture", "--kv-path", str(tmp_path),
+                            "--chunk-tokens", "128", "-", stdin=text))  # the Interface's order: FILE after the options
     assert saved["name"] == "fox" and saved["stored_tokens"] > 0
     listed = [json.loads(line) for line in _cli("context", "list", "--kv-path", str(tmp_path)).splitlines()]
     assert [row["name"] for row in listed] == ["fox"]
