@@ -69,3 +69,31 @@ def test_disk_read_of_m_groups(benchmark, tmp_path_factory):
     benchmark(reader.read, batch)
     reader.close()
     os.close(fd)
+
+
+def _gb_s(benchmark, nbytes: int) -> None:
+    """Throughput beside the time: bytes of float KV handled per second (fp32 in or out)."""
+    benchmark.extra_info["float_bytes"] = nbytes
+    benchmark.extra_info["GB/s"] = nbytes / benchmark.stats.stats.median / 1e9
+
+
+@pytest.mark.parametrize("record_dtype", ["int8", "int4"])
+def test_record_encode(benchmark, record_dtype):
+    """A full group flushed or a prompt written: M groups of one layer quantized into records."""
+    from edgekv.runtime.disk_store import RecordLayout
+
+    layout = RecordLayout(G, H_KV, D, torch.float32, 512, record_dtype)
+    k, v = torch.randn(H_KV, M * G, D), torch.randn(H_KV, M * G, D)
+    benchmark(layout.pack, k, v)
+    _gb_s(benchmark, 2 * k.numel() * 4)
+
+
+@pytest.mark.parametrize("record_dtype", ["fp16", "int8", "int4"])
+def test_record_decode_selected(benchmark, record_dtype):
+    """One layer's step: the M selected records of every sequence dequantised for attention."""
+    from edgekv.runtime.disk_store import RecordLayout
+
+    layout = RecordLayout(G, H_KV, D, torch.float32, 512, record_dtype)
+    records = np.stack([layout.pack(torch.randn(H_KV, M * G, D), torch.randn(H_KV, M * G, D)) for _ in range(B)])
+    benchmark(layout.decode, records, torch.float32)
+    _gb_s(benchmark, B * M * 2 * H_KV * G * D * 4)
