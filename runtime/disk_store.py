@@ -12,11 +12,13 @@ import os
 import shutil
 import uuid
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from .quant import FloatRecord, record_codec
 from .reader import KVReader, ReadBatch
 
 log = logging.getLogger(__name__)
@@ -39,35 +41,44 @@ def aligned_zeros(shape: tuple[int, ...], align: int) -> np.ndarray:
 
 @dataclass(frozen=True)
 class RecordLayout:
-    """Shape of one on-disk group record."""
+    """Shape of one on-disk group record; ``record_dtype`` picks its format (runtime/quant.py):
+    "auto" the model's dtype, "fp16", or "int8"/"int4" codes with their scales."""
 
     group_tokens: int
     n_kv_heads: int
     head_dim: int
     dtype: torch.dtype
     align_bytes: int = 4096
+    record_dtype: str = "auto"
+
+    @cached_property
+    def codec(self):
+        return record_codec(self.record_dtype, self.n_kv_heads, self.group_tokens, self.head_dim, self.dtype)
 
     @property
     def record_bytes(self) -> int:
-        itemsize = torch.empty(0, dtype=self.dtype).element_size()
-        return 2 * self.n_kv_heads * self.group_tokens * self.head_dim * itemsize
+        return self.codec.record_bytes
 
     @property
     def stride_bytes(self) -> int:
         return -(-self.record_bytes // self.align_bytes) * self.align_bytes
 
     def typed(self, records: np.ndarray) -> torch.Tensor:
-        """View uint8 records [..., stride] as [..., 2, H_kv, G, d] tensors (no copy)."""
-        raw = torch.from_numpy(records)[..., : self.record_bytes]
-        return raw.view(self.dtype).unflatten(-1, (2, self.n_kv_heads, self.group_tokens, self.head_dim))
+        """View uint8 records [..., stride] of a float format as [..., 2, H_kv, G, d] tensors (no copy)."""
+        if not isinstance(self.codec, FloatRecord):
+            raise TypeError(f"{self.record_dtype} records hold codes, not floats: decode them with RecordLayout.decode")
+        return self.codec.decode(torch.from_numpy(records), self.codec.dtype)
+
+    def decode(self, records: np.ndarray | torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """uint8 records [..., stride] -> KV [..., 2, H_kv, G, d] in ``dtype`` (dequantised when quantized)."""
+        return self.codec.decode(torch.as_tensor(records), dtype)
 
     def pack(self, k: torch.Tensor, v: torch.Tensor) -> np.ndarray:
         """k, v [H_kv, n*G, d] -> aligned records [n, stride] ready for an O_DIRECT write."""
         n = k.shape[1] // self.group_tokens
         out = aligned_zeros((n, self.stride_bytes), self.align_bytes)
-        dest = self.typed(out)
-        for i, t in enumerate((k, v)):
-            dest[:, i] = t.reshape(self.n_kv_heads, n, self.group_tokens, self.head_dim).transpose(0, 1).cpu()
+        grouped = [t.reshape(self.n_kv_heads, n, self.group_tokens, self.head_dim).transpose(0, 1).cpu() for t in (k, v)]
+        self.codec.encode_into(torch.from_numpy(out), *grouped)
         return out
 
 
