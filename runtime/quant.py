@@ -1,7 +1,8 @@
 """Quantized KV formats: int8 and int4 codes with their scales, the one place that packs and unpacks them.
 
 Keys are quantized per channel over a group of tokens and values per token (the KIVI split: key
-outliers sit in fixed channels, value outliers in tokens).  Asymmetric min-max: a slice's codes are
+outliers sit in fixed channels, value outliers in tokens); a record of fewer than ``KEY_CHANNEL_MIN_TOKENS``
+tokens (``token``'s G = 1) scales its keys per token too.  Asymmetric min-max: a slice's codes are
 round((x - zero) / scale) in [0, 2^bits - 1], with ``zero`` the slice's minimum and ``scale`` its range
 over the levels, both stored as float16 beside the codes.  Both are rounded outward to float16 before
 the codes are taken (zero down, scale up), so every code is in range and the reconstruction
@@ -21,6 +22,9 @@ import torch
 QUANT_DTYPES = ("int8", "int4")
 RECORD_DTYPES = ("auto", "fp16", *QUANT_DTYPES)
 SCALE_DTYPE = torch.float16
+# Keys go per channel over a group from this many tokens on; a smaller group's per-channel scales would cost as
+# much as its int8 codes, so its keys go per token (SmolLM2 keys, int8: attention within 0.5 % total variation).
+KEY_CHANNEL_MIN_TOKENS = 4
 
 
 @dataclass(frozen=True)
@@ -143,8 +147,9 @@ class FloatRecord:
 
 
 class QuantRecord:
-    """One group as codes then scales: K codes [H, G, d*b/8], V codes [H, G, d*b/8], K scale and zero [H, d],
-    V scale and zero [H, G] (float16).  Codes first keeps them aligned for vector loads."""
+    """One group as codes then scales: K codes [H, G, d*b/8], V codes [H, G, d*b/8], K scale and zero [H, d]
+    (per token, [H, G], below ``KEY_CHANNEL_MIN_TOKENS``), V scale and zero [H, G] (float16).
+    Codes first keeps them aligned for vector loads."""
 
     def __init__(self, n_kv_heads: int, group_tokens: int, head_dim: int, fmt: QuantFormat):
         h, g, d = n_kv_heads, group_tokens, head_dim
@@ -153,7 +158,10 @@ class QuantRecord:
         self.fmt, self.h, self.g, self.d = fmt, h, g, d
         code = fmt.code_bytes(h * g * d)
         half = SCALE_DTYPE.itemsize
-        sizes = {"k_codes": code, "v_codes": code, "k_scale": h * d * half, "k_zero": h * d * half,
+        self.keys_per_channel = g >= KEY_CHANNEL_MIN_TOKENS
+        self.k_scale_shape = (h, 1, d) if self.keys_per_channel else (h, g, 1)
+        k_scales = h * (d if self.keys_per_channel else g) * half
+        sizes = {"k_codes": code, "v_codes": code, "k_scale": k_scales, "k_zero": k_scales,
                  "v_scale": h * g * half, "v_zero": h * g * half}
         self.spans, start = {}, 0
         for name, size in sizes.items():
@@ -166,7 +174,8 @@ class QuantRecord:
         return records[..., a:b]
 
     def encode_into(self, dest: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        qk, qv = quantize_keys(k, self.fmt), quantize_values(v, self.fmt)
+        qk = quantize(k, self.fmt, dim=-2 if self.keys_per_channel else -1)
+        qv = quantize_values(v, self.fmt)
         n = k.shape[0]
         for name, t in (("k_codes", qk.codes), ("v_codes", qv.codes)):
             self._field(dest, name).copy_(t.reshape(n, -1))
@@ -179,7 +188,8 @@ class QuantRecord:
         h, g, d, fmt = self.h, self.g, self.d, self.fmt
         scales = lambda name, shape: self._field(records, name).view(SCALE_DTYPE).reshape(*lead, *shape)  # noqa: E731
         codes = lambda name: self._field(records, name).reshape(*lead, h, g, fmt.code_bytes(d))  # noqa: E731
-        return (Quantized(codes("k_codes"), scales("k_scale", (h, 1, d)), scales("k_zero", (h, 1, d)), fmt),
+        ks = self.k_scale_shape
+        return (Quantized(codes("k_codes"), scales("k_scale", ks), scales("k_zero", ks), fmt),
                 Quantized(codes("v_codes"), scales("v_scale", (h, g, 1)), scales("v_zero", (h, g, 1)), fmt))
 
     def decode(self, records: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -118,6 +118,17 @@ def test_quantized_records_are_the_code_bytes_plus_their_scales(record_dtype, ra
     assert quant == int(fp16 * ratio) + 2 * 2 * (H * D + H * G)  # float16 scale and zero per key channel, per value token
 
 
+@pytest.mark.parametrize("G,per_channel", [(1, False), (2, False), (4, True), (16, True)])
+def test_small_groups_scale_their_keys_per_token(G, per_channel):
+    """One or two tokens give a channel no statistics: per-channel scales would outweigh the codes."""
+    layout = RecordLayout(G, 2, 64, torch.float32, 512, "int8")
+    k = kv_like((2, 3 * G, 64))
+    qk, _ = layout.codec.quantized(torch.from_numpy(layout.pack(k, k)))
+    assert qk.scale.shape[-2:] == ((1, 64) if per_channel else (G, 1))
+    assert layout.record_bytes == 2 * 2 * G * 64 + 2 * 2 * 2 * ((64 if per_channel else G) + G)
+    assert layout.record_bytes < RecordLayout(G, 2, 64, torch.float32, 512, "fp16").record_bytes
+
+
 def test_float_records_are_views_and_quantized_ones_refuse_the_float_view():
     layout = RecordLayout(4, 2, 64, torch.float32, 512)
     records = layout.pack(torch.randn(2, 8, 64), torch.randn(2, 8, 64))
