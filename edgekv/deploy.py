@@ -246,6 +246,35 @@ def quality_table(d: Deployment, cache_root: Path, adapters: dict, calibration: 
     return points
 
 
+def record_table(d: Deployment, cache_root: Path, adapters: dict, calibration: str | None) -> dict:
+    """{G: {kv_record_dtype: ppl ratio to exact records}} for the profile's ``solver.record_dtypes`` (cached per
+    model like the reuse table); empty when it lists none: the solver then keeps exact records."""
+    prof = d.prof
+    if not prof.record_dtypes:
+        return {}
+    from edgekv.evals.harness import Adapters
+    from edgekv.evals.perplexity import ConfigScorer, calibration_windows
+    from edgekv.evals.progress import Progress
+
+    path = cache_root / "tables" / d.model_fp / "records.json"
+    context = min(4096, prof.max_context - 64)
+    groups = [g for g in quality.RECORD_GROUP_SIZES if g <= prof.g_max]
+    fp = {"model": d.model_fp, "context": context, "groups": groups, "record_dtypes": list(prof.record_dtypes),
+          "dtype": str(d.kv_dtype), "calibration": _file_digest(calibration) if calibration else "default",
+          "edgekv": VERSION}
+    cached = _cached(path, fp, d.reprofile, "record table", d.log)
+    if cached:
+        return {int(g): rows for g, rows in cached["records"].items()}
+    windows, source = calibration_windows(d.model_dir, context, quality.WINDOWS, calibration)
+    d.log(f"record table at {context}: {list(prof.record_dtypes)} records for G in {groups} on {source}")
+    with Progress(len(groups) * len(prof.record_dtypes) + 1, "record table") as progress:
+        scorer = ConfigScorer(d.model(), d.kv_dir, Adapters.from_files(d.model(), adapters), windows,
+                              quality.continuation(context), progress, max_batch=quality.WINDOWS, label=str(context))
+        table = quality.record_table(scorer, context, groups, prof.record_dtypes)
+    _save(path, fp, {"records": {str(g): rows for g, rows in table.items()}})
+    return table
+
+
 def measure_compute(d: Deployment, batches: list[int], contexts: list[int]) -> compute.ComputeProfile:
     fp = {"model": d.model_fp, "device": str(d.device), "dtype": str(d.kv_dtype),
           "torch": torch.__version__, "cpu": _cpu_model(), "threads": torch.get_num_threads(), "platform": d.prof.platform,
@@ -338,8 +367,11 @@ def run(platform: str | None = None, model: str | None = None, kv_path: str | No
         log(f"profiling report: {out / 'report.txt'}")
         return {"report": str(out / "report.txt")}
 
+    records = record_table(d, cache_root, adapters, calibration)
+    measurements["record_table"] = {str(g): rows for g, rows in records.items()}
     limits = solver.Limits(prof.sigma_max, prof.g_max, prof.mg_const, prof.alpha, prof.reuse_step,
-                           quality_target=prof.quality_target)
+                           quality_target=prof.quality_target, record_losses=records,
+                           record_ppl_max=prof.record_ppl_max)
     quality_points = quality_table(d, cache_root, adapters, calibration, limits)
     d.release_model()
     measurements["quality_table"] = [p.__dict__ for p in quality_points]
@@ -360,7 +392,7 @@ def run(platform: str | None = None, model: str | None = None, kv_path: str | No
         "sink_tokens": top.sink_tokens, "window_tokens": top.window_tokens,
         "max_kv_mem_mib": prof.max_kv_mem_mib, "max_batch": prof.max_batch, "max_context": prof.max_context,
         "adapter_path": adapters[float(top.sigma)], "io_align_bytes": limits.io_align_bytes, "io_queue_depth": queue_depth,
-        "klr_dtype": top.klr_dtype, "ttft_costs_path": str(ttft_costs),
+        "klr_dtype": top.klr_dtype, "kv_record_dtype": top.kv_record_dtype, "ttft_costs_path": str(ttft_costs),
         "solutions": [{**x.to_json(), "adapter_path": adapters[float(x.sigma)]} for x in solutions],
         "measurements": measurements, "edgekv_version": VERSION,
     }
@@ -374,7 +406,7 @@ def run(platform: str | None = None, model: str | None = None, kv_path: str | No
     tmp.replace(out / "config.json")
     tuning_s = time.perf_counter() - started
     log(f"config: {out / 'config.json'}  (G={top.G} M={top.M} C={top.C} sigma={top.sigma:g} reuse={top.reuse} "
-        f"S={top.sink_tokens} W={top.window_tokens} ppl ratio {top.ppl_ratio} at batch {top.batch}, context {top.context}; {len(solutions)} solutions; tuning {tuning_s:.0f} s)")
+        f"S={top.sink_tokens} W={top.window_tokens} records {top.kv_record_dtype} ppl ratio {top.ppl_ratio} at batch {top.batch}, context {top.context}; {len(solutions)} solutions; tuning {tuning_s:.0f} s)")
 
     stats = smoke_run(d.model_dir, d.kv_dir, out / "config.json", prof, d.device, scorer) if smoke else None
     report.write(out, prof, d.model_dir, measurements, solutions, stats, tuning_s)

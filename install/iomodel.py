@@ -1,7 +1,7 @@
 """T_io(b, M, G, reuse): disk time of one decode step, from the disk profile.
 
 Each layer reads the missed groups of every sequence, b * M * (1 - reuse) records of
-``stride_bytes`` (the on-disk record of one group), at the random-read bandwidth the
+``stride_bytes`` (the on-disk record of one group, in its ``kv_record_dtype``), at the random-read bandwidth the
 profile measured for the runtime's reader at that block size and queue depth.
 """
 from __future__ import annotations
@@ -15,10 +15,10 @@ from .disk import DiskProfile
 
 
 def io_model(disk: DiskProfile, dims: ModelDims, kv_dtype: torch.dtype, io_align_bytes: int, queue_depth: int):
-    """A function (batch, M, G, reuse_rate) -> ms of reads per decode step (all layers)."""
+    """A function (batch, M, G, reuse_rate, record_dtype) -> ms of reads per decode step (all layers)."""
 
-    def t_io_ms(batch: int, M: int, G: int, reuse_rate: float) -> float:
-        stride = RecordLayout(G, dims.n_kv_heads, dims.head_dim, kv_dtype, io_align_bytes).stride_bytes
+    def t_io_ms(batch: int, M: int, G: int, reuse_rate: float, record_dtype: str = "auto") -> float:
+        stride = RecordLayout(G, dims.n_kv_heads, dims.head_dim, kv_dtype, io_align_bytes, record_dtype).stride_bytes
         bytes_per_layer = batch * M * (1.0 - reuse_rate) * stride
         mib_s = disk.read_mib_s(stride, queue_depth)
         return dims.n_layers * bytes_per_layer / (mib_s * 2**20) * 1e3

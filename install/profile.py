@@ -10,6 +10,8 @@ from pathlib import Path
 
 import yaml
 
+from .quality import RECORD_DTYPES
+
 PROFILES_DIR = Path(__file__).resolve().parents[1] / "profiles"
 DEVICES = ("cpu", "cuda")
 DTYPES = ("float32", "float16", "bfloat16")
@@ -34,6 +36,7 @@ SCHEMA = {
         "sigma_max": (float, True, None), "g_max": (int, True, None), "mg_const": (int, True, None),
         "alpha": (float, True, None), "reuse_step": (float, True, None),
         "context_min": (int, True, None), "context_step": (int, True, None),
+        "record_dtypes": (list, False, None), "record_ppl_max": (float, False, None),
     },
     "profiling": {"disk_seconds": (float, True, None), "disk_file_mib": (int, True, None)},
     "power_meter": (str, True, POWER_METERS),
@@ -71,6 +74,8 @@ class Profile:
     scorers: tuple[str, ...]
     quality_target: float | None = None  # ppl ratio to full the solver must meet (None: KVSwap's M*G = mg_const)
     quality_contexts: tuple[int, ...] = ()  # where the quality table is measured (default: max_context)
+    record_dtypes: tuple[str, ...] = ()  # disk record formats the solver may pick beside exact ones (measured first)
+    record_ppl_max: float = 1.01  # without a quality target: the most loss a record format may cost
 
     @property
     def batch_budget_mib(self) -> float:
@@ -112,6 +117,8 @@ def load_profile(source: str | Path, profiles_dir: Path = PROFILES_DIR) -> Profi
         power_meter=flat["power_meter"], scorers=tuple(flat["scorers"]),
         quality_target=flat.get("quality_target"),
         quality_contexts=tuple(flat.get("quality_contexts") or [flat["memory.max_context"]]),
+        record_dtypes=tuple(flat.get("solver.record_dtypes") or ()),
+        record_ppl_max=float(flat.get("solver.record_ppl_max", 1.01)),
     )
 
 
@@ -168,6 +175,13 @@ def _check_ranges(path: Path, flat: dict) -> None:
                                                          and 0 < c <= flat["memory.max_context"] for c in contexts)):
         raise ProfileError(f"{path}: field 'quality_contexts' must list contexts in (0, memory.max_context], "
                            f"e.g. [{flat['memory.max_context']}]; got {contexts!r}")
+    records = flat.get("solver.record_dtypes") or []
+    if any(r not in RECORD_DTYPES for r in records):
+        raise ProfileError(f"{path}: field 'solver.record_dtypes' lists disk record formats beside exact ones, some of "
+                           f"{list(RECORD_DTYPES)}; got {records!r}")
+    if flat.get("solver.record_ppl_max", 1.0) < 1:
+        raise ProfileError(f"{path}: field 'solver.record_ppl_max' is a perplexity ratio to exact records (>= 1, "
+                           f"e.g. 1.01), got {flat['solver.record_ppl_max']!r}")
     bad = [s for s in flat["scorers"] if s not in SCORERS]
     if bad or not flat["scorers"]:
         raise ProfileError(f"{path}: field 'scorers' must list some of {list(SCORERS)}, got {flat['scorers']!r}")

@@ -5,6 +5,10 @@ its measured loss against ``full``: the perplexity ratio and the top-1 agreement
 path, teacher-forced over calibration text that the evaluation never scores.  The solver reads
 it to meet a quality target before it spends memory on anything else; KVSwap's fixed
 M*G = mg_const is what it falls back to without a table.
+
+The record table is the loss of each disk record format (``kv_record_dtype``) alone: ``flexgen`` reads every
+group, so it computes exactly what ``full`` does with exact records, and its perplexity ratio with fp16, int8
+or int4 records is what that format costs, per G (keys are scaled per channel over a group).
 """
 from __future__ import annotations
 
@@ -18,6 +22,8 @@ SINK_WINDOW = ((0, 0), (4, 64))  # (S, W): none (KVSwap as published), and one s
 KLR_DTYPES = ("bfloat16", "int8")  # K_lr formats: int8 rows cost half, so a sigma half as large fits the same memory
 GROUP_SIZES = (4, 16)  # quality at a small and a large group; the solver picks among the measured ones
 WINDOWS = 2  # calibration windows per context
+RECORD_DTYPES = ("fp16", "int8", "int4")  # record formats measured against exact records
+RECORD_GROUP_SIZES = (1, 4, 16)  # per-token keys (G < 4), per channel over a small and a large group
 
 
 def continuation(context: int) -> int:
@@ -114,6 +120,17 @@ def measure(scorer, grid: list[dict], context: int, target: float | None) -> lis
             if target is not None and points[-1].ppl_ratio <= target:
                 break
     return points
+
+
+def record_config(G: int, context: int) -> dict:
+    """flexgen over every group of a ``context`` window, no reuse: only the records' format differs from full."""
+    return {"G": G, "M": 1, "C": 1, "reuse": False, "sigma": 8.0, "max_context": context + 64, "io_align_bytes": 512}
+
+
+def record_table(scorer, context: int, group_sizes, record_dtypes=RECORD_DTYPES) -> dict[int, dict[str, float]]:
+    """{G: {kv_record_dtype: perplexity ratio to exact records}} through ``scorer`` (a ConfigScorer at ``context``)."""
+    return {G: {dt: round(scorer("flexgen", {**record_config(G, context), "kv_record_dtype": dt})["ppl_ratio"], 5)
+                for dt in record_dtypes} for G in group_sizes}
 
 
 def points_at(table: list[QualityPoint], context: int) -> list[QualityPoint]:

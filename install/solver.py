@@ -11,11 +11,16 @@ Time side (``solve``): for G = 1, 2, 4, ... g_max take the first whose disk time
 (1 - alpha) hidden behind compute; if none, move ``reuse_step`` of the budget into the
 reuse buffer (more hits, fewer reads; sigma rises to pay for it) and start again from G = 1;
 stop at sigma_max / g_max with the configuration that left the least I/O exposed.
+
+The disk record's format (``kv_record_dtype``) is one more knob: at each G the formats whose measured loss
+(``Limits.record_losses``, the install step's record table: perplexity ratio to exact records, per G) is
+within ``record_ppl_max`` are tried least lossy first, so exact records stay until smaller ones are needed to
+hide the I/O.  With a quality target, the loss of a format multiplies the table point's.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 
@@ -39,6 +44,8 @@ class Limits:
     io_align_bytes: int = 4096
     klr_dtype: str = "bfloat16"
     quality_target: float | None = None  # ppl ratio to full the configuration must stay within (quality table needed)
+    record_losses: dict = field(default_factory=dict)  # {G: {kv_record_dtype: ppl ratio to exact records}}; {}: exact only
+    record_ppl_max: float = 1.01  # without a quality target: the most loss a record format may cost
 
 
 @dataclass(frozen=True)
@@ -73,6 +80,7 @@ class Solution:
     ppl_ratio: float | None = None  # the quality table's measured loss of this configuration (None: no table)
     quality_met: bool | None = None  # ppl_ratio within Limits.quality_target (None: no target)
     klr_dtype: str = "bfloat16"
+    kv_record_dtype: str = "auto"
 
     def to_json(self) -> dict:
         return {k: round(v, 4) if isinstance(v, float) else v for k, v in asdict(self).items()}
@@ -80,30 +88,46 @@ class Solution:
 
 def _sequence_bytes(dims: ModelDims, kv_dtype: torch.dtype, limits: Limits, context: int, G: int, M: int, C: int,
                     sigma: float, reuse: bool, sink_tokens: int = 0, window_tokens: int = 0,
-                    klr_dtype: str | None = None) -> tuple[int, int]:
+                    klr_dtype: str | None = None, record_dtype: str = "auto") -> tuple[int, int]:
     """(bytes, rank) of one sequence, from the runtime's own memory plan."""
     rank = LowRankAdapter.rank_for(dims.n_kv_heads, dims.head_dim, sigma)
     cfg = RuntimeConfig(G=G, M=M, C=C, sigma=sigma, max_batch=1, max_context=context, reuse=reuse,
                         io_align_bytes=limits.io_align_bytes, klr_dtype=klr_dtype or limits.klr_dtype,
-                        sink_tokens=sink_tokens, window_tokens=window_tokens)
+                        sink_tokens=sink_tokens, window_tokens=window_tokens, kv_record_dtype=record_dtype)
     itemsize = torch.empty(0, dtype=kv_dtype).element_size()
-    stride = RecordLayout(G, dims.n_kv_heads, dims.head_dim, kv_dtype, limits.io_align_bytes).stride_bytes
+    stride = _stride(dims, kv_dtype, limits, G, record_dtype)
     return plan_memory("kvswap", cfg, dims, itemsize, rank, stride).total_bytes, rank
 
 
+def _stride(dims: ModelDims, kv_dtype: torch.dtype, limits: Limits, G: int, record_dtype: str) -> int:
+    return RecordLayout(G, dims.n_kv_heads, dims.head_dim, kv_dtype, limits.io_align_bytes, record_dtype).stride_bytes
+
+
+def record_choices(limits: Limits, G: int, gated: bool = True) -> list[tuple[str, float]]:
+    """(kv_record_dtype, ppl ratio to exact records) the solver may pick at G, least lossy first and exact records
+    first among equals, from the measured G nearest on a log scale; a measured ratio below 1 is noise and counts
+    as 1.  ``gated``: only those within ``record_ppl_max`` (a quality target judges them itself)."""
+    table = {int(g): rows for g, rows in limits.record_losses.items()}
+    rows = table[min(table, key=lambda g: (abs(math.log2(g / G)), g))] if table else {}
+    measured = [(dt, max(1.0, float(r))) for dt, r in rows.items() if dt != "auto"]
+    return sorted([("auto", 1.0)] + [c for c in measured if not gated or c[1] <= limits.record_ppl_max],
+                  key=lambda c: c[1])
+
+
 def fit_memory(budget_bytes: float, dims: ModelDims, kv_dtype: torch.dtype, limits: Limits, context: int, G: int,
-               extra_bytes: float = 0.0, reuse: bool = True) -> MemoryFit | None:
+               extra_bytes: float = 0.0, reuse: bool = True, record_dtype: str = "auto") -> MemoryFit | None:
     """(M, C, sigma) for group size G within ``budget_bytes`` per sequence; None if one group does not fit.
 
     ``extra_bytes`` of the budget go to reuse slots beyond M.
     """
     sigmas = [s for s in SIGMAS if s <= limits.sigma_max] or [limits.sigma_max]
-    stride = RecordLayout(G, dims.n_kv_heads, dims.head_dim, kv_dtype, limits.io_align_bytes).stride_bytes
+    stride = _stride(dims, kv_dtype, limits, G, record_dtype)
     extra_slots = int(extra_bytes // (SlotTable.n_buffers(dims.n_layers) * stride)) if reuse else 0
     M = math.ceil(limits.mg_const / G)
 
     def need(m, sigma):
-        return _sequence_bytes(dims, kv_dtype, limits, context, G, m, m + extra_slots, sigma, reuse)
+        return _sequence_bytes(dims, kv_dtype, limits, context, G, m, m + extra_slots, sigma, reuse,
+                               record_dtype=record_dtype)
 
     floor_bytes, _ = need(1, sigmas[-1])
     if floor_bytes > budget_bytes:
@@ -123,10 +147,11 @@ def fit_memory(budget_bytes: float, dims: ModelDims, kv_dtype: torch.dtype, limi
 
 
 def quality_fit(budget_bytes: float, dims: ModelDims, kv_dtype: torch.dtype, limits: Limits, context: int,
-                G: int) -> MemoryFit | None:
+                G: int, record_dtype: str = "auto") -> MemoryFit | None:
     """The fit that selects the most tokens: per-layer reuse slots, or (when those force M*G below
     what fits) two preload buffers shared by all layers and no reuse.  Ties keep reuse."""
-    fits = [f for f in (fit_memory(budget_bytes, dims, kv_dtype, limits, context, G, reuse=r) for r in (True, False)) if f]
+    fits = [f for f in (fit_memory(budget_bytes, dims, kv_dtype, limits, context, G, reuse=r, record_dtype=record_dtype)
+                        for r in (True, False)) if f]
     return max(fits, key=lambda f: (f.M, f.reuse)) if fits else None
 
 
@@ -138,30 +163,31 @@ def solve(batch: int, context: int, budget_bytes: float, dims: ModelDims, kv_dty
           t_io_ms, t_model_ms, reuse_rate) -> Solution:
     """The greedy search for one (batch, context).
 
-    t_io_ms(batch, M, G, hit_rate) -> ms of disk reads per step; t_model_ms(batch, context, rank, M, G, reuse) ->
-    ms of compute per step; reuse_rate(G, C, M) -> expected hit rate.
+    t_io_ms(batch, M, G, hit_rate, record_dtype) -> ms of disk reads per step; t_model_ms(batch, context, rank, M, G,
+    reuse) -> ms of compute per step; reuse_rate(G, C, M) -> expected hit rate.
     """
     best: Solution | None = None
     share = 0.0
-    selected = {}  # G -> M at share 0: the reuse buffer is paid for with sigma, never with selected tokens
+    selected = {}  # (G, record) -> M at share 0: the reuse buffer is paid for with sigma, never with selected tokens
     while share < 1.0:
         fitted_any = False
-        for G in group_sizes(limits.g_max):
+        for G, record in ((G, r) for G in group_sizes(limits.g_max) for r, _ in record_choices(limits, G)):
             if share == 0:
-                fit = quality_fit(budget_bytes, dims, kv_dtype, limits, context, G)
+                fit = quality_fit(budget_bytes, dims, kv_dtype, limits, context, G, record)
                 if fit is not None:
-                    selected[G] = fit.M
+                    selected[G, record] = fit.M
             else:
-                fit = fit_memory(budget_bytes, dims, kv_dtype, limits, context, G, extra_bytes=share * budget_bytes)
-            if fit is None or (share > 0 and (fit.C == fit.M or fit.M < selected.get(G, 0))):
+                fit = fit_memory(budget_bytes, dims, kv_dtype, limits, context, G, extra_bytes=share * budget_bytes,
+                                 record_dtype=record)
+            if fit is None or (share > 0 and (fit.C == fit.M or fit.M < selected.get((G, record), 0))):
                 continue
             fitted_any = True
             hit = reuse_rate(G, fit.C, fit.M) if fit.reuse else 0.0
-            io = t_io_ms(batch, fit.M, G, hit)
+            io = t_io_ms(batch, fit.M, G, hit, record)
             model = t_model_ms(batch, context, fit.rank, fit.M, G, fit.reuse)
             hidden = (1 - limits.alpha) * io <= model
             sol = Solution(batch, context, G, fit.M, fit.C, fit.sigma, hit, io, model, hidden, fit.mg_scaled,
-                           fit.bytes_per_sequence, fit.reuse, klr_dtype=limits.klr_dtype)
+                           fit.bytes_per_sequence, fit.reuse, klr_dtype=limits.klr_dtype, kv_record_dtype=record)
             if best is None or _exposed(sol) < _exposed(best) - 1e-9:
                 best = sol
             if hidden:
@@ -189,7 +215,8 @@ def solve_for_quality(batch: int, context: int, budget_bytes: float, dims: Model
                       limits: Limits, points, t_io_ms, t_model_ms, reuse_rate, log=None) -> Solution:
     """Quality first: among the quality table's configurations (``points``, one context) that meet
     ``limits.quality_target``, those that fit the budget (with no reuse buffer, or one of C/M in
-    ``C_RATIOS``), the one that leaves the least I/O exposed (then the lower loss).  When none meets
+    ``C_RATIOS``) and in each record format of ``record_choices`` (its measured loss multiplying the point's), the
+    one that leaves the least I/O exposed (then the lower loss).  When none meets
     the target under the budget, the lowest-loss one that fits, reported through ``log`` and in the
     solution (``quality_met`` False): never silently."""
     from .tables import C_RATIOS
@@ -199,18 +226,22 @@ def solve_for_quality(batch: int, context: int, budget_bytes: float, dims: Model
     for p in points:
         M = math.ceil(p.mg_tokens / p.G)
         picked = picked_groups(M, p.G, p.sink_tokens, p.window_tokens)
-        for reuse, ratio in [(False, 1.0)] + [(True, r) for r in C_RATIOS]:
+        options = [(reuse, ratio, record, loss) for reuse, ratio in [(False, 1.0)] + [(True, r) for r in C_RATIOS]
+                   for record, loss in record_choices(limits, p.G, gated=target is None)]
+        for reuse, ratio, record, loss in options:
             C = max(picked, round(ratio * picked))
             total, rank = _sequence_bytes(dims, kv_dtype, limits, context, p.G, M, C, p.sigma, reuse,
-                                          p.sink_tokens, p.window_tokens, p.klr_dtype)
+                                          p.sink_tokens, p.window_tokens, p.klr_dtype, record)
             if total > budget_bytes:
                 continue
             hit = reuse_rate(p.G, C, picked) if reuse else 0.0
-            io = t_io_ms(batch, picked, p.G, hit)
+            io = t_io_ms(batch, picked, p.G, hit, record)
             model = t_model_ms(batch, context, rank, picked, p.G, reuse)
-            met = None if target is None else p.ppl_ratio <= target
+            ppl_ratio = p.ppl_ratio * loss
+            met = None if target is None else ppl_ratio <= target
             fitting.append(Solution(batch, context, p.G, M, C, p.sigma, hit, io, model, (1 - limits.alpha) * io <= model,
-                                    False, total, reuse, p.sink_tokens, p.window_tokens, p.ppl_ratio, met, p.klr_dtype))
+                                    False, total, reuse, p.sink_tokens, p.window_tokens, ppl_ratio, met, p.klr_dtype,
+                                    record))
     if not fitting:
         raise ValueError(
             f"no configuration of the quality table fits {budget_bytes / 2**20:.2f} MiB per sequence at context {context}; "
@@ -223,7 +254,7 @@ def solve_for_quality(batch: int, context: int, budget_bytes: float, dims: Model
     if log is not None:
         log(f"quality target ppl ratio <= {target:g} not reachable at batch {batch}, context {context} within "
             f"{budget_bytes / 2**20:.2f} MiB per sequence: best reachable {best.ppl_ratio:.3f} (G={best.G} M={best.M} "
-            f"sigma={best.sigma:g} {best.klr_dtype} S={best.sink_tokens} W={best.window_tokens}); raise the budget or "
+            f"sigma={best.sigma:g} {best.klr_dtype} records {best.kv_record_dtype} S={best.sink_tokens} W={best.window_tokens}); raise the budget or "
             "the target")
     return best
 

@@ -7,7 +7,9 @@ attention runs over the selected slots, the sinks and the rolling window.  The w
 ring of ``window_groups + 1`` groups in memory: the group still being filled (written to disk
 as one record when full, its keys then entering K_lr) and the newest full groups.  The sinks
 are the first ``sink_groups`` groups, copied into memory once written.  Neither is offered to
-the selector, so its picks go to the groups in between.
+the selector, so its picks go to the groups in between.  Records keep the disk's format
+(``kv_record_dtype``) in the reuse slots too; attention decodes only the groups it selected,
+so quantized records shrink the reads and the slots while the sinks and window stay exact.
 """
 from __future__ import annotations
 
@@ -55,7 +57,9 @@ class OffloadedKV(KVPolicy):
         self._active = np.ones(batch, dtype=bool)
         self.on_select = on_select  # on_select(layer, groups [B, M], valid [B, M]): the step's picks, for tuning
         self._slot_bytes = aligned_zeros((slots.n_buffers(dims.n_layers), batch, slots.capacity, self.layout.stride_bytes), self.layout.align_bytes)
-        self.slot_kv = self.layout.typed(self._slot_bytes)
+        # [buffer, seq * C + slot, record]: records stay in their disk format (quantized ones too) until attention
+        self._slot_records = torch.from_numpy(self._slot_bytes).flatten(1, 2)[..., : self.layout.record_bytes]
+        self._slot_base = torch.arange(batch)[:, None] * slots.capacity
         self.sink_groups = sink_groups
         self.window_groups = window_groups
         self.ring_groups = window_groups + 1
@@ -68,7 +72,6 @@ class OffloadedKV(KVPolicy):
         self._pending: dict[int, tuple[torch.Tensor, torch.Tensor, Future]] = {}
         self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ekv-io")
         self._batch_index = torch.arange(batch, device=model.device)
-        self._slot_rows = torch.arange(batch)[:, None]
 
     @property
     def resident_bytes(self) -> int:
@@ -164,8 +167,9 @@ class OffloadedKV(KVPolicy):
         future.result()
         self.io_stall_s += time.perf_counter() - start
 
-        selected = self.slot_kv[self.slots.buffer_index(layer)][self._slot_rows, slots]
-        selected = selected.to(q.device, non_blocking=True)
+        # only the selected records are gathered (one copy each) and decoded, on the compute device
+        records = self._slot_records[self.slots.buffer_index(layer)].index_select(0, (self._slot_base + slots).flatten())
+        selected = self.layout.decode(records.unflatten(0, slots.shape).to(q.device, non_blocking=True), self.model.dtype)
         b, m, _, h_kv, g, d = selected.shape
         sinks = self.sinks[layer]
         keys = torch.cat([selected[:, :, 0].transpose(1, 2).reshape(b, h_kv, m * g, d), sinks[:, 0], rolling[:, 0]], dim=2)

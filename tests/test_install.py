@@ -105,8 +105,8 @@ def test_fit_scales_mg_down_at_short_contexts_and_prefers_shared_buffers_when_sl
 
 
 def _solve(io_ms_per_byte, io_ms_per_read=1e-4, budget_fraction=1 / 13, context=32768, batch=4):
-    def t_io(b, M, G, hit):
-        stride = RecordLayout(G, 2, 64, torch.float32, 512).stride_bytes
+    def t_io(b, M, G, hit, record_dtype="auto"):
+        stride = RecordLayout(G, 2, 64, torch.float32, 512, record_dtype).stride_bytes
         return DIMS.n_layers * b * M * (1 - hit) * (stride * io_ms_per_byte + io_ms_per_read)
 
     def t_model(b, S, rank, M, G, reuse=True):
@@ -272,7 +272,7 @@ SYNTHETIC = [_point(400, 16, 2.5), _point(400, 4, 1.3), _point(1600, 8, 1.04, 4,
 def _solve_quality(budget_fraction, target, logs=None, points=SYNTHETIC):
     limits = solver.Limits(io_align_bytes=512, quality_target=target)
     return solver.solve_for_quality(2, 8192, _full_bytes(8192) * budget_fraction, DIMS, torch.float32, limits, points,
-                                    lambda b, M, G, hit: 0.1, lambda b, S, rank, M, G, reuse=True: 1.0,
+                                    lambda b, M, G, hit, record="auto": 0.1, lambda b, S, rank, M, G, reuse=True: 1.0,
                                     lambda G, C, M: 0.5, log=None if logs is None else logs.append)
 
 
