@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from .model import DecoderModel
 
 KVCallback = Callable[[int, torch.Tensor, torch.Tensor], None]
+QueryCallback = Callable[[int, torch.Tensor], None]
 
 
 def attention(model: DecoderModel, q, k, v, mask=None, causal=False) -> torch.Tensor:
@@ -38,14 +39,18 @@ def decode_attention(model: DecoderModel, q, k, v, mask) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def prefill(model: DecoderModel, token_ids: list[int], on_kv: KVCallback) -> torch.Tensor:
-    """Run one prompt; on_kv(layer, k, v) receives post-RoPE k and v [H_kv, T, d]. Returns last-token logits [V]."""
+def prefill(model: DecoderModel, token_ids: list[int], on_kv: KVCallback, on_queries: QueryCallback | None = None
+            ) -> torch.Tensor:
+    """Run one prompt; on_kv(layer, k, v) receives post-RoPE k and v [H_kv, T, d], after on_queries(layer, q)
+    (if given) the layer's post-RoPE queries [H, T, d] (a policy scoring tokens by attention). Returns last-token logits [V]."""
     ids = torch.tensor([token_ids], dtype=torch.long, device=model.device)
     positions = torch.arange(len(token_ids), device=model.device)[None]
     cos, sin = model.rope(positions)
     x = model.embed(ids)
     for layer in range(model.dims.n_layers):
         q, k, v = model.qkv(layer, x, cos, sin)
+        if on_queries is not None:
+            on_queries(layer, q[0])
         on_kv(layer, k[0], v[0])
         x = model.finish_layer(layer, x, attention(model, q, k, v, causal=True))
     return model.logits(x[:, -1])[0]

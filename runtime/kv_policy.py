@@ -3,7 +3,8 @@
 The engine's layer loop calls, per decode step: ``prefetch(layer + 1, ...)`` before it
 computes ``layer`` (so a policy may start loading the next layer's KV), then
 ``attend(layer, ...)``, and ``end_step`` once all layers are done.  ``InMemoryKV`` is the
-reference (``full``); ``OffloadedKV`` (in offload.py) serves ``kvswap``, ``token`` and ``flexgen``.
+reference (``full``); ``OffloadedKV`` (in offload.py) serves ``kvswap``, ``token`` and ``flexgen``;
+``ArkvKV`` (arkv.py) serves ``arkv``.
 """
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ from .model import DecoderModel
 
 class KVPolicy:
     """Base: owns the per-sequence cache lengths; subclasses own the KV itself."""
+
+    prompt_queries = 0  # the last prompt queries per layer the policy wants (observe_prompt), 0: none
 
     def __init__(self, model: DecoderModel, batch: int, max_context: int):
         self.model = model
@@ -34,6 +37,9 @@ class KVPolicy:
     def start_sequence(self, seq: int) -> None:
         self.lengths[seq] = 0
         self.bytes_read[seq] = 0
+
+    def observe_prompt(self, layer: int, seq: int, q: torch.Tensor) -> None:
+        """The prompt's last ``prompt_queries`` queries q [H, n, d] of ``layer``, given before its KV when computed."""
 
     def store_prompt(self, layer: int, seq: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Keep one layer of a prompt's KV, k/v [H_kv, T, d]."""

@@ -5,11 +5,15 @@ Per sequence: ``full`` keeps the whole cache; the offloading policies keep K_lr 
 reuse: M slots for two layers, the one computing and the one loading; sink and window groups
 are not picked, so they take no slots), the sinks (S tokens per layer) and the rolling window
 (the W newest tokens plus the group being filled, per layer).  Slots count their O_DIRECT padding: it is resident too.
+``arkv`` keeps, per layer, its window in original precision and the rest of its share of the budget as
+original or quantized tokens (with their scores), the split per layer set by the prompt (runtime/arkv.py);
+under a budget that holds the whole cache it is ``full``.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .arkv import GROUP_TOKENS, ArkvGeometry
 from .config import RuntimeConfig, cpu_pool_tokens
 from .model import ModelDims
 from .selector import klr_token_bytes
@@ -54,8 +58,20 @@ def plan_memory(
 ) -> MemoryPlan:
     """cfg must already be the policy's effective config (RuntimeConfig.for_policy)."""
     token_bytes = 2 * dims.n_kv_heads * dims.head_dim * kv_itemsize
-    if policy == "full":
+    arkv = ArkvGeometry(cfg, dims, kv_itemsize) if policy == "arkv" else None
+    if policy == "full" or (arkv is not None and arkv.fits_all):
         parts = {"kv": dims.n_layers * cfg.max_context * token_bytes}
+    elif arkv is not None:
+        if arkv.arena_bytes < arkv.min_arena_bytes:
+            need_mib = arkv.min_arena_bytes * dims.n_layers * cfg.max_batch / MIB
+            raise BudgetError(
+                f"policy 'arkv' needs at least {need_mib:.2f} MiB of KV memory for max_batch={cfg.max_batch} (per layer: "
+                f"arkv_window_tokens={cfg.arkv_window_tokens} + 1 + {GROUP_TOKENS} tokens in original precision and one "
+                f"quantized group) but max_kv_mem_mib is {cfg.max_kv_mem_mib:g} MiB; raise max_kv_mem_mib or lower "
+                "arkv_window_tokens or max_batch"
+            )
+        parts = {"window_original": dims.n_layers * arkv.window_bytes,
+                 "tokens_original_or_quantized": dims.n_layers * (arkv.arena_bytes - arkv.window_bytes)}
     else:
         picked = cfg.picked_groups
         slots = SlotTable.n_buffers(dims.n_layers) * cfg.C if cfg.reuse else PreloadSlots.n_buffers(dims.n_layers) * picked

@@ -18,6 +18,13 @@ import torch
 class PromptKV:
     kv: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: post-RoPE k and v [H_kv, T, d]
     logits: torch.Tensor  # last-token logits [V]
+    queries: list[torch.Tensor] | None = None  # per layer the last post-RoPE queries [H, n, d], for a policy wanting them
+
+    def has_queries(self, n: int) -> bool:
+        """Whether it can replay the last ``n`` queries (all of a shorter prompt) to a policy asking for them."""
+        if n == 0:
+            return True
+        return self.queries is not None and self.queries[0].shape[1] >= min(n, self.kv[0][0].shape[1])
 
 
 class PromptKVCache:

@@ -173,12 +173,16 @@ def open_reader(backend: str = "auto", queue_depth: int = 64) -> KVReader:
 
 
 def build_all() -> dict[str, str]:
-    """Build every native backend this machine can; returns backend -> library path or error."""
+    """Build every native library this machine can (the reader backends, arkv's quantized attention kernel);
+    returns name -> library path or error."""
+    from .qattn import build_qattn
+
+    builds = {"io_uring": lambda: build_native("io_uring"), "pthread": lambda: build_native("pthread"), "qattn": build_qattn}
     out = {}
-    for backend in ("io_uring", "pthread"):
+    for name, build in builds.items():
         try:
-            out[backend] = str(build_native(backend))
+            out[name] = str(build())
         except OSError as exc:
-            out[backend] = f"unavailable: {exc}"
+            out[name] = f"unavailable: {exc}"
     return out
 

@@ -1,0 +1,168 @@
+"""Decode attention over quantized KV groups without dequantizing them (arkv's quantized state).
+
+A group record holds ``group_tokens`` tokens of every KV head: key codes per channel over the group
+and value codes per token (runtime/quant.py formats), their float16 scales and zeros, the tokens'
+positions (< 0: a hole, an evicted token) and their attention statistics (``stats``: observations,
+mean, mean square; read by the policy, not by attention).  ``group_scores`` and ``group_values`` run
+the C kernel (native/ekv_qattn.c, built on first use or by ``edgekv build-native``) on CPU float32;
+on CUDA, or when the library cannot be built, a torch path dequantizes a block of groups at a time
+(never the whole cache at once).
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import platform
+from pathlib import Path
+
+import torch
+
+from .quant import SCALE_DTYPE, QuantFormat, unpack_codes
+from .reader import _cache_dir, compile_library
+
+log = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).with_name("native") / "ekv_qattn.c"
+KERNEL_FIELDS = ("k_codes", "v_codes", "k_scale", "k_zero", "v_scale", "v_zero", "pos")  # the C enum's order
+TORCH_BLOCK_GROUPS = 64  # groups dequantized together by the torch path
+
+
+def _align16(n: int) -> int:
+    return -(-n // 16) * 16
+
+
+class GroupLayout:
+    """Byte layout of one quantized group record; every field starts 16-byte aligned."""
+
+    def __init__(self, n_kv_heads: int, group_tokens: int, head_dim: int, fmt: QuantFormat):
+        if fmt.bits == 4 and head_dim % 2:
+            raise ValueError(f"int4 codes need an even head_dim; got {head_dim}")
+        h, g, d = n_kv_heads, group_tokens, head_dim
+        self.h, self.g, self.d, self.fmt = h, g, d, fmt
+        self.code_bytes = fmt.code_bytes(d)
+        half = SCALE_DTYPE.itemsize
+        sizes = {"k_codes": h * g * self.code_bytes, "v_codes": h * g * self.code_bytes, "k_scale": h * d * half,
+                 "k_zero": h * d * half, "v_scale": h * g * half, "v_zero": h * g * half, "pos": g * 4, "stats": g * 12}
+        self.offsets, start = {}, 0
+        for name, size in sizes.items():
+            self.offsets[name] = start
+            start += _align16(size)
+        self.record_bytes = start
+        self._sizes = sizes
+        self.kernel_offsets = torch.tensor([self.offsets[f] for f in KERNEL_FIELDS], dtype=torch.int64)
+
+    def fields(self, rows: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Typed views of uint8 rows [n, record_bytes]: codes [n, H, g, db], key scale/zero [n, H, 1, d],
+        value scale/zero [n, H, g, 1], pos [n, g] int32, stats [n, g, 3] float32."""
+        n, h, g, d = rows.shape[0], self.h, self.g, self.d
+
+        def raw(name):
+            a = self.offsets[name]
+            return rows[:, a: a + self._sizes[name]]
+
+        return {
+            "k_codes": raw("k_codes").view(n, h, g, self.code_bytes),
+            "v_codes": raw("v_codes").view(n, h, g, self.code_bytes),
+            "k_scale": raw("k_scale").view(SCALE_DTYPE).view(n, h, 1, d),
+            "k_zero": raw("k_zero").view(SCALE_DTYPE).view(n, h, 1, d),
+            "v_scale": raw("v_scale").view(SCALE_DTYPE).view(n, h, g, 1),
+            "v_zero": raw("v_zero").view(SCALE_DTYPE).view(n, h, g, 1),
+            "pos": raw("pos").view(torch.int32),
+            "stats": raw("stats").view(torch.float32).view(n, g, 3),
+        }
+
+
+def build_qattn() -> Path:
+    """Compile the kernel into the cache (named by source hash and machine: -march=native code)."""
+    digest = hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:12]
+    target = _cache_dir() / f"libekv_qattn-{platform.machine()}-{digest}.so"
+    if target.exists():
+        return target
+    flags = ["-O3", "-march=native", "-fopenmp", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"]
+    return compile_library(lambda out: ["cc", *flags, "-shared", "-fPIC", "-Wall", str(_SOURCE), "-o", out, "-lm"],
+                           target, "the quantized attention kernel")
+
+
+@functools.cache
+def native_kernel() -> ctypes.CDLL | None:
+    """The loaded kernel, or None (logged once) when it cannot be built: the torch path serves instead."""
+    try:
+        lib = ctypes.CDLL(str(build_qattn()))
+    except OSError as exc:
+        log.warning("quantized attention kernel unavailable, using the torch path: %s", exc)
+        return None
+    common = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
+              ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
+    lib.ekv_qscores.argtypes = [*common, ctypes.c_float, ctypes.c_void_p, ctypes.c_int]
+    lib.ekv_qvalues.argtypes = [*common, ctypes.c_void_p, ctypes.c_int]
+    lib.ekv_qscores.restype = None
+    lib.ekv_qvalues.restype = ctypes.c_int
+    return lib
+
+
+def _native_ok(rows: torch.Tensor, x: torch.Tensor, use_native: bool | None) -> ctypes.CDLL | None:
+    if use_native is False or rows.device.type != "cpu" or x.dtype != torch.float32:
+        return None
+    if rows.stride(1) != 1:
+        raise ValueError("group rows must be byte-contiguous records")
+    return native_kernel()
+
+
+def group_scores(q: torch.Tensor, rows: torch.Tensor, layout: GroupLayout, scaling: float,
+                 use_native: bool | None = None) -> torch.Tensor:
+    """scaling * q . k for every token of ``rows`` (uint8 [n, record_bytes]): q [H_kv, rep, d] float32 ->
+    [H_kv, rep, n * group_tokens] float32, -inf at holes.  use_native None: the kernel when it can run."""
+    h, rep, d = q.shape
+    n = rows.shape[0]
+    lib = _native_ok(rows, q, use_native)
+    if lib is None:
+        return _scores_torch(q.float(), rows, layout, scaling)
+    q = q.contiguous()
+    out = torch.empty(h, rep, n * layout.g, dtype=torch.float32)
+    lib.ekv_qscores(q.data_ptr(), h, rep, d, layout.fmt.bits, rows.data_ptr(), rows.stride(0), n, layout.g,
+                    layout.kernel_offsets.data_ptr(), scaling, out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+def group_values(w: torch.Tensor, rows: torch.Tensor, layout: GroupLayout, use_native: bool | None = None) -> torch.Tensor:
+    """sum_t w_t v_t over ``rows``: w [H_kv, rep, n * group_tokens] float32 (0 at holes) -> [H_kv, rep, d] float32."""
+    h, rep, _ = w.shape
+    lib = _native_ok(rows, w, use_native)
+    if lib is None:
+        return _values_torch(w.float(), rows, layout)
+    w = w.contiguous()
+    out = torch.empty(h, rep, layout.d, dtype=torch.float32)
+    if lib.ekv_qvalues(w.data_ptr(), h, rep, layout.d, layout.fmt.bits, rows.data_ptr(), rows.stride(0), rows.shape[0],
+                       layout.g, layout.kernel_offsets.data_ptr(), out.data_ptr(), torch.get_num_threads()):
+        raise MemoryError("the quantized attention kernel could not allocate its per-thread sums")
+    return out
+
+
+def _scores_torch(q: torch.Tensor, rows: torch.Tensor, layout: GroupLayout, scaling: float) -> torch.Tensor:
+    """The reference: scales folded into q as the kernel does, codes unpacked a block of groups at a time."""
+    parts = []
+    for start in range(0, rows.shape[0], TORCH_BLOCK_GROUPS):
+        f = layout.fields(rows[start: start + TORCH_BLOCK_GROUPS])
+        codes = unpack_codes(f["k_codes"], layout.fmt.bits).float()  # [n, H, g, d]
+        scale, zero = f["k_scale"].float()[:, :, 0], f["k_zero"].float()[:, :, 0]  # [n, H, d]
+        qs = q[None] * scale[:, :, None] * scaling  # [n, H, rep, d]
+        s = torch.einsum("nhjd,nhtd->hjnt", qs, codes) + torch.einsum("hjd,nhd->hjn", q * scaling, zero)[..., None]
+        parts.append(s.masked_fill(f["pos"][None, None] < 0, float("-inf")).flatten(2))
+    return torch.cat(parts, dim=-1) if parts else q.new_zeros(*q.shape[:2], 0)
+
+
+def _values_torch(w: torch.Tensor, rows: torch.Tensor, layout: GroupLayout) -> torch.Tensor:
+    out = w.new_zeros(*w.shape[:2], layout.d)
+    g = layout.g
+    for start in range(0, rows.shape[0], TORCH_BLOCK_GROUPS):
+        f = layout.fields(rows[start: start + TORCH_BLOCK_GROUPS])
+        n = f["pos"].shape[0]
+        wb = w[..., start * g: (start + n) * g].unflatten(-1, (n, g))  # [H, rep, n, g]
+        wb = wb.masked_fill(f["pos"][None, None] < 0, 0.0)
+        codes = unpack_codes(f["v_codes"], layout.fmt.bits).float()  # [n, H, g, d]
+        scale, zero = f["v_scale"].float()[..., 0], f["v_zero"].float()[..., 0]  # [n, H, g]
+        out += torch.einsum("hjnt,nhtd->hjd", wb * scale.permute(1, 0, 2)[:, None], codes)
+        out += (wb * zero.permute(1, 0, 2)[:, None]).sum((-1, -2))[..., None]
+    return out
