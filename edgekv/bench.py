@@ -3,7 +3,8 @@
 Rows per (batch, context): ``full`` (all KV in memory), ``flexgen`` (the whole layer read from
 disk each step, unconstrained), and at each budget (a fraction of the full cache for the batch)
 ``token`` (G=1, no reuse), ``kvswap-noreuse`` and ``kvswap`` as the install step's solver tunes it
-for this machine (disk profile, block compute profile of this model).  Honesty rules:
+for this machine (disk profile, block compute profile of this model), and ``arkv`` (in memory: the
+budget holds original and quantized tokens, the rest evicted).  Honesty rules:
 - every prompt is prefilled once and replayed into each policy (same K/V, same disk writes),
   so only decode is compared and only decode is timed;
 - decode time comes from the engine's step events; the first ``warmup`` steps are excluded;
@@ -30,10 +31,12 @@ from edgekv.install.iomodel import io_model
 from edgekv.runtime import Engine, RecordLayout, RuntimeConfig
 from edgekv.runtime.adapter import LowRankAdapter
 from edgekv.runtime.checkpoints import gguf_source
+from edgekv.runtime.config import IN_MEMORY_POLICIES
 from edgekv.runtime.model import DecoderModel
 from edgekv.runtime.prompt_cache import PromptKVCache
 
 QUEUE_DEPTH = 32
+DISK_ROWS = ("kvswap", "token", "flexgen")  # the rows that read records from disk (repeated per --record-dtype)
 
 
 @dataclass
@@ -60,6 +63,7 @@ class Run:
     sink_tokens: int | None = None
     window_tokens: int | None = None
     klr_dtype: str | None = None  # the K_lr rows' format (int8 halves their bytes at the same sigma)
+    kv_record_dtype: str | None = None  # the disk records' format (the disk rows)
 
 
 def ratio(value: float | None, reference: float | None) -> float | None:
@@ -99,10 +103,11 @@ class StepTimer:
 
 
 def policy_configs(model: DecoderModel, batch: int, context: int, budgets: list[str], limits: solver.Limits,
-                   disk_profile, compute_profile, reuse_table: dict | None = None, chosen: dict | None = None
-                   ) -> list[tuple[str, str | None, dict]]:
+                   disk_profile, compute_profile, reuse_table: dict | None = None, chosen: dict | None = None,
+                   record_dtypes=("auto",)) -> list[tuple[str, str | None, dict]]:
     """(row name, budget label, runtime config) for every row of one (batch, context); ``kvswap-quality``
-    rows run the configurations of ``chosen`` (edgekv.evals.harness.recorded_configs) at this batch."""
+    rows run the configurations of ``chosen`` (edgekv.evals.harness.recorded_configs) at this batch.  Each disk
+    row (kvswap*, token, flexgen) comes once per ``kv_record_dtype`` of ``record_dtypes``, same configuration."""
     dims = model.dims
     base = {"max_context": context, "max_batch": batch, "io_align_bytes": limits.io_align_bytes,
             "io_queue_depth": QUEUE_DEPTH}
@@ -124,14 +129,17 @@ def policy_configs(model: DecoderModel, batch: int, context: int, budgets: list[
                 continue
             rows.append((name, label, {**base, "G": fit.G, "M": fit.M, "C": fit.C, "sigma": fit.sigma, "reuse": reuse,
                                        "max_kv_mem_mib": budget_mib}))
+        rows.append(("arkv", label, {**base, "G": 4, "M": 1, "C": 1, "sigma": 8, "max_kv_mem_mib": budget_mib}))
         if (context, label) in (chosen or {}):
             rows.append(("kvswap-quality", label, {**base, **chosen[(context, label)], "max_kv_mem_mib": budget_mib}))
-    return rows
+    return [(name, label, {**cfg, "kv_record_dtype": record}) for name, label, cfg in rows
+            for record in (record_dtypes if name.startswith(DISK_ROWS) else ("auto",))]
 
 
 def bench_point(model: DecoderModel, kv_dir: Path, batch: int, context: int, budgets: list[str], steps: int,
                 warmup: int, limits: solver.Limits, disk_profile, compute_profile, policies, reuse_table=None,
-                log=print, gguf: Path | None = None, on_event=None, chosen: dict | None = None) -> list[Run]:
+                log=print, gguf: Path | None = None, on_event=None, chosen: dict | None = None,
+                record_dtypes=("auto",)) -> list[Run]:
     """Every row at one (batch, context); with ``gguf`` (the model's source file, llama-cpp-python importable)
     also the llama.cpp row at batch 1."""
     g = torch.Generator().manual_seed(batch * 100003 + context)
@@ -142,9 +150,10 @@ def bench_point(model: DecoderModel, kv_dir: Path, batch: int, context: int, bud
     runs: list[Run] = []
     full_rate = None
     for name, budget, cfg in policy_configs(model, batch, context, budgets, limits, disk_profile, compute_profile,
-                                            reuse_table, chosen):
+                                            reuse_table, chosen, record_dtypes):
         if name not in policies:
             continue
+        label = name if cfg["kv_record_dtype"] == "auto" else f"{name},{cfg['kv_record_dtype']}"
         policy = "kvswap" if name.startswith("kvswap") else name
         timer = StepTimer()
         with Engine(model, RuntimeConfig.load(cfg), policy, kv_dir) as engine:
@@ -159,24 +168,25 @@ def bench_point(model: DecoderModel, kv_dir: Path, batch: int, context: int, bud
         read = sum(x["kv_bytes_read"] for x in s)
         eff = effective_bandwidth(read, s[0]["io_read_s"])
         stride = RecordLayout(cfg["G"], model.dims.n_kv_heads, model.dims.head_dim, model.dtype,
-                              limits.io_align_bytes).stride_bytes
-        profile_bw = disk_profile.read_mib_s(stride, QUEUE_DEPTH, source="disk") if name != "full" else None
+                              limits.io_align_bytes, cfg["kv_record_dtype"]).stride_bytes
+        profile_bw = disk_profile.read_mib_s(stride, QUEUE_DEPTH, source="disk") if name not in IN_MEMORY_POLICIES else None
         if name == "full":
             full_rate = rate
         per_layer = 1e3 / (len(timer.steps) * model.dims.n_layers)  # whole run (warm-up included), ms per layer-step
         parts = {"select": s[0]["select_s"] * per_layer, "io_stall": s[0]["io_stall_s"] * per_layer}
         parts["compute"] = max(0.0, s[0]["decode_s"] * per_layer - parts["select"] - parts["io_stall"])
-        run = Run(name, budget, batch, context, rate, None, s[0]["kv_resident_bytes"] / 2**20, read / decoded, eff,
+        run = Run(label, budget, batch, context, rate, None, s[0]["kv_resident_bytes"] / 2**20, read / decoded, eff,
                   ratio(eff, profile_bw), float(np.mean([x["reuse_rate"] for x in s])), s[0]["io_stall_share"], step_ms,
-                  parts, cfg["G"] if name != "full" else None, cfg["M"] if name.startswith(("kvswap", "token")) else None,
+                  parts, cfg["G"] if name not in IN_MEMORY_POLICIES else None, cfg["M"] if name.startswith(("kvswap", "token")) else None,
                   cfg["C"] if name == "kvswap" else None, cfg["sigma"] if name.startswith(("kvswap", "token")) else None,
                   s[0]["o_direct"], *((cfg.get("sink_tokens", 0), cfg.get("window_tokens", 0), cfg.get("klr_dtype", "bfloat16"))
-                                      if name.startswith("kvswap") else ()))
+                                      if name.startswith("kvswap") else ()),
+                  kv_record_dtype=cfg["kv_record_dtype"] if name.startswith(DISK_ROWS) else None)
         runs.append(run)
-        log(f"  {name:15s} {budget or '':5s} {run.decode_tok_s:9.1f} tok/s  step {run.step_ms:7.2f} ms")
+        log(f"  {label:20s} {budget or '':5s} {run.decode_tok_s:9.1f} tok/s  step {run.step_ms:7.2f} ms")
     if gguf is not None and batch == 1:
         runs.append(llama_cpp_run(gguf, model.dims, prompts[0], context, steps, warmup))
-        log(f"  {'llama.cpp':15s} {'':5s} {runs[-1].decode_tok_s:9.1f} tok/s  step {runs[-1].step_ms:7.2f} ms")
+        log(f"  {'llama.cpp':20s} {'':5s} {runs[-1].decode_tok_s:9.1f} tok/s  step {runs[-1].step_ms:7.2f} ms")
     for run in runs:
         run.ratio_to_full = ratio(run.decode_tok_s, full_rate)
     return runs
@@ -210,12 +220,12 @@ def llama_cpp_run(gguf: Path, dims, prompt: list[int], context: int, steps: int,
 
 
 def table(runs: list[Run]) -> str:
-    head = (f"{'batch':>5} {'ctx':>6} {'policy':15} {'budget':>6} {'tok/s':>8} {'x full':>7} {'KV MiB':>7} "
+    head = (f"{'batch':>5} {'ctx':>6} {'policy':20} {'budget':>6} {'tok/s':>8} {'x full':>7} {'KV MiB':>7} "
             f"{'KiB/tok':>8} {'eff MiB/s':>9} {'vs disk':>7} {'reuse':>5} {'stall':>5} {'G':>3} {'M':>4} {'C':>4} {'sigma':>5}")
     lines = [head]
     for r in runs:
         f = lambda v, fmt: format(v, fmt) if v is not None else "-"  # noqa: E731
-        lines.append(f"{r.batch:>5} {r.context:>6} {r.policy:15} {r.budget or '-':>6} {r.decode_tok_s:8.1f} "
+        lines.append(f"{r.batch:>5} {r.context:>6} {r.policy:20} {r.budget or '-':>6} {r.decode_tok_s:8.1f} "
                      f"{f(r.ratio_to_full, '.2f'):>7} {r.kv_resident_mib:7.1f} {r.read_bytes_per_token / 1024:8.1f} "
                      f"{f(r.eff_read_bw_mib_s, '.0f'):>9} {f(r.eff_bw_vs_profile, '.2f'):>7} {r.reuse_rate:5.2f} "
                      f"{r.io_stall_share:5.2f} {f(r.G, 'd'):>3} {f(r.M, 'd'):>4} {f(r.C, 'd'):>4} {f(r.sigma, 'g'):>5}")
@@ -267,7 +277,7 @@ def plot(runs: list[Run], png: Path) -> None:
 
 def run(model_dir: Path, kv_dir: Path, batches: list[int], contexts: list[int], budgets: list[str], steps: int,
         warmup: int, disk_seconds: float, policies: list[str], log=print, quiet: bool = False,
-        chosen_from: str | None = None) -> tuple[list[Run], dict]:
+        chosen_from: str | None = None, record_dtypes=("auto",)) -> tuple[list[Run], dict]:
     from edgekv.runtime.model import load_model
 
     kv_dir.mkdir(parents=True, exist_ok=True)
@@ -289,12 +299,12 @@ def run(model_dir: Path, kv_dir: Path, batches: list[int], contexts: list[int], 
             with progress.cell(f"batch {batch}, context {context}") as on_event:
                 runs += bench_point(model, kv_dir, batch, context, budgets, steps, warmup, limits, disk_profile,
                                     compute_profile, policies, reuse_table, progress.write, gguf, on_event,
-                                    recorded_configs(chosen_from) if chosen_from else {})
+                                    recorded_configs(chosen_from) if chosen_from else {}, record_dtypes)
     meta = {"model": str(model_dir), "steps": steps, "warmup_steps": warmup, "queue_depth": QUEUE_DEPTH,
             "disk": {"reference": disk_profile.reference, "reader": disk_profile.reader, "o_direct": disk_profile.o_direct,
                      "points": [asdict(p) for p in disk_profile.points]},
             "threads": torch.get_num_threads(), "reuse_table": source, "llama_cpp": llama_note,
-            "quality_configs_from": chosen_from}
+            "quality_configs_from": chosen_from, "record_dtypes": list(record_dtypes)}
     return runs, meta
 
 

@@ -136,7 +136,7 @@ def _bench(args) -> int:
         runs, meta = bench.run(checkpoint, Path(kv), [int(b) for b in args.batches.split(",")],
                                [int(c) for c in args.contexts.split(",")], args.budgets.split(","), args.steps,
                                args.warmup, args.disk_seconds, args.policies.split(","), quiet=args.quiet,
-                               chosen_from=args.quality_configs)
+                               chosen_from=args.quality_configs, record_dtypes=_record_dtypes(args.record_dtype))
     meta.update(model=args.model, checkpoint=str(checkpoint), command=args.command_line)
     print(bench.table(runs))
     print(f"reproduce: {meta['command']}  (decode only; {args.warmup} warm-up steps excluded; "
@@ -209,6 +209,17 @@ def _parse_budget(text: str) -> float:
     return value
 
 
+def _record_dtypes(text: str) -> list[str]:
+    """--record-dtype: the disk record formats to run, exact records ("auto") always first (the rows they are set beside)."""
+    from edgekv.runtime.quant import RECORD_DTYPES
+
+    asked = [r for r in text.split(",") if r]
+    bad = [r for r in asked if r not in RECORD_DTYPES]
+    if bad:
+        raise ValueError(f"--record-dtype {text}: {bad} unknown; give a list of {list(RECORD_DTYPES)}, e.g. int8,int4")
+    return list(dict.fromkeys(["auto", *asked]))
+
+
 def _eval(args) -> int:
     import tempfile
 
@@ -222,10 +233,15 @@ def _eval(args) -> int:
     budgets = [_parse_budget(b) for b in args.budgets.split(",")]
     variants = []
     main = {"G": args.group_size, "score_reduce": args.score_reduce}
+    records = _record_dtypes(args.record_dtype)
     for policy in args.policies.split(","):
         if policy in ("kvswap", "token"):
             rule = args.rule if policy == "kvswap" else "mg_const"  # token: KVSwap's rule (its cells cost 4x to measure)
-            variants += [harness.Variant(policy, b, **main, rule=rule) for b in budgets]
+            variants += [harness.Variant(policy, b, **main, rule=rule, record_dtype=r) for b in budgets for r in records]
+        elif policy == "flexgen":
+            variants += [harness.Variant(policy, record_dtype=r) for r in records]
+        elif policy == "arkv":
+            variants += [harness.Variant(policy, b) for b in budgets]
         else:
             variants.append(harness.Variant(policy))
     if args.ablations:
@@ -325,7 +341,7 @@ def main(argv=None) -> int:
     gen.add_argument("--model", required=True, help=MODEL_HELP)
     gen.add_argument("--kv-path", help="folder on the disk that holds the KV cache (default: a temporary one in the system temp dir)")
     gen.add_argument("--config", help="runtime config JSON (G, M, sigma, C, max_kv_mem_mib, ...)")
-    gen.add_argument("--policy", default="kvswap", choices=["kvswap", "full", "flexgen", "token"])
+    gen.add_argument("--policy", default="kvswap", choices=["kvswap", "full", "flexgen", "token", "arkv"])
     gen.add_argument("--prompt", action="append", help="plain text, or a JSON list of token ids (repeatable)")
     gen.add_argument("--chat", action="append", help="a user message, sent through the model's chat template (repeatable)")
     gen.add_argument("--max-new-tokens", type=int, default=64)
@@ -375,7 +391,7 @@ def main(argv=None) -> int:
     tt.add_argument("--quiet", action="store_true")
     tt.set_defaults(func=_ttft)
 
-    nat = sub.add_parser("build-native", help="compile the C KV reader (io_uring and pthread backends)")
+    nat = sub.add_parser("build-native", help="compile the C KV reader (io_uring and pthread backends) and arkv's quantized attention kernel")
     nat.set_defaults(func=_build_native)
 
     dep = sub.add_parser("deploy", help="profile this machine, solve the runtime parameters, run a smoke generation")
@@ -418,6 +434,9 @@ def main(argv=None) -> int:
     ev.add_argument("--kv-path", default=None, help="folder for the KV files (default: the system temp dir)")
     ev.add_argument("--niah", metavar="PNG", help="also a needle-in-a-haystack heatmap (contexts x depths)")
     ev.add_argument("--recall-sigmas", metavar="LIST", help="also the predictor's selection recall per sigma, e.g. 2,4,8,16")
+    ev.add_argument("--record-dtype", default="auto", metavar="LIST",
+                    help="disk record formats (fp16, int8, int4): each kvswap, token and flexgen row is run again with "
+                         "them (same configuration, other records), labelled e.g. kvswap@1/13,int8")
     ev.add_argument("--json")
     ev.set_defaults(func=_eval)
 
@@ -437,6 +456,9 @@ def main(argv=None) -> int:
     be.add_argument("--quiet", action="store_true", help="no progress bars")
     be.add_argument("--disk-seconds", type=float, default=10, help="time for the disk profile the solver and ratios use")
     be.add_argument("--kv-path", default=None, help="folder on the disk to measure (default: the system temp dir)")
+    be.add_argument("--record-dtype", default="auto", metavar="LIST",
+                    help="disk record formats (fp16, int8, int4): each kvswap, token and flexgen row is run again with "
+                         "them (same configuration, other records), labelled e.g. kvswap,int8")
     be.add_argument("--json")
     be.add_argument("--png", help="throughput vs batch and kvswap step time vs context")
     be.set_defaults(func=_bench)

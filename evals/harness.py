@@ -45,26 +45,31 @@ class Variant:
     ablation: str = ""  # what differs from the main row of its policy, e.g. "G=2" (part of the label)
     rule: str = "mg_const"  # "quality": the best measured configuration under the budget; "mg_const": KVSwap's M*G = 400
     overrides: tuple = ()  # (field, value) pairs set on the chosen configuration (ablations; may exceed the budget)
+    record_dtype: str = "auto"  # kv_record_dtype of the disk records, on top of the configuration chosen for exact ones
 
     @property
     def label(self) -> str:
         name = self.policy if self.budget is None else f"{self.policy}@1/{round(1 / self.budget)}"
-        return f"{name},{self.ablation}" if self.ablation else name
+        return ",".join([name] + [x for x in (self.ablation, self.record_dtype) if x and x != "auto"])
 
 
 def budget_config(variant: Variant, context: int, dims: ModelDims, kv_dtype: torch.dtype, max_batch: int,
                   limits: Limits = Limits(io_align_bytes=512), chooser: "QualityChooser | None" = None) -> dict:
     """(sigma, M, G, C, reuse, S, W) for ``variant.budget`` of the full KV at ``context`` tokens: by measured
     quality (``rule="quality"``, through ``chooser``), else by the install step's memory fit with M*G = 400
-    (edgekv.install.solver.quality_fit); ``token`` is G = 1 without reuse.  ``overrides`` are applied last."""
+    (edgekv.install.solver.quality_fit); ``token`` is G = 1 without reuse.  ``overrides`` are applied last.
+    ``record_dtype`` only changes the records of the configuration chosen for exact ones, so a row shows what the
+    format alone costs in quality and saves in reads (its memory stays within the budget: records only shrink)."""
     G = 1 if variant.policy == "token" else variant.G
     max_context = context + 64
     base = {"max_context": max_context, "max_batch": max_batch, "G": G, "rolling_buffer": variant.rolling_buffer,
-            "selector": variant.selector, "score_reduce": variant.score_reduce}
+            "selector": variant.selector, "score_reduce": variant.score_reduce, "kv_record_dtype": variant.record_dtype}
     if variant.budget is None:
         return {**base, "M": 1, "C": 1, "sigma": 8}
     itemsize = torch.empty(0, dtype=kv_dtype).element_size()
     budget = variant.budget * dims.n_layers * max_context * 2 * dims.n_kv_heads * dims.head_dim * itemsize
+    if variant.policy == "arkv":  # in memory: the whole budget is its cache, no disk geometry to fit
+        return {**base, "M": 1, "C": 1, "sigma": 8, "max_kv_mem_mib": budget * max_batch / 2**20, **dict(variant.overrides)}
     if variant.rule == "quality":
         if chooser is None:
             raise ValueError("rule 'quality' needs a QualityChooser (measured configurations); pass one or use 'mg_const'")
@@ -141,6 +146,12 @@ class Result:
     samples: int
     config: dict
     seconds: float
+    kv_read_bytes_per_token: float = 0.0  # disk reads per decoded token (record format and reuse included)
+
+
+def read_bytes_per_token(outs) -> float:
+    """KV bytes read from disk per decoded token over a batch's results (0 for the in-memory policies)."""
+    return sum(o.stats["kv_bytes_read"] for o in outs) / max(1, sum(o.stats["generated_tokens"] - 1 for o in outs))
 
 
 def task_format(model_dir: str | Path):
@@ -243,15 +254,15 @@ def engine_for(model: DecoderModel, kv_path, policy: str, config: dict, adapters
 
 def _score(model: DecoderModel, kv_path, variant: Variant, context: int, instances: list[TaskInstance],
            max_batch: int, adapters: Adapters, on_event=None, prompt_cache: PromptKVCache | None = None,
-           chooser: QualityChooser | None = None) -> tuple[list[bool], dict]:
-    """Run ``instances`` through one variant; exact match per instance."""
+           chooser: QualityChooser | None = None) -> tuple[list[bool], dict, float]:
+    """Run ``instances`` through one variant: exact match per instance, the config, KV bytes read per token."""
     engine, config = open_engine(model, kv_path, variant, context, max_batch, adapters, chooser)
     with engine:
         engine.prompt_cache = prompt_cache
         if on_event is not None:
             engine.events.subscribe(on_event)
         outs = engine.generate([x.context for x in instances], teacher_forcing=[x.forced for x in instances])
-    return [x.score(o.token_ids) for x, o in zip(instances, outs)], config
+    return [x.score(o.token_ids) for x, o in zip(instances, outs)], config, read_bytes_per_token(outs)
 
 
 def _load(model_dir, contexts: list[int], tasks: list[str], seed: int, adapter_path) -> tuple[DecoderModel, Adapters]:
@@ -288,13 +299,13 @@ def evaluate(
             for variant in variants:
                 start = time.perf_counter()
                 with progress.cell(f"{context} {variant.label}", steps) as on_event:
-                    hits, config = _score(model, kv_path, variant, context, instances, max_batch, adapters, on_event,
-                                          cache, chooser)
+                    hits, config, read = _score(model, kv_path, variant, context, instances, max_batch, adapters,
+                                                on_event, cache, chooser)
                 seconds = time.perf_counter() - start
                 for task in tasks:
                     scored = [hit for inst, hit in zip(instances, hits) if inst.task == task]
                     results.append(Result(task, context, variant.policy, variant.budget, variant.label,
-                                          float(np.mean(scored)), len(scored), config, round(seconds, 2)))
+                                          float(np.mean(scored)), len(scored), config, round(seconds, 2), read))
                 progress.write(f"context {context:6d}  {variant.label:28s} "
                                f"{np.mean([r.accuracy for r in results[-len(tasks):]]):.3f}  ({seconds:.1f} s)")
     return results
@@ -346,7 +357,7 @@ def niah_grid(
     for i, context in enumerate(contexts):
         rng = np.random.default_rng([seed, context])
         instances = [make_instance("single_needle", context, rng, depth=d, fmt=fmt) for d in depths for _ in range(samples)]
-        hits, _ = _score(model, kv_path, variant, context, instances, max_batch, adapters, chooser=chooser)
+        hits, _, _ = _score(model, kv_path, variant, context, instances, max_batch, adapters, chooser=chooser)
         grid[i] = np.array(hits).reshape(len(depths), samples).mean(axis=1)
     return grid
 

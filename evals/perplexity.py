@@ -24,7 +24,7 @@ from edgekv.runtime.checkpoints import load_tokenizer
 from edgekv.runtime.model import DecoderModel, load_model, read_model_config
 from edgekv.runtime.prompt_cache import PromptKVCache
 
-from .harness import Adapters, Variant, engine_for, engine_steps, open_engine, quality_chooser
+from .harness import Adapters, Variant, engine_for, engine_steps, open_engine, quality_chooser, read_bytes_per_token
 from .progress import Progress
 
 LICENSES = Path("/usr/share/common-licenses")
@@ -116,20 +116,23 @@ class PplResult:
     windows: int
     config: dict
     seconds: float
+    kv_read_bytes_per_token: float = 0.0  # disk reads per decoded token (record format and reuse included)
 
 
-def _predictions(engine, windows: list[list[int]], continuation: int, on_event) -> torch.Tensor:
-    """Log-probabilities [windows, continuation - 1, vocab] of the decode-path predictions of each window's tail."""
+def _predictions(engine, windows: list[list[int]], continuation: int, on_event) -> tuple[torch.Tensor, float]:
+    """Log-probabilities [windows, continuation - 1, vocab] of the decode-path predictions of each window's tail,
+    and the KV bytes read per decoded token."""
     engine.events.subscribe(on_event)
     prompts = [w[:-continuation] for w in windows]
     forced = [w[-continuation:] for w in windows]
     outs = engine.generate(prompts, max_new_tokens=continuation + 1, stop_token_ids=[], output_logits=True,
                            teacher_forcing=forced)
     # row 0 is the prefill's prediction (the same for every policy); row j >= 1 predicts forced[j] after decoding forced[j-1]
-    return torch.stack([o.logits[1:continuation] for o in outs]).log_softmax(dim=-1)
+    return torch.stack([o.logits[1:continuation] for o in outs]).log_softmax(dim=-1), read_bytes_per_token(outs)
 
 
-def _run(engine, cache: PromptKVCache, windows: list[list[int]], continuation: int, on_event) -> torch.Tensor:
+def _run(engine, cache: PromptKVCache, windows: list[list[int]], continuation: int, on_event
+         ) -> tuple[torch.Tensor, float]:
     with engine:
         engine.prompt_cache = cache
         return _predictions(engine, windows, continuation, on_event)
@@ -150,17 +153,17 @@ class ConfigScorer:
         self.steps = engine_steps([continuation] * len(windows), max_batch)
         config = RuntimeConfig.load({"max_context": max(len(w) for w in windows) + 64, "max_batch": max_batch})
         with progress.cell(f"{label} full".strip(), self.steps) as on_event:
-            self.reference = _run(Engine(model, config, "full", kv_path), self.cache, windows, continuation, on_event)
+            self.reference, _ = _run(Engine(model, config, "full", kv_path), self.cache, windows, continuation, on_event)
         self.full_ppl = compare(self.reference, self.reference, self.targets)[0]
 
     def __call__(self, policy: str, config: dict) -> dict:
         engine, ran = engine_for(self.model, self.kv_path, policy, {**config, "max_batch": self.max_batch}, self.adapters)
         with self.progress.cell(f"{self.label} {policy} {_short(config)}".strip(), self.steps) as on_event:
-            logp = _run(engine, self.cache, self.windows, self.continuation, on_event)
+            logp, read = _run(engine, self.cache, self.windows, self.continuation, on_event)
         ppl, agree, kl = compare(logp, self.reference, self.targets)
         self.progress.write(f"{self.label} {policy} {_short(config)}: ppl x full {ppl / self.full_ppl:.3f}  top-1 {agree:.3f}")
         return {"policy": policy, "config": ran, "ppl": ppl, "ppl_ratio": ppl / self.full_ppl, "top1_agreement": agree,
-                "kl": kl}
+                "kl": kl, "kv_read_bytes_per_token": read}
 
 
 def _short(config: dict) -> str:
@@ -199,14 +202,14 @@ def evaluate_ppl(model_dir: str | Path, kv_path: str | Path, variants: list[Vari
                 start = time.perf_counter()
                 engine, config = open_engine(model, kv_path, variant, context, max_batch, adapters, chooser)
                 with progress.cell(f"{context} {variant.label}", steps) as on_event:
-                    logp = _run(engine, cache, split.windows, continuation, on_event)
+                    logp, read = _run(engine, cache, split.windows, continuation, on_event)
                 if reference is None:  # full runs first
                     reference = logp
                 ppl, agree, kl = compare(logp, reference, targets)
                 full_ppl = full_ppl if variant.policy != "full" else ppl
                 results.append(PplResult(variant.policy, variant.budget, context, variant.label, ppl, ppl / full_ppl,
                                          agree, kl, targets.numel(), len(split.windows), config,
-                                         round(time.perf_counter() - start, 1)))
+                                         round(time.perf_counter() - start, 1), read))
                 progress.write(f"context {context:6d}  {variant.label:22s} ppl {ppl:8.3f}  x full {results[-1].ratio_to_full:6.3f}  "
                                f"top-1 {agree:.3f}  KL {kl:.4f}  ({results[-1].seconds:.0f} s)")
     return results
@@ -219,6 +222,8 @@ def table(results: list[PplResult]) -> str:
         c = r.config
         config = "" if r.policy == "full" else f"G={c['G']} M={c['M']} C={c['C']} sigma={c['sigma']} reuse={c.get('reuse')} " \
             f"S={c.get('sink_tokens', 0)} W={c.get('window_tokens', 0)}"
+        if r.policy == "arkv":  # in memory: its budget is its whole configuration
+            config = f"max_kv_mem_mib={c['max_kv_mem_mib']:.2f}"
         lines.append(f"{r.context:>7} {r.variant:24} {r.ppl:9.3f} {r.ratio_to_full:7.3f} {r.top1_agreement:6.3f} "
                      f"{r.kl_full_policy:8.4f}  {config}")
     return "\n".join(lines)

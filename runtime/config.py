@@ -10,7 +10,10 @@ import math
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
-POLICIES = ("kvswap", "full", "flexgen", "token", "hillinfer")
+from .quant import QUANT_DTYPES, RECORD_DTYPES
+
+POLICIES = ("kvswap", "full", "flexgen", "token", "hillinfer", "arkv")
+IN_MEMORY_POLICIES = ("full", "arkv")  # no disk: no kv_offload_path, no reader
 READER_BACKENDS = ("auto", "io_uring", "pthread", "python")
 SELECTORS = ("lowrank", "random", "oracle")
 SCORE_REDUCES = ("sum", "softmax")
@@ -56,6 +59,13 @@ class RuntimeConfig:
     and held in memory, rounded up to whole groups; they count in M, so the predictor picks
     ``picked_groups`` = M - ceil(S/G) - ceil(W/G) groups among the rest (attention sinks and a
     local window: what a sparse selection must never drop).
+    ``kv_record_dtype`` the disk records' format (runtime/quant.py): "auto" the model's dtype (exact),
+    "fp16", or "int8"/"int4" codes with float16 scales: smaller reads and reuse slots for a measured
+    loss; the sinks, the window and a context store keep model precision.
+    ``arkv_*``: the arkv policy (runtime/arkv.py) under ``max_kv_mem_mib``: ``arkv_quant`` the quantized
+    state's format, ``arkv_gamma`` the weight of attention variance in a token's score (Eq. 9),
+    ``arkv_window_tokens`` W, both the observation window of prompt queries and the newest tokens always
+    kept original, ``arkv_slack`` alpha, the share of the cache a tailor keeps (the rest fills between tailors).
     """
 
     G: int = 4
@@ -76,9 +86,14 @@ class RuntimeConfig:
     reader_backend: str = "auto"
     io_align_bytes: int = 4096
     io_queue_depth: int = 64
+    kv_record_dtype: str = "auto"
     importance_rate: float = 0.2  # hillinfer alpha: the share of tokens selected (and kept recent in the CPU pool)
     beta: float = 1.0  # hillinfer: CPU / storage pool size ratio, ~ f_cpu / f_ssd (HillInfer Eq. 1)
     score_block_tokens: int = 1024  # hillinfer: tokens per in-storage score block
+    arkv_quant: str = "int8"
+    arkv_gamma: float = 263.81  # the paper's tuned gamma
+    arkv_window_tokens: int = 32
+    arkv_slack: float = 0.75
     ttft_costs_path: str | None = None  # the install step's chunk compute predictor (JSON) for load-or-compute plans
 
     @classmethod
@@ -131,6 +146,8 @@ class RuntimeConfig:
             )
         if self.reader_backend not in READER_BACKENDS:
             raise ConfigError(f"config field 'reader_backend' must be one of {READER_BACKENDS}, got {self.reader_backend!r}")
+        if self.kv_record_dtype not in RECORD_DTYPES:
+            raise ConfigError(f"config field 'kv_record_dtype' must be one of {RECORD_DTYPES}, got {self.kv_record_dtype!r}")
         if self.selector not in SELECTORS:
             raise ConfigError(f"config field 'selector' must be one of {SELECTORS}, got {self.selector!r}")
         if self.score_reduce not in SCORE_REDUCES:
@@ -143,6 +160,15 @@ class RuntimeConfig:
             raise ConfigError(f"config field 'beta' must be > 0, got {self.beta!r}")
         if not (isinstance(self.score_block_tokens, int) and 1 <= self.score_block_tokens <= 1024):
             raise ConfigError(f"config field 'score_block_tokens' must be in [1, 1024] (the kernel's block), got {self.score_block_tokens!r}")
+        if self.arkv_quant not in QUANT_DTYPES:
+            raise ConfigError(f"config field 'arkv_quant' must be one of {QUANT_DTYPES}, got {self.arkv_quant!r}")
+        if isinstance(self.arkv_gamma, bool) or not isinstance(self.arkv_gamma, (int, float)) or not self.arkv_gamma >= 0:
+            raise ConfigError(f"config field 'arkv_gamma' must be a number >= 0, got {self.arkv_gamma!r}")
+        if isinstance(self.arkv_window_tokens, bool) or not isinstance(self.arkv_window_tokens, int) \
+                or self.arkv_window_tokens < 1:
+            raise ConfigError(f"config field 'arkv_window_tokens' must be an integer >= 1, got {self.arkv_window_tokens!r}")
+        if isinstance(self.arkv_slack, bool) or not isinstance(self.arkv_slack, (int, float)) or not 0 < self.arkv_slack < 1:
+            raise ConfigError(f"config field 'arkv_slack' must be in (0, 1) (the paper uses 0.75), got {self.arkv_slack!r}")
         align = self.io_align_bytes
         if not isinstance(align, int) or align < 512 or align & (align - 1):
             raise ConfigError(f"config field 'io_align_bytes' must be a power of two >= 512, got {align!r}")

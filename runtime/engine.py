@@ -18,7 +18,8 @@ import torch
 
 from .adapter import LowRankAdapter
 from .checkpoints import load_tokenizer, resolve_checkpoint
-from .config import ConfigError, RuntimeConfig
+from .arkv import ArkvGeometry, ArkvKV
+from .config import IN_MEMORY_POLICIES, ConfigError, RuntimeConfig
 from .disk_store import DiskKVStore, RecordLayout, check_offload_path
 from .events import EventBus, JsonLinesLog
 from .forward import prefill
@@ -81,7 +82,7 @@ class Engine:
         self._warned_adapter = False
         self.rank, self.memory_plan = _preflight(policy, self.config, model.dims, model.dtype, adapter, kv_offload_path)
         self.reader: KVReader | None = None
-        if policy != "full":
+        if policy not in IN_MEMORY_POLICIES:
             self.reader = open_reader(self.config.reader_backend, self.config.io_queue_depth)
 
     @classmethod
@@ -305,10 +306,15 @@ class Engine:
         return results
 
     def _prefill(self, policy: KVPolicy, seq: int, ids: list[int]) -> torch.Tensor:
-        """Compute the prompt's KV into the policy, or replay it from ``prompt_cache`` when set and filled."""
+        """Compute the prompt's KV into the policy, or replay it from ``prompt_cache`` when set and filled (with the
+        queries the policy asks for: an entry kept without them is computed again, and replaced).  A stored
+        context has no queries: the policy gets its KV alone."""
+        n_queries = policy.prompt_queries
         cached = self.prompt_cache.get(ids) if self.prompt_cache is not None else None
-        if cached is not None:
+        if cached is not None and cached.has_queries(n_queries):
             for layer, (k, v) in enumerate(cached.kv):
+                if n_queries:
+                    policy.observe_prompt(layer, seq, cached.queries[layer][:, -n_queries:])
                 policy.store_prompt(layer, seq, k, v)
             return cached.logits
         stored = self.context_store.match(ids) if self.context_store is not None else None
@@ -320,21 +326,27 @@ class Engine:
             for layer in range(self.model.dims.n_layers):
                 policy.store_prompt(layer, seq, *result.kv.layer(layer))
             return result.logits
-        kept = []
+        kept, queries = [], []
 
         def keep(layer, k, v):
             policy.store_prompt(layer, seq, k, v)
             if self.prompt_cache is not None:
                 kept.append((k, v))
 
-        logits = prefill(self.model, ids, keep)
+        def observe(layer, q):
+            policy.observe_prompt(layer, seq, q[:, -n_queries:])
+            if self.prompt_cache is not None:
+                queries.append(q[:, -n_queries:].clone())
+
+        logits = prefill(self.model, ids, keep, observe if n_queries else None)
         if self.prompt_cache is not None:
-            self.prompt_cache.put(ids, PromptKV(kept, logits))
+            self.prompt_cache.put(ids, PromptKV(kept, logits, queries or None))
         return logits
 
     def _attach_stored(self, policy: KVPolicy, seq: int, stored) -> None:
         """A disk policy with the store's record layout reads the stored prefix from the store's blobs in place
-        (its own files get only the rest); a remote store or another layout is copied like any prompt."""
+        (its own files get only the rest); a remote store or another layout (quantized records: the store keeps
+        model precision) is copied like any prompt."""
         store = self.context_store
         disk = getattr(policy, "store", None)
         if not isinstance(policy, OffloadedKV) or store.root is None or disk.layout != store.layout:
@@ -376,7 +388,8 @@ class Engine:
             "batch_size": policy.batch,
             "reader": self.reader.name if self.reader else None,
             "o_direct": getattr(getattr(policy, "store", None), "o_direct", None),
-            "config": {k: getattr(cfg, k) for k in ("G", "M", "C", "sigma", "reuse", "rolling_buffer", "max_context")}
+            "config": {k: getattr(cfg, k) for k in ("G", "M", "C", "sigma", "reuse", "rolling_buffer", "max_context",
+                                                    "kv_record_dtype")}
             | {"rank": self._rank(cfg)},
         }
         text = self.tokenizer.decode(generated, skip_special_tokens=True) if self.tokenizer else ""
@@ -408,7 +421,10 @@ class Engine:
         model, dims = self.model, self.model.dims
         if self.policy == "full":
             return InMemoryKV(model, batch, cfg.max_context)
-        layout = RecordLayout(cfg.G, dims.n_kv_heads, dims.head_dim, model.dtype, cfg.io_align_bytes)
+        if self.policy == "arkv":  # a budget holding the whole cache: nothing to tailor, exactly `full`
+            fits = ArkvGeometry(cfg, dims, torch.empty(0, dtype=model.dtype).element_size()).fits_all
+            return InMemoryKV(model, batch, cfg.max_context) if fits else ArkvKV(model, batch, cfg)
+        layout = _record_layout(cfg, dims, model.dtype)
         store = DiskKVStore(self.kv_offload_path, dims.n_layers, layout, self.reader)
         if self.policy == "flexgen":
             selector = AllGroupsSelector(cfg.M, model.device)
@@ -517,15 +533,24 @@ def _preflight(policy, cfg: RuntimeConfig, dims: ModelDims, dtype, adapter, kv_o
     rank = adapter.rank if adapter else LowRankAdapter.rank_for(dims.n_kv_heads, dims.head_dim, cfg.sigma)
     plan = _plan(policy, cfg, dims, dtype, rank)
     plan.check(cfg.max_kv_mem_mib, policy)
-    if policy != "full":
+    if policy not in IN_MEMORY_POLICIES:
         check_offload_path(kv_offload_path)
     return rank, plan
 
 
 def _plan(policy: str, cfg: RuntimeConfig, dims: ModelDims, dtype: torch.dtype, rank: int) -> MemoryPlan:
     itemsize = torch.empty(0, dtype=dtype).element_size()
-    stride = RecordLayout(cfg.G, dims.n_kv_heads, dims.head_dim, dtype, cfg.io_align_bytes).stride_bytes
-    return plan_memory(policy, cfg, dims, itemsize, rank, stride)
+    return plan_memory(policy, cfg, dims, itemsize, rank, _record_layout(cfg, dims, dtype).stride_bytes)
+
+
+def _record_layout(cfg: RuntimeConfig, dims: ModelDims, dtype: torch.dtype) -> RecordLayout:
+    """The disk policies' records in ``kv_record_dtype``; a format this model cannot take is named as the config field."""
+    layout = RecordLayout(cfg.G, dims.n_kv_heads, dims.head_dim, dtype, cfg.io_align_bytes, cfg.kv_record_dtype)
+    try:
+        layout.codec  # built now: a format the model cannot take fails before the weights load
+    except ValueError as exc:
+        raise ConfigError(f"config field 'kv_record_dtype' {cfg.kv_record_dtype!r}: {exc}; pick another format") from exc
+    return layout
 
 
 def _ttft_costs(path: str | None):
