@@ -336,13 +336,22 @@ def table(results: list[Result]) -> str:
             lines.append(f"{task:16}" + "".join(f"{100 * cell[(task, lab)]:{w}.1f}" for lab in labels))
         rel = relative_accuracy([r for r in results if r.context == context])
         lines.append(f"{'relative':16}" + "".join(f"{rel[lab]:{w}.3f}" for lab in labels))
-        configs = {r.variant: r.config for r in results if r.context == context}
+        configs = {r.variant: {**r.config, "policy": r.policy} for r in results if r.context == context}
         for lab in labels:
-            c = configs[lab]
-            lines.append(f"  {lab}: G={c['G']} M={c['M']} C={c['C']} sigma={c['sigma']} reuse={c.get('reuse', '-')} "
-                         f"S={c.get('sink_tokens', 0)} W={c.get('window_tokens', 0)} {c.get('selector', '')}")
+            lines.append(f"  {lab}: {config_summary(configs[lab])}")
         lines.append("")
     return "\n".join(lines)
+
+
+def config_summary(c: dict) -> str:
+    """One line of what a row ran with: arkv's budget and formats, or the disk policies' selection knobs."""
+    if c.get("policy") == "arkv":
+        budget = c.get("max_kv_mem_mib")
+        return (f"max_kv_mem_mib={budget:.2f} " if budget else "no budget ") + \
+            f"quant={c.get('arkv_quant', 'int8')} W={c.get('arkv_window_tokens', 32)}"
+    return (f"G={c['G']} M={c['M']} C={c['C']} sigma={c['sigma']} reuse={c.get('reuse', '-')} "
+            f"S={c.get('sink_tokens', 0)} W={c.get('window_tokens', 0)} {c.get('selector', '')} "
+            f"records={c.get('kv_record_dtype', 'auto')}")
 
 
 def niah_grid(

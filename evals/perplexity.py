@@ -24,7 +24,8 @@ from edgekv.runtime.checkpoints import load_tokenizer
 from edgekv.runtime.model import DecoderModel, load_model, read_model_config
 from edgekv.runtime.prompt_cache import PromptKVCache
 
-from .harness import Adapters, Variant, engine_for, engine_steps, open_engine, quality_chooser, read_bytes_per_token
+from .harness import (Adapters, Variant, config_summary, engine_for, engine_steps, open_engine, quality_chooser,
+                      read_bytes_per_token)
 from .progress import Progress
 
 LICENSES = Path("/usr/share/common-licenses")
@@ -219,11 +220,7 @@ def table(results: list[PplResult]) -> str:
     head = f"{'context':>7} {'variant':24} {'ppl':>9} {'x full':>7} {'top-1':>6} {'KL':>8}  config"
     lines = [head]
     for r in results:
-        c = r.config
-        config = "" if r.policy == "full" else f"G={c['G']} M={c['M']} C={c['C']} sigma={c['sigma']} reuse={c.get('reuse')} " \
-            f"S={c.get('sink_tokens', 0)} W={c.get('window_tokens', 0)}"
-        if r.policy == "arkv":  # in memory: its budget is its whole configuration
-            config = f"max_kv_mem_mib={c['max_kv_mem_mib']:.2f}"
+        config = "" if r.policy == "full" else config_summary({**r.config, "policy": r.policy})
         lines.append(f"{r.context:>7} {r.variant:24} {r.ppl:9.3f} {r.ratio_to_full:7.3f} {r.top1_agreement:6.3f} "
                      f"{r.kl_full_policy:8.4f}  {config}")
     return "\n".join(lines)
