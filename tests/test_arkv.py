@@ -157,9 +157,12 @@ def keys_for(logits: torch.Tensor) -> torch.Tensor:
     return k
 
 
-def test_tailor_scripted_tri_state():
+@pytest.mark.parametrize("budget_mib, evicting", [(0.05, False), (0.03, True)])
+def test_tailor_scripted_tri_state(budget_mib, evicting):
+    """0.05 MiB holds a quantized copy of every token and some originals; 0.03 MiB does not: the best are
+    quantized, the rest evicted, and only the window stays original."""
     torch.manual_seed(0)
-    policy, model = scripted_policy(budget_mib=0.03)
+    policy, model = scripted_policy(budget_mib=budget_mib)
     T, W = 300, policy.window
     q = torch.zeros(2, T, 16)
     q[:, :, 0] = 1 / model.scaling
@@ -174,7 +177,10 @@ def test_tailor_scripted_tri_state():
     assert rho[0] == 1.0 and rho[1] < 1.0
 
     keep_o, cap_q = int(policy.keep_original[1, 0]), int(policy.groups[1, 0]) * GROUP_TOKENS
-    assert keep_o > 0 and cap_q > 0 and keep_o + cap_q + W < T - W, "the budget must leave tokens to evict"
+    if evicting:
+        assert keep_o == 0 and 0 < cap_q < T - W
+    else:
+        assert keep_o > 0 and keep_o + cap_q >= T - W and keep_o < T - W
     ranked = (torch.argsort(flat[: T - W], descending=True)).numpy()
     original, quantized = policy.token_states(1, 0)
     np.testing.assert_array_equal(original, np.sort(np.concatenate((ranked[:keep_o], np.arange(T - W, T)))))
@@ -201,7 +207,7 @@ def test_tailor_scripted_tri_state():
         assert all(now[p] <= state.get(p, 2) for p in now), "a token went up: quantized -> original or evicted -> kept"
         assert set(range(pos + 1 - W, pos + 1)) <= set(original.tolist())
         state = now
-    assert policy.tailors[1, 0] > 2 and policy.resident_bytes <= 0.03 * 2**20
+    assert policy.tailors[1, 0] > 2 and policy.resident_bytes <= budget_mib * 2**20
 
 
 # ---- the kernel ---------------------------------------------------------------------------------
@@ -238,13 +244,23 @@ def test_kernel_matches_torch(fmt, n_kv, rep, d, n_groups):
     torch.testing.assert_close(out, exact_out, rtol=1e-5, atol=1e-5)
 
 
-def test_geometry_split_follows_rho():
+def test_geometry_quantizes_only_as_the_budget_requires_and_evicts_last():
+    """Short: every token original.  Longer: a quantized copy of every token first, then originals up to ρ n
+    (fewer as ρ falls).  Longest: tokens evicted, only the window and the slack original."""
     dims = ModelDims(n_layers=4, hidden=64, n_heads=4, n_kv_heads=2, head_dim=16, vocab=10)
-    geo = ArkvGeometry(RuntimeConfig.load({"max_context": 4096, "max_batch": 1, "max_kv_mem_mib": 1.0}), dims, 4)
-    splits = [geo.capacity(rho) for rho in (1.0, 0.5, 0.1)]
-    for slots, groups, keep in splits:
-        assert slots * geo.original_bytes + groups * geo.layout.record_bytes <= geo.arena_bytes
-        assert 0 <= keep < slots - geo.window
-    held = [keep + groups * GROUP_TOKENS for _, groups, keep in splits]
-    assert [keep for _, _, keep in splits] == sorted(keep for _, _, keep in splits)[::-1]  # fewer originals as ρ falls
-    assert held == sorted(held), "a lower ρ holds more tokens in the same bytes"
+    geo = ArkvGeometry(RuntimeConfig.load({"max_context": 8192, "max_batch": 1, "max_kv_mem_mib": 1.0}), dims, 4)
+    outside = lambda n: n - geo.window  # noqa: E731
+    for n_tokens in (200, 2000, 8192):
+        splits = [geo.capacity(rho, n_tokens) for rho in (1.0, 0.5, 0.1)]
+        for slots, groups, keep in splits:
+            assert slots * geo.original_bytes + groups * geo.layout.record_bytes <= geo.arena_bytes
+            assert 0 <= keep < slots - geo.window
+        keeps = [keep for _, _, keep in splits]
+        held = [keep + groups * GROUP_TOKENS for _, groups, keep in splits]
+        if n_tokens == 200:
+            assert keeps == [outside(200)] * 3
+        elif n_tokens == 2000:
+            assert keeps == sorted(keeps)[::-1] and keeps[0] > keeps[-1] > 0
+            assert min(held) >= outside(2000), "nothing is evicted while a quantized copy of every token fits"
+        else:
+            assert keeps == [0, 0, 0] and max(held) < outside(8192)
