@@ -348,7 +348,7 @@ def config_summary(c: dict) -> str:
     if c.get("policy") == "arkv":
         budget = c.get("max_kv_mem_mib")
         return (f"max_kv_mem_mib={budget:.2f} " if budget else "no budget ") + \
-            f"quant={c.get('arkv_quant', 'int8')} W={c.get('arkv_window_tokens', 32)}"
+            f"quant={c.get('arkv_quant', 'auto')} W={c.get('arkv_window_tokens', 32)}"
     return (f"G={c['G']} M={c['M']} C={c['C']} sigma={c['sigma']} reuse={c.get('reuse', '-')} "
             f"S={c.get('sink_tokens', 0)} W={c.get('window_tokens', 0)} {c.get('selector', '')} "
             f"records={c.get('kv_record_dtype', 'auto')}")

@@ -63,7 +63,7 @@ class RuntimeConfig:
     "fp16", or "int8"/"int4" codes with float16 scales: smaller reads and reuse slots for a measured
     loss; the sinks, the window and a context store keep model precision.
     ``arkv_*``: the arkv policy (runtime/arkv.py) under ``max_kv_mem_mib``: ``arkv_quant`` the quantized
-    state's format, ``arkv_gamma`` the weight of attention variance in a token's score (Eq. 9),
+    state's format ("auto": int8 while a copy of every token fits in it, else int4), ``arkv_gamma`` the weight of attention variance in a token's score (Eq. 9),
     ``arkv_window_tokens`` W, both the observation window of prompt queries and the newest tokens always
     kept original, ``arkv_slack`` alpha, the share of the cache a tailor keeps (the rest fills between tailors).
     """
@@ -90,7 +90,7 @@ class RuntimeConfig:
     importance_rate: float = 0.2  # hillinfer alpha: the share of tokens selected (and kept recent in the CPU pool)
     beta: float = 1.0  # hillinfer: CPU / storage pool size ratio, ~ f_cpu / f_ssd (HillInfer Eq. 1)
     score_block_tokens: int = 1024  # hillinfer: tokens per in-storage score block
-    arkv_quant: str = "int8"
+    arkv_quant: str = "auto"
     arkv_gamma: float = 263.81  # the paper's tuned gamma
     arkv_window_tokens: int = 32
     arkv_slack: float = 0.75
@@ -160,8 +160,8 @@ class RuntimeConfig:
             raise ConfigError(f"config field 'beta' must be > 0, got {self.beta!r}")
         if not (isinstance(self.score_block_tokens, int) and 1 <= self.score_block_tokens <= 1024):
             raise ConfigError(f"config field 'score_block_tokens' must be in [1, 1024] (the kernel's block), got {self.score_block_tokens!r}")
-        if self.arkv_quant not in QUANT_DTYPES:
-            raise ConfigError(f"config field 'arkv_quant' must be one of {QUANT_DTYPES}, got {self.arkv_quant!r}")
+        if self.arkv_quant not in ("auto", *QUANT_DTYPES):
+            raise ConfigError(f"config field 'arkv_quant' must be one of {('auto', *QUANT_DTYPES)}, got {self.arkv_quant!r}")
         if isinstance(self.arkv_gamma, bool) or not isinstance(self.arkv_gamma, (int, float)) or not self.arkv_gamma >= 0:
             raise ConfigError(f"config field 'arkv_gamma' must be a number >= 0, got {self.arkv_gamma!r}")
         if isinstance(self.arkv_window_tokens, bool) or not isinstance(self.arkv_window_tokens, int) \

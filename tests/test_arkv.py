@@ -264,3 +264,18 @@ def test_geometry_quantizes_only_as_the_budget_requires_and_evicts_last():
             assert min(held) >= outside(2000), "nothing is evicted while a quantized copy of every token fits"
         else:
             assert keeps == [0, 0, 0] and max(held) < outside(8192)
+
+
+def test_auto_format_is_int8_while_every_token_fits_it_else_int4():
+    dims = ModelDims(n_layers=4, hidden=64, n_heads=4, n_kv_heads=2, head_dim=16, vocab=10)
+    full_mib = 4 * 8192 * 2 * 2 * 16 * 4 / 2**20
+    bits = {}
+    for share in (1 / 2, 1 / 4, 1 / 16):
+        cfg = RuntimeConfig.load({"max_context": 8192, "max_batch": 1, "max_kv_mem_mib": full_mib * share})
+        geo = ArkvGeometry(cfg, dims, 4)
+        bits[share] = geo.layout.fmt.bits
+        fixed = ArkvGeometry(RuntimeConfig.load({**cfg.to_dict(), "arkv_quant": "int8"}), dims, 4)
+        assert fixed.layout.fmt.bits == 8
+    assert bits == {1 / 2: 8, 1 / 4: 4, 1 / 16: 4}
+    with pytest.raises(ConfigError, match="'arkv_quant'"):
+        RuntimeConfig.load({"arkv_quant": "fp8"})
