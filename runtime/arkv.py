@@ -33,7 +33,7 @@ import torch
 from .config import ConfigError, RuntimeConfig
 from .kv_policy import KVPolicy
 from .model import DecoderModel, ModelDims
-from .qattn import GroupLayout, group_scores, group_values
+from .qattn import GroupLayout, align16, group_scores, group_values
 from .quant import Quantized, quant_format, quantize_keys, quantize_values
 
 GROUP_TOKENS = 32  # tokens per quantized key group (scales per channel over the group)
@@ -42,17 +42,13 @@ FALLBACK_RHO = 0.5  # ρ of every layer when the prompt's queries are unknown
 META_BYTES = 16  # per original record: position int32, then observations, mean, mean square (float32)
 
 
-def _align16(n: int) -> int:
-    return -(-n // 16) * 16
-
-
 class ArkvGeometry:
     """Sizes shared by the memory plan and the policy: the arena per layer and sequence and its split for a ρ."""
 
     def __init__(self, cfg: RuntimeConfig, dims: ModelDims, itemsize: int):
         self.window, self.slack, self.max_context = cfg.arkv_window_tokens, cfg.arkv_slack, cfg.max_context
         self.kv_bytes = dims.n_kv_heads * dims.head_dim * itemsize  # one token's K (or V) of one layer
-        self.meta_offset = _align16(2 * self.kv_bytes)
+        self.meta_offset = align16(2 * self.kv_bytes)
         self.original_bytes = self.meta_offset + META_BYTES
         self.full_bytes = cfg.max_context * 2 * self.kv_bytes  # `full`'s KV of one layer and sequence
         budget = None if cfg.max_kv_mem_mib is None else cfg.max_kv_mem_mib * 2**20 / (cfg.max_batch * dims.n_layers)

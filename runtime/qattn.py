@@ -29,7 +29,7 @@ KERNEL_FIELDS = ("k_codes", "v_codes", "k_scale", "k_zero", "v_scale", "v_zero",
 TORCH_BLOCK_GROUPS = 64  # groups dequantized together by the torch path
 
 
-def _align16(n: int) -> int:
+def align16(n: int) -> int:
     return -(-n // 16) * 16
 
 
@@ -48,7 +48,7 @@ class GroupLayout:
         self.offsets, start = {}, 0
         for name, size in sizes.items():
             self.offsets[name] = start
-            start += _align16(size)
+            start += align16(size)
         self.record_bytes = start
         self._sizes = sizes
         self.kernel_offsets = torch.tensor([self.offsets[f] for f in KERNEL_FIELDS], dtype=torch.int64)

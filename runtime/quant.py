@@ -65,10 +65,6 @@ class Quantized:
         torch.addcmul(self.zero.float(), out, self.scale.float(), out=out)
         return out if dtype == torch.float32 else out.to(dtype)
 
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.zero))
-
 
 def _round_outward(low: torch.Tensor, high: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.Tensor]:
     """float16 zero <= low and float16 scale with zero + levels * scale >= high (so codes never clip)."""
