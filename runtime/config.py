@@ -18,6 +18,7 @@ READER_BACKENDS = ("auto", "io_uring", "pthread", "python")
 SELECTORS = ("lowrank", "random", "oracle")
 SCORE_REDUCES = ("sum", "softmax")
 KLR_DTYPES = ("bfloat16", "float16", "float32", "int8")
+REPLACEMENTS = ("fifo", "lru", "cost")
 
 
 def picked_groups(M: int, G: int, sink_tokens: int, window_tokens: int) -> int:
@@ -66,6 +67,13 @@ class RuntimeConfig:
     state's format ("auto": int8 while a copy of every token fits in it, else int4), ``arkv_gamma`` the weight of attention variance in a token's score (Eq. 9),
     ``arkv_window_tokens`` W, both the observation window of prompt queries and the newest tokens always
     kept original, ``arkv_slack`` alpha, the share of the cache a tailor keeps (the rest fills between tailors).
+    Several KV paths (Swarm; runtime/cluster.py, runtime/placement.py): ``clustering`` places each layer's groups
+    by co-activation (the picks of the prompt's last ``cluster_queries`` queries; Jaccard distance, clusters of
+    radius ``cluster_radius``) instead of striping them in token order; at most ``replica_share`` of a layer's
+    groups (the hottest) get a second copy on another path.  ``replacement`` the reuse buffer's policy: "fifo"
+    (KVSwap), "lru", or "cost" (Swarm's cost-aware: activation frequency times the cost of reading again).
+    Adjacent records of one file are read as one request of at most ``max_request_bytes``.  ``share_prefix``:
+    sequences of a batch whose prompts share whole groups read (and write) those groups once.
     """
 
     G: int = 4
@@ -95,6 +103,13 @@ class RuntimeConfig:
     arkv_window_tokens: int = 32
     arkv_slack: float = 0.75
     ttft_costs_path: str | None = None  # the install step's chunk compute predictor (JSON) for load-or-compute plans
+    clustering: bool = False
+    cluster_queries: int = 32
+    cluster_radius: float = 0.6
+    replica_share: float = 0.05
+    replacement: str = "fifo"
+    max_request_bytes: int = 262144
+    share_prefix: bool = True
 
     @classmethod
     def load(cls, source: "RuntimeConfig | dict | str | Path | None") -> "RuntimeConfig":
@@ -169,9 +184,25 @@ class RuntimeConfig:
             raise ConfigError(f"config field 'arkv_window_tokens' must be an integer >= 1, got {self.arkv_window_tokens!r}")
         if isinstance(self.arkv_slack, bool) or not isinstance(self.arkv_slack, (int, float)) or not 0 < self.arkv_slack < 1:
             raise ConfigError(f"config field 'arkv_slack' must be in (0, 1) (the paper uses 0.75), got {self.arkv_slack!r}")
+        if not isinstance(self.clustering, bool) or not isinstance(self.share_prefix, bool):
+            raise ConfigError(f"config fields 'clustering' and 'share_prefix' must be true or false, got "
+                              f"{self.clustering!r} and {self.share_prefix!r}")
+        positive_int("cluster_queries")
+        if isinstance(self.cluster_radius, bool) or not isinstance(self.cluster_radius, (int, float)) \
+                or not 0 < self.cluster_radius <= 1:
+            raise ConfigError(f"config field 'cluster_radius' must be in (0, 1] (a Jaccard distance), got {self.cluster_radius!r}")
+        if isinstance(self.replica_share, bool) or not isinstance(self.replica_share, (int, float)) \
+                or not 0 <= self.replica_share <= 1:
+            raise ConfigError(f"config field 'replica_share' must be in [0, 1], got {self.replica_share!r}")
+        if self.replacement not in REPLACEMENTS:
+            raise ConfigError(f"config field 'replacement' must be one of {REPLACEMENTS}, got {self.replacement!r}")
         align = self.io_align_bytes
         if not isinstance(align, int) or align < 512 or align & (align - 1):
             raise ConfigError(f"config field 'io_align_bytes' must be a power of two >= 512, got {align!r}")
+        if isinstance(self.max_request_bytes, bool) or not isinstance(self.max_request_bytes, int) \
+                or self.max_request_bytes < align:
+            raise ConfigError(f"config field 'max_request_bytes' must be an integer >= io_align_bytes ({align}), "
+                              f"got {self.max_request_bytes!r}")
         return self
 
     @property

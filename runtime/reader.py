@@ -25,7 +25,8 @@ _SOURCE = Path(__file__).with_name("native") / "ekv_reader.c"
 
 @dataclass(frozen=True)
 class ReadBatch:
-    """n reads of ``nbytes`` each: read i takes file ``fds[i]`` at ``offsets[i]`` into host address ``addresses[i]``.
+    """n read requests: request i takes ``counts[i]`` records of ``nbytes`` each from file ``fds[i]`` at ``offsets[i]``
+    (consecutive on disk) into the next ``counts[i]`` host ``addresses`` (one per record: a scattered read, readv).
 
     Arrays, not objects: one decode step reads thousands of records, and building a
     Python object per record costs more than the read.  The caller keeps the destination
@@ -34,11 +35,21 @@ class ReadBatch:
 
     fds: np.ndarray  # int32 [n]
     offsets: np.ndarray  # int64 [n]
-    addresses: np.ndarray  # int64 [n]
-    nbytes: int
+    addresses: np.ndarray  # int64 [sum(counts)]: one host address per record, in request order
+    nbytes: int  # bytes per record
+    counts: np.ndarray | None = None  # int32 [n]: records per request, consecutive on disk, scattered in memory; None: 1 each
+    paths: np.ndarray | None = None  # int32 [n]: the device (KV path) whose queue takes each request; None: all path 0
 
     def __len__(self) -> int:
         return len(self.fds)
+
+    @property
+    def n_records(self) -> int:
+        return len(self.fds) if self.counts is None else int(self.counts.sum())
+
+    @property
+    def total_bytes(self) -> int:
+        return self.n_records * self.nbytes
 
 
 class KVReader:
