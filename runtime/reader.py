@@ -3,24 +3,32 @@
 ``KVReader`` is the interface the runtime reads through; platforms may bring their own
 (e.g. a P2P path).  Backends here, fastest first: ``io_uring`` and ``pthread`` (our small
 C library, built on first use or by ``make native``) and ``python`` (a thread pool of
-``os.preadv``, the last fallback: GIL-bound at small block sizes).
+``os.preadv``, the last fallback: GIL-bound at small block sizes).  Around them: ``MultiPathReader``
+gives each KV device its own queue, ``PacedReader`` emulates a slower device (runtime/pacing.py).
 """
 from __future__ import annotations
 
 import ctypes
+import errno
 import hashlib
 import logging
 import os
 import subprocess
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor, wait
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 
+from .pacing import MIB, Link
+
 log = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("native") / "ekv_reader.c"
+_IOV_MAX = os.sysconf("SC_IOV_MAX") if "SC_IOV_MAX" in os.sysconf_names else 1024  # preadv's iovec limit per call
+BACKENDS = ("io_uring", "pthread", "python")
 
 
 @dataclass(frozen=True)
@@ -64,28 +72,63 @@ class KVReader:
         pass
 
 
+def _record_starts(batch: ReadBatch) -> np.ndarray:
+    """int64 [n + 1]: request i's records are addresses[starts[i]:starts[i + 1]]."""
+    if batch.counts is None:
+        return np.arange(len(batch) + 1, dtype=np.int64)
+    starts = np.zeros(len(batch) + 1, dtype=np.int64)
+    np.cumsum(batch.counts, out=starts[1:])
+    return starts
+
+
+def check_batch(batch: ReadBatch) -> None:
+    """Shapes must agree before any read: a missing address would send a record into memory nobody owns."""
+    n = len(batch)
+    for name in ("offsets", "counts", "paths"):
+        array = getattr(batch, name)
+        if array is not None and len(array) != n:
+            raise ValueError(f"ReadBatch.{name} has {len(array)} entries for {n} requests: give one per request")
+    if batch.counts is not None and n and int(batch.counts.min()) < 1:
+        raise ValueError("ReadBatch.counts must be >= 1 for every request: drop the empty requests")
+    if len(batch.addresses) != batch.n_records:
+        raise ValueError(f"ReadBatch.addresses has {len(batch.addresses)} entries for {batch.n_records} records: "
+                         "give one host address per record (sum of counts)")
+
+
 class PythonPoolReader(KVReader):
-    """Thread pool of preads: portable, but the GIL caps it well below the disk at 4-16 KiB."""
+    """Thread pool of preadvs: portable, but the GIL caps it well below the disk at 4-16 KiB.
+
+    Each worker has one read in flight at most, so ``threads`` is the queue depth."""
 
     name = "python"
 
     def __init__(self, threads: int = 16):
+        if threads < 1:
+            raise ValueError(f"PythonPoolReader needs threads (the queue depth) >= 1, got {threads}")
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ekv-pread")
 
     @staticmethod
-    def _read_one(fd: int, offset: int, address: int, nbytes: int) -> None:
-        view = memoryview((ctypes.c_char * nbytes).from_address(address)).cast("B")
+    def _read_one(fd: int, offset: int, addresses: list[int], nbytes: int) -> None:
+        """One request: ``len(addresses)`` records consecutive on disk at ``offset``, each to its own address."""
+        records = [memoryview((ctypes.c_char * nbytes).from_address(a)).cast("B") for a in addresses]
         done = 0
-        while done < nbytes:
-            got = os.preadv(fd, [view[done:]], offset + done)
+        while done < len(records) * nbytes:
+            first, within = divmod(done, nbytes)
+            views = records[first : first + _IOV_MAX]
+            views[0] = views[0][within:]
+            got = os.preadv(fd, views, offset + done)
             if got == 0:
-                raise OSError(f"unexpected end of file reading fd {fd} at offset {offset + done}")
+                raise OSError(errno.EIO, f"unexpected end of file reading fd {fd} at offset {offset + done}: "
+                                         "the record was never written")
             done += got
 
     def read(self, batch: ReadBatch) -> None:
         """Every read ends before this returns, a failed one included: the caller may free the buffers after."""
-        jobs = zip(batch.fds.tolist(), batch.offsets.tolist(), batch.addresses.tolist())
-        futures = [self._pool.submit(self._read_one, fd, off, addr, batch.nbytes) for fd, off, addr in jobs]
+        check_batch(batch)
+        starts = _record_starts(batch).tolist()
+        addresses = batch.addresses.tolist()
+        jobs = zip(batch.fds.tolist(), batch.offsets.tolist(), starts, starts[1:])
+        futures = [self._pool.submit(self._read_one, fd, off, addresses[a:b], batch.nbytes) for fd, off, a, b in jobs]
         wait(futures)
         for future in futures:
             future.result()
@@ -95,30 +138,141 @@ class PythonPoolReader(KVReader):
 
 
 class NativeReader(KVReader):
-    """ctypes front of ekv_reader.c (io_uring or pthread pool)."""
+    """ctypes front of ekv_reader.c (io_uring or pthread pool): at most ``queue_depth`` reads in flight
+    (the pthread pool runs min(threads, queue_depth) threads)."""
 
     def __init__(self, library: ctypes.CDLL, queue_depth: int = 64, threads: int = 16):
         self._lib = library
         self.name = library.ekv_backend().decode()
+        self._lock = threading.Lock()  # the C reader holds one batch at a time
         self._handle = library.ekv_open(queue_depth, threads)
         if not self._handle:
             raise OSError(f"the {self.name} reader could not be opened (io_uring refused or out of memory)")
 
     def read(self, batch: ReadBatch) -> None:
+        check_batch(batch)
         n = len(batch)
         if n == 0:
             return
         fds = np.ascontiguousarray(batch.fds, dtype=np.int32)
         offsets = np.ascontiguousarray(batch.offsets, dtype=np.int64)
         addresses = np.ascontiguousarray(batch.addresses, dtype=np.int64)
-        rc = self._lib.ekv_read(self._handle, n, fds.ctypes.data, offsets.ctypes.data, batch.nbytes, addresses.ctypes.data)
+        with self._lock:
+            if not self._handle:
+                raise ValueError(f"the {self.name} reader is closed: open another with open_reader")
+            if batch.counts is None:
+                rc = self._lib.ekv_read(self._handle, n, fds.ctypes.data, offsets.ctypes.data, batch.nbytes,
+                                        addresses.ctypes.data)
+            else:
+                counts = np.ascontiguousarray(batch.counts, dtype=np.int32)
+                rc = self._lib.ekv_readv(self._handle, n, fds.ctypes.data, offsets.ctypes.data, counts.ctypes.data,
+                                         batch.nbytes, addresses.ctypes.data)
         if rc != 0:
-            raise OSError(-rc, f"{self.name} read of {n} KV records failed: {os.strerror(-rc)}")
+            raise OSError(-rc, f"{self.name} read of {n} KV requests failed: {os.strerror(-rc)}")
 
     def close(self) -> None:
-        if self._handle:
-            self._lib.ekv_close(self._handle)
-            self._handle = None
+        with self._lock:
+            if self._handle:
+                self._lib.ekv_close(self._handle)
+                self._handle = None
+
+
+class PacedReader(KVReader):
+    """An emulated device no faster than ``limit_mib_s`` and ``limit_iops`` (None: no limit), to study
+    several slow disks on one fast one.  Reads through ``inner``, then waits until its link has carried
+    the batch; the link starts when the read does, so the real disk time overlaps the emulated time."""
+
+    def __init__(self, inner: KVReader, limit_mib_s: float | None = None, limit_iops: float | None = None, *,
+                 clock=time.monotonic, sleep=time.sleep):
+        self.inner = inner
+        self.link = Link(None if limit_mib_s is None else limit_mib_s * MIB, limit_iops, clock, sleep)
+        limits = [f"{value:g} {unit}" for value, unit in ((limit_mib_s, "MiB/s"), (limit_iops, "IOPS"))
+                  if value is not None]
+        self.name = f"{inner.name} paced to {', '.join(limits) or 'no limit'}"
+
+    def read(self, batch: ReadBatch) -> None:
+        began = self.link.clock()
+        self.inner.read(batch)
+        self.link.carry(batch.total_bytes, len(batch), began)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+class MultiPathReader(KVReader):
+    """One queue per KV device: a batch is split by ``paths`` and each device's share read by its own
+    reader, all at once (one persistent thread per path; native readers release the GIL).
+
+    ``read`` returns, or raises the first path's error, only once every share has finished.
+    Counters per path: ``bytes_by_path`` and ``requests_by_path`` (of the reads that succeeded)
+    and ``busy_s_by_path`` (time its queue was busy)."""
+
+    def __init__(self, readers: list[KVReader], clock=time.perf_counter):
+        if not readers:
+            raise ValueError("MultiPathReader needs one reader per KV path, got none")
+        self.readers = list(readers)
+        n = len(self.readers)
+        self.name = f"{self.readers[0].name} x{n} paths"
+        self._clock = clock
+        self._threads = [ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"ekv-path{p}") for p in range(n)]
+        self._lock = threading.Lock()
+        self.bytes_by_path = np.zeros(n, dtype=np.int64)
+        self.requests_by_path = np.zeros(n, dtype=np.int64)
+        self.busy_s_by_path = np.zeros(n, dtype=np.float64)
+
+    def split(self, batch: ReadBatch) -> list[tuple[int, ReadBatch]]:
+        """(path, that path's requests) for every path with any, in path order."""
+        check_batch(batch)
+        if len(batch) == 0:
+            return []
+        paths = np.zeros(len(batch), dtype=np.int32) if batch.paths is None else np.asarray(batch.paths)
+        used = np.unique(paths)
+        if used[0] < 0 or used[-1] >= len(self.readers):
+            raise ValueError(f"ReadBatch.paths spans {used[0]}..{used[-1]} but this reader has {len(self.readers)} "
+                             "paths: open the reader with n_paths covering every KV path")
+        if len(used) == 1:
+            return [(int(used[0]), replace(batch, paths=None))]
+        starts = _record_starts(batch)
+        shares = []
+        for path in used.tolist():
+            idx = np.flatnonzero(paths == path)
+            counts = None if batch.counts is None else batch.counts[idx]
+            if counts is None:
+                records = idx
+            else:
+                within = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+                records = np.repeat(starts[idx], counts) + within
+            shares.append((path, ReadBatch(batch.fds[idx], batch.offsets[idx], batch.addresses[records],
+                                           batch.nbytes, counts)))
+        return shares
+
+    def _read_share(self, path: int, share: ReadBatch) -> None:
+        began, carried = self._clock(), False
+        try:
+            self.readers[path].read(share)
+            carried = True
+        finally:
+            with self._lock:
+                self.busy_s_by_path[path] += self._clock() - began
+                if carried:
+                    self.bytes_by_path[path] += share.total_bytes
+                    self.requests_by_path[path] += len(share)
+
+    def read(self, batch: ReadBatch) -> None:
+        shares = self.split(batch)
+        if len(shares) == 1:  # one device: no thread hop
+            self._read_share(*shares[0])
+            return
+        futures = [self._threads[path].submit(self._read_share, path, share) for path, share in shares]
+        wait(futures)
+        for future in futures:
+            future.result()
+
+    def close(self) -> None:
+        for thread in self._threads:
+            thread.shutdown(wait=True)
+        for reader in self.readers:
+            reader.close()
 
 
 def _cache_dir() -> Path:
@@ -164,23 +318,54 @@ def _load_native(backend: str) -> ctypes.CDLL:
     lib.ekv_close.argtypes = [ctypes.c_void_p]
     lib.ekv_read.restype = ctypes.c_int
     lib.ekv_read.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
+    lib.ekv_readv.restype = ctypes.c_int
+    lib.ekv_readv.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                              ctypes.c_int64, ctypes.c_void_p]
     return lib
 
 
-def open_reader(backend: str = "auto", queue_depth: int = 64) -> KVReader:
-    """Open the requested backend; 'auto' tries io_uring, then pthread, then python, logging each fallback."""
-    order = ["io_uring", "pthread", "python"] if backend == "auto" else [backend]
+def _open_backend(backend: str, queue_depth: int) -> KVReader:
+    """One reader of ``backend``; 'auto' tries io_uring, then pthread, then python, logging each fallback."""
+    if backend != "auto" and backend not in BACKENDS:
+        raise ValueError(f"unknown KV reader backend {backend!r}: choose auto or one of {', '.join(BACKENDS)}")
+    order = BACKENDS if backend == "auto" else [backend]
     errors = []
     for name in order:
         try:
             if name == "python":
-                return PythonPoolReader()
+                return PythonPoolReader(threads=queue_depth)
             return NativeReader(_load_native(name), queue_depth=queue_depth)
         except OSError as exc:
             errors.append(f"{name}: {exc}")
             if backend == "auto":
                 log.warning("KV reader backend %s unavailable, falling back: %s", name, exc)
     raise OSError(f"KV reader backend {backend!r} unavailable: {'; '.join(errors)}")
+
+
+def open_reader(backend: str = "auto", queue_depth: int = 64, n_paths: int = 1, limit_mib_s: float | None = None,
+                limit_iops: float | None = None) -> KVReader:
+    """A reader of ``backend`` with at most ``queue_depth`` reads in flight per device.
+
+    One path and no limit: the backend's reader itself.  Otherwise a MultiPathReader of ``n_paths``
+    readers (one queue per device), each paced to ``limit_mib_s`` / ``limit_iops`` when given.
+    """
+    if n_paths < 1:
+        raise ValueError(f"n_paths must be >= 1 (one per KV device), got {n_paths}")
+    first = _open_backend(backend, queue_depth)
+    limited = limit_mib_s is not None or limit_iops is not None
+    if n_paths == 1 and not limited:
+        return first
+    readers = [first]
+    try:
+        while len(readers) < n_paths:
+            readers.append(_open_backend(first.name, queue_depth))  # 'auto' resolved once, its fallbacks logged once
+        if limited:
+            readers = [PacedReader(r, limit_mib_s, limit_iops) for r in readers]
+    except BaseException:
+        for reader in readers:
+            reader.close()
+        raise
+    return MultiPathReader(readers)
 
 
 def build_all() -> dict[str, str]:
