@@ -16,7 +16,7 @@ import numpy as np
 
 from edgekv.runtime import Engine, LowRankAdapter, RuntimeConfig
 from edgekv.runtime.adapter import collect_keys
-from edgekv.runtime.slots import SlotTable
+from edgekv.runtime.slots import replay_hit_rate
 
 C_RATIOS = (1.0, 1.25, 1.5, 2.0, 3.0, 4.0)  # C / M
 
@@ -37,15 +37,6 @@ def record_selections(engine: Engine, prompts: list[list[int]], steps: int) -> l
     return picks
 
 
-def replay_reuse(picks, n_layers: int, capacity: int, max_groups: int) -> float:
-    """Hit rate of a FIFO reuse buffer of ``capacity`` slots per layer over recorded picks."""
-    batch = picks[0][1].shape[0]
-    table = SlotTable(n_layers, batch, capacity, max_groups)
-    for layer, groups, valid in picks:
-        table.assign(layer, groups, valid)
-    return float(table.hits.sum() / max(1, table.lookups.sum()))
-
-
 def reuse_table(model, kv_dir, prompts: list[list[int]], group_sizes, mg_const: int, adapter_path: str,
                 steps: int = 32) -> dict:
     """{G: {C/M ratio: reuse rate}} with M = ceil(mg_const / G) groups per step, predicting with ``adapter_path``."""
@@ -58,7 +49,8 @@ def reuse_table(model, kv_dir, prompts: list[list[int]], group_sizes, mg_const: 
                             max_batch=len(prompts), io_align_bytes=512).validated()
         with Engine(model, cfg, "kvswap", kv_dir, adapter=adapter) as engine:
             picks = record_selections(engine, prompts, steps)
-        out[G] = {r: replay_reuse(picks, model.dims.n_layers, max(M, round(r * M)), max_context // G + 1) for r in C_RATIOS}
+        out[G] = {r: replay_hit_rate(picks, model.dims.n_layers, len(prompts), max(M, round(r * M)), max_context // G + 1,
+                                     "fifo") for r in C_RATIOS}
     return out
 
 

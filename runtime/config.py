@@ -70,7 +70,9 @@ class RuntimeConfig:
     Several KV paths (Swarm; runtime/cluster.py, runtime/placement.py): ``clustering`` places each layer's groups
     by co-activation (the picks of the prompt's last ``cluster_queries`` queries; Jaccard distance, clusters of
     radius ``cluster_radius``) instead of striping them in token order; at most ``replica_share`` of a layer's
-    groups (the hottest) get a second copy on another path.  ``replacement`` the reuse buffer's policy: "fifo"
+    groups (the hottest) get a second copy on another path.  After ``recluster_steps`` decode steps (0: never)
+    each layer's picked groups are clustered again on the decode steps' own picks and written once more in
+    that order (what later steps repeat is what decoding picked, not what the prompt's window did).  ``replacement`` the reuse buffer's policy: "fifo"
     (KVSwap), "lru", or "cost" (Swarm's cost-aware: activation frequency times the cost of reading again).
     Adjacent records of one file are read as one request of at most ``max_request_bytes``.  ``share_prefix``:
     sequences of a batch whose prompts share whole groups read (and write) those groups once.
@@ -105,6 +107,7 @@ class RuntimeConfig:
     ttft_costs_path: str | None = None  # the install step's chunk compute predictor (JSON) for load-or-compute plans
     clustering: bool = False
     cluster_queries: int = 32
+    recluster_steps: int = 16
     cluster_radius: float = 0.6
     replica_share: float = 0.05
     replacement: str = "fifo"
@@ -188,6 +191,8 @@ class RuntimeConfig:
             raise ConfigError(f"config fields 'clustering' and 'share_prefix' must be true or false, got "
                               f"{self.clustering!r} and {self.share_prefix!r}")
         positive_int("cluster_queries")
+        if isinstance(self.recluster_steps, bool) or not isinstance(self.recluster_steps, int) or self.recluster_steps < 0:
+            raise ConfigError(f"config field 'recluster_steps' must be an integer >= 0 (0: never), got {self.recluster_steps!r}")
         if isinstance(self.cluster_radius, bool) or not isinstance(self.cluster_radius, (int, float)) \
                 or not 0 < self.cluster_radius <= 1:
             raise ConfigError(f"config field 'cluster_radius' must be in (0, 1] (a Jaccard distance), got {self.cluster_radius!r}")

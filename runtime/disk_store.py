@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .placement import Placement
 from .quant import FloatRecord, record_codec
 from .reader import KVReader, ReadBatch
 
@@ -106,40 +107,86 @@ def check_offload_path(root) -> Path:
     return root
 
 
-class DiskKVStore:
-    """Creates, writes, reads and removes the per-sequence, per-layer KV files under one root."""
+def kv_path_list(paths) -> list:
+    """One KV path (str or Path), a list of them, or None -> a list (empty for None)."""
+    if paths is None:
+        return []
+    return [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
 
-    def __init__(self, root: str | Path, n_layers: int, layout: RecordLayout, reader: KVReader):
-        self.root = check_offload_path(root)
+
+class DiskKVStore:
+    """Creates, writes, reads and removes the per-sequence, per-layer KV files under one root per KV path.
+
+    With several paths (devices) each (sequence, layer) has one file per path and a ``Placement`` says
+    which records each holds (runtime/placement.py).  A step's reads are routed to the least-loaded copy
+    and adjacent records of one file become one request of at most ``max_request_bytes`` (``batch``).
+    """
+
+    def __init__(self, roots, n_layers: int, layout: RecordLayout, reader: KVReader, max_groups: int = 1 << 20,
+                 max_request_bytes: int | None = None):
+        self.roots = [check_offload_path(root) for root in kv_path_list(roots) or [None]]
+        if len({r.resolve() for r in self.roots}) != len(self.roots):
+            raise StoreError(f"KV paths {[str(r) for r in self.roots]} name one folder twice; list each path once")
+        self.root = self.roots[0]
         self.layout = layout
         self.n_layers = n_layers
+        self.max_groups = max_groups
         self.reader = reader
-        self.dir = root / f"edgekv-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        name = f"edgekv-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.dirs = [root / name for root in self.roots]
+        self.dir = self.dirs[0]
+        self.max_request_records = max(1, (max_request_bytes or layout.stride_bytes) // layout.stride_bytes)
         self.o_direct: bool | None = None
-        self._fds = np.full((0, n_layers), -1, dtype=np.int32)  # [sequence, layer] -> fd, -1 when closed
+        self._fds = np.full((0, n_layers, self.n_paths), -1, dtype=np.int32)  # [sequence, layer, path], -1 closed
+        self._placement: dict[int, Placement] = {}
         self._prefix: dict[int, tuple[np.ndarray, np.ndarray, int]] = {}  # seq -> (blob fds, groups per blob, groups)
+        self._shared: dict[int, tuple[int, int]] = {}  # borrower seq -> (owner seq, groups it reads from the owner)
+        self._held: set[int] = set()  # released sequences whose files borrowers still read
         self.bytes_written = 0
+        self.requests = 0
+        self.records_read = 0
+        self.records_by_path = np.zeros(self.n_paths, dtype=np.int64)
+        self.records_relocated = 0
+
+    @property
+    def n_paths(self) -> int:
+        return len(self.roots)
+
+    @property
+    def table_bytes(self) -> int:
+        """Memory of the placement tables (clustered layers only)."""
+        return sum(p.table_bytes for p in self._placement.values())
 
     def _open(self, path: Path) -> int:
         fd, direct = open_maybe_direct(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, direct=self.o_direct is not False)
         if not direct and self.o_direct is not False:
             log.warning("O_DIRECT refused on %s: falling back to buffered I/O, "
-                        "so reads may come from the page cache rather than the disk", self.root)
+                        "so reads may come from the page cache rather than the disk", path.parent.parent)
         self.o_direct = direct
         return fd
 
-    def _path(self, seq: int, layer: int) -> Path:
-        return self.dir / f"seq{seq}_layer{layer}.kv"
+    def _path(self, seq: int, layer: int, path: int = 0) -> Path:
+        return self.dirs[path] / f"seq{seq}_layer{layer}.kv"
 
     def open_sequence(self, seq: int) -> None:
+        if seq in self._held:
+            raise StoreError(f"sequence {seq} still lends its KV to {self._borrowers(seq)}: release those first")
         self.release(seq)
-        self.dir.mkdir(exist_ok=True)
+        for d in self.dirs:
+            d.mkdir(exist_ok=True)
         if seq >= len(self._fds):
-            grown = np.full((seq + 1, self.n_layers), -1, dtype=np.int32)
+            grown = np.full((seq + 1, self.n_layers, self.n_paths), -1, dtype=np.int32)
             grown[: len(self._fds)] = self._fds
             self._fds = grown
+        self._placement[seq] = Placement(self.n_layers, self.max_groups, self.n_paths)
         for layer in range(self.n_layers):  # recorded one by one: a failed open leaves the others for release
-            self._fds[seq, layer] = self._open(self._path(seq, layer))
+            for path in range(self.n_paths):
+                self._fds[seq, layer, path] = self._open(self._path(seq, layer, path))
+
+    def place(self, seq: int, layer: int, per_path: list[np.ndarray]) -> None:
+        """Lay out a layer's first groups before they are written: ``per_path[p]`` the groups path p holds, in
+        record order (runtime/cluster.py's layouts); groups written without one are striped in token order."""
+        self._placement[seq].assign(layer, per_path)
 
     def attach_prefix(self, seq: int, blobs: list[tuple[Path, int]]) -> None:
         """Serve the first groups of ``seq`` from stored blobs instead of its own files (no copy).
@@ -159,18 +206,41 @@ class DiskKVStore:
         groups = np.array([g for _, g in blobs], dtype=np.int64)
         self._prefix[seq] = (np.array(fds, dtype=np.int32), groups, int(groups.sum()))
 
+    def share_prefix(self, seq: int, owner: int, n_groups: int) -> None:
+        """``seq``'s first ``n_groups`` groups are ``owner``'s (same tokens, same KV): reads of them name the
+        owner, and ``seq`` never writes them.  The owner's files stay until every borrower is released."""
+        if owner == seq or owner in self._shared:
+            raise StoreError(f"sequence {seq} cannot borrow from {owner}: an owner lends its own groups only")
+        self._shared[seq] = (owner, n_groups)
+
     def prefix_groups(self, seq: int) -> int:
-        return self._prefix[seq][2] if seq in self._prefix else 0
+        """Leading groups of ``seq`` held elsewhere (a stored context's blobs or a sharing owner): never written."""
+        stored = self._prefix[seq][2] if seq in self._prefix else 0
+        return max(stored, self._shared[seq][1] if seq in self._shared else 0)
 
     def write_groups(self, seq: int, layer: int, first_group: int, records: np.ndarray) -> None:
-        """Write aligned records [n, stride] as groups first_group .. first_group+n-1 (those an attached
-        prefix holds are already on disk and are skipped)."""
+        """Write aligned records [n, stride] as groups first_group .. first_group+n-1 at their placement (striped
+        in token order unless laid out by ``place``); groups held elsewhere (``prefix_groups``) are skipped."""
         skip = max(0, min(self.prefix_groups(seq) - first_group, records.shape[0]))
         records, first_group = records[skip:], first_group + skip
         if records.shape[0] == 0:
             return
-        fd = int(self._fds[seq, layer])
-        offset = first_group * self.layout.stride_bytes
+        placement = self._placement[seq]
+        groups = np.arange(first_group, first_group + records.shape[0])
+        placement.stripe(layer, groups)
+        paths, indexes = placement.copies(layer, groups)
+        row, copy = np.nonzero(paths >= 0)
+        path, index = paths[row, copy], indexes[row, copy]
+        order = np.lexsort((index, path))
+        row, path, index = row[order], path[order], index[order]
+        starts = np.flatnonzero(np.r_[True, (path[1:] != path[:-1]) | (index[1:] != index[:-1] + 1)])
+        for a, b in zip(starts, np.r_[starts[1:], len(row)]):
+            rows = row[a:b]
+            contiguous = rows[-1] - rows[0] == b - a - 1 and np.all(np.diff(rows) == 1)
+            run = records[rows[0] : rows[-1] + 1] if contiguous else _aligned_take(records, rows, self.layout.align_bytes)
+            self._pwrite(int(self._fds[seq, layer, path[a]]), run, int(index[a]) * self.layout.stride_bytes)
+
+    def _pwrite(self, fd: int, records: np.ndarray, offset: int) -> None:
         view = memoryview(records.reshape(-1))
         done = 0
         while done < len(view):
@@ -178,39 +248,122 @@ class DiskKVStore:
         self.bytes_written += len(view)
 
     def batch(self, layer: int, seqs: np.ndarray, groups: np.ndarray, addresses: np.ndarray) -> ReadBatch:
-        """Reads of group records ``groups[i]`` of sequences ``seqs[i]`` into aligned host ``addresses[i]``."""
-        fds = self._fds[seqs, layer]  # fancy indexing: a copy, safe to edit
-        offsets = groups.astype(np.int64) * self.layout.stride_bytes
-        for seq in set(self._prefix) & set(np.unique(seqs).tolist()) if self._prefix else ():
-            blob_fds, blob_groups, n_prefix = self._prefix[seq]
-            hit = (seqs == seq) & (groups < n_prefix)
-            if hit.any():
-                per_blob = int(blob_groups[0])  # every blob but the last holds a full chunk
-                g = groups[hit].astype(np.int64)
-                t, within = g // per_blob, g % per_blob
-                fds[hit] = blob_fds[t]
-                offsets[hit] = (layer * blob_groups[t] + within) * self.layout.stride_bytes
-        return ReadBatch(fds, offsets, addresses, self.layout.stride_bytes)
+        """Reads of group records ``groups[i]`` of sequences ``seqs[i]`` (the records' owners) into aligned host
+        ``addresses[i]``: each record from its least-loaded copy, adjacent records of a file in one request."""
+        batch = self._requests(layer, seqs, groups, addresses)
+        self.requests += len(batch)
+        self.records_read += len(seqs)
+        self.records_by_path += np.bincount(np.repeat(batch.paths, batch.counts), minlength=self.n_paths)
+        return batch
+
+    def relocate(self, seq: int, layer: int, per_path: list[np.ndarray]) -> None:
+        """Write the listed groups of ``seq`` again, appended to each path in the given order (a clustering found
+        while decoding: co-activated groups become one request), and read them from there on.  Call between
+        steps, with no read of this layer in flight."""
+        groups = np.concatenate([np.asarray(g, dtype=np.int64) for g in per_path])
+        if len(groups) == 0:
+            return
+        stride = self.layout.stride_bytes
+        records = aligned_zeros((len(groups), stride), self.layout.align_bytes)
+        addresses = records.ctypes.data + np.arange(len(groups), dtype=np.int64) * stride
+        self.reader.read(self._requests(layer, np.full(len(groups), seq), groups, addresses))
+        path, index = self._placement[seq].move(layer, per_path)
+        starts = np.flatnonzero(np.r_[True, path[1:] != path[:-1]])  # one contiguous run per path
+        for a, b in zip(starts, np.r_[starts[1:], len(groups)]):
+            self._pwrite(int(self._fds[seq, layer, path[a]]), records[a:b], int(index[a]) * stride)
+        self.records_relocated += len(groups)
+
+    def _requests(self, layer: int, seqs: np.ndarray, groups: np.ndarray, addresses: np.ndarray) -> ReadBatch:
+        n = len(seqs)
+        stride = self.layout.stride_bytes
+        fds = np.empty(n, dtype=np.int32)
+        offsets = np.empty(n, dtype=np.int64)
+        paths = np.zeros(n, dtype=np.int32)
+        copies = []  # (read indices, path [k, R], index [k, R]) per sequence
+        stored = np.zeros(n, dtype=bool)
+        for seq in np.unique(seqs).tolist() if n else ():
+            mine = np.flatnonzero(seqs == seq)
+            if seq in self._prefix:
+                blob_fds, blob_groups, n_prefix = self._prefix[seq]
+                hit = groups[mine] < n_prefix
+                if hit.any():
+                    per_blob = int(blob_groups[0])  # every blob but the last holds a full chunk
+                    g = groups[mine[hit]].astype(np.int64)
+                    t, within = g // per_blob, g % per_blob
+                    fds[mine[hit]] = blob_fds[t]
+                    offsets[mine[hit]] = (layer * blob_groups[t] + within) * stride
+                    stored[mine[hit]] = True
+                    mine = mine[~hit]
+            path, index = self._placement[seq].copies(layer, groups[mine])
+            copies.append((seq, mine, path, index))
+        load = np.zeros(self.n_paths, dtype=np.int64)
+        for _, mine, path, _ in copies:  # Swarm's buckets: records with one copy first, replicated ones after
+            load += np.bincount(path[path[:, 1] < 0, 0], minlength=self.n_paths)
+        for seq, mine, path, index in copies:
+            pick = np.zeros(len(mine), dtype=np.int64)
+            for i in np.flatnonzero(path[:, 1] >= 0).tolist():
+                pick[i] = int(load[path[i, 1]] < load[path[i, 0]])
+                load[path[i, pick[i]]] += 1
+            rows = np.arange(len(mine))
+            chosen = path[rows, pick]
+            fds[mine] = self._fds[seq, layer, chosen]
+            offsets[mine] = index[rows, pick] * stride
+            paths[mine] = chosen
+        order = np.lexsort((offsets, fds))
+        fds, offsets, paths, addresses = fds[order], offsets[order], paths[order], np.asarray(addresses)[order]
+        starts = _request_starts(fds, offsets, stride, self.max_request_records)
+        counts = np.diff(np.r_[starts, n]).astype(np.int32)
+        return ReadBatch(fds[starts], offsets[starts], addresses, stride, counts, paths[starts])
 
     def read(self, batch: ReadBatch) -> None:
         self.reader.read(batch)
 
+    def _borrowers(self, owner: int) -> list[int]:
+        return [seq for seq, (o, _) in self._shared.items() if o == owner]
+
     def release(self, seq: int) -> None:
         """Close and delete one sequence's files; each fd is forgotten before it is closed, so none is closed twice.
-        An attached prefix's blobs are closed, never deleted (the context store owns them)."""
+        An attached prefix's blobs are closed, never deleted (the context store owns them).  A sequence others
+        borrow from keeps its files until the last of them is released."""
+        owner = self._shared.pop(seq, (None, 0))[0]
+        if self._borrowers(seq):
+            self._held.add(seq)
+            return
+        self._held.discard(seq)
         blob_fds = self._prefix.pop(seq, (np.zeros(0, np.int32),))[0]
         for fd in blob_fds.tolist():
             os.close(fd)
-        if seq >= len(self._fds):
-            return
-        for layer in np.flatnonzero(self._fds[seq] >= 0).tolist():
-            fd, self._fds[seq, layer] = int(self._fds[seq, layer]), -1
-            os.close(fd)
-            self._path(seq, layer).unlink(missing_ok=True)
+        self._placement.pop(seq, None)
+        if seq < len(self._fds):
+            for layer, path in zip(*np.nonzero(self._fds[seq] >= 0)):
+                fd, self._fds[seq, layer, path] = int(self._fds[seq, layer, path]), -1
+                os.close(fd)
+                self._path(seq, int(layer), int(path)).unlink(missing_ok=True)
+        if owner in self._held and not self._borrowers(owner):
+            self.release(owner)
 
     def close(self) -> None:
         try:
+            self._shared.clear()
             for seq in range(len(self._fds)):
                 self.release(seq)
         finally:
-            shutil.rmtree(self.dir, ignore_errors=True)
+            for d in self.dirs:
+                shutil.rmtree(d, ignore_errors=True)
+
+
+def _aligned_take(records: np.ndarray, rows: np.ndarray, align: int) -> np.ndarray:
+    out = aligned_zeros((len(rows), records.shape[1]), align)
+    np.take(records, rows, axis=0, out=out)
+    return out
+
+
+def _request_starts(fds: np.ndarray, offsets: np.ndarray, stride: int, max_records: int) -> np.ndarray:
+    """First read of each request over reads sorted by (fd, offset): a request continues while the next record
+    follows in the same file, up to ``max_records`` records."""
+    n = len(fds)
+    if n == 0:
+        return np.zeros(0, dtype=np.int64)
+    breaks = np.r_[True, (fds[1:] != fds[:-1]) | (offsets[1:] != offsets[:-1] + stride)]
+    run_start = np.maximum.accumulate(np.where(breaks, np.arange(n), 0))
+    return np.flatnonzero(breaks | ((np.arange(n) - run_start) % max_records == 0))

@@ -19,8 +19,9 @@ import torch
 from .adapter import LowRankAdapter
 from .checkpoints import load_tokenizer, resolve_checkpoint
 from .arkv import ArkvGeometry, ArkvKV
+from .cluster import CoactivationLayout
 from .config import IN_MEMORY_POLICIES, ConfigError, RuntimeConfig
-from .disk_store import DiskKVStore, RecordLayout, check_offload_path
+from .disk_store import DiskKVStore, RecordLayout, check_offload_path, kv_path_list
 from .events import EventBus, JsonLinesLog
 from .forward import prefill
 from .hillinfer import HierarchicalSelector
@@ -57,17 +58,22 @@ class Engine:
         model: DecoderModel,
         config: RuntimeConfig,
         policy: str = "kvswap",
-        kv_offload_path: str | Path | None = None,
+        kv_offload_path: str | Path | list | None = None,
         tokenizer=None,
         adapter: LowRankAdapter | None = None,
         solutions: SolutionTable | None = None,
         scorer: InStorageScorer | None = None,
+        reader: KVReader | None = None,
     ):
+        """``kv_offload_path``: the KV disk's folder, or a list of folders on several devices (records spread
+        over them, read through one queue each).  ``reader``: a KV reader to use (and close) instead of opening
+        ``config.reader_backend`` (e.g. an emulated multi-device reader, runtime.reader.open_reader)."""
         self.model = model
         self.tokenizer = tokenizer
         self.policy = policy
         self.config = config.for_policy(policy)
-        self.kv_offload_path = Path(kv_offload_path) if kv_offload_path is not None else None
+        self.kv_paths = [Path(p) for p in kv_path_list(kv_offload_path)]
+        self.kv_offload_path = self.kv_paths[0] if self.kv_paths else None
         self.adapter = adapter
         self.solutions = solutions
         self.scorer = scorer  # hillinfer's in-storage scorer (a platform's backend); the numpy reference if None
@@ -81,15 +87,15 @@ class Engine:
             self.events.subscribe(JsonLinesLog(os.environ["EDGEKV_EVENTS_FILE"]))
         self._warned_adapter = False
         self.rank, self.memory_plan = _preflight(policy, self.config, model.dims, model.dtype, adapter, kv_offload_path)
-        self.reader: KVReader | None = None
-        if policy not in IN_MEMORY_POLICIES:
-            self.reader = open_reader(self.config.reader_backend, self.config.io_queue_depth)
+        self.reader: KVReader | None = reader
+        if policy not in IN_MEMORY_POLICIES and reader is None:
+            self.reader = open_reader(self.config.reader_backend, self.config.io_queue_depth, n_paths=len(self.kv_paths))
 
     @classmethod
     def from_pretrained(
         cls,
         model: str | Path,
-        kv_offload_path: str | Path | None = None,
+        kv_offload_path: str | Path | list | None = None,
         config: RuntimeConfig | dict | str | Path | None = None,
         policy: str = "kvswap",
         device: str | torch.device | None = None,
@@ -251,12 +257,15 @@ class Engine:
         cfg = self._batch_config(batch, needed)
         policy = self._make_policy(batch, cfg)
         self.prefill_stats = []
+        owners = _prefix_owners(prompts, cfg.G) if cfg.share_prefix else [None] * batch
         try:
             prefill_s, first_logits = [], []
             for seq, ids in enumerate(prompts):
                 self.events.emit("prefill_start", seq=seq, tokens=len(ids))
                 start = time.perf_counter()
                 policy.start_sequence(seq)
+                if owners[seq] is not None:
+                    policy.share_prefix(seq, *owners[seq])
                 first_logits.append(self._prefill(policy, seq, ids))
                 policy.end_prompt(seq, len(ids))
                 prefill_s.append(time.perf_counter() - start)
@@ -388,6 +397,7 @@ class Engine:
             "batch_size": policy.batch,
             "reader": self.reader.name if self.reader else None,
             "o_direct": getattr(getattr(policy, "store", None), "o_direct", None),
+            **_store_stats(getattr(policy, "store", None)),
             "config": {k: getattr(cfg, k) for k in ("G", "M", "C", "sigma", "reuse", "rolling_buffer", "max_context",
                                                     "kv_record_dtype")}
             | {"rank": self._rank(cfg)},
@@ -425,7 +435,8 @@ class Engine:
             fits = ArkvGeometry(cfg, dims, torch.empty(0, dtype=model.dtype).element_size()).fits_all
             return InMemoryKV(model, batch, cfg.max_context) if fits else ArkvKV(model, batch, cfg)
         layout = _record_layout(cfg, dims, model.dtype)
-        store = DiskKVStore(self.kv_offload_path, dims.n_layers, layout, self.reader)
+        max_groups = -(-cfg.max_context // cfg.G)
+        store = DiskKVStore(self.kv_paths, dims.n_layers, layout, self.reader, max_groups, cfg.max_request_bytes)
         if self.policy == "flexgen":
             selector = AllGroupsSelector(cfg.M, model.device)
         elif self.policy == "hillinfer":
@@ -449,13 +460,16 @@ class Engine:
                 cfg.max_context, cfg.G, cfg.picked_groups, cfg.klr_dtype, model.device,
                 score_reduce=cfg.score_reduce, scaling=model.scaling,
             )
-        max_groups = -(-cfg.max_context // cfg.G)
-        slots = SlotTable(dims.n_layers, batch, cfg.C, max_groups) if cfg.reuse else PreloadSlots(batch, cfg.picked_groups)
+        slots = SlotTable(dims.n_layers, batch, cfg.C, max_groups, cfg.replacement) if cfg.reuse \
+            else PreloadSlots(batch, cfg.picked_groups)
         return OffloadedKV(
             model, batch, cfg.max_context, store, selector, slots, cfg.picked_groups,
             rolling_buffer=cfg.rolling_buffer, sink_groups=cfg.sink_groups, window_groups=cfg.window_groups,
             oracle=cfg.selector == "oracle", predict=self.policy != "flexgen",
             on_select=lambda layer, groups, valid: self.events.emit("groups_selected", layer=layer, groups=groups, valid=valid),
+            placer=CoactivationLayout(cfg.cluster_queries, cfg.cluster_radius, cfg.replica_share, model.scaling,
+                                      layout.stride_bytes) if cfg.clustering and self.policy in ("kvswap", "token") else None,
+            recluster_steps=cfg.recluster_steps,
         )
 
     def _keep_fitted_adapter(self, policy: KVPolicy, cfg: RuntimeConfig) -> None:
@@ -493,6 +507,32 @@ def _end_batch(policy: KVPolicy, batch: int) -> None:
     finally:
         for seq in range(batch):
             policy.release_sequence(seq)
+
+
+def _store_stats(store) -> dict:
+    """The batch's read requests over its KV paths (every sequence's together: one step's reads are one batch)."""
+    if store is None:
+        return {"n_paths": 0, "kv_read_requests": 0, "kv_records_read": 0, "kv_records_by_path": []}
+    return {"n_paths": store.n_paths, "kv_read_requests": store.requests, "kv_records_read": store.records_read,
+            "kv_records_by_path": store.records_by_path.tolist()}
+
+
+def _prefix_owners(prompts: list[list[int]], group_tokens: int) -> list[tuple[int, int] | None]:
+    """Per prompt, (owner, whole groups) of the earlier prompt it shares the most leading groups with (a batch
+    of questions over one document), or None; owners lend only their own groups, so no chain forms."""
+    owners: list[tuple[int, int] | None] = []
+    for ids in prompts:
+        best = None
+        for a, other in enumerate(prompts[: len(owners)]):
+            if owners[a] is not None:
+                continue
+            n = min(len(ids), len(other))
+            same = np.flatnonzero(np.asarray(ids[:n]) != np.asarray(other[:n]))
+            groups = (int(same[0]) if len(same) else n) // group_tokens
+            if groups >= 1 and (best is None or groups > best[1]):
+                best = (a, groups)
+        owners.append(best)
+    return owners
 
 
 def _next_inputs(chosen: torch.Tensor, generated: list[list[int]], forced) -> torch.Tensor:
@@ -534,7 +574,8 @@ def _preflight(policy, cfg: RuntimeConfig, dims: ModelDims, dtype, adapter, kv_o
     plan = _plan(policy, cfg, dims, dtype, rank)
     plan.check(cfg.max_kv_mem_mib, policy)
     if policy not in IN_MEMORY_POLICIES:
-        check_offload_path(kv_offload_path)
+        for path in kv_path_list(kv_offload_path) or [None]:
+            check_offload_path(path)
     return rank, plan
 
 

@@ -38,6 +38,10 @@ class KVPolicy:
         self.lengths[seq] = 0
         self.bytes_read[seq] = 0
 
+    def share_prefix(self, seq: int, owner: int, n_groups: int) -> None:
+        """``seq``'s prompt starts with ``n_groups`` whole groups of ``owner``'s (same tokens, so the same KV),
+        called before its prefill; a policy may keep them once.  Default: each sequence keeps its own."""
+
     def observe_prompt(self, layer: int, seq: int, q: torch.Tensor) -> None:
         """The prompt's last ``prompt_queries`` queries q [H, n, d] of ``layer``, given before its KV when computed."""
 

@@ -24,6 +24,7 @@ from .forward import decode_attention
 from .kv_policy import KVPolicy
 from .model import DecoderModel
 from .selector import Selector
+from .slots import record_owners
 
 
 class OffloadedKV(KVPolicy):
@@ -42,6 +43,8 @@ class OffloadedKV(KVPolicy):
         predict: bool = True,
         oracle: bool = False,
         on_select=None,
+        placer=None,
+        recluster_steps: int = 0,
     ):
         super().__init__(model, batch, max_context)
         dims = model.dims
@@ -56,10 +59,17 @@ class OffloadedKV(KVPolicy):
         self.oracle = oracle  # an ablation: pick by the layer's true query at attention time (reads not overlapped)
         self._active = np.ones(batch, dtype=bool)
         self.on_select = on_select  # on_select(layer, groups [B, M], valid [B, M]): the step's picks, for tuning
+        self.placer = placer  # a cluster.CoactivationLayout: where a prompt's groups go on the KV paths (None: striped)
+        self.prompt_queries = placer.n_queries if placer is not None else 0
+        self._observed: dict[int, torch.Tensor] = {}
+        self.recluster_steps = recluster_steps if placer is not None else 0
+        self.decode_steps = np.zeros(batch, dtype=np.int64)
+        self._picks: dict[tuple[int, int], list[tuple[int, np.ndarray]]] = {}  # (owner, layer) -> (step, groups)
         self._slot_bytes = aligned_zeros((slots.n_buffers(dims.n_layers), batch, slots.capacity, self.layout.stride_bytes), self.layout.align_bytes)
         # [buffer, seq * C + slot, record]: records stay in their disk format (quantized ones too) until attention
         self._slot_records = torch.from_numpy(self._slot_bytes).flatten(1, 2)[..., : self.layout.record_bytes]
-        self._slot_base = torch.arange(batch)[:, None] * slots.capacity
+        self.owner = np.arange(batch)  # whose records a sequence's shared leading groups are (share_prefix)
+        self.shared_groups = np.zeros(batch, dtype=np.int64)
         self.sink_groups = sink_groups
         self.window_groups = window_groups
         self.ring_groups = window_groups + 1
@@ -76,7 +86,7 @@ class OffloadedKV(KVPolicy):
     @property
     def resident_bytes(self) -> int:
         rolling = self.rolling.numel() * self.rolling.element_size() + self.sinks.numel() * self.sinks.element_size()
-        return self._slot_bytes.nbytes + rolling + self.selector.resident_bytes
+        return self._slot_bytes.nbytes + rolling + self.selector.resident_bytes + self.store.table_bytes
 
     def start_sequence(self, seq):
         super().start_sequence(seq)
@@ -84,10 +94,27 @@ class OffloadedKV(KVPolicy):
         self.slots.reset(seq)
         self.n_groups[seq] = 0
         self.rb_len[seq] = 0
+        self.owner[seq] = seq
+        self.shared_groups[seq] = 0
+        self.decode_steps[seq] = 0
+        self._picks = {key: kept for key, kept in self._picks.items() if key[0] != seq}
+
+    def share_prefix(self, seq, owner, n_groups):
+        """``seq``'s first ``n_groups`` groups are ``owner``'s: it reads them from the owner's records, through
+        one reuse pool, so a group both pick is read once and then hit by both."""
+        self.store.share_prefix(seq, owner, n_groups)
+        self.owner[seq], self.shared_groups[seq] = owner, n_groups
+        self.slots.share([owner, *np.flatnonzero((self.owner == owner) & (np.arange(self.batch) != owner)).tolist()])
+
+    def observe_prompt(self, layer, seq, q):
+        self._observed[layer] = q
 
     def store_prompt(self, layer, seq, k, v):
         n_full = k.shape[1] // self.G
         tokens = n_full * self.G
+        q = self._observed.pop(layer, None)
+        if q is not None and self.shared_groups[seq] == 0:  # a borrower writes only its own tail: striped
+            self._lay_out(layer, seq, q, k, n_full)
         self.store.write_groups(seq, layer, 0, self.layout.pack(k[:, :tokens], v[:, :tokens]))
         self.selector.append(layer, seq, 0, k[:, :tokens])
         for group in [*range(min(n_full, self.sink_groups))] + [*range(max(0, n_full - self.window_groups), n_full + 1)]:
@@ -97,6 +124,18 @@ class OffloadedKV(KVPolicy):
         if layer == self.model.dims.n_layers - 1:
             self.n_groups[seq] = n_full
             self.rb_len[seq] = rest
+
+    def _lay_out(self, layer: int, seq: int, q: torch.Tensor, k: torch.Tensor, n_full: int) -> None:
+        """Place the prompt's groups by co-activation before they are written; the picks seen also seed
+        the cost-aware reuse buffer (activation frequency, refetch cost)."""
+        end = max(self.sink_groups, n_full - self.window_groups)
+        per_path, activation, cost = self.placer(q, k, self.G, self.M, self.sink_groups, end, self.store.n_paths)
+        self.store.place(seq, layer, per_path)
+        replacement = getattr(self.slots, "replacement", None)
+        if hasattr(replacement, "set_prior"):
+            groups = np.arange(n_full)
+            replacement.set_prior(layer, seq, groups, activation)
+            replacement.set_cost(layer, seq, groups, cost)
 
     def end_prefill(self):
         self.selector.end_prefill()
@@ -115,11 +154,14 @@ class OffloadedKV(KVPolicy):
         groups = groups.cpu().numpy()
         if self.on_select is not None:
             self.on_select(layer, groups, valid)
-        slots, misses = self.slots.assign(layer, groups, valid)
+        owners = record_owners(groups, self.owner, self.shared_groups)
+        if self.recluster_steps:
+            self._keep_picks(layer, groups, valid, owners)
+        slots, misses = self.slots.assign(layer, groups, valid, owners)
         self.select_s += time.perf_counter() - started
         buffer = self._slot_bytes[self.slots.buffer_index(layer)]
         stride = self.layout.stride_bytes
-        addresses = buffer.ctypes.data + (misses.seq * self.slots.capacity + misses.slot) * stride
+        addresses = buffer.ctypes.data + misses.slot * stride
         self.bytes_read += np.bincount(misses.seq, minlength=self.batch) * stride
         future = self._io.submit(self._timed_read, self.store.batch(layer, misses.seq, misses.group, addresses))
         self._pending[layer] = (torch.from_numpy(np.ascontiguousarray(slots)), torch.from_numpy(valid), future)
@@ -168,7 +210,7 @@ class OffloadedKV(KVPolicy):
         self.io_stall_s += time.perf_counter() - start
 
         # only the selected records are gathered (one copy each) and decoded, on the compute device
-        records = self._slot_records[self.slots.buffer_index(layer)].index_select(0, (self._slot_base + slots).flatten())
+        records = self._slot_records[self.slots.buffer_index(layer)].index_select(0, slots.flatten())
         selected = self.layout.decode(records.unflatten(0, slots.shape).to(q.device, non_blocking=True), self.model.dtype)
         b, m, _, h_kv, g, d = selected.shape
         sinks = self.sinks[layer]
@@ -182,6 +224,36 @@ class OffloadedKV(KVPolicy):
         self.rb_len[active] += 1
         for seq in np.flatnonzero(self.rb_len == self.G):
             self._flush_group(int(seq))
+        self.decode_steps[active] += 1
+        for seq in np.flatnonzero(active & (self.decode_steps == self.recluster_steps)) if self.recluster_steps else ():
+            self._recluster(int(seq))
+
+    def _keep_picks(self, layer: int, groups: np.ndarray, valid: np.ndarray, owners: np.ndarray) -> None:
+        """The step's picks per record owner, until that owner's layers are clustered again."""
+        for b in np.flatnonzero(valid.any(axis=1)).tolist():
+            for owner in np.unique(owners[b][valid[b]]).tolist():
+                if self.decode_steps[owner] < self.recluster_steps:
+                    mine = valid[b] & (owners[b] == owner)
+                    self._picks.setdefault((owner, layer), []).append((int(self.decode_steps[owner]), groups[b][mine]))
+
+    def _recluster(self, seq: int) -> None:
+        """Cluster each layer's decode picks of ``seq`` and write the picked groups once more in that order (groups
+        of a stored context stay in the store).  Between steps: no read is in flight."""
+        first = self.store.prefix_groups(seq)
+        replacement = getattr(self.slots, "replacement", None)
+        for layer in range(self.model.dims.n_layers):
+            kept = self._picks.pop((seq, layer), [])
+            if not kept:
+                continue
+            picks = np.zeros((self.recluster_steps, int(self.n_groups[seq])), dtype=bool)
+            for step, groups in kept:
+                picks[step, groups] = True
+            picks[:, :first] = False
+            per_path, cost = self.placer.refine(picks, self.store.n_paths)
+            self.store.relocate(seq, layer, per_path)
+            if hasattr(replacement, "set_cost"):
+                moved = np.concatenate(per_path)
+                replacement.set_cost(layer, seq, moved, cost[moved])
 
     def _flush_group(self, seq: int) -> None:
         """The rolling buffer of ``seq`` is one full group: write it to disk and add its keys to K_lr."""

@@ -1,40 +1,144 @@
 """Where each selected group sits in memory: the reuse buffer's slot table, or a plain preload buffer.
 
-Both answer one question per layer and step: given the selected groups of every
-sequence, which slot holds each, and which (sequence, slot, group) must be read from disk.
+Both answer one question per layer and step: given the selected groups of every sequence, which slot of
+the layer's buffer holds each, and which records must be read from disk.  Slots are flat: sequence ``b``
+owns slots ``[b * capacity, (b + 1) * capacity)``.  A record is the key (owner, group): sequences that
+share a prompt prefix name the shared groups with the owner's id, so a record they both pick is read once.
 """
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Iterable, NamedTuple
 
 import numpy as np
 
 
 class Misses(NamedTuple):
-    """Groups to read: ``group[i]`` of sequence ``seq[i]`` goes into ``slot[i]``."""
+    """Records to read: ``group[i]`` of sequence ``seq[i]`` (the record's owner) goes into flat ``slot[i]``."""
 
     seq: np.ndarray
     slot: np.ndarray
     group: np.ndarray
 
 
-class SlotTable:
-    """KVSwap's reuse buffer bookkeeping: ``capacity`` slots per (layer, sequence), FIFO replacement.
+def _first_occurrences(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(positions of each distinct key's first occurrence, ascending; for each entry its key's index there)."""
+    order = np.argsort(keys, kind="stable")
+    ordered = keys[order]
+    starts = np.ones(len(keys), dtype=bool)
+    np.not_equal(ordered[1:], ordered[:-1], out=starts[1:])
+    if starts.all():
+        every = np.arange(len(keys))
+        return every, every
+    first = order[starts]
+    by_position = np.argsort(first)
+    index = np.empty_like(by_position)
+    index[by_position] = np.arange(len(first))
+    rank = np.empty(len(keys), dtype=np.int64)
+    rank[order] = index[np.cumsum(starts) - 1]
+    return first[by_position], rank
 
-    A group selected again is a hit and is not read.  A miss takes the oldest slot that
-    holds no group selected in the same step, so the step's own hits are never evicted
-    (requires capacity >= groups selected per step).  ``slot_of`` is the reverse map
-    (group -> slot, -1 if absent), so a lookup costs O(M), not O(C).
+
+class Replacement:
+    """Which resident a miss evicts: a free slot first, then the lowest ``score``, ties to the oldest insertion.
+
+    ``score`` is the hook.  ``observe`` sees each step's picks, ``forget`` a sequence's reset, for policies
+    that keep state of their own.
     """
 
-    def __init__(self, n_layers: int, batch: int, capacity: int, max_groups: int):
+    def __init__(self, table: SlotTable):
+        self.table = table
+
+    def score(self, layer: int, slots: np.ndarray) -> np.ndarray:
+        """Eviction priority of the occupied flat ``slots`` of ``layer``: the lowest goes first."""
+        raise NotImplementedError
+
+    def observe(self, layer: int, picked: np.ndarray, idle: np.ndarray) -> None:
+        """After a step: the flat slots some row ``picked``, and the occupied ones their pools left ``idle``."""
+
+    def forget(self, seq: int) -> None:
+        """``seq`` starts a new sequence: whatever was learnt about its records no longer holds."""
+
+
+class Fifo(Replacement):
+    """KVSwap's reuse buffer: the oldest insertion goes, a hit does not refresh it."""
+
+    def score(self, layer, slots):
+        return self.table.inserted_at[layer, slots]
+
+
+class Lru(Replacement):
+    """The least recently picked goes: a hit refreshes a record, so a recurring working set stays."""
+
+    def score(self, layer, slots):
+        return self.table.used_at[layer, slots]
+
+
+class CostAware(Replacement):
+    """Swarm's hot-cluster cache (Eq. 6, section 6.2): the lowest activation frequency x refetch cost goes.
+
+    A record's frequency rises by one each step it is picked and falls by one (not below zero) each step it
+    sits resident unpicked, so a record picked again and again outlives one a scan picked once; it survives
+    eviction, so a hot record read again comes back with its history.  ``set_cost`` and ``set_prior`` give
+    a record's refetch cost (default 1) and a frequency observed before decoding (default 0).
+    """
+
+    def __init__(self, table):
+        super().__init__(table)
+        self.frequency = np.zeros(table.slot_of.shape, dtype=np.float32)
+        self.cost = np.ones(table.slot_of.shape, dtype=np.float32)
+
+    def set_cost(self, layer: int, owner: int, groups, cost) -> None:
+        self.cost[layer, owner, groups] = cost
+
+    def set_prior(self, layer: int, owner: int, groups, counts) -> None:
+        self.frequency[layer, owner, groups] = counts
+
+    def score(self, layer, slots):
+        key = (layer, *self.table.key_at(layer, slots))
+        return self.frequency[key] * self.cost[key]
+
+    def observe(self, layer, picked, idle):
+        self.frequency[(layer, *self.table.key_at(layer, picked))] += 1
+        key = (layer, *self.table.key_at(layer, idle))
+        self.frequency[key] = np.maximum(self.frequency[key] - 1, 0)
+
+    def forget(self, seq):
+        self.frequency[:, seq] = 0
+        self.cost[:, seq] = 1
+
+
+REPLACEMENTS = {"fifo": Fifo, "lru": Lru, "cost": CostAware}
+
+
+class SlotTable:
+    """The reuse buffer's bookkeeping: ``capacity`` slots per (layer, sequence), grouped into pools.
+
+    A pool is a set of sequences whose slots hold any of their records, each at most once: alone (the
+    default) a sequence is KVSwap's per-sequence reuse buffer; ``share`` pools sequences with a common
+    prefix, so a record several of them pick is read once and hit by all.  A record picked again is a hit;
+    a miss takes the slot ``replacement`` names, never one holding a record its pool picked in the same
+    step (so a pool must hold the distinct records it picks per step).  ``slot_of`` is the reverse map
+    (owner, group) -> flat slot or -1, dense so a lookup costs O(M), not O(C).  ``hits`` counts the picks
+    that needed no read, a record read once for several rows included.
+    """
+
+    def __init__(self, n_layers: int, batch: int, capacity: int, max_groups: int, replacement: str = "fifo"):
+        if replacement not in REPLACEMENTS:
+            raise ValueError(f"replacement must be one of {sorted(REPLACEMENTS)}, got {replacement!r}")
         self.capacity = capacity
-        self.group = np.full((n_layers, batch, capacity), -1, dtype=np.int64)
-        self.inserted = np.full((n_layers, batch, capacity), -1, dtype=np.int64)
+        self.max_groups = max_groups
+        shape = (n_layers, batch, capacity)
+        self.group, self.owner, self.inserted, self.used = (np.full(shape, -1, dtype=np.int64) for _ in range(4))
+        # the same arrays by flat slot: [layer, seq * capacity + slot]
+        self.group_at, self.owner_at, self.inserted_at, self.used_at = (
+            a.reshape(n_layers, -1) for a in (self.group, self.owner, self.inserted, self.used))
         self.slot_of = np.full((n_layers, batch, max_groups), -1, dtype=np.int64)
+        self.pool = np.arange(batch)  # per sequence, its pool's label: one of the pool's members
+        self._seq_of_slot = np.arange(batch * capacity) // capacity
         self._clock = 0
         self.hits = np.zeros(batch, dtype=np.int64)
         self.lookups = np.zeros(batch, dtype=np.int64)
+        self.replacement = REPLACEMENTS[replacement](self)
 
     def buffer_index(self, layer: int) -> int:
         return layer
@@ -43,53 +147,112 @@ class SlotTable:
     def n_buffers(n_layers: int) -> int:
         return n_layers
 
-    def assign(self, layer: int, groups: np.ndarray, valid: np.ndarray) -> tuple[np.ndarray, Misses]:
-        """groups, valid: [B, M].  Returns slots [B, M] and the misses to read."""
-        slots = np.zeros(groups.shape, dtype=np.int64)
-        missed = []
-        for b in range(groups.shape[0]):
-            cols = np.flatnonzero(valid[b])
-            where = self.slot_of[layer, b, groups[b, cols]]
-            hit = where >= 0
-            slots[b, cols[hit]] = where[hit]
-            self.lookups[b] += len(cols)
-            self.hits[b] += int(hit.sum())
-            need = cols[~hit]
-            if len(need):
-                slots[b, need] = self._replace(layer, b, where[hit], groups[b, need])
-                missed.append((b, slots[b, need], groups[b, need]))
-        if not missed:
-            empty = np.zeros(0, dtype=np.int64)
-            return slots, Misses(empty, empty, empty)
-        return slots, Misses(
-            np.concatenate([np.full(len(s), b) for b, s, _ in missed]),
-            np.concatenate([s for _, s, _ in missed]),
-            np.concatenate([g for _, _, g in missed]),
-        )
+    def key_at(self, layer: int, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(owner, group) of the records in flat ``slots`` of ``layer``."""
+        return self.owner_at[layer, slots], self.group_at[layer, slots]
 
-    def _replace(self, layer: int, b: int, protected: np.ndarray, new_groups: np.ndarray) -> np.ndarray:
-        """FIFO: put ``new_groups`` into the oldest slots not in ``protected``; returns those slots."""
-        age = self.inserted[layer, b].copy()
-        age[protected] = np.iinfo(np.int64).max
-        victims = np.argsort(age, kind="stable")[: len(new_groups)]
-        evicted = self.group[layer, b, victims]
-        self.slot_of[layer, b, evicted[evicted >= 0]] = -1
-        self.group[layer, b, victims] = new_groups
-        self.slot_of[layer, b, new_groups] = victims
-        self.inserted[layer, b, victims] = self._clock + np.arange(len(new_groups))
-        self._clock += len(new_groups)
+    def share(self, seqs: list[int]) -> None:
+        """One pool for ``seqs`` and every sequence already pooled with one of them; residents stay put."""
+        members = np.isin(self.pool, self.pool[np.asarray(seqs)])
+        self.pool[members] = np.flatnonzero(members)[0]
+
+    def assign(self, layer: int, groups: np.ndarray, valid: np.ndarray,
+               owners: np.ndarray | None = None) -> tuple[np.ndarray, Misses]:
+        """groups, valid, owners: [B, M] (owners None: each row's own).  Returns flat slots [B, M] and the misses."""
+        rows, cols = np.nonzero(valid)
+        owner = rows if owners is None else np.asarray(owners)[rows, cols]
+        pool = self.pool[rows]
+        if owners is not None and (self.pool[owner] != pool).any():
+            bad = np.flatnonzero(self.pool[owner] != pool)[0]
+            raise ValueError(f"sequence {rows[bad]} picks a record of sequence {owner[bad]} outside its pool; "
+                             "share() them first")
+        group = groups[rows, cols]
+        found = self.slot_of[layer, owner, group]
+        miss = np.flatnonzero(found < 0)
+        first, rank = _first_occurrences(owner[miss] * self.max_groups + group[miss])
+        new = miss[first]  # the entries that read: each missed record's first picker
+        if len(new):
+            victims = self._victims(layer, found[found >= 0], pool[new])
+            self._place(layer, victims, owner[new], group[new])
+            found[miss] = victims[rank]
+        slots = np.zeros(groups.shape, dtype=np.int64)
+        slots[rows, cols] = found
+        self._observe(layer, found, pool)
+        self.lookups += np.bincount(rows, minlength=len(self.pool))
+        self.hits += np.bincount(rows, minlength=len(self.pool)) - np.bincount(rows[new], minlength=len(self.pool))
+        return slots, Misses(owner[new], found[new], group[new])
+
+    def _victims(self, layer: int, protected: np.ndarray, pools: np.ndarray) -> np.ndarray:
+        """A slot of pool ``pools[i]`` for each new record i, none of the flat slots ``protected``: in each pool,
+        free slots first, then the residents ``replacement`` ranks lowest."""
+        wanted = np.bincount(pools, minlength=len(self.pool))
+        kept = np.zeros(self.group_at.shape[1], dtype=bool)
+        kept[protected] = True
+        pool_of_slot = self.pool[self._seq_of_slot]
+        candidates = np.flatnonzero(~kept & (wanted[pool_of_slot] > 0))
+        label = pool_of_slot[candidates]
+        occupied = self.group_at[layer, candidates] >= 0
+        score = np.zeros(len(candidates))
+        score[occupied] = self.replacement.score(layer, candidates[occupied])
+        order = np.lexsort((candidates, self.inserted_at[layer, candidates], score, occupied, label))
+        label = label[order]
+        chosen = order[np.arange(len(order)) - np.searchsorted(label, label) < wanted[label]]
+        if len(chosen) < len(pools):
+            short = np.flatnonzero(wanted > np.bincount(label, minlength=len(self.pool)))[0]
+            members = np.flatnonzero(self.pool == short)
+            raise ValueError(f"sequences {members.tolist()} pick {wanted[short] + kept[pool_of_slot == short].sum()} "
+                             f"distinct records in one step but their pool holds {len(members) * self.capacity}: "
+                             "raise the capacity")
+        victims = np.empty(len(pools), dtype=np.int64)
+        victims[np.argsort(pools, kind="stable")] = candidates[chosen]
         return victims
 
+    def _place(self, layer: int, slots: np.ndarray, owner: np.ndarray, group: np.ndarray) -> None:
+        """Evict the records in ``slots`` and put the new ones there (``_observe`` then marks them used)."""
+        self._forget_slots(layer, slots)
+        self.owner_at[layer, slots], self.group_at[layer, slots] = owner, group
+        self.slot_of[layer, owner, group] = slots
+        self.inserted_at[layer, slots] = self._clock + np.arange(len(slots))
+        self._clock += len(slots)
+
+    def _forget_slots(self, layer: int, slots: np.ndarray) -> None:
+        held = slots[self.group_at[layer, slots] >= 0]
+        self.slot_of[(layer, *self.key_at(layer, held))] = -1
+
+    def _drop(self, layer: int, slots: np.ndarray) -> None:
+        self._forget_slots(layer, slots)
+        for table in (self.group_at, self.owner_at, self.inserted_at, self.used_at):
+            table[layer, slots] = -1
+
+    def _observe(self, layer: int, found: np.ndarray, pool: np.ndarray) -> None:
+        """Tell ``replacement`` the flat slots picked (``found``, by rows of pools ``pool``) and the residents
+        those pools left idle."""
+        picked = np.zeros(self.group_at.shape[1], dtype=bool)
+        picked[found] = True
+        stepped = np.zeros(len(self.pool), dtype=bool)
+        stepped[pool] = True
+        idle = (self.group[layer] >= 0) & stepped[self.pool][:, None]
+        self.used_at[layer, picked] = self._clock
+        self._clock += 1
+        self.replacement.observe(layer, np.flatnonzero(picked), np.flatnonzero(idle.ravel() & ~picked))
+
     def reset(self, seq: int) -> None:
-        self.group[:, seq] = -1
-        self.inserted[:, seq] = -1
-        self.slot_of[:, seq] = -1
+        """``seq`` starts anew: its slots and every record it owns are dropped, and it leaves its pool."""
+        for layer in range(len(self.group)):
+            owned = np.flatnonzero(self.owner_at[layer] == seq)
+            self._drop(layer, np.union1d(owned, seq * self.capacity + np.arange(self.capacity)))
+        others = np.flatnonzero((self.pool == self.pool[seq]) & (np.arange(len(self.pool)) != seq))
+        if len(others):
+            self.pool[others] = others[0]
+        self.pool[seq] = seq
         self.hits[seq] = 0
         self.lookups[seq] = 0
+        self.replacement.forget(seq)
 
 
 class PreloadSlots:
-    """No reuse: every selected group is read into slot ``m`` of a buffer shared by alternate layers.
+    """No reuse: row ``b``'s pick ``m`` is read into flat slot ``b * capacity + m`` of a buffer shared by
+    alternate layers; a record several rows pick in a step is read once, into its first picker's slot.
 
     Two buffers suffice because layer i+1's fetch overlaps layer i's attention only.
     """
@@ -106,13 +269,46 @@ class PreloadSlots:
     def n_buffers(n_layers: int) -> int:
         return min(2, n_layers)
 
-    def assign(self, layer: int, groups: np.ndarray, valid: np.ndarray) -> tuple[np.ndarray, Misses]:
+    def share(self, seqs: list[int]) -> None:
+        """Nothing to do: every row's picks are already deduplicated against the whole batch's."""
+
+    def assign(self, layer: int, groups: np.ndarray, valid: np.ndarray,
+               owners: np.ndarray | None = None) -> tuple[np.ndarray, Misses]:
         batch, m = groups.shape
-        slots = np.tile(np.arange(m, dtype=np.int64), (batch, 1))
-        seq, col = np.nonzero(valid)
-        self.lookups += valid.sum(axis=1)
-        return slots, Misses(seq, col, groups[seq, col])
+        slots = np.arange(batch)[:, None] * self.capacity + np.arange(m)
+        rows, cols = np.nonzero(valid)
+        owner = rows if owners is None else np.asarray(owners)[rows, cols]
+        group = groups[rows, cols]
+        first, rank = _first_occurrences(owner * (int(group.max(initial=0)) + 1) + group)
+        read = slots[rows[first], cols[first]]
+        slots[rows, cols] = read[rank]
+        self.lookups += np.bincount(rows, minlength=batch)
+        self.hits += np.bincount(rows, minlength=batch) - np.bincount(rows[first], minlength=batch)
+        return slots, Misses(owner[first], read, group[first])
 
     def reset(self, seq: int) -> None:
         self.hits[seq] = 0
         self.lookups[seq] = 0
+
+
+def replay_hit_rate(trace: Iterable[tuple[int, np.ndarray, np.ndarray]], n_layers: int, batch: int, capacity: int,
+                    max_groups: int, replacement: str, owners: list[tuple[int, int] | None] | None = None) -> float:
+    """Hits / lookups of a fresh table over recorded picks (offload's ``on_select``), to compare policies.
+
+    ``owners``: per row, None or (owner, n) when its first n groups are the owner's records (as the engine's
+    prefix sharing gives); such rows are pooled with their owner.
+    """
+    table = SlotTable(n_layers, batch, capacity, max_groups, replacement)
+    row_owner, shared = np.arange(batch), np.zeros(batch, dtype=np.int64)
+    for seq, prefix in enumerate(owners or []):
+        if prefix is not None:
+            row_owner[seq], shared[seq] = prefix
+            table.share([prefix[0], seq])
+    for layer, groups, valid in trace:
+        table.assign(layer, groups, valid, record_owners(groups, row_owner, shared))
+    return float(table.hits.sum() / max(1, table.lookups.sum()))
+
+
+def record_owners(groups: np.ndarray, owner: np.ndarray, shared_groups: np.ndarray) -> np.ndarray:
+    """[B, M]: whose record each pick is: row b's owner for its first ``shared_groups[b]`` groups, else b."""
+    return np.where(groups < shared_groups[:, None], owner[:, None], np.arange(len(owner))[:, None])

@@ -16,6 +16,7 @@ from edgekv.platforms.detect import detect_platform
 from edgekv.runtime import ConfigError, Engine, RecordLayout, RuntimeConfig
 from edgekv.runtime.memory import plan_memory
 from edgekv.runtime.model import ModelDims
+from edgekv.runtime.slots import replay_hit_rate
 from edgekv.runtime.solutions import SolutionTable, load_deployed
 
 DIMS = ModelDims(n_layers=4, hidden=128, n_heads=4, n_kv_heads=2, head_dim=64, vocab=256)
@@ -150,9 +151,9 @@ def test_reuse_replay_counts_fifo_hits():
              (0, np.array([[1, 2]]), np.ones((1, 2), bool)),
              (0, np.array([[0, 3]]), np.ones((1, 2), bool))]
     # capacity 2: step 2 hits group 1; step 3: 0 was evicted by 2 -> no hits
-    assert tables.replay_reuse(picks, 1, 2, 8) == pytest.approx(1 / 6)
+    assert replay_hit_rate(picks, 1, 1, 2, 8, "fifo") == pytest.approx(1 / 6)
     # capacity 4 keeps everything: hits 1 and then 0
-    assert tables.replay_reuse(picks, 1, 4, 8) == pytest.approx(2 / 6)
+    assert replay_hit_rate(picks, 1, 1, 4, 8, "fifo") == pytest.approx(2 / 6)
     assert tables.reuse_rate({4: {1.0: 0.5, 2.0: 0.7}}, 4, 15, 10) == pytest.approx(0.6)
 
 

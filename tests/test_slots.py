@@ -38,7 +38,7 @@ def test_layers_and_sequences_are_independent_and_padding_is_skipped():
     groups = np.array([[5, 6], [5, 0]])
     valid = np.array([[True, True], [True, False]])
     _, misses = table.assign(1, groups, valid)
-    assert sorted(zip(*misses)) == [(0, 0, 5), (0, 1, 6), (1, 0, 5)]
+    assert sorted(zip(*misses)) == [(0, 0, 5), (0, 1, 6), (1, 2, 5)]  # flat slots: sequence 1 owns 2 and 3
     _, misses = table.assign(0, groups, valid)
     assert len(misses.group) == 3  # layer 0 has its own table
     table.reset(0)

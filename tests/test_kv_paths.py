@@ -1,0 +1,226 @@
+"""Several KV paths: placement invariants, routing to the least-loaded copy, coalescing, prefix sharing, and
+exactness of the disk policies over 1, 2 and 3 paths."""
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from edgekv.runtime import Engine
+from edgekv.runtime.disk_store import DiskKVStore, RecordLayout, StoreError, aligned_zeros
+from edgekv.runtime.placement import Placement
+from edgekv.runtime.reader import open_reader
+from tests.conftest import files_under
+from tests.test_exactness import EXACT, PROMPTS
+
+
+def layout():
+    return RecordLayout(group_tokens=4, n_kv_heads=1, head_dim=8, dtype=torch.float32, align_bytes=4096)
+
+
+def records(n, first=0):
+    """n aligned records, record i filled with the byte value (first + i) % 251 + 1."""
+    out = aligned_zeros((n, layout().stride_bytes), 4096)
+    out[:] = ((np.arange(first, first + n) % 251) + 1)[:, None].astype(np.uint8)
+    return out
+
+
+def paths(tmp_path, n):
+    out = [tmp_path / f"disk{i}" for i in range(n)]
+    for p in out:
+        p.mkdir()
+    return out
+
+
+def read(store, layer, seqs, groups):
+    """Read records of (seqs[i], groups[i]) through the store; returns them [n, stride]."""
+    dest = aligned_zeros((len(groups), store.layout.stride_bytes), 4096)
+    addresses = dest.ctypes.data + np.arange(len(groups), dtype=np.int64) * store.layout.stride_bytes
+    batch = store.batch(layer, np.asarray(seqs), np.asarray(groups), addresses)
+    store.read(batch)
+    return dest, batch
+
+
+def test_striping_without_a_table_equals_explicit_striping():
+    implicit = Placement(n_layers=1, max_groups=40, n_paths=3)
+    explicit = Placement(n_layers=1, max_groups=40, n_paths=3)
+    explicit.assign(0, [np.array([], dtype=np.int64)] * 3)  # a table, empty: new groups are striped into it
+    explicit.stripe(0, np.arange(40))
+    for got, want in zip(implicit.copies(0, np.arange(40)), explicit.copies(0, np.arange(40))):
+        np.testing.assert_array_equal(got, want)
+    path, index = implicit.copies(0, np.arange(40))
+    assert (path[:, 0] == np.arange(40) % 3).all() and (index[:, 0] == np.arange(40) // 3).all()
+    assert (path[:, 1] == -1).all()
+
+
+def test_a_layout_places_every_group_once_per_path_and_never_moves_a_record():
+    placement = Placement(n_layers=2, max_groups=10, n_paths=2)
+    placement.assign(0, [np.array([3, 1, 0]), np.array([2, 1, 4])])  # group 1 on both paths
+    placement.stripe(0, np.arange(5, 8))
+    path, index = placement.copies(0, np.arange(8))
+    assert path[1].tolist() == [0, 1] and index[1].tolist() == [1, 1]
+    assert path[3].tolist() == [0, -1] and index[3, 0] == 0
+    assert path[6, 0] == 0 and index[6, 0] == 3 and path[5, 0] == 1 and index[5, 0] == 3
+    with pytest.raises(ValueError, match="never move"):
+        placement.assign(0, [np.array([8]), np.array([9])])
+    with pytest.raises(ValueError, match="listed twice"):
+        placement.assign(1, [np.array([2, 2]), np.array([])])
+
+
+@pytest.mark.parametrize("n_paths", [1, 2, 3])
+def test_records_read_back_from_every_path_with_coalesced_requests(tmp_path, n_paths):
+    reader = open_reader("python", n_paths=n_paths)
+    store = DiskKVStore(paths(tmp_path, n_paths), 2, layout(), reader, max_groups=64, max_request_bytes=3 * 4096)
+    try:
+        store.open_sequence(0)
+        store.open_sequence(1)
+        for seq in (0, 1):
+            for layer in (0, 1):
+                store.write_groups(seq, layer, 0, records(30, first=100 * seq + 10 * layer))
+        seqs = np.array([0] * 9 + [1] * 3)
+        groups = np.array([5, 0, 1, 2, 3, 4, 6, 20, 29, 7, 8, 9])
+        got, batch = read(store, 1, seqs, groups)
+        expected = (100 * seqs + 10 + groups) % 251 + 1
+        assert (got == expected[:, None]).all()
+        assert batch.counts.sum() == len(groups) and batch.counts.max() <= 3
+        assert set(batch.paths.tolist()) == set(range(n_paths))
+        for d in store.dirs:  # each path holds its share of each layer's records
+            assert sorted(f.name for f in d.iterdir()) == sorted(f"seq{s}_layer{l}.kv" for s in (0, 1) for l in (0, 1))
+        sizes = [os.path.getsize(d / "seq0_layer0.kv") for d in store.dirs]
+        assert sum(sizes) == 30 * store.layout.stride_bytes
+    finally:
+        store.close()
+        reader.close()
+    assert files_under(tmp_path / "disk0") == []
+
+
+def test_coalescing_stops_at_gaps_files_and_the_request_size():
+    from edgekv.runtime.disk_store import _request_starts
+
+    stride = 4096
+    fds = np.array([3, 3, 3, 3, 3, 4, 4], dtype=np.int32)
+    offsets = np.array([0, 1, 2, 4, 5, 6, 7]) * stride
+    assert _request_starts(fds, offsets, stride, max_records=8).tolist() == [0, 3, 5]
+    assert _request_starts(fds, offsets, stride, max_records=2).tolist() == [0, 2, 3, 5]
+    assert _request_starts(fds, offsets, stride, max_records=1).tolist() == list(range(7))
+
+
+def test_replicated_records_go_to_the_least_loaded_path(tmp_path):
+    reader = open_reader("python", n_paths=2)
+    store = DiskKVStore(paths(tmp_path, 2), 1, layout(), reader, max_groups=16, max_request_bytes=8 * 4096)
+    try:
+        store.open_sequence(0)
+        # path 0: groups 0..3 and 4, 5; path 1: copies of 4 and 5, then 6
+        store.place(0, 0, [np.array([0, 1, 2, 3, 4, 5]), np.array([4, 5, 6])])
+        store.write_groups(0, 0, 0, records(7))
+        got, batch = read(store, 0, np.zeros(4, dtype=np.int64), np.array([0, 1, 4, 5]))
+        assert (got[:, 0] == np.array([0, 1, 4, 5]) + 1).all()
+        # 0 and 1 load path 0 with two records: the replicated 4 and 5 are read from path 1, as one request
+        assert sorted(zip(batch.paths.tolist(), batch.counts.tolist())) == [(0, 2), (1, 2)]
+        np.testing.assert_array_equal(store.records_by_path, [2, 2])
+    finally:
+        store.close()
+        reader.close()
+
+
+def test_a_borrower_writes_none_of_the_shared_groups_and_its_owner_stays_until_it_is_released(tmp_path):
+    reader = open_reader("python")
+    store = DiskKVStore(tmp_path, 1, layout(), reader, max_groups=16)
+    try:
+        store.open_sequence(0)
+        store.open_sequence(1)
+        store.write_groups(0, 0, 0, records(6))
+        store.share_prefix(1, 0, 4)
+        store.write_groups(1, 0, 0, records(6, first=50))
+        assert os.path.getsize(store._path(1, 0)) == 6 * store.layout.stride_bytes  # groups 4, 5 only
+        got, _ = read(store, 0, np.array([0, 1, 1]), np.array([2, 4, 5]))  # (owner 0, 2); the borrower's own groups
+        assert got[:, 0].tolist() == [3, 55, 56]
+        store.release(0)
+        assert store._path(0, 0).exists(), "the owner's files stay while a borrower reads them"
+        with pytest.raises(StoreError, match="lends"):
+            store.open_sequence(0)
+        store.release(1)
+        assert not store._path(0, 0).exists() and not store._path(1, 0).exists()
+    finally:
+        store.close()
+        reader.close()
+
+
+def test_a_missing_or_repeated_kv_path_is_named(tmp_path):
+    reader = open_reader("python")
+    with pytest.raises(StoreError, match="disk9"):
+        DiskKVStore([tmp_path, tmp_path / "disk9"], 1, layout(), reader)
+    with pytest.raises(StoreError, match="twice"):
+        DiskKVStore([tmp_path, tmp_path], 1, layout(), reader)
+    store = DiskKVStore(str(tmp_path), 1, layout(), reader)  # a str path is a path
+    store.close()
+    reader.close()
+
+
+def run(model_dir, kv, policy, config):
+    with Engine.from_pretrained(model_dir, kv_offload_path=kv, config=config, policy=policy) as engine:
+        results = engine.generate(PROMPTS, max_new_tokens=14, stop_token_ids=[], output_logits=True)
+    for path in kv if isinstance(kv, list) else [kv]:
+        assert files_under(path) == [], "released sequences must leave no KV files"
+    return results
+
+
+@pytest.fixture(scope="module")
+def full_reference(model_dirs, tmp_path_factory):
+    return run(model_dirs["llama"], tmp_path_factory.mktemp("kv"), "full", EXACT)
+
+
+@pytest.mark.parametrize("n_paths,policy,extra", [
+    (1, "kvswap", {}), (3, "kvswap", {}), (1, "kvswap", {"clustering": True}),
+    (2, "kvswap", {"clustering": True, "replacement": "cost"}), (3, "kvswap", {"clustering": True, "replica_share": 0.5}),
+    (2, "kvswap", {"replacement": "lru"}), (3, "flexgen", {}), (2, "token", {"clustering": True}),
+])
+def test_disk_policies_over_several_paths_match_full(model_dirs, tmp_path, full_reference, n_paths, policy, extra):
+    config = {**EXACT, "max_request_bytes": 4 * 4096, "cluster_queries": 8, "recluster_steps": 5, **extra}
+    results = run(model_dirs["llama"], paths(tmp_path, n_paths), policy, config)
+    for ref, got in zip(full_reference, results):
+        assert got.token_ids == ref.token_ids
+        torch.testing.assert_close(got.logits, ref.logits, rtol=1e-4, atol=1e-4)
+        assert got.stats["kv_bytes_read"] > 0
+    stats = results[0].stats
+    assert stats["n_paths"] == n_paths and len(stats["kv_records_by_path"]) == n_paths
+    assert min(stats["kv_records_by_path"]) > 0, "every path serves reads"
+    assert stats["kv_read_requests"] < stats["kv_records_read"], "adjacent records are read as one request"
+
+
+def test_sequences_sharing_a_document_read_it_once_and_decode_the_same_tokens(model_dirs, tmp_path):
+    document = [(7 * i) % 150 + 3 for i in range(160)]
+    prompts = [document + [11 + q, 12 + q, 13] for q in range(4)]
+    config = {"G": 4, "M": 12, "C": 24, "max_context": 256, "max_batch": 4, "sigma": 4}
+
+    def generate(share):
+        with Engine.from_pretrained(model_dirs["llama"], kv_offload_path=tmp_path, policy="kvswap",
+                                    config={**config, "share_prefix": share}) as engine:
+            return engine.generate(prompts, max_new_tokens=12, stop_token_ids=[])
+
+    shared, alone = generate(True), generate(False)
+    assert [r.token_ids for r in shared] == [r.token_ids for r in alone]
+    read_shared = sum(r.stats["kv_bytes_read"] for r in shared)
+    read_alone = sum(r.stats["kv_bytes_read"] for r in alone)
+    assert read_shared * 2 < read_alone
+
+
+@pytest.mark.parametrize("n_paths", [1, 2])
+def test_relocated_groups_read_back_exactly_as_one_request_per_path(tmp_path, n_paths):
+    reader = open_reader("python", n_paths=n_paths)
+    store = DiskKVStore(paths(tmp_path, n_paths), 1, layout(), reader, max_groups=64, max_request_bytes=16 * 4096)
+    try:
+        store.open_sequence(0)
+        store.write_groups(0, 0, 0, records(40))
+        scattered = np.array([31, 3, 17, 9, 25, 12])
+        _, before = read(store, 0, np.zeros(6, dtype=np.int64), scattered)
+        assert len(before) == 6
+        store.relocate(0, 0, [scattered[p::n_paths] for p in range(n_paths)])
+        store.write_groups(0, 0, 40, records(2, first=40))  # groups written after a relocation are striped after it
+        got, after = read(store, 0, np.zeros(8, dtype=np.int64), np.r_[scattered, 40, 41])
+        assert (got[:, 0] == np.r_[scattered, 40, 41] + 1).all()
+        assert len(after) == n_paths  # the moved six: one request per path, the new 40 and 41 right after them
+        assert store.records_relocated == 6
+    finally:
+        store.close()
+        reader.close()
