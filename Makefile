@@ -5,9 +5,11 @@ PYTHON    := $(VENV)/bin/python
 PLATFORM  ?= auto
 MODEL     ?=
 KV_PATH   ?=
+KV_PATHS  ?=
 REPROFILE ?=
 CALIBRATION ?=
 DEPLOY_ARGS = --platform $(PLATFORM) $(if $(MODEL),--model $(MODEL)) $(if $(KV_PATH),--kv-path $(KV_PATH)) \
+              $(if $(KV_PATHS),--kv-paths $(KV_PATHS)) \
               $(if $(filter-out 0,$(REPROFILE)),--reprofile) $(if $(CALIBRATION),--calibration $(CALIBRATION))
 
 .PHONY: env native fio test deploy profile bench energy clean

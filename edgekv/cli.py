@@ -2,18 +2,50 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
+import os
 import sys
+import tempfile
 from pathlib import Path
 
 from edgekv.runtime.checkpoints import MODEL_HELP
 
+KV_PATHS_HELP = ("folders on several disks, comma-separated, instead of --kv-path: the KV records are spread over "
+                 "them and read through one queue per disk")
+
+
+def _kv_paths(args, must_exist: bool = True) -> list[str] | None:
+    """--kv-path DIR or --kv-paths DIR1,DIR2,... (not both) -> the KV folders in order, None when neither is given.
+
+    Checked here, not in the engine, so a bad folder is named as the user typed it (the flag, the path)."""
+    from edgekv.install.profile import check_kv_paths
+
+    single, several = getattr(args, "kv_path", None), getattr(args, "kv_paths", None)
+    if single is not None and several is not None:
+        raise ValueError(f"--kv-path {single} and --kv-paths {several} both name the KV folders; pass one of them "
+                         "(--kv-paths DIR1,DIR2,... for several disks)")
+    if single is None and several is None:
+        return None
+    flag, given = ("--kv-path", [single]) if single is not None else (
+        "--kv-paths", [p.strip() for p in several.split(",")])
+    paths = list(check_kv_paths(given, flag))
+    missing = [user for user, path in zip(given, paths) if not os.path.isdir(path)]
+    if must_exist and missing:
+        raise ValueError(f"{flag}: no folder {', '.join(missing)}; create it on the disk that should hold the KV cache")
+    return paths
+
+
+@contextlib.contextmanager
+def _scratch_kv(paths: list[str] | None):
+    """A temporary KV folder under each of the user's KV folders (the system temp dir without any), removed after."""
+    with contextlib.ExitStack() as stack:
+        yield [Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="edgekv-kv-", dir=p)))
+               for p in paths or [None]]
+
 
 def _generate(args) -> int:
-    import contextlib
-    import tempfile
-
     from edgekv.runtime import Engine
 
     if not args.prompt and not args.chat and not args.context:
@@ -21,11 +53,12 @@ def _generate(args) -> int:
     prompts = [json.loads(p) if p.lstrip().startswith("[") else p for p in args.prompt or []]
     prompts += [[{"role": "user", "content": c}] for c in args.chat or []]
     prompts = prompts or [""]  # --context alone: continue the stored context
-    if args.context and not (args.kv_path or args.store):
+    kv_paths = _kv_paths(args)
+    if args.context and not (kv_paths or args.store):
         raise ValueError(f"--context {args.context} needs the store it was saved to: pass the same --kv-path (or --store)")
     with contextlib.ExitStack() as stack:
-        kv_path = args.kv_path or stack.enter_context(tempfile.TemporaryDirectory(prefix="edgekv-kv-"))
-        engine = stack.enter_context(Engine.from_pretrained(args.model, kv_offload_path=kv_path, config=args.config,
+        kv = kv_paths or stack.enter_context(_scratch_kv(None))
+        engine = stack.enter_context(Engine.from_pretrained(args.model, kv_offload_path=kv, config=args.config,
                                                             policy=args.policy))
         if args.context or args.store:
             engine.open_context_store(_store_location(args))
@@ -43,10 +76,11 @@ def _generate(args) -> int:
 
 
 def _store_location(args) -> str:
-    """--store, else the store folder under --kv-path: contexts live on the KV disk beside the running KV."""
-    if not (args.store or args.kv_path):
+    """--store, else the store folder under the (first) KV path: contexts live on the KV disk beside the running KV."""
+    kv_paths = None if args.store else _kv_paths(args, must_exist=False)
+    if not (args.store or kv_paths):
         raise ValueError("which context store? pass --kv-path (the store is KV_PATH/contexts) or --store")
-    return args.store or str(Path(args.kv_path) / "contexts")
+    return args.store or str(Path(kv_paths[0]) / "contexts")
 
 
 def _context(args) -> int:
@@ -114,16 +148,14 @@ def _build_native(args) -> int:
 def _deploy(args) -> int:
     from edgekv.deploy import run
 
-    result = run(args.platform, args.model, args.kv_path, reprofile=args.reprofile, profile_only=args.profile_only,
-                 disk_seconds=args.disk_seconds, calibration=args.calibration)
+    result = run(args.platform, args.model, _kv_paths(args, must_exist=False), reprofile=args.reprofile,
+                 profile_only=args.profile_only, disk_seconds=args.disk_seconds, calibration=args.calibration)
     if result.get("stats"):
         print(json.dumps(result["stats"]))  # the last line: the smoke generation's stats
     return 0
 
 
 def _bench(args) -> int:
-    import tempfile
-
     from edgekv import bench
     from edgekv.runtime.checkpoints import resolve_checkpoint
 
@@ -131,14 +163,21 @@ def _bench(args) -> int:
         args.batches, args.contexts, args.budgets, args.steps, args.warmup, args.disk_seconds = "2", "4096", "1/13", 4, 2, 2
     for budget in args.budgets.split(","):
         _parse_budget(budget)
+    if args.path_limit_mib_s is not None and args.path_limit_mib_s <= 0:
+        raise ValueError(f"--path-limit-mib-s {args.path_limit_mib_s:g}: give a positive read rate per KV path, "
+                         "e.g. 200")
     checkpoint = resolve_checkpoint(args.model)
-    with tempfile.TemporaryDirectory(dir=args.kv_path) as kv:
-        runs, meta = bench.run(checkpoint, Path(kv), [int(b) for b in args.batches.split(",")],
+    kv_paths = _kv_paths(args)
+    with _scratch_kv(kv_paths) as kvs:
+        runs, meta = bench.run(checkpoint, kvs[0], [int(b) for b in args.batches.split(",")],
                                [int(c) for c in args.contexts.split(",")], args.budgets.split(","), args.steps,
                                args.warmup, args.disk_seconds, args.policies.split(","), quiet=args.quiet,
-                               chosen_from=args.quality_configs, record_dtypes=_record_dtypes(args.record_dtype))
+                               chosen_from=args.quality_configs, record_dtypes=_record_dtypes(args.record_dtype),
+                               kv_paths=kvs if args.kv_paths else None, path_limit_mib_s=args.path_limit_mib_s)
     meta.update(model=args.model, checkpoint=str(checkpoint), command=args.command_line)
     print(bench.table(runs))
+    if "paths" in meta:
+        print(bench.notes(meta))
     print(f"reproduce: {meta['command']}  (decode only; {args.warmup} warm-up steps excluded; "
           f"O_DIRECT={all(r.o_direct for r in runs if r.o_direct is not None)})")
     if args.json:
@@ -149,9 +188,7 @@ def _bench(args) -> int:
 
 
 def _energy(args) -> int:
-    import os
     import subprocess
-    import tempfile
 
     from edgekv.platforms import energy
     from edgekv.platforms.power import MeterUnavailable, open_meter
@@ -188,8 +225,6 @@ def _energy(args) -> int:
 
 
 def _fpga(args) -> int:
-    import tempfile
-
     from edgekv.platforms.smartssd import selftest
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -221,14 +256,13 @@ def _record_dtypes(text: str) -> list[str]:
 
 
 def _eval(args) -> int:
-    import tempfile
-
     import torch
 
     from edgekv.evals import harness
     from edgekv.runtime.checkpoints import resolve_checkpoint
 
     model = resolve_checkpoint(args.model)
+    kv_paths = _kv_paths(args)
     tasks = list(harness.TASKS) if args.tasks == "all" else args.tasks.split(",")
     budgets = [_parse_budget(b) for b in args.budgets.split(",")]
     variants = []
@@ -259,10 +293,10 @@ def _eval(args) -> int:
     if args.configs_from and args.rule != "quality":
         raise ValueError("--configs-from replays the quality rule's choices; drop it or use --rule quality")
     if args.ppl:
-        return _eval_ppl(args, model, variants, contexts)
+        return _eval_ppl(args, model, variants, contexts, kv_paths)
     if not any(v.policy == "full" for v in variants):
         variants.insert(0, harness.Variant("full"))
-    with tempfile.TemporaryDirectory(dir=args.kv_path) as kv:
+    with _scratch_kv(kv_paths) as kv:
         results = harness.evaluate(model, kv, variants, contexts, tasks, args.samples or 20, args.seed,
                                    adapter_path=args.adapter, quiet=args.quiet, configs_from=args.configs_from)
     print(harness.table(results))
@@ -271,7 +305,7 @@ def _eval(args) -> int:
     if args.niah:
         depths = [i / 10 for i in range(11)]
         variant = next(v for v in variants if v.policy == "kvswap") if "kvswap" in args.policies else variants[0]
-        with tempfile.TemporaryDirectory(dir=args.kv_path) as kv:
+        with _scratch_kv(kv_paths) as kv:
             grid = harness.niah_grid(model, kv, variant, contexts, depths, max(1, (args.samples or 20) // 4), args.seed,
                                      adapter_path=args.adapter)
         harness.plot_niah(args.niah, grid, contexts, depths, f"NIAH, {variant.label}")
@@ -311,16 +345,14 @@ def loss_stages(harness, budget: float, main: dict, rule: str) -> list:
     return rows
 
 
-def _eval_ppl(args, model, variants, contexts) -> int:
-    import tempfile
-
+def _eval_ppl(args, model, variants, contexts, kv_paths: list[str] | None) -> int:
     from edgekv.evals import perplexity
 
     if args.niah or args.recall_sigmas or args.adapter:
         raise ValueError("--ppl runs perplexity only; drop --niah/--recall-sigmas/--adapter")
     text, source = perplexity.load_text(args.ppl)
     ids, tokens = perplexity.tokenize(model, text)
-    with tempfile.TemporaryDirectory(dir=args.kv_path) as kv:
+    with _scratch_kv(kv_paths) as kv:
         results = perplexity.evaluate_ppl(model, kv, variants, contexts, ids, args.samples or 4, args.ppl_tokens,
                                           quiet=args.quiet, configs_from=args.configs_from)
     print(perplexity.table(results))
@@ -340,6 +372,7 @@ def main(argv=None) -> int:
     gen = sub.add_parser("generate", help="generate from prompts (text, or JSON lists of token ids)")
     gen.add_argument("--model", required=True, help=MODEL_HELP)
     gen.add_argument("--kv-path", help="folder on the disk that holds the KV cache (default: a temporary one in the system temp dir)")
+    gen.add_argument("--kv-paths", metavar="DIR1,DIR2,...", help=KV_PATHS_HELP)
     gen.add_argument("--config", help="runtime config JSON (G, M, sigma, C, max_kv_mem_mib, ...)")
     gen.add_argument("--policy", default="kvswap", choices=["kvswap", "full", "flexgen", "token", "arkv"])
     gen.add_argument("--prompt", action="append", help="plain text, or a JSON list of token ids (repeatable)")
@@ -371,6 +404,8 @@ def main(argv=None) -> int:
     rm.add_argument("--all", action="store_true", help="remove every context")
     for p in (save, listing, rm):
         p.add_argument("--kv-path", help="folder on the KV disk; the store is KV_PATH/contexts")
+        p.add_argument("--kv-paths", metavar="DIR1,DIR2,...",
+                       help="the KV folders generate uses; the store is DIR1/contexts")
         p.add_argument("--store", help="the store folder itself (instead of --kv-path)")
         p.set_defaults(func=_context)
 
@@ -397,10 +432,13 @@ def main(argv=None) -> int:
     dep = sub.add_parser("deploy", help="profile this machine, solve the runtime parameters, run a smoke generation")
     dep.add_argument("--platform", default="auto", help="auto (detect), local, orin, rtx, smartssd, or a profile YAML")
     dep.add_argument("--model", help=MODEL_HELP + " (default: the profile's model)")
-    dep.add_argument("--kv-path", help="folder for the KV cache (default: the profile's first kv path)")
+    dep.add_argument("--kv-path", help="folder for the KV cache (default: the profile's kv.paths)")
+    dep.add_argument("--kv-paths", metavar="DIR1,DIR2,...", help="folders on several disks for the KV cache, each "
+                                                                 "profiled (default: the profile's kv.paths)")
     dep.add_argument("--reprofile", action="store_true", help="measure again even when a cached profile matches")
     dep.add_argument("--profile-only", action="store_true", help="profile and write the report; no solve, no smoke run")
-    dep.add_argument("--disk-seconds", type=float, help="time for the disk profile (default: the profile's)")
+    dep.add_argument("--disk-seconds", type=float,
+                     help="time for the disk profile of each KV path (default: the profile's)")
     dep.add_argument("--calibration", metavar="TEXT_FILE",
                      help="text for the lookup tables (reuse rate, adapters); default: the retrieval-task corpus")
     dep.set_defaults(func=_deploy)
@@ -432,6 +470,7 @@ def main(argv=None) -> int:
                     help="predictor: logits summed over heads (KVSwap), or each head's softmax summed")
     ev.add_argument("--adapter", help="low-rank adapter safetensors (default: one per sigma, calibrated on task prompts of another seed)")
     ev.add_argument("--kv-path", default=None, help="folder for the KV files (default: the system temp dir)")
+    ev.add_argument("--kv-paths", metavar="DIR1,DIR2,...", help=KV_PATHS_HELP)
     ev.add_argument("--niah", metavar="PNG", help="also a needle-in-a-haystack heatmap (contexts x depths)")
     ev.add_argument("--recall-sigmas", metavar="LIST", help="also the predictor's selection recall per sigma, e.g. 2,4,8,16")
     ev.add_argument("--record-dtype", default="auto", metavar="LIST",
@@ -456,6 +495,9 @@ def main(argv=None) -> int:
     be.add_argument("--quiet", action="store_true", help="no progress bars")
     be.add_argument("--disk-seconds", type=float, default=10, help="time for the disk profile the solver and ratios use")
     be.add_argument("--kv-path", default=None, help="folder on the disk to measure (default: the system temp dir)")
+    be.add_argument("--kv-paths", metavar="DIR1,DIR2,...", help=KV_PATHS_HELP)
+    be.add_argument("--path-limit-mib-s", type=float, metavar="MIB_S",
+                    help="pace each KV path's reads to this rate (several emulated disks on one)")
     be.add_argument("--record-dtype", default="auto", metavar="LIST",
                     help="disk record formats (fp16, int8, int4): each kvswap, token and flexgen row is run again with "
                          "them (same configuration, other records), labelled e.g. kvswap,int8")

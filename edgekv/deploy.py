@@ -22,10 +22,10 @@ import torch
 
 from edgekv.install import compute, disk, quality, report, solver, tables
 from edgekv.install.iomodel import io_model
-from edgekv.install.profile import Profile, load_profile
+from edgekv.install.profile import Profile, check_kv_paths, load_profile
 from edgekv.platforms.detect import detect_platform, jetson_module
 from edgekv.platforms.devices import platform_for
-from edgekv.runtime import Engine
+from edgekv.runtime import Engine, RecordLayout
 from edgekv.runtime.adapter import LowRankAdapter
 from edgekv.runtime.checkpoints import load_tokenizer, resolve_checkpoint
 from edgekv.runtime.model import ModelDims, load_model, read_model_config
@@ -119,7 +119,7 @@ class Deployment:
     prof: Profile
     detected: str
     model_dir: Path
-    kv_dir: Path
+    kv_dirs: tuple[Path, ...]  # the KV paths, in order: the solver plans with all of them, the smoke run uses all
     out: Path
     device: torch.device
     kv_dtype: torch.dtype
@@ -127,6 +127,11 @@ class Deployment:
     log: object
     _model: object = None
     _fp: str | None = None
+
+    @property
+    def kv_dir(self) -> Path:
+        """Scratch KV for measuring the model (tables, quality; hardware-independent): the first path."""
+        return self.kv_dirs[0]
 
     @property
     def dims(self) -> ModelDims:
@@ -153,8 +158,10 @@ class Deployment:
         self._model = None
 
 
-def prepare(platform, model, kv_path, out_root, reprofile, log) -> Deployment:
-    """Detect, load the profile, check the model and the KV folder (before anything is measured)."""
+def prepare(platform, model, kv_paths, out_root, reprofile, log) -> Deployment:
+    """Detect, load the profile, check the model and create the KV folders (before anything is measured).
+
+    ``kv_paths``: a folder or a list of them instead of the profile's ``kv.paths``."""
     detected = detect_platform()
     prof = load_profile(platform if platform not in (None, "", "auto") else detected)
     log(f"platform {prof.platform} ({prof.description}); detected on this machine: {detected}; profile {prof.source}")
@@ -162,32 +169,58 @@ def prepare(platform, model, kv_path, out_root, reprofile, log) -> Deployment:
     if module:
         log(f"Jetson module: {module}")
     model_dir = resolve_checkpoint(model or prof.model)
-    kv_dir = Path(kv_path or prof.kv_paths[0])
-    try:
-        kv_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise OSError(f"cannot create the KV folder {kv_dir} ({exc.strerror}); pass KV_PATH=<folder on the disk to use>") from exc
+    given = check_kv_paths(kv_paths, "kv_paths") if kv_paths else prof.kv_paths
+    for folder in given:
+        try:
+            Path(folder).mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            named = "given to deploy" if kv_paths else f"named by the profile {prof.source}"
+            raise OSError(f"cannot create the KV folder {folder} ({named}): {exc.strerror}; pass KV_PATH=<folder> or "
+                          "KV_PATHS=<folder,folder,...> on the disks to use") from exc
+    log(f"KV paths: {', '.join(given)}")
     out = Path(out_root) / prof.platform
     out.mkdir(parents=True, exist_ok=True)
     device = torch.device(prof.device if prof.device == "cpu" or torch.cuda.is_available() else "cpu")
     if device.type != prof.device:
         log(f"profile asks for {prof.device} but this machine has none: running on cpu")
     kv_dtype = getattr(torch, prof.dtype) if device.type == "cuda" else torch.float32
-    return Deployment(prof, detected, model_dir, kv_dir, out, device, kv_dtype, reprofile, log)
+    return Deployment(prof, detected, model_dir, tuple(Path(p) for p in given), out, device, kv_dtype, reprofile, log)
 
 
-def measure_disk(d: Deployment, seconds: float) -> disk.DiskProfile:
-    fp = {**disk.disk_fingerprint(d.kv_dir), "kv_dir": str(d.kv_dir.resolve()), "seconds": seconds,
+def measure_disk(d: Deployment, seconds: float) -> list[disk.DiskProfile]:
+    """One profile per KV path, each measured alone for ``seconds``; paths sharing a device are said in the log."""
+    fp = {"paths": [{**disk.disk_fingerprint(p), "kv_dir": str(p.resolve())} for p in d.kv_dirs], "seconds": seconds,
           "file_mib": d.prof.disk_file_mib, "platform": d.prof.platform}
     cached = _cached(d.out / "disk.json", fp, d.reprofile, "disk", d.log)
     if cached:
-        profile = disk.DiskProfile.from_json(cached["profile"])
+        profiles = [disk.DiskProfile.from_json(p) for p in cached["profiles"]]
     else:
-        with _progress(len(disk.BLOCK_SIZES) * len(disk.QUEUE_DEPTHS), "disk profile") as bar:
-            profile = disk.profile_disk(d.kv_dir, seconds, d.prof.disk_file_mib, progress=bar.update)
-        _save(d.out / "disk.json", fp, {"profile": profile.to_json()})
-    disk.plot_disk(profile, d.out / "disk.png")
-    return profile
+        if len(d.kv_dirs) > 1:
+            d.log(f"disk: profiling {len(d.kv_dirs)} KV paths one after the other, {seconds:g} s each")
+        with _progress(len(disk.BLOCK_SIZES) * len(disk.QUEUE_DEPTHS) * len(d.kv_dirs), "disk profile") as bar:
+            profiles = [disk.profile_disk(p, seconds, d.prof.disk_file_mib, progress=bar.update) for p in d.kv_dirs]
+        _save(d.out / "disk.json", fp, {"profiles": [p.to_json() for p in profiles]})
+    for dev, paths in disk.shared_devices(profiles).items():
+        d.log(f"WARNING: KV paths {', '.join(paths)} are on one device ({dev}): no extra bandwidth; the plan counts "
+              "that device once")
+    disk.plot_disk(profiles, d.out / "disk.png")
+    return profiles
+
+
+def disk_measurements(profiles: list[disk.DiskProfile]) -> dict:
+    """The disk part of ``measurements``: the rates the solver planned with (top level; one path's own figures when
+    there is one), every path's profile, and the devices that hold several paths."""
+    plan = disk.combine_profiles(profiles)
+    return {"reference": plan.reference, "reader": plan.reader, "o_direct": plan.o_direct,
+            "fingerprint": plan.fingerprint, "points": [p.__dict__ for p in plan.points],
+            "paths": [p.to_json() for p in profiles], "shared_devices": disk.shared_devices(profiles)}
+
+
+def rates_at(profiles: list[disk.DiskProfile], block_bytes: int, queue_depth: int) -> dict:
+    """Each path's reader rate and the planned one at the chosen record size, for the report."""
+    return {"block_bytes": block_bytes, "queue_depth": queue_depth,
+            "paths_mib_s": [round(p.read_mib_s(block_bytes, queue_depth), 1) for p in profiles],
+            "plan_mib_s": round(disk.planned_mib_s(profiles, block_bytes, queue_depth), 1)}
 
 
 def lookup_tables(d: Deployment, cache_root: Path, calibration: str | None) -> tuple[dict, dict]:
@@ -340,14 +373,16 @@ def hillinfer_pools(d: Deployment, scorer, budget_bytes: float) -> tuple[float, 
     return beta, {**rates, "beta": beta}
 
 
-def run(platform: str | None = None, model: str | None = None, kv_path: str | None = None, reprofile: bool = False,
-        profile_only: bool = False, out_root: str | Path = "deploy", disk_seconds: float | None = None,
-        smoke: bool = True, cache_dir: str | Path | None = None, calibration: str | None = None, log=print) -> dict:
+def run(platform: str | None = None, model: str | None = None, kv_paths: str | Path | list | None = None,
+        reprofile: bool = False, profile_only: bool = False, out_root: str | Path = "deploy",
+        disk_seconds: float | None = None, smoke: bool = True, cache_dir: str | Path | None = None,
+        calibration: str | None = None, log=print) -> dict:
+    """The whole install step; ``kv_paths`` (a folder or a list) replaces the profile's KV folders."""
     started = time.perf_counter()
-    d = prepare(platform, model, kv_path, out_root, reprofile, log)
+    d = prepare(platform, model, kv_paths, out_root, reprofile, log)
     prof, out, dims = d.prof, d.out, d.dims
     batches, contexts = grid(prof)
-    disk_profile = measure_disk(d, disk_seconds or prof.disk_seconds)
+    disk_profiles = measure_disk(d, disk_seconds or prof.disk_seconds)
     cache_root = Path(cache_dir or os.environ.get("EDGEKV_CACHE") or Path.home() / ".cache" / "edgekv")
     reuse, adapters = lookup_tables(d, cache_root, calibration)
     compute_profile = measure_compute(d, batches, contexts)
@@ -355,8 +390,7 @@ def run(platform: str | None = None, model: str | None = None, kv_path: str | No
     d.release_model()
     measurements = {
         "platform": platform_for(prof).facts(),
-        "disk": {"reference": disk_profile.reference, "reader": disk_profile.reader, "o_direct": disk_profile.o_direct,
-                 "fingerprint": disk_profile.fingerprint, "points": [p.__dict__ for p in disk_profile.points]},
+        "disk": disk_measurements(disk_profiles),
         "compute": {"device": str(d.device), "dtype": str(d.kv_dtype), "block_ms": compute_profile.block_ms,
                     "predict_ms": compute_profile.predict_ms, "reuse_ms": compute_profile.reuse_ms},
         "chunk_compute_errors": ttft_errors,
@@ -376,7 +410,7 @@ def run(platform: str | None = None, model: str | None = None, kv_path: str | No
     d.release_model()
     measurements["quality_table"] = [p.__dict__ for p in quality_points]
     queue_depth = 32
-    t_io = io_model(disk_profile, dims, d.kv_dtype, limits.io_align_bytes, queue_depth)
+    t_io = io_model(disk_profiles, dims, d.kv_dtype, limits.io_align_bytes, queue_depth)
     budget = prof.batch_budget_mib * 2**20
     rate = lambda G, C, M: tables.reuse_rate(reuse, G, C, M)  # noqa: E731
     solutions = [
@@ -386,8 +420,12 @@ def run(platform: str | None = None, model: str | None = None, kv_path: str | No
         for b in batches for s in contexts
     ]
     top = next(x for x in solutions if x.batch == prof.max_batch and x.context == prof.max_context)
+    record_bytes = RecordLayout(top.G, dims.n_kv_heads, dims.head_dim, d.kv_dtype, limits.io_align_bytes,
+                                top.kv_record_dtype).stride_bytes
+    measurements["disk"]["at_record"] = rates_at(disk_profiles, record_bytes, queue_depth)
     config = {
         "platform": prof.platform, "model": str(d.model_dir), "kv_path": str(d.kv_dir),
+        "kv_paths": [str(p) for p in d.kv_dirs],
         "G": top.G, "M": top.M, "C": top.C, "sigma": top.sigma, "reuse": top.reuse, "alpha": prof.alpha,
         "sink_tokens": top.sink_tokens, "window_tokens": top.window_tokens,
         "max_kv_mem_mib": prof.max_kv_mem_mib, "max_batch": prof.max_batch, "max_context": prof.max_context,
@@ -408,18 +446,20 @@ def run(platform: str | None = None, model: str | None = None, kv_path: str | No
     log(f"config: {out / 'config.json'}  (G={top.G} M={top.M} C={top.C} sigma={top.sigma:g} reuse={top.reuse} "
         f"S={top.sink_tokens} W={top.window_tokens} records {top.kv_record_dtype} ppl ratio {top.ppl_ratio} at batch {top.batch}, context {top.context}; {len(solutions)} solutions; tuning {tuning_s:.0f} s)")
 
-    stats = smoke_run(d.model_dir, d.kv_dir, out / "config.json", prof, d.device, scorer) if smoke else None
+    stats = smoke_run(d.model_dir, d.kv_dirs, out / "config.json", prof, d.device, scorer) if smoke else None
     report.write(out, prof, d.model_dir, measurements, solutions, stats, tuning_s)
     log(f"report: {out / 'report.txt'}")
     return {"config": str(out / "config.json"), "stats": stats, "tuning_s": round(tuning_s, 1)}
 
 
-def smoke_run(model_dir: Path, kv_dir: Path, config: Path, prof: Profile, device: torch.device, scorer=None) -> dict:
-    """One generation with the solved config: 2 prompts, 32 new tokens, stats as the runtime reports them."""
+def smoke_run(model_dir: Path, kv_dirs: tuple[Path, ...], config: Path, prof: Profile, device: torch.device,
+              scorer=None) -> dict:
+    """One generation with the solved config on every KV path: 2 prompts, 32 new tokens, stats as the runtime
+    reports them."""
     context = min(4096, prof.max_context - 64)
     prompts = calibration_prompts(model_dir, context, min(2, prof.max_batch), seed=99)
     policy = "hillinfer" if scorer is not None else "kvswap"
-    with Engine.from_pretrained(model_dir, kv_offload_path=kv_dir, config=config, policy=policy, device=device,
+    with Engine.from_pretrained(model_dir, kv_offload_path=list(kv_dirs), config=config, policy=policy, device=device,
                                 scorer=scorer) as engine:
         results = engine.generate(prompts, max_new_tokens=32, stop_token_ids=[])
     s = [r.stats for r in results]

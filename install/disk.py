@@ -1,9 +1,13 @@
-"""Disk profiler: random-read bandwidth on the KV path vs block size and queue depth.
+"""Disk profiler: random-read bandwidth on each KV path vs block size and queue depth.
 
 The profile describes the disk, not our reader: fio (JSON output, io_uring or libaio, O_DIRECT)
 measures the device's limit, and the runtime's own reader is measured beside it on the same
 file so the report shows reader/disk efficiency per block size.  Without fio only the
 reader's figures exist and the profile says so.
+
+With several KV paths each is profiled alone (one after the other, each for the profile's
+``disk_seconds``: the slowest path bounds the plan, so no path's figures are cut short), and
+``planned_mib_s`` gives the rate the solver plans with over all of them.
 """
 from __future__ import annotations
 
@@ -76,7 +80,55 @@ def disk_fingerprint(kv_dir: str | Path) -> dict:
             best, fs, source = mount, kind, dev
     sysdev = Path(f"/sys/dev/block/{major}:{minor}")
     model = _first_text([sysdev / "device/model", sysdev / "../device/model"])
-    return {"dev": f"{major}:{minor}", "source": source, "fs": fs, "mount": best, "model": model}
+    whole = sysdev.resolve().parent / "dev" if (sysdev / "partition").is_file() else sysdev / "dev"
+    disk = _first_text([whole])
+    return {"dev": f"{major}:{minor}", "disk": f"{major}:{minor}" if disk == "unknown" else disk, "source": source,
+            "fs": fs, "mount": best, "model": model}
+
+
+def device_of(profile: DiskProfile) -> str:
+    """The device whose bandwidth a path draws on: the whole disk (partitions of one disk share it), else st_dev."""
+    return profile.fingerprint.get("disk") or profile.fingerprint.get("dev") or profile.kv_dir
+
+
+def _by_device(profiles: list[DiskProfile]) -> dict[str, list[DiskProfile]]:
+    by_device: dict[str, list[DiskProfile]] = {}
+    for p in profiles:
+        by_device.setdefault(device_of(p), []).append(p)
+    return by_device
+
+
+def shared_devices(profiles: list[DiskProfile]) -> dict[str, list[str]]:
+    """{device: its KV paths} for every device that holds more than one path: those paths add no bandwidth."""
+    return {dev: [p.kv_dir for p in on] for dev, on in _by_device(profiles).items() if len(on) > 1}
+
+
+def planned_mib_s(profiles: list[DiskProfile], block_bytes: int, queue_depth: int, source: str = "reader") -> float:
+    """The rate a step's reads get when its records are spread evenly over the paths of ``profiles``.
+
+    The reads end when the slowest path's share does: with N paths each holding 1/N of the bytes, all of them
+    read at N x the slowest path's rate, never more than the sum.  k paths on one device share its rate (each
+    was measured alone, so their mean is the device's): that device reads k/N of the bytes.  So the rate is
+    min over devices of N x rate_d / k_d, each path's rate taken at this block size (one path: its own rate).
+    """
+    n = len(profiles)
+    return min(n * float(np.mean([p.read_mib_s(block_bytes, queue_depth, source) for p in on])) / len(on)
+               for on in _by_device(profiles).values())
+
+
+def combine_profiles(profiles: list[DiskProfile]) -> DiskProfile:
+    """The paths as one profile, ``planned_mib_s`` at each measured (block size, depth): what the solver plans with,
+    kept in the config and the report.  One profile is returned as it is."""
+    if len(profiles) == 1:
+        return profiles[0]
+    with_fio = all(pt.fio_mib_s for p in profiles for pt in p.points)
+    points = [DiskPoint(pt.block_bytes, pt.queue_depth, round(planned_mib_s(profiles, pt.block_bytes, pt.queue_depth), 1),
+                        round(planned_mib_s(profiles, pt.block_bytes, pt.queue_depth, "disk"), 1) if with_fio else None)
+              for pt in profiles[0].points]
+    return DiskProfile(", ".join(p.kv_dir for p in profiles), {"paths": [p.fingerprint for p in profiles]},
+                       " + ".join(dict.fromkeys(p.reference for p in profiles)),
+                       " + ".join(dict.fromkeys(p.reader for p in profiles)),
+                       all(p.o_direct for p in profiles), round(sum(p.seconds for p in profiles), 1), points)
 
 
 def _first_text(paths) -> str:
@@ -171,14 +223,22 @@ def profile_disk(kv_dir: str | Path, seconds: float = 60, file_mib: int = 1024, 
         path.unlink(missing_ok=True)
 
 
-def plot_disk(profile: DiskProfile, png: str | Path) -> None:
-    """Bandwidth vs block size per queue depth: the disk (fio, solid) and our reader (dashed)."""
+def plot_disk(profiles: list[DiskProfile], png: str | Path) -> None:
+    """Bandwidth vs block size per queue depth, one panel per KV path: the disk (fio, solid) and our reader (dashed)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6.4, 4))
+    fig, axes = plt.subplots(1, len(profiles), figsize=(6.4 * len(profiles), 4), squeeze=False)
+    for profile, ax in zip(profiles, axes[0]):
+        _plot_path(ax, profile)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+
+
+def _plot_path(ax, profile: DiskProfile) -> None:
     for i, depth in enumerate(sorted({p.queue_depth for p in profile.points})):
         rows = sorted((p for p in profile.points if p.queue_depth == depth), key=lambda p: p.block_bytes)
         x = [p.block_bytes / 1024 for p in rows]
@@ -189,9 +249,7 @@ def plot_disk(profile: DiskProfile, png: str | Path) -> None:
     ax.set_xscale("log", base=2)
     ax.set_xlabel("block size (KiB)")
     ax.set_ylabel("random read (MiB/s)")
-    ax.set_title(f"{profile.fingerprint.get('source')} ({profile.fingerprint.get('fs')}), O_DIRECT={profile.o_direct}")
+    ax.set_title(f"{profile.kv_dir}: {profile.fingerprint.get('source')} ({profile.fingerprint.get('fs')}), "
+                 f"O_DIRECT={profile.o_direct}", fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(png, dpi=110)
-    plt.close(fig)

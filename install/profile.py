@@ -5,6 +5,7 @@ never reaches the profilers or the runtime.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,7 +30,7 @@ SCHEMA = {
     "platform": (str, True, None),
     "description": (str, False, None),
     "compute": {"device": (str, True, DEVICES), "dtype": (str, True, DTYPES)},
-    "kv": {"paths": (list, True, None), "disk_type": (str, True, DISK_TYPES)},
+    "kv": {"paths": (list, False, None), "path": (str, False, None), "disk_type": (str, True, DISK_TYPES)},
     "memory": {"max_kv_mem_mib": (float, True, None), "max_batch": (int, True, None), "max_context": (int, True, None)},
     "model": (str, True, None),
     "solver": {
@@ -107,7 +108,7 @@ def load_profile(source: str | Path, profiles_dir: Path = PROFILES_DIR) -> Profi
     return Profile(
         source=path, platform=flat["platform"], description=flat.get("description", ""),
         device=flat["compute.device"], dtype=flat["compute.dtype"],
-        kv_paths=tuple(str(p) for p in flat["kv.paths"]), disk_type=flat["kv.disk_type"],
+        kv_paths=flat["kv.paths"], disk_type=flat["kv.disk_type"],
         max_kv_mem_mib=float(flat["memory.max_kv_mem_mib"]), max_batch=flat["memory.max_batch"],
         max_context=flat["memory.max_context"], model=flat["model"],
         sigma_max=float(flat["solver.sigma_max"]), g_max=flat["solver.g_max"], mg_const=flat["solver.mg_const"],
@@ -165,8 +166,11 @@ def _check_ranges(path: Path, flat: dict) -> None:
     for name in ("solver.alpha", "solver.reuse_step"):
         if not 0 <= flat[name] < 1:
             raise ProfileError(f"{path}: field '{name}' must be in [0, 1), got {flat[name]!r}")
-    if not flat["kv.paths"] or not all(isinstance(p, str) for p in flat["kv.paths"]):
-        raise ProfileError(f"{path}: field 'kv.paths' must be a non-empty list of folders, e.g. [/mnt/nvme/edgekv]")
+    if ("kv.paths" in flat) == ("kv.path" in flat):
+        raise ProfileError(f"{path}: give the KV folders as 'kv.paths' (a list, e.g. [/mnt/nvme0/kv, /mnt/nvme1/kv]) "
+                           "or one as 'kv.path', not both or neither")
+    field = "kv.paths" if "kv.paths" in flat else "kv.path"
+    flat["kv.paths"] = check_kv_paths(flat.pop(field), f"{path}: field '{field}'")
     target = flat.get("quality_target")
     if target is not None and target < 1:
         raise ProfileError(f"{path}: field 'quality_target' is a perplexity ratio to full (>= 1, e.g. 1.05), got {target!r}")
@@ -185,6 +189,29 @@ def _check_ranges(path: Path, flat: dict) -> None:
     bad = [s for s in flat["scorers"] if s not in SCORERS]
     if bad or not flat["scorers"]:
         raise ProfileError(f"{path}: field 'scorers' must list some of {list(SCORERS)}, got {flat['scorers']!r}")
+
+
+def check_kv_paths(paths, where: str) -> tuple[str, ...]:
+    """The KV folders (``~`` expanded, order kept: the first also holds the context store), or ProfileError
+    naming ``where`` (a profile field or a command-line flag).  The same folder twice would count one disk's
+    bandwidth twice in the plan, so duplicates are refused; folders need not exist yet (deploy creates them)."""
+    paths = [paths] if isinstance(paths, (str, os.PathLike)) else paths
+    if not isinstance(paths, (list, tuple)) or not paths:
+        raise ProfileError(f"{where} must name at least one folder, e.g. [/mnt/nvme/edgekv]; got {paths!r}")
+    paths = [os.fspath(p) if isinstance(p, os.PathLike) else p for p in paths]
+    folders = []
+    for i, p in enumerate(paths):
+        if not isinstance(p, str) or not p.strip():
+            raise ProfileError(f"{where} entry {i} must be a folder path, got {p!r}")
+        folders.append(os.path.expanduser(p))
+        if os.path.exists(folders[-1]) and not os.path.isdir(folders[-1]):
+            raise ProfileError(f"{where} entry {i}: {p} exists and is not a folder; name a folder for the KV files")
+    real = [os.path.realpath(p) for p in folders]
+    for i, r in enumerate(real):
+        if r in real[:i]:
+            raise ProfileError(f"{where} names one folder twice ({paths[real.index(r)]} and {paths[i]}); "
+                               "list each KV folder once")
+    return tuple(folders)
 
 
 def _example(kind) -> str:

@@ -7,14 +7,7 @@ from pathlib import Path
 def write(out: Path, prof, model_dir, measurements: dict, solutions, stats, tuning_s: float) -> None:
     lines = [f"edgekv install report: platform {prof.platform} ({prof.source})", f"model {model_dir}",
              "facts: " + ", ".join(f"{k}={v}" for k, v in measurements.get("platform", {}).items()), ""]
-    d = measurements["disk"]
-    lines += [f"disk {d['fingerprint'].get('source')} ({d['fingerprint'].get('fs')}), reference {d['reference']}, "
-              f"reader {d['reader']}, O_DIRECT={d['o_direct']}",
-              f"{'block':>8} {'qd':>3} {'disk MiB/s':>11} {'reader MiB/s':>13} {'reader/disk':>12}"]
-    for p in d["points"]:
-        fio = f"{p['fio_mib_s']:11.1f}" if p["fio_mib_s"] else f"{'-':>11}"
-        eff = f"{p['reader_mib_s'] / p['fio_mib_s']:12.2f}" if p["fio_mib_s"] else f"{'-':>12}"
-        lines.append(f"{_size(p['block_bytes']):>8} {p['queue_depth']:>3} {fio} {p['reader_mib_s']:13.1f} {eff}")
+    lines += _disk_lines(measurements["disk"])
     c = measurements["compute"]
     lines += ["", f"compute ({c['device']}, {c['dtype']}), one block, ms: "
               + ", ".join(f"b={b} {t} tokens {ms:.2f}" for b, t, ms in c["block_ms"][:6]), ""]
@@ -49,6 +42,39 @@ def write(out: Path, prof, model_dir, measurements: dict, solutions, stats, tuni
         lines += ["", "smoke generation: " + ", ".join(f"{k}={v}" for k, v in stats.items())]
     lines += ["", f"tuning time {tuning_s:.0f} s"]
     (out / "report.txt").write_text("\n".join(lines) + "\n")
+
+
+def _disk_lines(d: dict) -> list[str]:
+    """Each KV path (device, filesystem, O_DIRECT, its rates; its rate at the chosen record size once solved), the
+    devices that hold several paths, and with several paths the aggregate the solver planned with."""
+    at = d.get("at_record")
+    where = f" at {_size(at['block_bytes'])} records, qd {at['queue_depth']}" if at else ""
+    paths = d["paths"]
+    lines = [f"disk: {len(paths)} KV paths, each profiled alone; records spread evenly over them" if len(paths) > 1
+             else "disk:"]
+    for i, p in enumerate(paths):
+        fp = p["fingerprint"]
+        rate = f"; {at['paths_mib_s'][i]:.1f} MiB/s{where}" if at else ""
+        lines += [f"path {i + 1} {p['kv_dir']}: {fp.get('source')} ({fp.get('fs')}, device "
+                  f"{fp.get('disk', fp.get('dev'))}), reference {p['reference']}, reader {p['reader']}, "
+                  f"O_DIRECT={p['o_direct']}{rate}",
+                  *_rate_table(p["points"])]
+    for dev, on in d.get("shared_devices", {}).items():
+        lines.append(f"WARNING: KV paths {', '.join(on)} are on one device ({dev}): no extra bandwidth, counted once")
+    if len(paths) > 1:
+        rate = f": {at['plan_mib_s']:.1f} MiB/s{where}" if at else ""
+        lines += [f"plan: the solver's rate with {len(paths)} paths (N x the slowest path, a shared device once){rate}",
+                  *_rate_table(d["points"])]
+    return lines
+
+
+def _rate_table(points: list[dict]) -> list[str]:
+    lines = [f"{'block':>8} {'qd':>3} {'disk MiB/s':>11} {'reader MiB/s':>13} {'reader/disk':>12}"]
+    for p in points:
+        fio = f"{p['fio_mib_s']:11.1f}" if p["fio_mib_s"] else f"{'-':>11}"
+        eff = f"{p['reader_mib_s'] / p['fio_mib_s']:12.2f}" if p["fio_mib_s"] else f"{'-':>12}"
+        lines.append(f"{_size(p['block_bytes']):>8} {p['queue_depth']:>3} {fio} {p['reader_mib_s']:13.1f} {eff}")
+    return lines
 
 
 def _opt(x) -> str:

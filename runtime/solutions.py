@@ -15,7 +15,7 @@ from .config import ConfigError, RuntimeConfig, read_config_file
 
 # written by the install step for people and tools; ignored here
 METADATA_KEYS = ("platform", "model", "alpha", "solutions", "measurements", "profile", "created",
-                 "edgekv_version", "report", "kv_path", "device", "dtype", "scorer_backend")
+                 "edgekv_version", "report", "kv_path", "kv_paths", "device", "dtype", "scorer_backend")
 SOLUTION_KEYS = ("G", "M", "C", "sigma", "reuse", "adapter_path", "sink_tokens", "window_tokens", "klr_dtype",
                  "kv_record_dtype")
 
