@@ -12,10 +12,18 @@ budget holds original and quantized tokens, the rest evicted).  Honesty rules:
   does not serve them;
 - the achieved read rate (bytes read / time inside reads) is set beside the profiled
   random-read bandwidth at the same block size and queue depth.
+
+With several KV folders (``kv_paths``) each budget also gets the ``kvswap/Np`` rows: the tuned
+``kvswap`` configuration over N paths, clustering off and on (``+cluster``), the reuse buffer's
+other replacement policies, and a batch of questions over one shared document read with and
+without prefix dedup.  One real disk emulates N devices: every path is its own read queue behind a
+virtual link of ``path_limit_mib_s`` (runtime/reader.py PacedReader), N = 1 included, so the rows
+compare like with like; the meta says how, and whether the real disk can carry N links at once.
 """
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -31,12 +39,16 @@ from edgekv.install.iomodel import io_model
 from edgekv.runtime import Engine, RecordLayout, RuntimeConfig
 from edgekv.runtime.adapter import LowRankAdapter
 from edgekv.runtime.checkpoints import gguf_source
-from edgekv.runtime.config import IN_MEMORY_POLICIES
+from edgekv.runtime.config import IN_MEMORY_POLICIES, REPLACEMENTS
 from edgekv.runtime.model import DecoderModel
 from edgekv.runtime.prompt_cache import PromptKVCache
+from edgekv.runtime.reader import open_reader
+from edgekv.runtime.slots import replay_hit_rate
 
 QUEUE_DEPTH = 32
 DISK_ROWS = ("kvswap", "token", "flexgen")  # the rows that read records from disk (repeated per --record-dtype)
+PATH_COUNTS = (1, 2, 4)  # KV paths per kvswap/Np row, up to the folders given (all of them included)
+QUESTION_TOKENS = 16  # each question's own tail after the shared document (the dedup pair)
 
 
 @dataclass
@@ -64,6 +76,17 @@ class Run:
     window_tokens: int | None = None
     klr_dtype: str | None = None  # the K_lr rows' format (int8 halves their bytes at the same sigma)
     kv_record_dtype: str | None = None  # the disk records' format (the disk rows)
+    n_paths: int | None = None  # KV paths the records are spread over (None: nothing is read from disk)
+    eff_bw_mib_s: float | None = None  # all paths together: bytes read / time the I/O thread spent in reads
+    requests_per_step: float | None = None  # read requests per decode step: the whole batch, every layer
+    bytes_per_request: float | None = None  # what coalescing adjacent records achieved
+    clustering: str | None = None  # "on"/"off": groups laid out by co-activation or striped in token order
+    replacement: str | None = None  # the reuse buffer's policy (kvswap rows)
+    share_prefix: bool | None = None  # prompt groups shared by several sequences read once
+    path_limit_mib_s: float | None = None  # each path's emulated read limit (paced rows only)
+    records_by_path: list | None = None  # records read from each path: how evenly the layout spreads the load
+    reader: str | None = None  # the KV reader, emulation included
+    kv_bytes_read: int | None = None  # every sequence's reads of the row together
 
 
 def ratio(value: float | None, reference: float | None) -> float | None:
@@ -136,60 +159,205 @@ def policy_configs(model: DecoderModel, batch: int, context: int, budgets: list[
             for record in (record_dtypes if name.startswith(DISK_ROWS) else ("auto",))]
 
 
+class TraceRecorder:
+    """Keeps a row's picks ("groups_selected" events) as (layer, groups, valid), copied: replayed through fresh
+    reuse buffers (runtime.slots.replay_hit_rate), every replacement policy meets the same picks."""
+
+    def __init__(self):
+        self.trace: list[tuple[int, np.ndarray, np.ndarray]] = []
+
+    def __call__(self, event) -> None:
+        if event.kind == "groups_selected":
+            self.trace.append((event.info["layer"], np.array(event.info["groups"]), np.array(event.info["valid"])))
+
+
+class RowRunner:
+    """Runs the rows of one (batch, context): a fresh engine per row, fed the prompts' KV from one cache (each
+    prompt computed once), only decode timed."""
+
+    def __init__(self, model: DecoderModel, context: int, steps: int, warmup: int, limits: solver.Limits, disk_profile,
+                 on_event=None):
+        self.model, self.context, self.steps, self.warmup, self.limits = model, context, steps, warmup, limits
+        self.disk_profile = disk_profile
+        self.on_event = on_event
+        self.cache = PromptKVCache()
+
+    def __call__(self, name: str, label: str, budget: str | None, cfg: dict, kv, prompts: list[list[int]],
+                 paths: tuple[int, float | None, float | None] | None = None, listener=None) -> Run:
+        """``kv``: a folder or a list of them; ``paths`` (N, MiB/s per path, IOPS per path): read through an
+        emulated reader of N paced paths instead of the engine's own; ``listener`` also hears the events."""
+        config = RuntimeConfig.load(cfg)
+        reader = None
+        if paths is not None:
+            n, limit_mib_s, limit_iops = paths
+            reader = open_reader(config.reader_backend, config.io_queue_depth, n_paths=n, limit_mib_s=limit_mib_s,
+                                 limit_iops=limit_iops)
+        try:
+            engine = Engine(self.model, config, "kvswap" if name.startswith("kvswap") else name, kv, reader=reader)
+        except BaseException:
+            if reader is not None:
+                reader.close()
+            raise
+        timer = StepTimer()
+        with engine:
+            engine.prompt_cache = self.cache
+            for subscriber in (timer, self.on_event, listener):
+                if subscriber is not None:
+                    engine.events.subscribe(subscriber)
+            out = engine.generate(prompts, max_new_tokens=self.steps + self.warmup + 1, stop_token_ids=[])
+        return self.row(name, label, budget, config, [r.stats for r in out], timer,
+                        paths[1] if paths is not None else None)
+
+    def row(self, name: str, label: str, budget: str | None, config: RuntimeConfig, s: list[dict], timer: StepTimer,
+            path_limit_mib_s: float | None) -> Run:
+        dims = self.model.dims
+        rate, step_ms = decode_rate(timer.steps, self.warmup)
+        decoded = sum(x["generated_tokens"] - 1 for x in s)
+        read = sum(x["kv_bytes_read"] for x in s)
+        requests = s[0]["kv_read_requests"]  # the batch's, in every sequence's stats
+        eff = effective_bandwidth(read, s[0]["io_read_s"])
+        on_disk, kvswap, selects = name not in IN_MEMORY_POLICIES, name.startswith("kvswap"), name.startswith(("kvswap", "token"))
+        stride = RecordLayout(config.G, dims.n_kv_heads, dims.head_dim, self.model.dtype, self.limits.io_align_bytes,
+                              config.kv_record_dtype).stride_bytes
+        profile_bw = self.disk_profile.read_mib_s(stride, QUEUE_DEPTH, source="disk") if on_disk else None
+        per_layer = 1e3 / (len(timer.steps) * dims.n_layers)  # whole run (warm-up included), ms per layer-step
+        parts = {"select": s[0]["select_s"] * per_layer, "io_stall": s[0]["io_stall_s"] * per_layer}
+        parts["compute"] = max(0.0, s[0]["decode_s"] * per_layer - parts["select"] - parts["io_stall"])
+        return Run(
+            label, budget, len(s), self.context, rate, None, s[0]["kv_resident_bytes"] / 2**20, read / decoded,
+            eff, ratio(eff, profile_bw), float(np.mean([x["reuse_rate"] for x in s])), s[0]["io_stall_share"], step_ms,
+            parts, G=config.G if on_disk else None, M=config.M if selects else None, C=config.C if name == "kvswap" else None,
+            sigma=config.sigma if selects else None, o_direct=s[0]["o_direct"],
+            sink_tokens=config.sink_tokens if kvswap else None, window_tokens=config.window_tokens if kvswap else None,
+            klr_dtype=config.klr_dtype if kvswap else None,
+            kv_record_dtype=config.kv_record_dtype if name.startswith(DISK_ROWS) else None,
+            n_paths=s[0]["n_paths"] if on_disk else None, eff_bw_mib_s=eff,
+            requests_per_step=requests / len(timer.steps) if on_disk else None,
+            bytes_per_request=read / requests if requests else None,
+            clustering=("on" if config.clustering else "off") if on_disk else None,
+            replacement=config.replacement if kvswap and config.reuse else None,
+            share_prefix=config.share_prefix if on_disk else None, path_limit_mib_s=path_limit_mib_s,
+            records_by_path=s[0]["kv_records_by_path"] if on_disk else None, reader=s[0]["reader"], kv_bytes_read=read)
+
+
+def path_counts(n_folders: int) -> list[int]:
+    """The N of the kvswap/Np rows: 1, 2, 4 below the folders given, and all of them."""
+    return sorted({n for n in PATH_COUNTS if n < n_folders} | {n_folders})
+
+
+def fit_for_clustering(model: DecoderModel, kvswap: dict) -> dict:
+    """The tuned kvswap configuration with C, then M, lowered just enough that clustering's placement tables fit
+    the same budget (often nothing is lowered).  Every kvswap/Np row runs it, clustering on or off, so the
+    layout is all that differs between them."""
+    from edgekv.runtime.memory import plan_memory
+
+    dims = model.dims
+    itemsize = torch.empty(0, dtype=model.dtype).element_size()
+
+    def need_mib(cfg: dict) -> float:
+        config = RuntimeConfig.load({**cfg, "clustering": True})
+        rank = LowRankAdapter.rank_for(dims.n_kv_heads, dims.head_dim, config.sigma)
+        stride = RecordLayout(config.G, dims.n_kv_heads, dims.head_dim, model.dtype, config.io_align_bytes,
+                              config.kv_record_dtype).stride_bytes
+        return plan_memory("kvswap", config, dims, itemsize, rank, stride).total_bytes / 2**20
+
+    cfg = dict(kvswap)
+    while need_mib(cfg) > cfg["max_kv_mem_mib"]:
+        picked = RuntimeConfig.load(cfg).picked_groups
+        if cfg["reuse"] and cfg["C"] > picked:
+            cfg["C"] -= 1
+        elif picked > 1:
+            cfg["M"] -= 1
+            cfg["C"] = min(cfg["C"], picked - 1) if cfg["reuse"] else cfg["C"]
+        else:
+            raise ValueError(f"clustering's placement tables do not fit budget {cfg['max_kv_mem_mib']:g} MiB "
+                             "beside one selected group: raise the budget")
+    return cfg
+
+
+def path_rows(kvswap: dict, n_folders: int, batch: int) -> list[tuple[str, int, dict, str | None]]:
+    """(label, N, config, role) of the rows over several KV paths at one budget, all at the tuned ``kvswap``
+    configuration: N paths with clustering off and on; at the largest N clustered, the other replacement policies
+    (when there is a reuse buffer), its fifo row's picks being the "trace" they are all replayed on; and the
+    "dedup" pair: at least two questions over one document, ``share_prefix`` on and off, the same budget per
+    sequence."""
+    counts = path_counts(n_folders)
+    top = counts[-1]
+    record = "" if kvswap["kv_record_dtype"] == "auto" else f",{kvswap['kv_record_dtype']}"
+    rows = [(f"kvswap/{n}p{'+cluster' if on else ''}{record}", n, {**kvswap, "clustering": on, "replacement": "fifo"},
+             "trace" if on and n == top else None) for n in counts for on in (False, True)]
+    if kvswap["reuse"]:
+        rows += [(f"kvswap/{top}p+cluster,{r}{record}", top, {**kvswap, "clustering": True, "replacement": r}, None)
+                 for r in REPLACEMENTS if r != "fifo"]
+    dedup_batch = max(2, batch)
+    shared = {**kvswap, "clustering": False, "replacement": "fifo", "max_batch": dedup_batch,
+              "max_kv_mem_mib": kvswap["max_kv_mem_mib"] * dedup_batch / batch}
+    rows += [(f"kvswap/{top}p,shared-doc{'' if on else ',no-dedup'}{record}", top, {**shared, "share_prefix": on}, "dedup")
+             for on in (True, False)]
+    return rows
+
+
+def shared_doc_prompts(prompt: list[int], batch: int, vocab: int, generator: torch.Generator) -> list[list[int]]:
+    """``batch`` questions over one document (``prompt`` less its last QUESTION_TOKENS), each its own tail."""
+    doc = prompt[: len(prompt) - QUESTION_TOKENS]
+    return [doc + torch.randint(4, vocab, (QUESTION_TOKENS,), generator=generator).tolist() for _ in range(batch)]
+
+
 def bench_point(model: DecoderModel, kv_dir: Path, batch: int, context: int, budgets: list[str], steps: int,
                 warmup: int, limits: solver.Limits, disk_profile, compute_profile, policies, reuse_table=None,
                 log=print, gguf: Path | None = None, on_event=None, chosen: dict | None = None,
-                record_dtypes=("auto",)) -> list[Run]:
-    """Every row at one (batch, context); with ``gguf`` (the model's source file, llama-cpp-python importable)
-    also the llama.cpp row at batch 1."""
+                record_dtypes=("auto",), kv_paths: list[Path] | None = None, path_limit_mib_s: float | None = None,
+                path_limit_iops: float | None = None) -> tuple[list[Run], dict]:
+    """Every row at one (batch, context), and what the rows over ``kv_paths`` found per budget ("replacement_replay":
+    each policy's hit rate on one trace; "dedup": the shared document's bytes with and without dedup).  With
+    ``gguf`` (the model's source file, llama-cpp-python importable) also the llama.cpp row at batch 1."""
     g = torch.Generator().manual_seed(batch * 100003 + context)
     vocab = model.dims.vocab
     prompt_len = context - steps - warmup - 8
     prompts = [torch.randint(4, vocab, (prompt_len - 4 * i,), generator=g).tolist() for i in range(batch)]
-    cache = PromptKVCache()
+    measure = RowRunner(model, context, steps, warmup, limits, disk_profile, on_event)
+    configs = policy_configs(model, batch, context, budgets, limits, disk_profile, compute_profile, reuse_table, chosen,
+                             record_dtypes)
     runs: list[Run] = []
-    full_rate = None
-    for name, budget, cfg in policy_configs(model, batch, context, budgets, limits, disk_profile, compute_profile,
-                                            reuse_table, chosen, record_dtypes):
-        if name not in policies:
-            continue
-        label = name if cfg["kv_record_dtype"] == "auto" else f"{name},{cfg['kv_record_dtype']}"
-        policy = "kvswap" if name.startswith("kvswap") else name
-        timer = StepTimer()
-        with Engine(model, RuntimeConfig.load(cfg), policy, kv_dir) as engine:
-            engine.prompt_cache = cache
-            engine.events.subscribe(timer)
-            if on_event is not None:
-                engine.events.subscribe(on_event)
-            out = engine.generate(prompts, max_new_tokens=steps + warmup + 1, stop_token_ids=[])
-        rate, step_ms = decode_rate(timer.steps, warmup)
-        s = [r.stats for r in out]
-        decoded = sum(x["generated_tokens"] - 1 for x in s)
-        read = sum(x["kv_bytes_read"] for x in s)
-        eff = effective_bandwidth(read, s[0]["io_read_s"])
-        stride = RecordLayout(cfg["G"], model.dims.n_kv_heads, model.dims.head_dim, model.dtype,
-                              limits.io_align_bytes, cfg["kv_record_dtype"]).stride_bytes
-        profile_bw = disk_profile.read_mib_s(stride, QUEUE_DEPTH, source="disk") if name not in IN_MEMORY_POLICIES else None
-        if name == "full":
-            full_rate = rate
-        per_layer = 1e3 / (len(timer.steps) * model.dims.n_layers)  # whole run (warm-up included), ms per layer-step
-        parts = {"select": s[0]["select_s"] * per_layer, "io_stall": s[0]["io_stall_s"] * per_layer}
-        parts["compute"] = max(0.0, s[0]["decode_s"] * per_layer - parts["select"] - parts["io_stall"])
-        run = Run(label, budget, batch, context, rate, None, s[0]["kv_resident_bytes"] / 2**20, read / decoded, eff,
-                  ratio(eff, profile_bw), float(np.mean([x["reuse_rate"] for x in s])), s[0]["io_stall_share"], step_ms,
-                  parts, cfg["G"] if name not in IN_MEMORY_POLICIES else None, cfg["M"] if name.startswith(("kvswap", "token")) else None,
-                  cfg["C"] if name == "kvswap" else None, cfg["sigma"] if name.startswith(("kvswap", "token")) else None,
-                  s[0]["o_direct"], *((cfg.get("sink_tokens", 0), cfg.get("window_tokens", 0), cfg.get("klr_dtype", "bfloat16"))
-                                      if name.startswith("kvswap") else ()),
-                  kv_record_dtype=cfg["kv_record_dtype"] if name.startswith(DISK_ROWS) else None)
+
+    def keep(run: Run) -> Run:
         runs.append(run)
-        log(f"  {label:20s} {budget or '':5s} {run.decode_tok_s:9.1f} tok/s  step {run.step_ms:7.2f} ms")
+        log(f"  {run.policy:20s} {run.budget or '':5s} {run.decode_tok_s:9.1f} tok/s  step {run.step_ms:7.2f} ms")
+        return run
+
+    for name, budget, cfg in configs:
+        if name in policies:
+            keep(measure(name, name if cfg["kv_record_dtype"] == "auto" else f"{name},{cfg['kv_record_dtype']}",
+                         budget, cfg, kv_dir, prompts))
+    found = {"paths_configs": {}, "replacement_replay": {}, "dedup": {}}
+    questions = shared_doc_prompts(prompts[0], max(2, batch), vocab, g) if kv_paths else []
+    for budget in budgets if kv_paths else []:
+        kvswap = next((cfg for name, b, cfg in configs if name == "kvswap" and b == budget), None)
+        if kvswap is None:
+            log(f"  no kvswap configuration fits budget {budget}: no rows over several KV paths")
+            continue
+        key = f"{batch}x{context}/{budget}"
+        fitted = fit_for_clustering(model, kvswap)
+        found["paths_configs"][key] = {k: fitted[k] for k in ("G", "M", "C", "sigma", "reuse")} | {
+            "lowered_from_kvswap_row": {k: kvswap[k] for k in ("M", "C") if kvswap[k] != fitted[k]}}
+        recorder, dedup = TraceRecorder(), {}
+        for label, n, cfg, role in path_rows(fitted, len(kv_paths), batch):
+            run = keep(measure("kvswap", label, budget, cfg, kv_paths[:n], questions if role == "dedup" else prompts,
+                               (n, path_limit_mib_s, path_limit_iops), recorder if role == "trace" else None))
+            if role == "dedup":
+                dedup["bytes_with" if cfg["share_prefix"] else "bytes_without"] = run.kv_bytes_read
+        max_groups = -(-context // fitted["G"])
+        found["replacement_replay"][key] = {r: replay_hit_rate(recorder.trace, model.dims.n_layers, batch, fitted["C"],
+                                                               max_groups, r) for r in REPLACEMENTS}
+        found["dedup"][key] = {"batch": len(questions), "document_tokens": len(questions[0]) - QUESTION_TOKENS,
+                               "question_tokens": QUESTION_TOKENS, **dedup,
+                               "ratio": ratio(dedup["bytes_without"], dedup["bytes_with"])}
     if gguf is not None and batch == 1:
-        runs.append(llama_cpp_run(gguf, model.dims, prompts[0], context, steps, warmup))
-        log(f"  {'llama.cpp':20s} {'':5s} {runs[-1].decode_tok_s:9.1f} tok/s  step {runs[-1].step_ms:7.2f} ms")
+        keep(llama_cpp_run(gguf, model.dims, prompts[0], context, steps, warmup))
+    full_rate = next((r.decode_tok_s for r in runs if r.policy == "full"), None)
     for run in runs:
         run.ratio_to_full = ratio(run.decode_tok_s, full_rate)
-    return runs
+    return runs, found
 
 
 def llama_cpp_run(gguf: Path, dims, prompt: list[int], context: int, steps: int, warmup: int) -> Run:
@@ -220,15 +388,36 @@ def llama_cpp_run(gguf: Path, dims, prompt: list[int], context: int, steps: int,
 
 
 def table(runs: list[Run]) -> str:
-    head = (f"{'batch':>5} {'ctx':>6} {'policy':20} {'budget':>6} {'tok/s':>8} {'x full':>7} {'KV MiB':>7} "
-            f"{'KiB/tok':>8} {'eff MiB/s':>9} {'vs disk':>7} {'reuse':>5} {'stall':>5} {'G':>3} {'M':>4} {'C':>4} {'sigma':>5}")
+    width = max([20] + [len(r.policy) for r in runs])
+    head = (f"{'batch':>5} {'ctx':>6} {'policy':{width}} {'budget':>6} {'tok/s':>8} {'x full':>7} {'KV MiB':>7} "
+            f"{'KiB/tok':>8} {'eff MiB/s':>9} {'vs disk':>7} {'reuse':>5} {'stall':>5} {'G':>3} {'M':>4} {'C':>4} "
+            f"{'sigma':>5} {'paths':>5} {'req/step':>8} {'KiB/req':>7} {'clust':>5}")
     lines = [head]
     for r in runs:
         f = lambda v, fmt: format(v, fmt) if v is not None else "-"  # noqa: E731
-        lines.append(f"{r.batch:>5} {r.context:>6} {r.policy:20} {r.budget or '-':>6} {r.decode_tok_s:8.1f} "
+        kib_per_request = r.bytes_per_request / 1024 if r.bytes_per_request is not None else None
+        lines.append(f"{r.batch:>5} {r.context:>6} {r.policy:{width}} {r.budget or '-':>6} {r.decode_tok_s:8.1f} "
                      f"{f(r.ratio_to_full, '.2f'):>7} {r.kv_resident_mib:7.1f} {r.read_bytes_per_token / 1024:8.1f} "
                      f"{f(r.eff_read_bw_mib_s, '.0f'):>9} {f(r.eff_bw_vs_profile, '.2f'):>7} {r.reuse_rate:5.2f} "
-                     f"{r.io_stall_share:5.2f} {f(r.G, 'd'):>3} {f(r.M, 'd'):>4} {f(r.C, 'd'):>4} {f(r.sigma, 'g'):>5}")
+                     f"{r.io_stall_share:5.2f} {f(r.G, 'd'):>3} {f(r.M, 'd'):>4} {f(r.C, 'd'):>4} {f(r.sigma, 'g'):>5} "
+                     f"{f(r.n_paths, 'd'):>5} {f(r.requests_per_step, '.1f'):>8} {f(kib_per_request, '.1f'):>7} "
+                     f"{r.clustering or '-':>5}")
+    return "\n".join(lines)
+
+
+def notes(meta: dict) -> str:
+    """What the rows over several KV paths found beyond the table: how devices were emulated, each replacement
+    policy's hit rate on one trace, and the bytes prefix dedup saved."""
+    if "paths" not in meta:
+        return ""
+    lines = [f"KV paths: {meta['paths']['emulation']}"]
+    lines += [f"reuse hit rate, {key} ({meta['paths']['replay']}): "
+              + ", ".join(f"{name} {rate:.3f}" for name, rate in rates.items())
+              for key, rates in meta["replacement_replay"].items()]
+    lines += [f"dedup, {key}: {d['batch']} questions of {d['question_tokens']} tokens over one {d['document_tokens']}-token "
+              f"document read {d['bytes_with'] / 2**20:.1f} MiB with dedup, {d['bytes_without'] / 2**20:.1f} MiB without "
+              f"(x{d['ratio']:.2f})" if d["ratio"] is not None else f"dedup, {key}: nothing read"
+              for key, d in meta["dedup"].items()]
     return "\n".join(lines)
 
 
@@ -277,9 +466,15 @@ def plot(runs: list[Run], png: Path) -> None:
 
 def run(model_dir: Path, kv_dir: Path, batches: list[int], contexts: list[int], budgets: list[str], steps: int,
         warmup: int, disk_seconds: float, policies: list[str], log=print, quiet: bool = False,
-        chosen_from: str | None = None, record_dtypes=("auto",)) -> tuple[list[Run], dict]:
+        chosen_from: str | None = None, record_dtypes=("auto",), kv_paths: list[Path] | None = None,
+        path_limit_mib_s: float | None = None, path_limit_iops: float | None = None) -> tuple[list[Run], dict]:
+    """Every point's rows; ``kv_paths`` adds the kvswap/Np rows, each path paced to ``path_limit_mib_s`` and
+    ``path_limit_iops`` (None: unlimited) to emulate that many devices, while ``kv_dir`` holds the other rows."""
     from edgekv.runtime.model import load_model
 
+    if not kv_paths and (path_limit_mib_s is not None or path_limit_iops is not None):
+        raise ValueError("a per-path read limit paces the rows over several KV paths: give the folders too "
+                         "(--kv-paths DIR1,DIR2,...)")
     kv_dir.mkdir(parents=True, exist_ok=True)
     model = load_model(model_dir, torch.device("cpu"), torch.float32, max(contexts) + 64)
     limits = solver.Limits()
@@ -293,19 +488,55 @@ def run(model_dir: Path, kv_dir: Path, batches: list[int], contexts: list[int], 
     gguf, llama_note = llama_cpp_source(model_dir, policies)
     log(f"llama.cpp row: {llama_note}")
     points = [(c, b) for c in contexts for b in batches]
-    runs = []
+    runs, found = [], {"paths_configs": {}, "replacement_replay": {}, "dedup": {}}
     with Progress(len(points), "bench points", quiet) as progress:
         for context, batch in points:
             with progress.cell(f"batch {batch}, context {context}") as on_event:
-                runs += bench_point(model, kv_dir, batch, context, budgets, steps, warmup, limits, disk_profile,
-                                    compute_profile, policies, reuse_table, progress.write, gguf, on_event,
-                                    recorded_configs(chosen_from) if chosen_from else {}, record_dtypes)
+                rows, point = bench_point(model, kv_dir, batch, context, budgets, steps, warmup, limits, disk_profile,
+                                          compute_profile, policies, reuse_table, progress.write, gguf, on_event,
+                                          recorded_configs(chosen_from) if chosen_from else {}, record_dtypes,
+                                          kv_paths, path_limit_mib_s, path_limit_iops)
+            runs += rows
+            for name, by_key in point.items():
+                found[name].update(by_key)
     meta = {"model": str(model_dir), "steps": steps, "warmup_steps": warmup, "queue_depth": QUEUE_DEPTH,
             "disk": {"reference": disk_profile.reference, "reader": disk_profile.reader, "o_direct": disk_profile.o_direct,
                      "points": [asdict(p) for p in disk_profile.points]},
             "threads": torch.get_num_threads(), "reuse_table": source, "llama_cpp": llama_note,
             "quality_configs_from": chosen_from, "record_dtypes": list(record_dtypes)}
+    if kv_paths:
+        meta["paths"] = emulation(kv_paths, path_limit_mib_s, path_limit_iops, disk_profile, runs)
+        meta.update(found)
     return runs, meta
+
+
+def emulation(kv_paths: list[Path], limit_mib_s: float | None, limit_iops: float | None, disk_profile,
+              runs: list[Run]) -> dict:
+    """How the kvswap/Np rows emulate N devices here, and whether the real disk can carry N links at once (if not,
+    the largest N is capped by the disk, not by the emulated devices)."""
+    devices = len({os.stat(p).st_dev for p in kv_paths})
+    counts = path_counts(len(kv_paths))
+    largest_request = RuntimeConfig().max_request_bytes
+    real_mib_s = disk_profile.read_mib_s(largest_request, QUEUE_DEPTH, source="disk")
+    limits = " and ".join(f"{v:g} {unit}" for v, unit in ((limit_mib_s, "MiB/s"), (limit_iops, "IOPS")) if v is not None)
+    shared = f"{len(kv_paths)} KV folder(s) on {devices} real device(s), each KV path its own read queue (MultiPathReader)"
+    if limits:
+        how = (f"{shared} behind a virtual link of {limits} (PacedReader, a token bucket: a read returns once its link "
+               f"has carried its bytes and requests, the real read overlapping that time), so N paths carry at most "
+               f"N x {limits}; N = 1 is paced too")
+    else:
+        how = f"{shared}, unpaced: the N queues share the real device(s), so rows differ only in queues, layout and requests"
+    if limit_mib_s is not None and counts[-1] * limit_mib_s > real_mib_s:
+        how += (f"; the real disk gives {real_mib_s:.0f} MiB/s at {largest_request // 1024} KiB, less than "
+                f"{counts[-1]} x {limit_mib_s:g}: the largest N is capped by the disk")
+    return {"kv_paths": [str(p) for p in kv_paths], "n_paths": counts, "path_limit_mib_s": limit_mib_s,
+            "path_limit_iops": limit_iops, "distinct_devices": devices,
+            "real_disk_mib_s": real_mib_s, "real_disk_block_bytes": largest_request,
+            "readers": sorted({r.reader for r in runs if r.policy.startswith("kvswap/") and r.reader}),
+            "emulation": how,
+            "replay": "the largest N clustered fifo row's picks replayed through a fresh reuse buffer of C slots per "
+                      "layer for each policy (cost without the prompt's prior); a configuration without a reuse buffer "
+                      "has C = M: what such a buffer would hit, beyond its budget"}
 
 
 def llama_cpp_source(model_dir: Path, policies: list[str]) -> tuple[Path | None, str]:
