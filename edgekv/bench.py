@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -48,6 +49,7 @@ from edgekv.runtime.slots import replay_hit_rate
 QUEUE_DEPTH = 32
 DISK_ROWS = ("kvswap", "token", "flexgen")  # the rows that read records from disk (repeated per --record-dtype)
 PATH_COUNTS = (1, 2, 4)  # KV paths per kvswap/Np row, up to the folders given (all of them included)
+PROMPT_SOURCES = ("random", "tasks")
 QUESTION_TOKENS = 16  # each question's own tail after the shared document (the dedup pair)
 
 
@@ -278,7 +280,8 @@ def fit_for_clustering(model: DecoderModel, kvswap: dict) -> dict:
 def path_rows(kvswap: dict, n_folders: int, batch: int) -> list[tuple[str, int, dict, str | None]]:
     """(label, N, config, role) of the rows over several KV paths at one budget, all at the tuned ``kvswap``
     configuration: N paths with clustering off and on; at the largest N clustered, the other replacement policies
-    (when there is a reuse buffer), its fifo row's picks being the "trace" they are all replayed on; and the
+    (when there is a reuse buffer), its fifo row's picks being the "trace" they are all replayed on, and the same
+    without reuse, clustering off and on; and the
     "dedup" pair: at least two questions over one document, ``share_prefix`` on and off, the same budget per
     sequence."""
     counts = path_counts(n_folders)
@@ -289,6 +292,9 @@ def path_rows(kvswap: dict, n_folders: int, batch: int) -> list[tuple[str, int, 
     if kvswap["reuse"]:
         rows += [(f"kvswap/{top}p+cluster,{r}{record}", top, {**kvswap, "clustering": True, "replacement": r}, None)
                  for r in REPLACEMENTS if r != "fifo"]
+        # without reuse every pick is read each step: the stable picks clustering lays out next to each other
+        rows += [(f"kvswap-noreuse/{top}p{'+cluster' if on else ''}{record}", top,
+                  {**kvswap, "reuse": False, "clustering": on, "replacement": "fifo"}, None) for on in (False, True)]
     dedup_batch = max(2, batch)
     shared = {**kvswap, "clustering": False, "replacement": "fifo", "max_batch": dedup_batch,
               "max_kv_mem_mib": kvswap["max_kv_mem_mib"] * dedup_batch / batch}
@@ -303,18 +309,35 @@ def shared_doc_prompts(prompt: list[int], batch: int, vocab: int, generator: tor
     return [doc + torch.randint(4, vocab, (QUESTION_TOKENS,), generator=generator).tolist() for _ in range(batch)]
 
 
+def random_prompts(vocab: int, batch: int, prompt_len: int, generator: torch.Generator) -> list[list[int]]:
+    """Uniform random tokens, a little shorter for each later sequence (ragged lengths)."""
+    return [torch.randint(4, vocab, (prompt_len - 4 * i,), generator=generator).tolist() for i in range(batch)]
+
+
+def task_prompts(model_dir: Path, batch: int, prompt_len: int, generator: torch.Generator) -> list[list[int]]:
+    """The eval's retrieval tasks (needles in a haystack, in the model's own text format): text whose attention
+    has structure, where random tokens have little (what co-activation clustering and reuse feed on)."""
+    from edgekv.evals.harness import task_format
+    from edgekv.evals.tasks import TASKS, make_instance
+
+    rng = np.random.default_rng(int(torch.randint(0, 2**31, (1,), generator=generator)))
+    fmt = task_format(model_dir)
+    return [make_instance(TASKS[i % len(TASKS)], prompt_len - 4 * i, rng, fmt=fmt).context for i in range(batch)]
+
+
 def bench_point(model: DecoderModel, kv_dir: Path, batch: int, context: int, budgets: list[str], steps: int,
                 warmup: int, limits: solver.Limits, disk_profile, compute_profile, policies, reuse_table=None,
                 log=print, gguf: Path | None = None, on_event=None, chosen: dict | None = None,
                 record_dtypes=("auto",), kv_paths: list[Path] | None = None, path_limit_mib_s: float | None = None,
-                path_limit_iops: float | None = None) -> tuple[list[Run], dict]:
+                path_limit_iops: float | None = None, make_prompts=None) -> tuple[list[Run], dict]:
     """Every row at one (batch, context), and what the rows over ``kv_paths`` found per budget ("replacement_replay":
     each policy's hit rate on one trace; "dedup": the shared document's bytes with and without dedup).  With
-    ``gguf`` (the model's source file, llama-cpp-python importable) also the llama.cpp row at batch 1."""
+    ``gguf`` (the model's source file, llama-cpp-python importable) also the llama.cpp row at batch 1.
+    ``make_prompts(batch, prompt_len, generator)``: the prompts (default: random tokens, ``random_prompts``)."""
     g = torch.Generator().manual_seed(batch * 100003 + context)
     vocab = model.dims.vocab
     prompt_len = context - steps - warmup - 8
-    prompts = [torch.randint(4, vocab, (prompt_len - 4 * i,), generator=g).tolist() for i in range(batch)]
+    prompts = (make_prompts or partial(random_prompts, vocab))(batch, prompt_len, g)
     measure = RowRunner(model, context, steps, warmup, limits, disk_profile, on_event)
     configs = policy_configs(model, batch, context, budgets, limits, disk_profile, compute_profile, reuse_table, chosen,
                              record_dtypes)
@@ -347,8 +370,10 @@ def bench_point(model: DecoderModel, kv_dir: Path, batch: int, context: int, bud
             if role == "dedup":
                 dedup["bytes_with" if cfg["share_prefix"] else "bytes_without"] = run.kv_bytes_read
         max_groups = -(-context // fitted["G"])
-        found["replacement_replay"][key] = {r: replay_hit_rate(recorder.trace, model.dims.n_layers, batch, fitted["C"],
-                                                               max_groups, r) for r in REPLACEMENTS}
+        for capacity in (fitted["C"], 2 * fitted["C"]):  # at C = M every policy must evict all it did not pick
+            found["replacement_replay"][key if capacity == fitted["C"] else f"{key},C={capacity}"] = {
+                r: replay_hit_rate(recorder.trace, model.dims.n_layers, batch, capacity, max_groups, r)
+                for r in REPLACEMENTS}
         found["dedup"][key] = {"batch": len(questions), "document_tokens": len(questions[0]) - QUESTION_TOKENS,
                                "question_tokens": QUESTION_TOKENS, **dedup,
                                "ratio": ratio(dedup["bytes_without"], dedup["bytes_with"])}
@@ -467,9 +492,13 @@ def plot(runs: list[Run], png: Path) -> None:
 def run(model_dir: Path, kv_dir: Path, batches: list[int], contexts: list[int], budgets: list[str], steps: int,
         warmup: int, disk_seconds: float, policies: list[str], log=print, quiet: bool = False,
         chosen_from: str | None = None, record_dtypes=("auto",), kv_paths: list[Path] | None = None,
-        path_limit_mib_s: float | None = None, path_limit_iops: float | None = None) -> tuple[list[Run], dict]:
+        path_limit_mib_s: float | None = None, path_limit_iops: float | None = None,
+        prompt_source: str = "random") -> tuple[list[Run], dict]:
     """Every point's rows; ``kv_paths`` adds the kvswap/Np rows, each path paced to ``path_limit_mib_s`` and
-    ``path_limit_iops`` (None: unlimited) to emulate that many devices, while ``kv_dir`` holds the other rows."""
+    ``path_limit_iops`` (None: unlimited) to emulate that many devices, while ``kv_dir`` holds the other rows.
+    ``prompt_source``: "random" tokens or the eval's "tasks" (``task_prompts``)."""
+    if prompt_source not in PROMPT_SOURCES:
+        raise ValueError(f"prompt_source must be one of {PROMPT_SOURCES}, got {prompt_source!r}")
     from edgekv.runtime.model import load_model
 
     if not kv_paths and (path_limit_mib_s is not None or path_limit_iops is not None):
@@ -495,11 +524,13 @@ def run(model_dir: Path, kv_dir: Path, batches: list[int], contexts: list[int], 
                 rows, point = bench_point(model, kv_dir, batch, context, budgets, steps, warmup, limits, disk_profile,
                                           compute_profile, policies, reuse_table, progress.write, gguf, on_event,
                                           recorded_configs(chosen_from) if chosen_from else {}, record_dtypes,
-                                          kv_paths, path_limit_mib_s, path_limit_iops)
+                                          kv_paths, path_limit_mib_s, path_limit_iops,
+                                          partial(task_prompts, model_dir) if prompt_source == "tasks" else None)
             runs += rows
             for name, by_key in point.items():
                 found[name].update(by_key)
     meta = {"model": str(model_dir), "steps": steps, "warmup_steps": warmup, "queue_depth": QUEUE_DEPTH,
+            "prompts": prompt_source,
             "disk": {"reference": disk_profile.reference, "reader": disk_profile.reader, "o_direct": disk_profile.o_direct,
                      "points": [asdict(p) for p in disk_profile.points]},
             "threads": torch.get_num_threads(), "reuse_table": source, "llama_cpp": llama_note,

@@ -173,7 +173,8 @@ def _bench(args) -> int:
                                [int(c) for c in args.contexts.split(",")], args.budgets.split(","), args.steps,
                                args.warmup, args.disk_seconds, args.policies.split(","), quiet=args.quiet,
                                chosen_from=args.quality_configs, record_dtypes=_record_dtypes(args.record_dtype),
-                               kv_paths=kvs if args.kv_paths else None, path_limit_mib_s=args.path_limit_mib_s)
+                               kv_paths=kvs if args.kv_paths else None, path_limit_mib_s=args.path_limit_mib_s,
+                               prompt_source=args.prompts)
     meta.update(model=args.model, checkpoint=str(checkpoint), command=args.command_line)
     print(bench.table(runs))
     if "paths" in meta:
@@ -498,6 +499,9 @@ def main(argv=None) -> int:
     be.add_argument("--kv-paths", metavar="DIR1,DIR2,...", help=KV_PATHS_HELP)
     be.add_argument("--path-limit-mib-s", type=float, metavar="MIB_S",
                     help="pace each KV path's reads to this rate (several emulated disks on one)")
+    be.add_argument("--prompts", choices=("random", "tasks"), default="random",
+                    help="random tokens, or the eval's retrieval tasks (text with structure: what clustering and reuse "
+                         "feed on)")
     be.add_argument("--record-dtype", default="auto", metavar="LIST",
                     help="disk record formats (fp16, int8, int4): each kvswap, token and flexgen row is run again with "
                          "them (same configuration, other records), labelled e.g. kvswap,int8")

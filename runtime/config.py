@@ -107,8 +107,8 @@ class RuntimeConfig:
     ttft_costs_path: str | None = None  # the install step's chunk compute predictor (JSON) for load-or-compute plans
     clustering: bool = False
     cluster_queries: int = 32
-    recluster_steps: int = 16
-    cluster_radius: float = 0.6
+    recluster_steps: int = 8
+    cluster_radius: float = 0.3
     replica_share: float = 0.05
     replacement: str = "fifo"
     max_request_bytes: int = 262144

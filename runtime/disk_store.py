@@ -142,6 +142,7 @@ class DiskKVStore:
         self._prefix: dict[int, tuple[np.ndarray, np.ndarray, int]] = {}  # seq -> (blob fds, groups per blob, groups)
         self._shared: dict[int, tuple[int, int]] = {}  # borrower seq -> (owner seq, groups it reads from the owner)
         self._held: set[int] = set()  # released sequences whose files borrowers still read
+        self._moved: dict[tuple[int, int], np.ndarray] = {}  # (seq, layer) -> stored-prefix groups relocated here
         self.bytes_written = 0
         self.requests = 0
         self.records_read = 0
@@ -256,18 +257,26 @@ class DiskKVStore:
         self.records_by_path += np.bincount(np.repeat(batch.paths, batch.counts), minlength=self.n_paths)
         return batch
 
-    def relocate(self, seq: int, layer: int, per_path: list[np.ndarray]) -> None:
+    def relocate(self, seq: int, layer: int, per_path: list[np.ndarray], in_memory=None) -> None:
         """Write the listed groups of ``seq`` again, appended to each path in the given order (a clustering found
-        while decoding: co-activated groups become one request), and read them from there on.  Call between
-        steps, with no read of this layer in flight."""
+        while decoding: co-activated groups become one request), and read them from there on.  ``in_memory``
+        (groups -> (held mask, their records)) supplies records already resident, so only the rest are read.
+        Call between steps, with no read of this layer in flight."""
         groups = np.concatenate([np.asarray(g, dtype=np.int64) for g in per_path])
         if len(groups) == 0:
             return
         stride = self.layout.stride_bytes
         records = aligned_zeros((len(groups), stride), self.layout.align_bytes)
-        addresses = records.ctypes.data + np.arange(len(groups), dtype=np.int64) * stride
-        self.reader.read(self._requests(layer, np.full(len(groups), seq), groups, addresses))
+        held = np.zeros(len(groups), dtype=bool)
+        if in_memory is not None:
+            held, resident = in_memory(groups)
+            records[held] = resident
+        rows = np.flatnonzero(~held)
+        addresses = records.ctypes.data + rows * stride
+        self.read(self._requests(layer, np.full(len(rows), seq), groups[rows], addresses))
         path, index = self._placement[seq].move(layer, per_path)
+        if seq in self._prefix:  # a stored context's groups are read from here from now on, not from its blobs
+            self._moved.setdefault((seq, layer), np.zeros(self.max_groups, dtype=bool))[groups] = True
         starts = np.flatnonzero(np.r_[True, path[1:] != path[:-1]])  # one contiguous run per path
         for a, b in zip(starts, np.r_[starts[1:], len(groups)]):
             self._pwrite(int(self._fds[seq, layer, path[a]]), records[a:b], int(index[a]) * stride)
@@ -286,6 +295,8 @@ class DiskKVStore:
             if seq in self._prefix:
                 blob_fds, blob_groups, n_prefix = self._prefix[seq]
                 hit = groups[mine] < n_prefix
+                if (seq, layer) in self._moved:
+                    hit &= ~self._moved[seq, layer][groups[mine]]
                 if hit.any():
                     per_blob = int(blob_groups[0])  # every blob but the last holds a full chunk
                     g = groups[mine[hit]].astype(np.int64)
@@ -316,7 +327,13 @@ class DiskKVStore:
         return ReadBatch(fds[starts], offsets[starts], addresses, stride, counts, paths[starts])
 
     def read(self, batch: ReadBatch) -> None:
-        self.reader.read(batch)
+        """A failed read names the KV folder it came from (a device that vanished, an unmounted path)."""
+        try:
+            self.reader.read(batch)
+        except OSError as exc:
+            where = self.roots[getattr(exc, "kv_path", 0)]
+            raise StoreError(exc.errno, f"reading KV records from {where} failed ({exc.strerror or exc}); every KV "
+                             "path must stay available while its sequences run: check the device, then run again") from exc
 
     def _borrowers(self, owner: int) -> list[int]:
         return [seq for seq, (o, _) in self._shared.items() if o == owner]
@@ -334,6 +351,7 @@ class DiskKVStore:
         for fd in blob_fds.tolist():
             os.close(fd)
         self._placement.pop(seq, None)
+        self._moved = {key: moved for key, moved in self._moved.items() if key[0] != seq}
         if seq < len(self._fds):
             for layer, path in zip(*np.nonzero(self._fds[seq] >= 0)):
                 fd, self._fds[seq, layer, path] = int(self._fds[seq, layer, path]), -1

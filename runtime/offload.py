@@ -236,10 +236,20 @@ class OffloadedKV(KVPolicy):
                     mine = valid[b] & (owners[b] == owner)
                     self._picks.setdefault((owner, layer), []).append((int(self.decode_steps[owner]), groups[b][mine]))
 
+    def _resident_records(self, layer: int, owner: int, groups: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(held mask, records [held, stride]) of ``owner``'s groups that sit in this layer's reuse slots."""
+        slot_of = getattr(self.slots, "slot_of", None)
+        if slot_of is None:
+            return np.zeros(len(groups), dtype=bool), np.zeros((0, self.layout.stride_bytes), dtype=np.uint8)
+        slots = slot_of[layer, owner, groups]
+        held = slots >= 0
+        buffer = self._slot_bytes[self.slots.buffer_index(layer)].reshape(-1, self.layout.stride_bytes)
+        return held, buffer[slots[held]]
+
     def _recluster(self, seq: int) -> None:
-        """Cluster each layer's decode picks of ``seq`` and write the picked groups once more in that order (groups
-        of a stored context stay in the store).  Between steps: no read is in flight."""
-        first = self.store.prefix_groups(seq)
+        """Cluster each layer's decode picks of ``seq`` and write the picked groups once more in that order over the
+        KV paths (a stored context's groups too: its queries say how to lay them out).  Between steps: no read is
+        in flight."""
         replacement = getattr(self.slots, "replacement", None)
         for layer in range(self.model.dims.n_layers):
             kept = self._picks.pop((seq, layer), [])
@@ -248,9 +258,8 @@ class OffloadedKV(KVPolicy):
             picks = np.zeros((self.recluster_steps, int(self.n_groups[seq])), dtype=bool)
             for step, groups in kept:
                 picks[step, groups] = True
-            picks[:, :first] = False
             per_path, cost = self.placer.refine(picks, self.store.n_paths)
-            self.store.relocate(seq, layer, per_path)
+            self.store.relocate(seq, layer, per_path, lambda groups: self._resident_records(layer, seq, groups))
             if hasattr(replacement, "set_cost"):
                 moved = np.concatenate(per_path)
                 replacement.set_cost(layer, seq, moved, cost[moved])

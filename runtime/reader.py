@@ -191,9 +191,14 @@ class PacedReader(KVReader):
         self.name = f"{inner.name} paced to {', '.join(limits) or 'no limit'}"
 
     def read(self, batch: ReadBatch) -> None:
-        began = self.link.clock()
+        self.link.wait_until(self.start(batch))
+
+    def start(self, batch: ReadBatch, began: float | None = None) -> float:
+        """Read the batch and book it on the link from ``began`` (default: now, when the device got it); returns
+        the clock time the emulated device is done."""
+        began = self.link.clock() if began is None else began
         self.inner.read(batch)
-        self.link.carry(batch.total_bytes, len(batch), began)
+        return self.link.reserve(batch.total_bytes, len(batch), began)
 
     def close(self) -> None:
         self.inner.close()
@@ -258,15 +263,53 @@ class MultiPathReader(KVReader):
                     self.bytes_by_path[path] += share.total_bytes
                     self.requests_by_path[path] += len(share)
 
+    def _read_paced(self, shares: list[tuple[int, ReadBatch]]) -> None:
+        """Emulated devices: every share is booked on its path's link from the moment the batch arrives (as N
+        devices would each start on theirs), read on this thread (the real disk is much faster than the emulated
+        links: its time overlaps theirs), then one sleep until the last link is through: no thread hop and no
+        sleep per path, whose wake-ups on a small CPU would be charged to the emulated devices."""
+        done, error = [], None
+        submitted = self.readers[shares[0][0]].link.clock()  # every device got its share now
+        for path, share in shares:
+            began = self._clock()
+            try:
+                done.append((self.readers[path].start(share, submitted), path))
+            except OSError as exc:
+                exc.kv_path = path
+                error = error or exc
+                continue
+            finally:
+                self.busy_s_by_path[path] += self._clock() - began
+            self.bytes_by_path[path] += share.total_bytes
+            self.requests_by_path[path] += len(share)
+        if done:
+            last, path = max(done)
+            self.readers[path].link.wait_until(last)
+        if error is not None:
+            raise error
+
     def read(self, batch: ReadBatch) -> None:
         shares = self.split(batch)
+        if not shares:
+            return
+        if all(isinstance(self.readers[path], PacedReader) for path, _ in shares):
+            self._read_paced(shares)
+            return
         if len(shares) == 1:  # one device: no thread hop
-            self._read_share(*shares[0])
+            try:
+                self._read_share(*shares[0])
+            except OSError as error:
+                error.kv_path = shares[0][0]
+                raise
             return
         futures = [self._threads[path].submit(self._read_share, path, share) for path, share in shares]
         wait(futures)
-        for future in futures:
-            future.result()
+        for (path, _), future in zip(shares, futures):
+            error = future.exception()
+            if isinstance(error, OSError):
+                error.kv_path = path  # which device failed: the store names its folder
+            if error is not None:
+                raise error
 
     def close(self) -> None:
         for thread in self._threads:

@@ -93,3 +93,19 @@ def save_text_model(path):
     folder = save_model(path, "llama", vocab_size=len(tokenizer))
     tokenizer.save_pretrained(folder)
     return folder
+
+
+def tiny_deploy_profile(root, name: str, kv_paths: list, max_batch: int, context_min: int, disk_seconds: float):
+    """The local profile shrunk to a seconds-long deploy (2 MiB budget, 1K context), written to root/name.yaml."""
+    import yaml
+
+    from edgekv.install.profile import PROFILES_DIR
+
+    data = yaml.safe_load((PROFILES_DIR / "local.yaml").read_text())
+    data["kv"]["paths"] = [str(p) for p in kv_paths]
+    data["memory"] = {"max_kv_mem_mib": 2, "max_batch": max_batch, "max_context": 1024}
+    data["solver"].update(g_max=8, mg_const=64, context_min=context_min, context_step=512)
+    data["profiling"] = {"disk_seconds": disk_seconds, "disk_file_mib": 16}
+    path = root / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path

@@ -26,7 +26,8 @@ def test_path_rows_compare_layouts_then_policies_then_dedup_at_the_largest_n():
     rows = bench.path_rows(tuned(), 4, batch=1)
     assert [label for label, *_ in rows] == [
         "kvswap/1p", "kvswap/1p+cluster", "kvswap/2p", "kvswap/2p+cluster", "kvswap/4p", "kvswap/4p+cluster",
-        "kvswap/4p+cluster,lru", "kvswap/4p+cluster,cost", "kvswap/4p,shared-doc", "kvswap/4p,shared-doc,no-dedup"]
+        "kvswap/4p+cluster,lru", "kvswap/4p+cluster,cost", "kvswap-noreuse/4p", "kvswap-noreuse/4p+cluster",
+        "kvswap/4p,shared-doc", "kvswap/4p,shared-doc,no-dedup"]
     assert [role for *_, role in rows].count("trace") == 1 and rows[5][3] == "trace"
     for label, n, cfg, role in rows:
         assert {k: cfg[k] for k in ("G", "M", "C", "sigma")} == {"G": 4, "M": 8, "C": 12, "sigma": 8}, label

@@ -12,6 +12,7 @@ from edgekv.install import solver, tables
 from edgekv.install.disk import DiskPoint, DiskProfile
 from edgekv.install.iomodel import io_model
 from edgekv.install.profile import PROFILES_DIR, ProfileError, load_profile
+from tests.conftest import tiny_deploy_profile
 from edgekv.platforms.detect import detect_platform
 from edgekv.runtime import ConfigError, Engine, RecordLayout, RuntimeConfig
 from edgekv.runtime.memory import plan_memory
@@ -195,14 +196,7 @@ def test_engine_runs_each_batch_with_its_solution(model_dirs, kv_dir, tmp_path):
 @pytest.fixture(scope="module")
 def tiny_profile(tmp_path_factory):
     root = tmp_path_factory.mktemp("deploy")
-    data = yaml.safe_load((PROFILES_DIR / "local.yaml").read_text())
-    data["kv"]["paths"] = [str(root / "kv")]
-    data["memory"] = {"max_kv_mem_mib": 2, "max_batch": 2, "max_context": 1024}
-    data["solver"].update(g_max=8, mg_const=64, context_min=512, context_step=512)
-    data["profiling"] = {"disk_seconds": 1, "disk_file_mib": 16}
-    path = root / "tiny.yaml"
-    path.write_text(yaml.safe_dump(data))
-    return root, path
+    return root, tiny_deploy_profile(root, "tiny", [root / "kv"], max_batch=2, context_min=512, disk_seconds=1)
 
 
 def test_deploy_writes_config_report_and_smoke_stats_and_reuses_only_matching_profiles(tiny_profile, capsys):

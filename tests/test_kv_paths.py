@@ -224,3 +224,40 @@ def test_relocated_groups_read_back_exactly_as_one_request_per_path(tmp_path, n_
     finally:
         store.close()
         reader.close()
+
+
+def test_a_kv_path_that_fails_under_running_sequences_is_named_not_read_as_zeros(tmp_path):
+    reader = open_reader("python", n_paths=2)
+    store = DiskKVStore(paths(tmp_path, 2), 1, layout(), reader, max_groups=16)
+    try:
+        store.open_sequence(0)
+        store.write_groups(0, 0, 0, records(8))
+        fd = int(store._fds[0, 0, 1])
+        os.close(fd)  # the second device goes away under the open sequence
+        with pytest.raises(StoreError, match="disk1") as caught:
+            read(store, 0, np.zeros(4, dtype=np.int64), np.array([0, 1, 2, 3]))
+        assert isinstance(caught.value.__cause__, OSError)
+        store._fds[0, 0, 1] = os.open(os.devnull, os.O_RDONLY)  # something for release to close
+    finally:
+        store.close()
+        reader.close()
+
+
+def test_relocated_groups_of_a_stored_context_are_read_from_the_kv_paths_the_rest_from_the_store(tmp_path):
+    reader = open_reader("python", n_paths=2)
+    store = DiskKVStore(paths(tmp_path, 2), 1, layout(), reader, max_groups=32, max_request_bytes=8 * 4096)
+    blob = tmp_path / "blob.kv"
+    blob.write_bytes(records(12, first=200).tobytes())  # one stored chunk of 12 groups, one layer
+    try:
+        store.open_sequence(0)
+        store.attach_prefix(0, [(blob, 12)])
+        store.write_groups(0, 0, 0, records(14, first=200))  # the stored 12 are skipped: only 12, 13 are written
+        store.relocate(0, 0, [np.array([9, 2]), np.array([5])])
+        got, batch = read(store, 0, np.zeros(5, dtype=np.int64), np.array([2, 5, 9, 3, 13]))
+        assert (got[:, 0] == np.array([2, 5, 9, 3, 13]) + 201).all()
+        blob_fd = int(store._prefix[0][0][0])
+        from_blob = np.repeat(batch.fds, batch.counts) == blob_fd
+        assert from_blob.sum() == 1, "only group 3 is still read from the stored blob"
+    finally:
+        store.close()
+        reader.close()

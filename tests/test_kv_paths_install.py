@@ -10,6 +10,7 @@ from edgekv.install import compute, disk, solver
 from edgekv.install.disk import DiskPoint, DiskProfile, combine_profiles, planned_mib_s
 from edgekv.install.iomodel import io_model
 from edgekv.install.profile import PROFILES_DIR, ProfileError, load_profile
+from tests.conftest import tiny_deploy_profile
 from edgekv.runtime.checkpoints import resolve_checkpoint
 from edgekv.runtime.model import ModelDims, read_model_config
 from edgekv.runtime.solutions import load_deployed
@@ -138,14 +139,8 @@ def test_solver_with_a_second_disk_hides_reads_it_could_not_and_takes_smaller_gr
 @pytest.fixture(scope="module")
 def two_path_profile(tmp_path_factory):
     root = tmp_path_factory.mktemp("deploy-kv-paths")
-    data = yaml.safe_load((PROFILES_DIR / "local.yaml").read_text())
-    data["kv"]["paths"] = [str(root / "kv0"), str(root / "kv1")]
-    data["memory"] = {"max_kv_mem_mib": 2, "max_batch": 1, "max_context": 1024}
-    data["solver"].update(g_max=8, mg_const=64, context_min=1024, context_step=512)
-    data["profiling"] = {"disk_seconds": 0.5, "disk_file_mib": 16}
-    path = root / "two.yaml"
-    path.write_text(yaml.safe_dump(data))
-    return root, path
+    return root, tiny_deploy_profile(root, "two", [root / "kv0", root / "kv1"], max_batch=1, context_min=1024,
+                                     disk_seconds=0.5)
 
 
 def _fixed_model_phases(monkeypatch, deploy, root):

@@ -329,3 +329,17 @@ def test_open_reader_paces_every_path(kv_files):
     single = open_reader("python", queue_depth=2)
     assert not isinstance(single, (MultiPathReader, PacedReader))
     single.close()
+
+
+def test_emulated_devices_start_together_and_the_batch_waits_once_for_the_slowest():
+    clock = FakeClock()  # one thread here: the paced shares are read on the caller's
+    readers = [PacedReader(RecordingReader(f"disk{p}", clock, busy_s=0.01), limit_mib_s=1.0, clock=clock,
+                           sleep=clock.sleep) for p in range(3)]
+    multi = MultiPathReader(readers, clock=clock)
+    records = [64, 128, 32]  # 0.25, 0.5 and 0.125 MiB: the devices are through at 0.25, 0.5 and 0.125 s
+    paths = np.repeat(np.arange(3, dtype=np.int32), records)
+    n = len(paths)
+    multi.read(ReadBatch(np.zeros(n, np.int32), np.zeros(n, np.int64), np.zeros(n, np.int64), RECORD, None, paths))
+    assert clock() == pytest.approx(0.5), "three devices at 1 MiB/s in parallel, not one after another"
+    assert clock.sleeps == [pytest.approx(0.5 - 0.03)]  # one sleep; the real reads overlapped the links
+    assert multi.bytes_by_path.tolist() == [r * RECORD for r in records]
