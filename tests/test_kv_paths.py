@@ -261,3 +261,28 @@ def test_relocated_groups_of_a_stored_context_are_read_from_the_kv_paths_the_res
     finally:
         store.close()
         reader.close()
+
+
+def test_a_stored_context_over_two_paths_is_laid_out_from_its_decode_picks_and_decodes_the_same(tmp_path, monkeypatch):
+    from edgekv.runtime.ttft.prefill import TTFTOptions
+
+    moved = []
+    relocate = DiskKVStore.relocate
+    monkeypatch.setattr(DiskKVStore, "relocate", lambda self, seq, layer, per_path, in_memory=None: (
+        moved.append(np.concatenate(per_path)), relocate(self, seq, layer, per_path, in_memory))[1])
+    ids = torch.randint(0, 256, (300,), generator=torch.Generator().manual_seed(5)).tolist()
+    config = {"max_context": 1024, "M": 24, "C": 48, "clustering": True, "recluster_steps": 3}
+    with Engine.from_pretrained("fixture", policy="kvswap", kv_offload_path=tmp_path, config=config) as plain:
+        expected = plain.generate([ids], max_new_tokens=10, stop_token_ids=[])[0].token_ids
+    kv = paths(tmp_path, 2)
+    with Engine.from_pretrained("fixture", policy="kvswap", kv_offload_path=kv, config=config) as engine:
+        engine.open_context_store(tmp_path / "store", chunk_tokens=128)
+        engine.ttft = TTFTOptions("load_only")
+        engine.save_context(ids[:256])
+        out = engine.generate([ids], max_new_tokens=10, stop_token_ids=[])[0]
+    assert engine.prefill_stats[0]["stored_tokens"] == 256
+    assert out.token_ids == expected
+    stored_groups = 256 // 4
+    assert any((groups < stored_groups).any() for groups in moved), "the stored context's picked groups moved"
+    for path in kv:
+        assert files_under(path) == []
