@@ -248,8 +248,9 @@ class OffloadedKV(KVPolicy):
 
     def _recluster(self, seq: int) -> None:
         """Cluster each layer's decode picks of ``seq`` and write the picked groups once more in that order over the
-        KV paths (a stored context's groups too: its queries say how to lay them out).  Between steps: no read is
-        in flight."""
+        KV paths (a stored context's groups too: its queries say how to lay them out).  With a reuse buffer only
+        the groups it holds move (the picks that are still hot; no read), without one every picked group is read
+        and moved.  Between steps: no read is in flight."""
         replacement = getattr(self.slots, "replacement", None)
         for layer in range(self.model.dims.n_layers):
             kept = self._picks.pop((seq, layer), [])
@@ -259,6 +260,8 @@ class OffloadedKV(KVPolicy):
             for step, groups in kept:
                 picks[step, groups] = True
             per_path, cost = self.placer.refine(picks, self.store.n_paths)
+            if hasattr(self.slots, "slot_of"):  # with reuse, move what the slots hold: written, never read again
+                per_path = [groups[self.slots.slot_of[layer, seq, groups] >= 0] for groups in per_path]
             self.store.relocate(seq, layer, per_path, lambda groups: self._resident_records(layer, seq, groups))
             if hasattr(replacement, "set_cost"):
                 moved = np.concatenate(per_path)
