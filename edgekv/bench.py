@@ -221,7 +221,7 @@ class RowRunner:
         on_disk, kvswap, selects = name not in IN_MEMORY_POLICIES, name.startswith("kvswap"), name.startswith(("kvswap", "token"))
         stride = RecordLayout(config.G, dims.n_kv_heads, dims.head_dim, self.model.dtype, self.limits.io_align_bytes,
                               config.kv_record_dtype).stride_bytes
-        profile_bw = self.disk_profile.read_mib_s(stride, QUEUE_DEPTH, source="disk") if on_disk else None
+        profile_bw = self.disk_profile.read_mib_s(stride, QUEUE_DEPTH, source="fio") if on_disk else None
         per_layer = 1e3 / (len(timer.steps) * dims.n_layers)  # whole run (warm-up included), ms per layer-step
         parts = {"select": s[0]["select_s"] * per_layer, "io_stall": s[0]["io_stall_s"] * per_layer}
         parts["compute"] = max(0.0, s[0]["decode_s"] * per_layer - parts["select"] - parts["io_stall"])

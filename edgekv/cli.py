@@ -238,10 +238,14 @@ def _fpga(args) -> int:
 
 
 def _parse_budget(text: str) -> float:
+    """--budgets: one fraction of the full KV cache; bad input names the flag (a ValueError the CLI reports)."""
     num, _, den = text.partition("/")
-    value = float(num) / float(den) if den else float(num)
+    try:
+        value = float(num) / float(den) if den else float(num)
+    except (ValueError, ZeroDivisionError):
+        value = float("nan")
     if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"budget {text!r} must be a fraction in (0, 1], e.g. 1/13")
+        raise ValueError(f"--budgets: {text!r} must be a fraction in (0, 1], e.g. 1/13")
     return value
 
 

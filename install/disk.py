@@ -51,11 +51,17 @@ class DiskProfile:
     seconds: float
     points: list[DiskPoint] = field(default_factory=list)
 
-    def read_mib_s(self, block_bytes: int, queue_depth: int, source: str = "reader") -> float:
-        """Bandwidth at a block size (log-linear between measured sizes) for the nearest measured depth."""
+    def read_mib_s(self, block_bytes: int, queue_depth: int, source: str = "reader") -> float | None:
+        """Bandwidth at a block size (log-linear between measured sizes) for the nearest measured depth.
+
+        ``source``: "reader" our reader's figures; "disk" fio's, or the reader's where fio did not run (what
+        the solver plans with); "fio" fio's alone, None without fio (a ratio to the disk must never compare
+        the reader with itself)."""
         depths = sorted({p.queue_depth for p in self.points})
         depth = min(depths, key=lambda d: (abs(np.log2(d) - np.log2(queue_depth)), -d))
         rows = sorted((p for p in self.points if p.queue_depth == depth), key=lambda p: p.block_bytes)
+        if source == "fio" and any(p.fio_mib_s is None for p in rows):
+            return None
         values = [p.reader_mib_s if source == "reader" else (p.fio_mib_s or p.reader_mib_s) for p in rows]
         x = np.log2([p.block_bytes for p in rows])
         return float(np.interp(np.log2(block_bytes), x, values))

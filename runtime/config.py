@@ -229,7 +229,7 @@ class RuntimeConfig:
         if policy not in POLICIES:
             raise ConfigError(f"unknown policy {policy!r}; choose one of {POLICIES}")
         if policy == "token":
-            return RuntimeConfig(**{**asdict(self), "G": 1, "M": self.M * self.G, "reuse": False})
+            return RuntimeConfig(**{**asdict(self), "G": 1, "M": self.M * self.G, "reuse": False})._within_context()
         if policy == "hillinfer":
             # the CPU KV pool: selected tokens stay resident in reuse slots, a pool of beta / (1 + beta) of the context
             m = math.ceil(self.importance_rate * self.max_context)
@@ -239,7 +239,17 @@ class RuntimeConfig:
         if policy == "flexgen":
             return RuntimeConfig(**{**asdict(self), "M": math.ceil(self.max_context / self.G), "reuse": False,
                                     "sink_tokens": 0, "window_tokens": 0})
-        return self
+        return self._within_context()
+
+    def _within_context(self) -> "RuntimeConfig":
+        """M and C capped at the groups ``max_context`` tokens have: picks or slots beyond them would be memory
+        allocated (and counted against the budget) that nothing can fill."""
+        fixed = self.sink_groups + self.window_groups
+        picked = min(self.picked_groups, max(1, -(-self.max_context // self.G) - fixed))
+        C = min(self.C, max(picked, -(-self.max_context // self.G)))
+        if (picked + fixed, C) == (self.M, self.C):
+            return self
+        return RuntimeConfig(**{**asdict(self), "M": picked + fixed, "C": C})
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -27,6 +27,11 @@ from .selector import Selector
 
 
 class HierarchicalSelector(Selector):
+    @staticmethod
+    def index_bytes(n_layers: int, max_context: int) -> int:
+        """Per sequence: the CPU pool's row of each token and its hit count (int64 each), and its token count."""
+        return n_layers * (max_context * 2 * 8 + 8)
+
     def __init__(self, scorer: InStorageScorer, pool_dir: Path, n_layers: int, batch: int, max_context: int,
                  n_kv_heads: int, head_dim: int, alpha: float, beta: float, scaling: float, block_tokens: int = 1024):
         self.scorer = scorer
@@ -40,7 +45,7 @@ class HierarchicalSelector(Selector):
         self.row_of = np.full((n_layers, batch, max_context), -1, dtype=np.int64)
         self.hits = np.zeros((n_layers, batch, max_context), dtype=np.int64)
         self.n_tokens = np.zeros((n_layers, batch), dtype=np.int64)
-        self.resident_bytes = self.cpu_keys.numel() * self.cpu_keys.element_size()
+        self.resident_bytes = self.cpu_keys.numel() * self.cpu_keys.element_size() + self.index_bytes(n_layers, max_context) * batch
         self.bytes_to_host = 0
         self._storage = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ekv-instorage")
 

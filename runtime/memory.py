@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from .arkv import GROUP_TOKENS, ArkvGeometry
 from .config import RuntimeConfig, cpu_pool_tokens
+from .hillinfer import HierarchicalSelector
 from .model import ModelDims
 from .placement import PLACEMENT_BYTES_PER_GROUP
 from .selector import klr_token_bytes
@@ -80,8 +81,11 @@ def plan_memory(
         parts = {
             "k_lowrank": 0 if policy in ("flexgen", "hillinfer") else dims.n_layers * cfg.max_context * klr_token_bytes(rank, cfg.klr_dtype),
             "k_cpu_pool": 0 if policy != "hillinfer" else
-            dims.n_layers * cpu_pool_tokens(cfg.beta, cfg.max_context) * dims.n_kv_heads * dims.head_dim * 2,
+            dims.n_layers * cpu_pool_tokens(cfg.beta, cfg.max_context) * dims.n_kv_heads * dims.head_dim * 2
+            + HierarchicalSelector.index_bytes(dims.n_layers, cfg.max_context),
             "slots": slots * stride_bytes,
+            "slot_table": SlotTable.index_bytes(dims.n_layers, cfg.C, -(-cfg.max_context // cfg.G), cfg.replacement)
+            if cfg.reuse else 0,
             "sinks": dims.n_layers * cfg.sink_groups * cfg.G * token_bytes,
             "rolling": dims.n_layers * (cfg.window_groups + 1) * cfg.G * token_bytes,
             "placement": dims.n_layers * -(-cfg.max_context // cfg.G) * PLACEMENT_BYTES_PER_GROUP if cfg.clustering else 0,

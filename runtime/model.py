@@ -44,13 +44,21 @@ class ModelDims:
         )
 
 
+REQUIRED_CONFIG_FIELDS = ("num_hidden_layers", "hidden_size", "num_attention_heads", "vocab_size")
+
+
 def read_model_config(model_dir: str | Path) -> dict:
     """Read and check config.json before any weight is loaded."""
     path = Path(model_dir)
     cfg_path = path / "config.json"
     if not cfg_path.is_file():
         raise ModelError(f"{path} is not a Hugging Face checkpoint folder (no config.json); pass a local model folder")
-    cfg = json.loads(cfg_path.read_text())
+    try:
+        cfg = json.loads(cfg_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ModelError(f"{cfg_path} is not valid JSON ({exc}); the checkpoint is damaged: download it again") from exc
+    if not isinstance(cfg, dict):
+        raise ModelError(f"{cfg_path} holds a {type(cfg).__name__}, not a JSON object; the checkpoint is damaged")
     model_type = cfg.get("model_type")
     if model_type not in SUPPORTED_ARCHITECTURES:
         arch = cfg.get("architectures") or [model_type]
@@ -58,6 +66,11 @@ def read_model_config(model_dir: str | Path) -> dict:
             f"unsupported architecture {arch[0]!r} (model_type={model_type!r}); "
             f"edgekv supports decoder-only RoPE models of types {list(SUPPORTED_ARCHITECTURES)}"
         )
+    missing = [key for key in REQUIRED_CONFIG_FIELDS
+               if isinstance(cfg.get(key), bool) or not isinstance(cfg.get(key), int) or cfg[key] < 1]
+    if missing:
+        raise ModelError(f"{cfg_path} lacks positive integer field(s) {missing}; the checkpoint is incomplete: "
+                         "download it again")
     return cfg
 
 

@@ -86,7 +86,8 @@ class OffloadedKV(KVPolicy):
     @property
     def resident_bytes(self) -> int:
         rolling = self.rolling.numel() * self.rolling.element_size() + self.sinks.numel() * self.sinks.element_size()
-        return self._slot_bytes.nbytes + rolling + self.selector.resident_bytes + self.store.table_bytes
+        return (self._slot_bytes.nbytes + rolling + self.selector.resident_bytes + self.store.table_bytes
+                + getattr(self.slots, "nbytes", 0))
 
     def start_sequence(self, seq):
         super().start_sequence(seq)

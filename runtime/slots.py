@@ -147,6 +147,19 @@ class SlotTable:
     def n_buffers(n_layers: int) -> int:
         return n_layers
 
+    @staticmethod
+    def index_bytes(n_layers: int, capacity: int, max_groups: int, replacement: str) -> int:
+        """Bytes of the table's own arrays per sequence (what the slots hold is counted apart): four int64 per
+        slot, the int64 reverse map per group, and the cost-aware policy's two float32 per group."""
+        per_group = 8 + (8 if replacement == "cost" else 0)
+        return n_layers * (capacity * 4 * 8 + max_groups * per_group) + capacity * 8
+
+    @property
+    def nbytes(self) -> int:
+        arrays = [self.group, self.owner, self.inserted, self.used, self.slot_of, self._seq_of_slot]
+        arrays += [getattr(self.replacement, name) for name in ("frequency", "cost") if hasattr(self.replacement, name)]
+        return sum(a.nbytes for a in arrays)
+
     def key_at(self, layer: int, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(owner, group) of the records in flat ``slots`` of ``layer``."""
         return self.owner_at[layer, slots], self.group_at[layer, slots]

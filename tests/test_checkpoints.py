@@ -118,3 +118,25 @@ def test_generate_without_a_kv_path_uses_a_temporary_one(tmp_path, monkeypatch, 
     stats = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["stats"]
     assert stats["policy"] == "kvswap" and stats["kv_bytes_read"] >= 0
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("text, match", [
+    ("{\"model_type\": \"llama\", ", "config.json is not valid JSON"),
+    ("[1, 2]", "config.json holds a list"),
+    (json.dumps({"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "vocab_size": 10}),
+     r"config.json lacks positive integer field\(s\) \['num_hidden_layers'\]"),
+    (json.dumps({"model_type": "llama", "num_hidden_layers": 0, "hidden_size": 64, "num_attention_heads": 4,
+                 "vocab_size": 10}), "num_hidden_layers"),
+])
+def test_a_damaged_config_json_is_named_with_what_is_wrong(tmp_path, text, match):
+    (tmp_path / "config.json").write_text(text)
+    with pytest.raises(ModelError, match=match) as err:
+        checkpoints.resolve_checkpoint(tmp_path)
+    assert str(tmp_path / "config.json") in str(err.value)
+
+
+@pytest.mark.parametrize("command", ["eval", "bench"])
+@pytest.mark.parametrize("budget", ["2", "0", "abc", "1/0"])
+def test_a_bad_budget_is_an_error_naming_the_flag_not_a_traceback(capsys, command, budget):
+    assert main([command, "--model", "fixture", "--budgets", budget]) == 2
+    assert f"--budgets: '{budget}' must be a fraction in (0, 1]" in capsys.readouterr().err

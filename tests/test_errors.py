@@ -56,12 +56,17 @@ def test_over_budget_config_names_budget_and_need(model_dirs, kv_dir):
     assert files_under(kv_dir) == []
 
 
-def test_budget_counts_what_is_allocated(model_dirs, kv_dir):
-    with Engine.from_pretrained(model_dirs["llama"], kv_offload_path=kv_dir, config=SMALL_CFG) as engine:
+@pytest.mark.parametrize("policy, extra", [("kvswap", {}), ("kvswap", {"replacement": "cost", "clustering": True}),
+                                           ("hillinfer", {}), ("token", {})])
+def test_budget_counts_what_is_allocated(model_dirs, kv_dir, policy, extra):
+    """Every array the policy keeps counts: slots, the slot table's index, placement tables, HillInfer's index."""
+    with Engine.from_pretrained(model_dirs["llama"], kv_offload_path=kv_dir, config={**SMALL_CFG, **extra},
+                                policy=policy) as engine:
         result = engine.generate([[1, 2, 3, 4, 5], [6, 7, 8, 9, 10]], max_new_tokens=3, stop_token_ids=[])
         assert result[0].stats["kv_resident_bytes"] == engine.memory_plan.total_bytes
         fits = engine.memory_plan.total_bytes / 2**20
-    Engine.from_pretrained(model_dirs["llama"], kv_offload_path=kv_dir, config={**SMALL_CFG, "max_kv_mem_mib": fits}).close()
+    Engine.from_pretrained(model_dirs["llama"], kv_offload_path=kv_dir, config={**SMALL_CFG, **extra, "max_kv_mem_mib": fits},
+                           policy=policy).close()
 
 
 @pytest.mark.parametrize(

@@ -348,3 +348,13 @@ def test_bad_quality_fields_are_named(tmp_path, field, value, message):
     path.write_text(yaml.safe_dump(data))
     with pytest.raises(ProfileError, match=message):
         load_profile(path)
+
+
+def test_without_fio_the_disk_figure_for_a_ratio_is_missing_not_the_reader_itself():
+    measured = [DiskPoint(4096, 32, 100.0, 120.0), DiskPoint(16384, 32, 400.0, 500.0)]
+    unmeasured = [DiskPoint(4096, 32, 100.0), DiskPoint(16384, 32, 400.0)]
+    with_fio = DiskProfile("/x", {}, "fio io_uring", "io_uring", True, 1.0, measured)
+    without = DiskProfile("/x", {}, "none (fio not installed)", "io_uring", True, 1.0, unmeasured)
+    assert with_fio.read_mib_s(4096, 32, source="fio") == pytest.approx(120.0)
+    assert without.read_mib_s(4096, 32, source="fio") is None
+    assert without.read_mib_s(4096, 32, source="disk") == pytest.approx(100.0)  # the solver still plans with it

@@ -286,3 +286,13 @@ def test_a_stored_context_over_two_paths_is_laid_out_from_its_decode_picks_and_d
     assert any((groups < stored_groups).any() for groups in moved), "the stored context's picked groups moved"
     for path in kv:
         assert files_under(path) == []
+
+
+def test_m_and_c_beyond_the_context_allocate_nothing_more(model_dirs, tmp_path):
+    huge = {**EXACT, "M": 100_000, "C": 200_000}
+    with Engine.from_pretrained(model_dirs["llama"], kv_offload_path=tmp_path, config=huge, policy="kvswap") as big, \
+            Engine.from_pretrained(model_dirs["llama"], kv_offload_path=tmp_path, config=EXACT, policy="kvswap") as fit:
+        assert big.config.M == 64 and big.config.C == 64  # 256 tokens are 64 groups of 4
+        assert big.memory_plan.per_sequence_bytes == fit.memory_plan.per_sequence_bytes
+        tokens = [e.generate(PROMPTS, max_new_tokens=3, stop_token_ids=[])[0].token_ids for e in (big, fit)]
+        assert tokens[0] == tokens[1]

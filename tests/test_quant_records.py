@@ -100,7 +100,7 @@ def test_bytes_read_per_step_shrink_by_the_record_size(model_dirs, kv_dir):
 
 
 def test_the_memory_plan_counts_the_quantized_stride_and_the_same_budget_holds_more_slots(model_dirs, kv_dir):
-    config = {**EXACT, "G": 16, "M": 16, "C": 16, "io_align_bytes": 512}
+    config = {**EXACT, "G": 16, "M": 16, "C": 16, "io_align_bytes": 512, "max_context": 1024}  # 64 groups: C up to 64
     plans = {}
     for record_dtype in ("auto", "int8"):
         with Engine.from_pretrained(model_dirs["llama"], kv_offload_path=kv_dir, policy="kvswap",
