@@ -26,6 +26,8 @@ POLICIES = {
     "kvswap-oracle": ("kvswap", {"selector": "oracle", "score_reduce": "softmax", "sigma": 1, "window_tokens": 4}),
     "token": ("token", {}),
     "token-sinks-window": ("token", {"sink_tokens": 3, "window_tokens": 5}),
+    "kvswap-clustered-cost": ("kvswap", {"clustering": True, "replacement": "cost", "recluster_steps": 3,
+                                         "cluster_queries": 8, "max_request_bytes": 16384}),
     "flexgen": ("flexgen", {}),
     "hillinfer": ("hillinfer", {"importance_rate": 1.0, "score_block_tokens": 16}),  # alpha = 1 selects every token
 }
