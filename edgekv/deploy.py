@@ -29,6 +29,7 @@ from edgekv.runtime import Engine, RecordLayout
 from edgekv.runtime.adapter import LowRankAdapter
 from edgekv.runtime.checkpoints import load_tokenizer, resolve_checkpoint
 from edgekv.runtime.model import ModelDims, load_model, read_model_config
+from edgekv.runtime.store.files import write_json_atomic
 
 VERSION = "0.1.0"
 
@@ -76,9 +77,7 @@ def _cached(path: Path, fingerprint: dict, reprofile: bool, what: str, log) -> d
 
 
 def _save(path: Path, fingerprint: dict, payload: dict) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"fingerprint": fingerprint, **payload}, indent=1))
-    tmp.replace(path)
+    write_json_atomic(path, {"fingerprint": fingerprint, **payload})
 
 
 def calibration_prompts(model_dir: Path, context: int, n: int, seed: int = 1234, text_file: str | None = None) -> list[list[int]]:
@@ -342,7 +341,7 @@ def measure_chunks(d: Deployment, contexts: list[int]) -> tuple[Path, dict]:
         profile = chunk_profile.profile_chunks(d.model(), chunk_tokens_list=lengths, contexts=tuple(contexts),
                                                sweeps=2, progress=bar.update, fingerprint=fp)
     fitted = chunk_profile.fit_report(profile)
-    path.write_text(json.dumps(fitted, indent=1))
+    write_json_atomic(path, fitted)
     _save(d.out / "chunks.json", fp, {"profile": profile.to_json(), "errors": fitted["errors"]})
     return path, fitted["errors"]
 
@@ -439,9 +438,7 @@ def run(platform: str | None = None, model: str | None = None, kv_paths: str | P
         scorer = smartssd_scorer(d)
         config["beta"], measurements["scoring"] = hillinfer_pools(d, scorer, budget)
         config["scorer_backend"] = scorer.backend_label  # "csim (emulated)" off the card: beta is a host figure
-    tmp = out / "config.json.tmp"
-    tmp.write_text(json.dumps(config, indent=1))
-    tmp.replace(out / "config.json")
+    write_json_atomic(out / "config.json", config)
     tuning_s = time.perf_counter() - started
     log(f"config: {out / 'config.json'}  (G={top.G} M={top.M} C={top.C} sigma={top.sigma:g} reuse={top.reuse} "
         f"S={top.sink_tokens} W={top.window_tokens} records {top.kv_record_dtype} ppl ratio {top.ppl_ratio} at batch {top.batch}, context {top.context}; {len(solutions)} solutions; tuning {tuning_s:.0f} s)")

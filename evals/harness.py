@@ -25,6 +25,7 @@ from edgekv.runtime.adapter import LowRankAdapter, collect_keys
 from edgekv.runtime.checkpoints import load_tokenizer
 from edgekv.runtime.model import DecoderModel, ModelDims, load_model, read_model_config
 from edgekv.runtime.prompt_cache import PromptKVCache
+from edgekv.runtime.store.files import write_json_atomic
 
 from .progress import Progress
 from .tasks import TASKS, VOCAB_SIZE, FixtureFormat, TaskInstance, TextFormat, make_instance, make_set
@@ -128,7 +129,7 @@ class QualityChooser:
                                  for k in ("ppl_ratio", "top1_agreement")}} for p in grid]
             self.cache[key] = {"source": source, "measured": rows}
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self.path.write_text(json.dumps(self.cache, indent=1))
+            write_json_atomic(self.path, self.cache)
         best = min(self.cache[key]["measured"], key=lambda r: (r["ppl_ratio"], -r["top1_agreement"]))
         config = quality.run_config(best, context)
         picked = picked_groups(config["M"], G, best["sink_tokens"], best["window_tokens"])

@@ -17,6 +17,8 @@ import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from edgekv.runtime.store.files import write_json_atomic
+
 MG_SHARES = (0.05, 0.1, 0.2)  # M*G candidates as shares of the context (KVSwap's 400 tokens is 5 % at 8K)
 SINK_WINDOW = ((0, 0), (4, 64))  # (S, W): none (KVSwap as published), and one sink group with a 64-token window
 KLR_DTYPES = ("bfloat16", "int8")  # K_lr formats: int8 rows cost half, so a sigma half as large fits the same memory
@@ -143,9 +145,7 @@ def points_at(table: list[QualityPoint], context: int) -> list[QualityPoint]:
 
 
 def save(path: Path, fingerprint: dict, table: list[QualityPoint], meta: dict) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"fingerprint": fingerprint, "meta": meta, "points": [asdict(p) for p in table]}, indent=1))
-    tmp.replace(path)
+    write_json_atomic(path, {"fingerprint": fingerprint, "meta": meta, "points": [asdict(p) for p in table]})
 
 
 def load(path: Path) -> list[QualityPoint]:

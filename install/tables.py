@@ -17,6 +17,7 @@ import numpy as np
 from edgekv.runtime import Engine, LowRankAdapter, RuntimeConfig
 from edgekv.runtime.adapter import collect_keys
 from edgekv.runtime.slots import replay_hit_rate
+from edgekv.runtime.store.files import write_json_atomic
 
 C_RATIOS = (1.0, 1.25, 1.5, 2.0, 3.0, 4.0)  # C / M
 
@@ -79,9 +80,7 @@ def build_adapters(model, prompts: list[list[int]], sigmas, out_dir: Path) -> di
 def save_tables(path: Path, fingerprint: dict, reuse: dict, adapters: dict, meta: dict) -> None:
     payload = {"fingerprint": fingerprint, "meta": meta, "adapters": {str(s): p for s, p in adapters.items()},
                "reuse": {str(g): {str(r): v for r, v in rows.items()} for g, rows in reuse.items()}}
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(payload, indent=1))
-    tmp.replace(path)
+    write_json_atomic(path, payload)
 
 
 def load_tables(path: Path) -> tuple[dict, dict, dict]:

@@ -12,10 +12,11 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import save
 
 from .forward import prefill
 from .model import DecoderModel
+from .store.files import write_atomic
 
 
 class AdapterError(ValueError):
@@ -60,7 +61,8 @@ class LowRankAdapter:
 
     def save(self, path: str | Path) -> None:
         meta = {"n_kv_heads": str(self.n_kv_heads), "head_dim": str(self.head_dim), "sigma": json.dumps(self.sigma)}
-        save_file({f"layer.{i}": m for i, m in enumerate(self.matrices)}, str(path), metadata=meta)
+        tensors = {f"layer.{i}": m.contiguous() for i, m in enumerate(self.matrices)}
+        write_atomic(Path(path), save(tensors, metadata=meta))  # a killed deploy never leaves half an adapter
 
     @classmethod
     def load(cls, path: str | Path) -> "LowRankAdapter":

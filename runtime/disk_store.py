@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from .placement import Placement
+from .store.files import pid_alive
 from .quant import FloatRecord, record_codec
 from .reader import KVReader, ReadBatch
 
@@ -107,6 +108,20 @@ def check_offload_path(root) -> Path:
     return root
 
 
+def remove_dead_sequences(root: Path) -> list[Path]:
+    """Remove the KV folders (``edgekv-<pid>-<id>``) of processes that no longer run, e.g. killed mid-decode: their
+    files are nobody's.  A live process's folder, this one's included, is never touched (a reused pid keeps it)."""
+    removed = []
+    for entry in root.glob("edgekv-*-*"):
+        pid = entry.name.split("-")[1]
+        if entry.is_dir() and pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
+            shutil.rmtree(entry, ignore_errors=True)
+            removed.append(entry)
+    if removed:
+        log.info("removed the KV files of %d dead process(es) under %s", len(removed), root)
+    return removed
+
+
 def kv_path_list(paths) -> list:
     """One KV path (str or Path), a list of them, or None -> a list (empty for None)."""
     if paths is None:
@@ -125,6 +140,8 @@ class DiskKVStore:
     def __init__(self, roots, n_layers: int, layout: RecordLayout, reader: KVReader, max_groups: int = 1 << 20,
                  max_request_bytes: int | None = None):
         self.roots = [check_offload_path(root) for root in kv_path_list(roots) or [None]]
+        for root in self.roots:
+            remove_dead_sequences(root)
         if len({r.resolve() for r in self.roots}) != len(self.roots):
             raise StoreError(f"KV paths {[str(r) for r in self.roots]} name one folder twice; list each path once")
         self.root = self.roots[0]

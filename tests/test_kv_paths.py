@@ -296,3 +296,37 @@ def test_m_and_c_beyond_the_context_allocate_nothing_more(model_dirs, tmp_path):
         assert big.memory_plan.per_sequence_bytes == fit.memory_plan.per_sequence_bytes
         tokens = [e.generate(PROMPTS, max_new_tokens=3, stop_token_ids=[])[0].token_ids for e in (big, fit)]
         assert tokens[0] == tokens[1]
+
+
+def test_the_kv_files_of_dead_processes_are_removed_and_live_ones_kept(tmp_path):
+    import subprocess
+    import sys
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead_pid = int(gone.stdout)
+    folders = {name: tmp_path / name for name in (f"edgekv-{dead_pid}-0badc0de", "edgekv-1-0000cafe",
+                                                  f"edgekv-{os.getpid()}-00000001", "edgekv-kv-scratch")}
+    for folder in folders.values():
+        folder.mkdir()
+        (folder / "seq0_layer0.kv").write_bytes(b"x" * 16)
+    reader = open_reader("python")
+    store = DiskKVStore(tmp_path, 1, layout(), reader)
+    store.close()
+    reader.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(n for n in folders if not n.startswith(f"edgekv-{dead_pid}-"))
+
+
+def test_an_interrupted_atomic_write_leaves_the_old_file_and_no_debris(tmp_path, monkeypatch):
+    from edgekv.runtime.store import files
+
+    target = tmp_path / "config.json"
+    files.write_json_atomic(target, {"G": 4})
+
+    def power_cut(fd):
+        raise OSError(5, "I/O error")
+
+    monkeypatch.setattr(files.os, "fsync", power_cut)
+    with pytest.raises(OSError, match="I/O error"):
+        files.write_json_atomic(target, {"G": 8})
+    assert target.read_text() == '{\n "G": 4\n}'
+    assert [p.name for p in tmp_path.iterdir()] == ["config.json"]

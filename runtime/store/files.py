@@ -7,6 +7,7 @@ debris from a crash and is removed on the next open.
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import uuid
 from contextlib import contextmanager
@@ -43,6 +44,11 @@ def write_atomic(path: Path, data: bytes) -> None:
     fsync_dir(path.parent)
 
 
+def write_json_atomic(path: Path, obj) -> None:
+    """``write_atomic`` of ``obj`` as indented JSON: configs, profiles and tables a crash must not leave half written."""
+    write_atomic(Path(path), json.dumps(obj, indent=1).encode())
+
+
 @contextmanager
 def locked(root: Path):
     """Exclusive lock of the store across processes (and across threads, each taking its own fd)."""
@@ -54,7 +60,7 @@ def locked(root: Path):
         os.close(fd)  # closing releases the flock
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -70,4 +76,4 @@ def stale_tmp(path: Path) -> bool:
         pid = int(path.name[len(TMP_PREFIX):].split("-", 1)[0])
     except ValueError:
         return True
-    return pid != os.getpid() and not _pid_alive(pid)
+    return pid != os.getpid() and not pid_alive(pid)
