@@ -19,6 +19,7 @@ SELECTORS = ("lowrank", "random", "oracle")
 SCORE_REDUCES = ("sum", "softmax")
 KLR_DTYPES = ("bfloat16", "float16", "float32", "int8")
 REPLACEMENTS = ("fifo", "lru", "cost")
+BOOL_FIELDS = ("reuse", "rolling_buffer", "clustering", "share_prefix")
 
 
 def picked_groups(M: int, G: int, sink_tokens: int, window_tokens: int) -> int:
@@ -137,6 +138,18 @@ class RuntimeConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"config field '{name}' must be a positive integer, got {value!r}")
 
+        for f in fields(self):  # json.loads takes NaN and Infinity; no field means anything by them
+            value = getattr(self, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ConfigError(f"config field '{f.name}' must be a finite number, got {value!r}")
+        for name in BOOL_FIELDS:
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"config field '{name}' must be true or false, got {getattr(self, name)!r}")
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.type in ("str", "str | None") and not (isinstance(value, str) or (value is None and "None" in f.type)):
+                raise ConfigError(f"config field '{f.name}' must be a string{' or null' if 'None' in f.type else ''}, "
+                                  f"got {value!r}")
         for name in ("G", "M", "C", "max_batch", "max_context", "io_queue_depth"):
             positive_int(name)
         if self.sigma is None and self.adapter_path is None:
@@ -187,9 +200,6 @@ class RuntimeConfig:
             raise ConfigError(f"config field 'arkv_window_tokens' must be an integer >= 1, got {self.arkv_window_tokens!r}")
         if isinstance(self.arkv_slack, bool) or not isinstance(self.arkv_slack, (int, float)) or not 0 < self.arkv_slack < 1:
             raise ConfigError(f"config field 'arkv_slack' must be in (0, 1) (the paper uses 0.75), got {self.arkv_slack!r}")
-        if not isinstance(self.clustering, bool) or not isinstance(self.share_prefix, bool):
-            raise ConfigError(f"config fields 'clustering' and 'share_prefix' must be true or false, got "
-                              f"{self.clustering!r} and {self.share_prefix!r}")
         positive_int("cluster_queries")
         if isinstance(self.recluster_steps, bool) or not isinstance(self.recluster_steps, int) or self.recluster_steps < 0:
             raise ConfigError(f"config field 'recluster_steps' must be an integer >= 0 (0: never), got {self.recluster_steps!r}")
