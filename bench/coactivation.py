@@ -23,8 +23,9 @@ from edgekv.bench import task_prompts
 from edgekv.runtime import Engine, RuntimeConfig
 from edgekv.runtime.checkpoints import resolve_checkpoint
 from edgekv.runtime.cluster import CoactivationLayout
-from edgekv.runtime.disk_store import _request_starts
+from edgekv.runtime.disk_store import request_starts
 from edgekv.runtime.model import load_model
+from edgekv.runtime.placement import Placement
 from edgekv.runtime.slots import SlotTable
 
 
@@ -54,31 +55,31 @@ def reads_per_step(trace, n_layers: int, batch: int, capacity: int | None, n_gro
     return out
 
 
-def requests(position: np.ndarray, path: np.ndarray, groups: np.ndarray, max_records: int) -> int:
-    """Requests the store makes for ``groups`` of one (sequence, layer) whose records sit at (path, position)."""
-    order = np.lexsort((position[groups], path[groups]))
-    fds, offsets = path[groups][order].astype(np.int32), position[groups][order]
-    return len(_request_starts(fds, offsets, 1, max_records))
+def requests(placement: Placement, groups: np.ndarray, max_records: int) -> int:
+    """Requests the store makes for ``groups`` of one (sequence, layer) placed by ``placement`` (first copies)."""
+    path, index = (copy[:, 0] for copy in placement.copies(0, groups))
+    order = np.lexsort((index, path))
+    return len(request_starts(path[order].astype(np.int32), index[order], 1, max_records))
 
 
 def replay(reads, placer: CoactivationLayout, n_groups: int, n_paths: int, recluster: int, max_records: int) -> dict:
-    """Requests and records per step after step ``recluster``, token order vs the refined layout."""
-    token_path, token_pos = np.arange(n_groups) % n_paths, np.arange(n_groups) // n_paths
+    """Requests and records per step after step ``recluster``, token order vs the refined layout (the store's own
+    ``Placement``, moved as ``DiskKVStore.relocate`` moves it)."""
+    striped = Placement(1, n_groups, n_paths)
+    striped.stripe(0, np.arange(n_groups))
     totals = {"token": 0, "clustered": 0, "records": 0, "steps": 0}
     for per_layer in reads:
         for b in range(len(per_layer[0])):
             picks = np.zeros((recluster, n_groups), dtype=bool)
             for step in range(recluster):
                 picks[step, per_layer[step][b]] = True
-            per_path, _ = placer.refine(picks, n_paths)
-            path, pos = token_path.copy(), token_pos.copy()
-            filled = np.bincount(token_path, minlength=n_paths)
-            for p, moved in enumerate(per_path):
-                path[moved], pos[moved] = p, filled[p] + np.arange(len(moved))
+            refined = Placement(1, n_groups, n_paths)
+            refined.stripe(0, np.arange(n_groups))
+            refined.move(0, placer.refine(picks, n_paths)[0])
             for step in range(recluster, len(per_layer)):
                 groups = per_layer[step][b]
-                totals["token"] += requests(token_pos, token_path, groups, max_records)
-                totals["clustered"] += requests(pos, path, groups, max_records)
+                totals["token"] += requests(striped, groups, max_records)
+                totals["clustered"] += requests(refined, groups, max_records)
                 totals["records"] += len(groups)
         totals["steps"] = len(per_layer) - recluster
     steps = totals["steps"]

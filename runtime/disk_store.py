@@ -254,8 +254,7 @@ class DiskKVStore:
         starts = np.flatnonzero(np.r_[True, (path[1:] != path[:-1]) | (index[1:] != index[:-1] + 1)])
         for a, b in zip(starts, np.r_[starts[1:], len(row)]):
             rows = row[a:b]
-            contiguous = rows[-1] - rows[0] == b - a - 1 and np.all(np.diff(rows) == 1)
-            run = records[rows[0] : rows[-1] + 1] if contiguous else _aligned_take(records, rows, self.layout.align_bytes)
+            run = records[rows[0] : rows[-1] + 1] if np.all(np.diff(rows) == 1) else _aligned_take(records, rows, self.layout.align_bytes)
             self._pwrite(int(self._fds[seq, layer, path[a]]), run, int(index[a]) * self.layout.stride_bytes)
 
     def _pwrite(self, fd: int, records: np.ndarray, offset: int) -> None:
@@ -305,8 +304,7 @@ class DiskKVStore:
         fds = np.empty(n, dtype=np.int32)
         offsets = np.empty(n, dtype=np.int64)
         paths = np.zeros(n, dtype=np.int32)
-        copies = []  # (read indices, path [k, R], index [k, R]) per sequence
-        stored = np.zeros(n, dtype=bool)
+        copies = []  # (sequence, its read indices, path [k, R], index [k, R]) of the reads not from a stored blob
         for seq in np.unique(seqs).tolist() if n else ():
             mine = np.flatnonzero(seqs == seq)
             if seq in self._prefix:
@@ -320,7 +318,6 @@ class DiskKVStore:
                     t, within = g // per_blob, g % per_blob
                     fds[mine[hit]] = blob_fds[t]
                     offsets[mine[hit]] = (layer * blob_groups[t] + within) * stride
-                    stored[mine[hit]] = True
                     mine = mine[~hit]
             path, index = self._placement[seq].copies(layer, groups[mine])
             copies.append((seq, mine, path, index))
@@ -339,7 +336,7 @@ class DiskKVStore:
             paths[mine] = chosen
         order = np.lexsort((offsets, fds))
         fds, offsets, paths, addresses = fds[order], offsets[order], paths[order], np.asarray(addresses)[order]
-        starts = _request_starts(fds, offsets, stride, self.max_request_records)
+        starts = request_starts(fds, offsets, stride, self.max_request_records)
         counts = np.diff(np.r_[starts, n]).astype(np.int32)
         return ReadBatch(fds[starts], offsets[starts], addresses, stride, counts, paths[starts])
 
@@ -393,7 +390,7 @@ def _aligned_take(records: np.ndarray, rows: np.ndarray, align: int) -> np.ndarr
     return out
 
 
-def _request_starts(fds: np.ndarray, offsets: np.ndarray, stride: int, max_records: int) -> np.ndarray:
+def request_starts(fds: np.ndarray, offsets: np.ndarray, stride: int, max_records: int) -> np.ndarray:
     """First read of each request over reads sorted by (fd, offset): a request continues while the next record
     follows in the same file, up to ``max_records`` records."""
     n = len(fds)

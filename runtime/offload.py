@@ -105,7 +105,7 @@ class OffloadedKV(KVPolicy):
         one reuse pool, so a group both pick is read once and then hit by both."""
         self.store.share_prefix(seq, owner, n_groups)
         self.owner[seq], self.shared_groups[seq] = owner, n_groups
-        self.slots.share([owner, *np.flatnonzero((self.owner == owner) & (np.arange(self.batch) != owner)).tolist()])
+        self.slots.share([owner, seq])  # joins the pool of the owner's other borrowers too
 
     def observe_prompt(self, layer, seq, q):
         self._observed[layer] = q
@@ -156,7 +156,7 @@ class OffloadedKV(KVPolicy):
         if self.on_select is not None:
             self.on_select(layer, groups, valid)
         owners = record_owners(groups, self.owner, self.shared_groups)
-        if self.recluster_steps:
+        if self.recluster_steps and (self.decode_steps[active] < self.recluster_steps).any():  # until all re-laid
             self._keep_picks(layer, groups, valid, owners)
         slots, misses = self.slots.assign(layer, groups, valid, owners)
         self.select_s += time.perf_counter() - started

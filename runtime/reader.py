@@ -17,6 +17,7 @@ import subprocess
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, wait
+from functools import partial
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -251,11 +252,17 @@ class MultiPathReader(KVReader):
                                            batch.nbytes, counts)))
         return shares
 
-    def _read_share(self, path: int, share: ReadBatch) -> None:
+    def _read_share(self, path: int, share: ReadBatch, read=None):
+        """Read one device's share (``read``: how, by default its reader's ``read``), count it on its path, and
+        tag a failure with the path (the store names its folder); returns what ``read`` returns."""
         began, carried = self._clock(), False
         try:
-            self.readers[path].read(share)
+            result = (read or self.readers[path].read)(share)
             carried = True
+            return result
+        except OSError as error:
+            error.kv_path = path
+            raise
         finally:
             with self._lock:
                 self.busy_s_by_path[path] += self._clock() - began
@@ -271,17 +278,10 @@ class MultiPathReader(KVReader):
         done, error = [], None
         submitted = self.readers[shares[0][0]].link.clock()  # every device got its share now
         for path, share in shares:
-            began = self._clock()
             try:
-                done.append((self.readers[path].start(share, submitted), path))
+                done.append((self._read_share(path, share, partial(self.readers[path].start, began=submitted)), path))
             except OSError as exc:
-                exc.kv_path = path
                 error = error or exc
-                continue
-            finally:
-                self.busy_s_by_path[path] += self._clock() - began
-            self.bytes_by_path[path] += share.total_bytes
-            self.requests_by_path[path] += len(share)
         if done:
             last, path = max(done)
             self.readers[path].link.wait_until(last)
@@ -294,22 +294,14 @@ class MultiPathReader(KVReader):
             return
         if all(isinstance(self.readers[path], PacedReader) for path, _ in shares):
             self._read_paced(shares)
-            return
-        if len(shares) == 1:  # one device: no thread hop
-            try:
-                self._read_share(*shares[0])
-            except OSError as error:
-                error.kv_path = shares[0][0]
-                raise
-            return
-        futures = [self._threads[path].submit(self._read_share, path, share) for path, share in shares]
-        wait(futures)
-        for (path, _), future in zip(shares, futures):
-            error = future.exception()
-            if isinstance(error, OSError):
-                error.kv_path = path  # which device failed: the store names its folder
-            if error is not None:
-                raise error
+        elif len(shares) == 1:  # one device: no thread hop
+            self._read_share(*shares[0])
+        else:
+            futures = [self._threads[path].submit(self._read_share, path, share) for path, share in shares]
+            wait(futures)
+            for future in futures:
+                if future.exception() is not None:
+                    raise future.exception()
 
     def close(self) -> None:
         for thread in self._threads:

@@ -95,14 +95,14 @@ def test_records_read_back_from_every_path_with_coalesced_requests(tmp_path, n_p
 
 
 def test_coalescing_stops_at_gaps_files_and_the_request_size():
-    from edgekv.runtime.disk_store import _request_starts
+    from edgekv.runtime.disk_store import request_starts
 
     stride = 4096
     fds = np.array([3, 3, 3, 3, 3, 4, 4], dtype=np.int32)
     offsets = np.array([0, 1, 2, 4, 5, 6, 7]) * stride
-    assert _request_starts(fds, offsets, stride, max_records=8).tolist() == [0, 3, 5]
-    assert _request_starts(fds, offsets, stride, max_records=2).tolist() == [0, 2, 3, 5]
-    assert _request_starts(fds, offsets, stride, max_records=1).tolist() == list(range(7))
+    assert request_starts(fds, offsets, stride, max_records=8).tolist() == [0, 3, 5]
+    assert request_starts(fds, offsets, stride, max_records=2).tolist() == [0, 2, 3, 5]
+    assert request_starts(fds, offsets, stride, max_records=1).tolist() == list(range(7))
 
 
 def test_replicated_records_go_to_the_least_loaded_path(tmp_path):
