@@ -89,6 +89,7 @@ class Run:
     records_by_path: list | None = None  # records read from each path: how evenly the layout spreads the load
     reader: str | None = None  # the KV reader, emulation included
     kv_bytes_read: int | None = None  # every sequence's reads of the row together
+    verify_fraction: float | None = None  # the share of records read whose checksum was checked (disk rows)
 
 
 def ratio(value: float | None, reference: float | None) -> float | None:
@@ -154,6 +155,7 @@ def policy_configs(model: DecoderModel, batch: int, context: int, budgets: list[
                 continue
             rows.append((name, label, {**base, "G": fit.G, "M": fit.M, "C": fit.C, "sigma": fit.sigma, "reuse": reuse,
                                        "max_kv_mem_mib": budget_mib}))
+        rows.append(("kvswap-noverify", label, {**rows[-1][2], "verify_fraction": 0.0}))  # what checksums cost
         rows.append(("arkv", label, {**base, "G": 4, "M": 1, "C": 1, "sigma": 8, "max_kv_mem_mib": budget_mib}))
         if (context, label) in (chosen or {}):
             rows.append(("kvswap-quality", label, {**base, **chosen[(context, label)], "max_kv_mem_mib": budget_mib}))
@@ -228,7 +230,7 @@ class RowRunner:
         return Run(
             label, budget, len(s), self.context, rate, None, s[0]["kv_resident_bytes"] / 2**20, read / decoded,
             eff, ratio(eff, profile_bw), float(np.mean([x["reuse_rate"] for x in s])), s[0]["io_stall_share"], step_ms,
-            parts, G=config.G if on_disk else None, M=config.M if selects else None, C=config.C if name == "kvswap" else None,
+            parts, G=config.G if on_disk else None, M=config.M if selects else None, C=config.C if name in ("kvswap", "kvswap-noverify") else None,
             sigma=config.sigma if selects else None, o_direct=s[0]["o_direct"],
             sink_tokens=config.sink_tokens if kvswap else None, window_tokens=config.window_tokens if kvswap else None,
             klr_dtype=config.klr_dtype if kvswap else None,
@@ -239,7 +241,8 @@ class RowRunner:
             clustering=("on" if config.clustering else "off") if on_disk else None,
             replacement=config.replacement if kvswap and config.reuse else None,
             share_prefix=config.share_prefix if on_disk else None, path_limit_mib_s=path_limit_mib_s,
-            records_by_path=s[0]["kv_records_by_path"] if on_disk else None, reader=s[0]["reader"], kv_bytes_read=read)
+            records_by_path=s[0]["kv_records_by_path"] if on_disk else None, reader=s[0]["reader"], kv_bytes_read=read,
+            verify_fraction=s[0]["kv_records_verified"] / max(1, s[0]["kv_records_read"]) if on_disk else None)
 
 
 def path_counts(n_folders: int) -> list[int]:

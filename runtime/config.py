@@ -38,12 +38,14 @@ def cpu_pool_tokens(beta: float, max_context: int) -> int:
 
 def read_config_file(source: str | Path) -> dict:
     path = Path(source)
+    if path.is_dir():
+        raise ConfigError(f"config file {path} is a folder; pass the path of a JSON config (e.g. deploy/<platform>/config.json)")
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist; pass a dict or the path of a JSON config")
     try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"config file {path} is not valid JSON: {exc}") from exc
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"config file {path} is not valid JSON text: {exc}") from exc
 
 
 @dataclass(frozen=True)
@@ -77,6 +79,9 @@ class RuntimeConfig:
     (KVSwap), "lru", or "cost" (Swarm's cost-aware: activation frequency times the cost of reading again).
     Adjacent records of one file are read as one request of at most ``max_request_bytes``.  ``share_prefix``:
     sequences of a batch whose prompts share whole groups read (and write) those groups once.
+    ``verify_fraction`` the share of KV records read whose checksum is verified (runtime/checksum.py): 1 every
+    one, 0 none (both logged when below 1); a record that fails twice is never attended.  A KV read not done
+    within ``read_deadline_s`` fails its request (a hung device) instead of blocking it for good.
     """
 
     G: int = 4
@@ -114,6 +119,8 @@ class RuntimeConfig:
     replacement: str = "fifo"
     max_request_bytes: int = 262144
     share_prefix: bool = True
+    verify_fraction: float = 1.0
+    read_deadline_s: float = 60.0
 
     @classmethod
     def load(cls, source: "RuntimeConfig | dict | str | Path | None") -> "RuntimeConfig":
@@ -211,6 +218,13 @@ class RuntimeConfig:
             raise ConfigError(f"config field 'replica_share' must be in [0, 1], got {self.replica_share!r}")
         if self.replacement not in REPLACEMENTS:
             raise ConfigError(f"config field 'replacement' must be one of {REPLACEMENTS}, got {self.replacement!r}")
+        if isinstance(self.verify_fraction, bool) or not isinstance(self.verify_fraction, (int, float)) \
+                or not 0 <= self.verify_fraction <= 1:
+            raise ConfigError(f"config field 'verify_fraction' must be in [0, 1] (1: verify every KV record read, "
+                              f"0: none), got {self.verify_fraction!r}")
+        if isinstance(self.read_deadline_s, bool) or not isinstance(self.read_deadline_s, (int, float)) \
+                or not self.read_deadline_s > 0:
+            raise ConfigError(f"config field 'read_deadline_s' must be a number of seconds > 0, got {self.read_deadline_s!r}")
         align = self.io_align_bytes
         if not isinstance(align, int) or align < 512 or align & (align - 1):
             raise ConfigError(f"config field 'io_align_bytes' must be a power of two >= 512, got {align!r}")

@@ -2,10 +2,12 @@
 
 One file per (sequence, layer).  Record g holds tokens [g*G, (g+1)*G) of that layer as
 K [H_kv, G, d] followed by V [H_kv, G, d], padded to the O_DIRECT alignment, so one
-selected group is one aligned read at offset g * stride_bytes (64-bit).
+selected group is one aligned read at offset g * stride_bytes (64-bit).  Each record's checksum
+(runtime/checksum.py) is kept in memory when it is written and checked when it is read back.
 """
 from __future__ import annotations
 
+import ctypes
 import errno
 import logging
 import os
@@ -18,16 +20,39 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .checksum import record_sums, sums_at
 from .placement import Placement
 from .store.files import pid_alive
 from .quant import FloatRecord, record_codec
-from .reader import KVReader, ReadBatch
+from .reader import KVReader, ReadBatch, record_starts
 
 log = logging.getLogger(__name__)
 
 
 class StoreError(OSError):
     """The offload path cannot hold the KV cache; the message says what to fix."""
+
+
+class CorruptRecord(StoreError):
+    """A KV record failed its checksum on two reads: its bytes on disk are not what was written.
+
+    ``blob`` is the context-store blob it came from (None: the sequence's own file)."""
+
+    def __init__(self, message: str, path: str, record: int, seq: int, layer: int, group: int, blob: str | None):
+        super().__init__(errno.EIO, message)
+        self.path, self.record, self.seq, self.layer, self.group, self.blob = path, record, seq, layer, group, blob
+
+
+@dataclass(frozen=True)
+class VerifiedBatch(ReadBatch):
+    """A store's read batch with what its records must hold: per record (in address order) the
+    sequence and group it is, and the checksum to find (``check`` marks the records verified)."""
+
+    layer: int = 0
+    seqs: np.ndarray | None = None
+    groups: np.ndarray | None = None
+    expected: np.ndarray | None = None
+    check: np.ndarray | None = None
 
 
 def aligned_zeros(shape: tuple[int, ...], align: int) -> np.ndarray:
@@ -103,6 +128,9 @@ def check_offload_path(root) -> Path:
     root = Path(root)
     if not root.is_dir():
         raise StoreError(f"kv_offload_path {root} does not exist; create it (on the disk that should hold the KV cache)")
+    if os.statvfs(root).f_flag & os.ST_RDONLY:
+        raise StoreError(f"kv_offload_path {root} is on a read-only filesystem; remount it read-write or pick a "
+                         "folder on a writable disk")
     if not os.access(root, os.W_OK | os.X_OK):
         raise StoreError(f"kv_offload_path {root} is not writable by this user; pick a writable folder")
     return root
@@ -138,7 +166,7 @@ class DiskKVStore:
     """
 
     def __init__(self, roots, n_layers: int, layout: RecordLayout, reader: KVReader, max_groups: int = 1 << 20,
-                 max_request_bytes: int | None = None):
+                 max_request_bytes: int | None = None, verify_fraction: float = 1.0):
         self.roots = [check_offload_path(root) for root in kv_path_list(roots) or [None]]
         for root in self.roots:
             remove_dead_sequences(root)
@@ -165,6 +193,11 @@ class DiskKVStore:
         self.records_read = 0
         self.records_by_path = np.zeros(self.n_paths, dtype=np.int64)
         self.records_relocated = 0
+        self.verify_fraction = verify_fraction
+        self._sums: dict[int, np.ndarray] = {}  # seq -> uint32 [layer, group]: each written record's checksum
+        self._rng = np.random.default_rng()
+        self.records_verified = 0
+        self.records_reread = 0  # failed once, then read back intact (a transient fault)
 
     @property
     def n_paths(self) -> int:
@@ -172,8 +205,8 @@ class DiskKVStore:
 
     @property
     def table_bytes(self) -> int:
-        """Memory of the placement tables (clustered layers only)."""
-        return sum(p.table_bytes for p in self._placement.values())
+        """Memory of the placement tables (clustered layers only) and of the checksums."""
+        return sum(p.table_bytes for p in self._placement.values()) + sum(s.nbytes for s in self._sums.values())
 
     def _open(self, path: Path) -> int:
         fd, direct = open_maybe_direct(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, direct=self.o_direct is not False)
@@ -197,6 +230,8 @@ class DiskKVStore:
             grown[: len(self._fds)] = self._fds
             self._fds = grown
         self._placement[seq] = Placement(self.n_layers, self.max_groups, self.n_paths)
+        if self.verify_fraction > 0:
+            self._sums[seq] = np.zeros((self.n_layers, self.max_groups), dtype=np.uint32)
         for layer in range(self.n_layers):  # recorded one by one: a failed open leaves the others for release
             for path in range(self.n_paths):
                 self._fds[seq, layer, path] = self._open(self._path(seq, layer, path))
@@ -206,23 +241,35 @@ class DiskKVStore:
         record order (runtime/cluster.py's layouts); groups written without one are striped in token order."""
         self._placement[seq].assign(layer, per_path)
 
-    def attach_prefix(self, seq: int, blobs: list[tuple[Path, int]]) -> None:
+    def attach_prefix(self, seq: int, blobs: list[tuple[Path, int, np.ndarray]]) -> None:
         """Serve the first groups of ``seq`` from stored blobs instead of its own files (no copy).
 
-        ``blobs``: (path, groups) per stored token chunk, in order; a blob holds every layer's records,
-        layer-major (the context store's layout), so group g of layer l sits in blob g // groups_of_chunk
-        at record l * groups + g % groups_of_chunk.  Writes to those groups are skipped from now on.
+        ``blobs``: (path, groups, checksums [n_layers, groups] from its trailer) per stored token chunk, in
+        order; a blob holds every layer's records, layer-major (the context store's layout), so group g of
+        layer l sits in blob g // groups_of_chunk at record l * groups + g % groups_of_chunk.  Writes to
+        those groups are skipped from now on.
         """
         fds = []
         try:
-            for path, _ in blobs:
+            for path, _, _ in blobs:
                 fds.append(open_maybe_direct(Path(path), os.O_RDONLY)[0])  # the store's own reads say if it is buffered
         except BaseException:
             for fd in fds:
                 os.close(fd)
             raise
-        groups = np.array([g for _, g in blobs], dtype=np.int64)
+        groups = np.array([g for _, g, _ in blobs], dtype=np.int64)
         self._prefix[seq] = (np.array(fds, dtype=np.int32), groups, int(groups.sum()))
+        if seq in self._sums and blobs:
+            self._sum_table(seq, int(groups.sum()))[:, : int(groups.sum())] = np.concatenate([s for _, _, s in blobs], axis=1)
+
+    def _sum_table(self, seq: int, n_groups: int) -> np.ndarray:
+        """``seq``'s checksums [layer, group], grown when a write goes past ``max_groups`` (never in the engine)."""
+        table = self._sums[seq]
+        if n_groups > table.shape[1]:
+            grown = np.zeros((self.n_layers, max(n_groups, 2 * table.shape[1])), dtype=np.uint32)
+            grown[:, : table.shape[1]] = table
+            table = self._sums[seq] = grown
+        return table
 
     def share_prefix(self, seq: int, owner: int, n_groups: int) -> None:
         """``seq``'s first ``n_groups`` groups are ``owner``'s (same tokens, same KV): reads of them name the
@@ -245,6 +292,8 @@ class DiskKVStore:
             return
         placement = self._placement[seq]
         groups = np.arange(first_group, first_group + records.shape[0])
+        if seq in self._sums:
+            self._sum_table(seq, int(groups[-1]) + 1)[layer, groups] = record_sums(records, self.layout.record_bytes, layer, groups)
         placement.stripe(layer, groups)
         paths, indexes = placement.copies(layer, groups)
         row, copy = np.nonzero(paths >= 0)
@@ -258,10 +307,16 @@ class DiskKVStore:
             self._pwrite(int(self._fds[seq, layer, path[a]]), run, int(index[a]) * self.layout.stride_bytes)
 
     def _pwrite(self, fd: int, records: np.ndarray, offset: int) -> None:
+        """A failed write names the file and what to do (a full disk above all); the caller releases the files."""
         view = memoryview(records.reshape(-1))
         done = 0
-        while done < len(view):
-            done += os.pwrite(fd, view[done:], offset + done)
+        try:
+            while done < len(view):
+                done += os.pwrite(fd, view[done:], offset + done)
+        except OSError as exc:
+            fix = ("free space there or pick another --kv-path" if exc.errno in (errno.ENOSPC, errno.EDQUOT)
+                   else "check the device, then run again")
+            raise StoreError(exc.errno, f"writing KV records to {_fd_path(fd)} failed ({exc.strerror or exc}): {fix}") from exc
         self.bytes_written += len(view)
 
     def batch(self, layer: int, seqs: np.ndarray, groups: np.ndarray, addresses: np.ndarray) -> ReadBatch:
@@ -338,16 +393,54 @@ class DiskKVStore:
         fds, offsets, paths, addresses = fds[order], offsets[order], paths[order], np.asarray(addresses)[order]
         starts = request_starts(fds, offsets, stride, self.max_request_records)
         counts = np.diff(np.r_[starts, n]).astype(np.int32)
-        return ReadBatch(fds[starts], offsets[starts], addresses, stride, counts, paths[starts])
+        seqs, groups = np.asarray(seqs)[order], np.asarray(groups)[order]
+        check = self._rng.random(n) < self.verify_fraction
+        expected = np.zeros(n, dtype=np.uint32)
+        for seq in np.unique(seqs[check]).tolist():
+            mine = check & (seqs == seq)
+            expected[mine] = self._sums[seq][layer, groups[mine]]
+        return VerifiedBatch(fds[starts], offsets[starts], addresses, stride, counts, paths[starts],
+                             layer, seqs, groups, expected, check)
 
     def read(self, batch: ReadBatch) -> None:
-        """A failed read names the KV folder it came from (a device that vanished, an unmounted path)."""
+        """A failed read names the KV folder it came from (a device that vanished, an unmounted path); a record
+        whose checksum fails is read once more, and if it fails again ``CorruptRecord`` names its file and offset."""
         try:
             self.reader.read(batch)
         except OSError as exc:
             where = self.roots[getattr(exc, "kv_path", 0)]
             raise StoreError(exc.errno, f"reading KV records from {where} failed ({exc.strerror or exc}); every KV "
                              "path must stay available while its sequences run: check the device, then run again") from exc
+        if isinstance(batch, VerifiedBatch) and batch.check is not None:
+            self._verify(batch)
+
+    def _verify(self, batch: VerifiedBatch) -> None:
+        rows = np.flatnonzero(batch.check)
+        self.records_verified += len(rows)
+        record_bytes = self.layout.record_bytes
+        found = sums_at(batch.addresses[rows], record_bytes, batch.layer, batch.groups[rows])
+        bad = rows[found != batch.expected[rows]]
+        if len(bad) == 0:
+            return
+        starts = record_starts(batch)
+        request = np.searchsorted(starts, bad, side="right") - 1
+        for i, r in zip(bad.tolist(), request.tolist()):
+            fd, offset = int(batch.fds[r]), int(batch.offsets[r]) + (i - int(starts[r])) * batch.nbytes
+            address, seq, group = int(batch.addresses[i]), int(batch.seqs[i]), int(batch.groups[i])
+            os.preadv(fd, [memoryview((ctypes.c_char * batch.nbytes).from_address(address)).cast("B")], offset)
+            if sums_at(np.array([address]), record_bytes, batch.layer, [group])[0] == batch.expected[i]:
+                self.records_reread += 1
+                log.warning("KV record %d of %s failed its checksum, then read back intact (a transient fault)",
+                            offset // batch.nbytes, _fd_path(fd))
+                continue
+            blob = seq in self._prefix and fd in self._prefix[seq][0]
+            path = _fd_path(fd)
+            raise CorruptRecord(
+                f"KV record {offset // batch.nbytes} (offset {offset}) of {path} (sequence {seq}, layer {batch.layer}, "
+                f"group {group}) failed its checksum twice: the bytes on disk are not those written; it was not used. "
+                + ("The stored context's chunk is dropped and computed again" if blob else
+                   "The sequence is computed again from its tokens; if this repeats, check the device"),
+                path, offset // batch.nbytes, seq, batch.layer, group, Path(path).stem if blob else None)
 
     def _borrowers(self, owner: int) -> list[int]:
         return [seq for seq, (o, _) in self._shared.items() if o == owner]
@@ -365,6 +458,7 @@ class DiskKVStore:
         for fd in blob_fds.tolist():
             os.close(fd)
         self._placement.pop(seq, None)
+        self._sums.pop(seq, None)
         self._moved = {key: moved for key, moved in self._moved.items() if key[0] != seq}
         if seq < len(self._fds):
             for layer, path in zip(*np.nonzero(self._fds[seq] >= 0)):
@@ -382,6 +476,14 @@ class DiskKVStore:
         finally:
             for d in self.dirs:
                 shutil.rmtree(d, ignore_errors=True)
+
+
+def _fd_path(fd: int) -> str:
+    """The file behind an open fd, for messages (Linux); the fd number elsewhere."""
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return f"fd {fd}"
 
 
 def _aligned_take(records: np.ndarray, rows: np.ndarray, align: int) -> np.ndarray:

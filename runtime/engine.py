@@ -21,7 +21,7 @@ from .checkpoints import load_tokenizer, resolve_checkpoint
 from .arkv import ArkvGeometry, ArkvKV
 from .cluster import CoactivationLayout
 from .config import IN_MEMORY_POLICIES, ConfigError, RuntimeConfig
-from .disk_store import DiskKVStore, RecordLayout, check_offload_path, kv_path_list
+from .disk_store import CorruptRecord, DiskKVStore, RecordLayout, check_offload_path, kv_path_list
 from .events import EventBus, JsonLinesLog
 from .forward import prefill
 from .hillinfer import HierarchicalSelector
@@ -36,6 +36,7 @@ from .scoring import InStorageScorer, NumpyScorer
 from .selector import KEYS_PER_RANK, AllGroupsSelector, LowRankSelector, RandomSelector
 from .slots import PreloadSlots, SlotTable
 from .solutions import SolutionTable, load_deployed
+from .store.errors import ChunkUnavailable
 from .ttft.compute import PrefixKV
 from .ttft.prefill import TTFTOptions, run_prefill
 
@@ -90,6 +91,10 @@ class Engine:
         self.reader: KVReader | None = reader
         if policy not in IN_MEMORY_POLICIES and reader is None:
             self.reader = open_reader(self.config.reader_backend, self.config.io_queue_depth, n_paths=len(self.kv_paths))
+        if policy not in IN_MEMORY_POLICIES and self.config.verify_fraction < 1:
+            log.warning("verify_fraction=%g: %s", self.config.verify_fraction,
+                        "KV records read are not checked against their checksums" if self.config.verify_fraction == 0
+                        else f"a damaged KV record is caught with probability {self.config.verify_fraction:g} per read")
 
     @classmethod
     def from_pretrained(
@@ -206,29 +211,65 @@ class Engine:
         step = self.config.max_batch
         for start in range(0, len(token_prompts), step):
             chunk = slice(start, start + step)
-            results += self._run_batch(token_prompts[chunk], forced[chunk], max_new_tokens, sampler, stops, output_logits)
+            results += self._run_checked(token_prompts[chunk], forced[chunk], max_new_tokens, sampler, stops, output_logits)
         return results
+
+    def _run_checked(self, prompts, forced, max_new_tokens: int, sampler: Sampler, stops: set[int], output_logits: bool):
+        """``_run_batch``; a KV record that failed its checksum sends the batch through once more from its tokens (a
+        stored chunk it came from is dropped first), with the sampler where it was: the same tokens as an
+        undamaged run.  Damage in the fresh files too surfaces as the CorruptRecord naming them."""
+        state = sampler.state()
+        try:
+            return self._run_batch(prompts, forced, max_new_tokens, sampler, stops, output_logits)
+        except CorruptRecord as exc:
+            if exc.blob is not None and self.context_store is not None:
+                self.context_store.forget_chunk(exc.blob)
+            log.warning("%s", exc)
+            self.events.emit("kv_corrupt", path=exc.path, record=exc.record, layer=exc.layer, group=exc.group)
+        sampler.restore(state)
+        return self._run_batch(prompts, forced, max_new_tokens, sampler, stops, output_logits)
 
     def _tokenize(self, prompts, chat: bool = False) -> list[list[int]]:
         if isinstance(prompts, (str, bytes)) or not isinstance(prompts, (list, tuple)):
             raise ValueError("prompts must be a list of strings or of token-id lists")
         if not prompts:
             raise ValueError("prompts is empty: pass at least one prompt")
-        out = []
+        import operator
+
+        vocab, out = self.model.dims.vocab, []
+
+        def token_id(i: int, j: int, t) -> int:
+            """Whole numbers only: int() would truncate 1.5, parse "7" and take True as 1."""
+            with contextlib.suppress(TypeError):
+                if not isinstance(t, bool):
+                    return operator.index(t)
+            raise ValueError(f"prompt {i} token {j} is {t!r:.40} ({type(t).__name__}); token ids are whole numbers "
+                             f"in [0, {vocab})")
+
         for i, p in enumerate(prompts):
             if isinstance(p, str) and chat:
                 p = [{"role": "user", "content": p}]
             if _is_messages(p):
+                lacking = next((j for j, m in enumerate(p) if not {"role", "content"} <= set(m)), None)
+                if lacking is not None:
+                    raise ValueError(f"prompt {i} message {lacking} is {p[lacking]!r}; a chat message is "
+                                     "{'role': 'user', 'content': TEXT}")
                 p = self._apply_chat_template(i, p)
             elif isinstance(p, str):
                 if self.tokenizer is None:
                     raise ValueError(f"prompt {i} is a string but {self.model.hf.name_or_path} has no tokenizer; pass token ids")
                 p = self.tokenizer(p)["input_ids"]
-            ids = [int(t) for t in p]
+            elif isinstance(p, (bytes, bytearray, dict)) or not hasattr(p, "__iter__"):
+                # bytes would iterate as their byte values: token ids nobody meant
+                raise ValueError(f"prompt {i} is {type(p).__name__} {p!r:.40}; pass text (str), a list of token ids "
+                                 "or chat messages")
+            ids = [token_id(i, j, t) for j, t in enumerate(p)]
             if not ids:
-                raise ValueError(f"prompt {i} is empty")
-            if max(ids) >= self.model.dims.vocab or min(ids) < 0:
-                raise ValueError(f"prompt {i} has token ids outside the vocabulary [0, {self.model.dims.vocab})")
+                raise ValueError(f"prompt {i} is empty: pass at least one token (or non-empty text)")
+            bad = next((j for j, t in enumerate(ids) if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise ValueError(f"prompt {i} token {bad} is {ids[bad]}, outside the vocabulary [0, {vocab}) of "
+                                 f"{self.model.hf.name_or_path}; use token ids of this model's tokenizer")
             if len(ids) >= self.config.max_context:
                 raise ValueError(
                     f"prompt {i} has {len(ids)} tokens but max_context is {self.config.max_context} "
@@ -361,7 +402,16 @@ class Engine:
         if not isinstance(policy, OffloadedKV) or store.root is None or disk.layout != store.layout:
             return
         G = store.layout.group_tokens
-        disk.attach_prefix(seq, [(store.backend.blob_path(ref.hash), ref.n_tokens // G) for ref in stored.chunks])
+        blobs = []
+        for ref in stored.chunks:  # up to the first chunk damaged or dropped meanwhile: the policy writes the rest
+            try:
+                blobs.append((store.backend.blob_path(ref.hash), ref.n_tokens // G, store.record_sums(ref)))
+            except ChunkUnavailable:
+                break
+        try:
+            disk.attach_prefix(seq, blobs)
+        except FileNotFoundError:  # a blob removed after its trailer was read (damage found by another reader)
+            pass
 
     def _decode_step(self, policy: KVPolicy, tokens: torch.Tensor, active: np.ndarray) -> torch.Tensor:
         """One token for every sequence: layer i+1's KV is fetched while layer i computes."""
@@ -398,6 +448,7 @@ class Engine:
             "reader": self.reader.name if self.reader else None,
             "o_direct": getattr(getattr(policy, "store", None), "o_direct", None),
             **_store_stats(getattr(policy, "store", None)),
+            "scorer_fallback": getattr(getattr(policy, "selector", None), "fallback", None),  # hillinfer on the CPU: why
             "config": {k: getattr(cfg, k) for k in ("G", "M", "C", "sigma", "reuse", "rolling_buffer", "max_context",
                                                     "kv_record_dtype")}
             | {"rank": self._rank(cfg)},
@@ -436,7 +487,8 @@ class Engine:
             return InMemoryKV(model, batch, cfg.max_context) if fits else ArkvKV(model, batch, cfg)
         layout = _record_layout(cfg, dims, model.dtype)
         max_groups = -(-cfg.max_context // cfg.G)
-        store = DiskKVStore(self.kv_paths, dims.n_layers, layout, self.reader, max_groups, cfg.max_request_bytes)
+        store = DiskKVStore(self.kv_paths, dims.n_layers, layout, self.reader, max_groups, cfg.max_request_bytes,
+                            cfg.verify_fraction)
         if self.policy == "flexgen":
             selector = AllGroupsSelector(cfg.M, model.device)
         elif self.policy == "hillinfer":
@@ -469,7 +521,7 @@ class Engine:
             on_select=lambda layer, groups, valid: self.events.emit("groups_selected", layer=layer, groups=groups, valid=valid),
             placer=CoactivationLayout(cfg.cluster_queries, cfg.cluster_radius, cfg.replica_share, model.scaling,
                                       layout.stride_bytes) if cfg.clustering and self.policy in ("kvswap", "token") else None,
-            recluster_steps=cfg.recluster_steps,
+            recluster_steps=cfg.recluster_steps, read_deadline_s=cfg.read_deadline_s,
         )
 
     def _keep_fitted_adapter(self, policy: KVPolicy, cfg: RuntimeConfig) -> None:
@@ -512,9 +564,11 @@ def _end_batch(policy: KVPolicy, batch: int) -> None:
 def _store_stats(store) -> dict:
     """The batch's read requests over its KV paths (every sequence's together: one step's reads are one batch)."""
     if store is None:
-        return {"n_paths": 0, "kv_read_requests": 0, "kv_records_read": 0, "kv_records_by_path": []}
+        return {"n_paths": 0, "kv_read_requests": 0, "kv_records_read": 0, "kv_records_by_path": [],
+                "kv_records_verified": 0, "kv_records_reread": 0}
     return {"n_paths": store.n_paths, "kv_read_requests": store.requests, "kv_records_read": store.records_read,
-            "kv_records_by_path": store.records_by_path.tolist()}
+            "kv_records_by_path": store.records_by_path.tolist(), "kv_records_verified": store.records_verified,
+            "kv_records_reread": store.records_reread}
 
 
 def _prefix_owners(prompts: list[list[int]], group_tokens: int) -> list[tuple[int, int] | None]:

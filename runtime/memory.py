@@ -5,7 +5,8 @@ Per sequence: ``full`` keeps the whole cache; the offloading policies keep K_lr 
 reuse: M slots for two layers, the one computing and the one loading; sink and window groups
 are not picked, so they take no slots), the sinks (S tokens per layer) and the rolling window
 (the W newest tokens plus the group being filled, per layer), and with ``clustering`` the placement tables
-(each group's copies on the KV paths).  Slots count their O_DIRECT padding: it is resident too.
+(each group's copies on the KV paths), and the checksums of the records on disk (8 bytes per group and layer,
+none when ``verify_fraction`` is 0).  Slots count their O_DIRECT padding: it is resident too.
 ``arkv`` keeps, per layer, its window in original precision and the rest of its share of the budget as
 original or quantized tokens (with their scores), the split per layer set by the prompt (runtime/arkv.py);
 under a budget that holds the whole cache it is ``full``.
@@ -15,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .arkv import GROUP_TOKENS, ArkvGeometry
+from .checksum import CHECKSUM_BYTES
 from .config import RuntimeConfig, cpu_pool_tokens
 from .hillinfer import HierarchicalSelector
 from .model import ModelDims
@@ -89,5 +91,6 @@ def plan_memory(
             "sinks": dims.n_layers * cfg.sink_groups * cfg.G * token_bytes,
             "rolling": dims.n_layers * (cfg.window_groups + 1) * cfg.G * token_bytes,
             "placement": dims.n_layers * -(-cfg.max_context // cfg.G) * PLACEMENT_BYTES_PER_GROUP if cfg.clustering else 0,
+            "checksums": dims.n_layers * -(-cfg.max_context // cfg.G) * CHECKSUM_BYTES if cfg.verify_fraction > 0 else 0,
         }
     return MemoryPlan(parts, cfg.max_batch)

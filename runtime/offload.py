@@ -13,18 +13,23 @@ so quantized records shrink the reads and the slots while the sinks and window s
 """
 from __future__ import annotations
 
+import errno
+import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, TimeoutError as FutureTimeout
 
 import numpy as np
 import torch
 
-from .disk_store import DiskKVStore, aligned_zeros
+from .disk_store import DiskKVStore, StoreError, aligned_zeros
 from .forward import decode_attention
 from .kv_policy import KVPolicy
 from .model import DecoderModel
 from .selector import Selector
 from .slots import record_owners
+
+_ABANDONED: dict = {}  # id(future) -> (future, buffers) of reads past their deadline: their memory lives until they land
+_ABANDONED_LOCK = threading.Lock()
 
 
 class OffloadedKV(KVPolicy):
@@ -45,6 +50,7 @@ class OffloadedKV(KVPolicy):
         on_select=None,
         placer=None,
         recluster_steps: int = 0,
+        read_deadline_s: float | None = None,
     ):
         super().__init__(model, batch, max_context)
         dims = model.dims
@@ -81,6 +87,8 @@ class OffloadedKV(KVPolicy):
         self.rb_len = np.zeros(batch, dtype=np.int64)
         self._pending: dict[int, tuple[torch.Tensor, torch.Tensor, Future]] = {}
         self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ekv-io")
+        self.read_deadline_s = read_deadline_s
+        self._hung: list[Future] = []  # reads that missed the deadline: never waited for again
         self._batch_index = torch.arange(batch, device=model.device)
 
     @property
@@ -207,7 +215,13 @@ class OffloadedKV(KVPolicy):
 
         slots, valid, future = self._pending.pop(layer)
         start = time.perf_counter()
-        future.result()
+        try:
+            future.result(timeout=self.read_deadline_s)
+        except FutureTimeout:
+            self._hung.append(future)
+            raise StoreError(errno.ETIMEDOUT, f"the KV read of layer {layer} did not finish within read_deadline_s="
+                             f"{self.read_deadline_s:g} s: the KV device under {self.store.root} hangs or is far slower "
+                             "than profiled; check it, or raise read_deadline_s") from None
         self.io_stall_s += time.perf_counter() - start
 
         # only the selected records are gathered (one copy each) and decoded, on the compute device
@@ -289,11 +303,34 @@ class OffloadedKV(KVPolicy):
         self.selector.release(seq)
 
     def close(self):
-        """Reads still in flight finish before any file is closed; the first one's error is raised after cleanup."""
-        errors = [e for e in (future.exception() for _, _, future in self._pending.values()) if e is not None]
+        """Reads still in flight finish before any file is closed; the first one's error is raised after cleanup.
+        A read past its deadline is not waited for: its buffers are kept alive until it lands, and the files
+        close under it (the kernel holds them for a syscall in progress)."""
+        futures = [future for _, _, future in self._pending.values()]
         self._pending.clear()
-        self._io.shutdown(wait=True)
+        errors = []
+        for future in futures:
+            if self._hung and future.cancel():  # queued behind a hung read: never started
+                continue
+            try:
+                error = future.exception(timeout=self.read_deadline_s)
+            except FutureTimeout:
+                self._hung.append(future)
+                continue
+            if error is not None:
+                errors.append(error)
+        hung = [f for f in self._hung if not f.done()]
+        for future in hung:
+            with _ABANDONED_LOCK:
+                _ABANDONED[id(future)] = (future, self._slot_bytes)
+            future.add_done_callback(_forget_abandoned)
+        self._io.shutdown(wait=not hung)
         self.selector.close()
         self.store.close()
         if errors:
             raise errors[0]
+
+
+def _forget_abandoned(future) -> None:
+    with _ABANDONED_LOCK:
+        _ABANDONED.pop(id(future), None)

@@ -73,7 +73,7 @@ class KVReader:
         pass
 
 
-def _record_starts(batch: ReadBatch) -> np.ndarray:
+def record_starts(batch: ReadBatch) -> np.ndarray:
     """int64 [n + 1]: request i's records are addresses[starts[i]:starts[i + 1]]."""
     if batch.counts is None:
         return np.arange(len(batch) + 1, dtype=np.int64)
@@ -126,7 +126,7 @@ class PythonPoolReader(KVReader):
     def read(self, batch: ReadBatch) -> None:
         """Every read ends before this returns, a failed one included: the caller may free the buffers after."""
         check_batch(batch)
-        starts = _record_starts(batch).tolist()
+        starts = record_starts(batch).tolist()
         addresses = batch.addresses.tolist()
         jobs = zip(batch.fds.tolist(), batch.offsets.tolist(), starts, starts[1:])
         futures = [self._pool.submit(self._read_one, fd, off, addresses[a:b], batch.nbytes) for fd, off, a, b in jobs]
@@ -238,7 +238,7 @@ class MultiPathReader(KVReader):
                              "paths: open the reader with n_paths covering every KV path")
         if len(used) == 1:
             return [(int(used[0]), replace(batch, paths=None))]
-        starts = _record_starts(batch)
+        starts = record_starts(batch)
         shares = []
         for path in used.tolist():
             idx = np.flatnonzero(paths == path)
@@ -404,11 +404,13 @@ def open_reader(backend: str = "auto", queue_depth: int = 64, n_paths: int = 1, 
 
 
 def build_all() -> dict[str, str]:
-    """Build every native library this machine can (the reader backends, arkv's quantized attention kernel);
-    returns name -> library path or error."""
+    """Build every native library this machine can (the reader backends, arkv's quantized attention kernel, the
+    records' CRC-32C); returns name -> library path or error."""
+    from .checksum import build_crc32c
     from .qattn import build_qattn
 
-    builds = {"io_uring": lambda: build_native("io_uring"), "pthread": lambda: build_native("pthread"), "qattn": build_qattn}
+    builds = {"io_uring": lambda: build_native("io_uring"), "pthread": lambda: build_native("pthread"), "qattn": build_qattn,
+              "crc32c": build_crc32c}
     out = {}
     for name, build in builds.items():
         try:

@@ -1,6 +1,8 @@
 """Next-token choice: greedy, or temperature / top-k / top-p sampling from a seeded generator."""
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 
 import torch
@@ -14,6 +16,11 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self):
+        for name in ("temperature", "top_p"):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name} must be a finite number, got {getattr(self, name)}")
+        if self.seed is not None and not 0 <= self.seed < 2**64:
+            raise ValueError(f"seed must be in [0, 2**64), got {self.seed}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
         if self.top_k < 0:
@@ -32,6 +39,14 @@ class Sampler:
                 self.generator.manual_seed(params.seed)
             else:
                 self.generator.seed()
+
+    def state(self) -> torch.Tensor | None:
+        """Where the generator stands (None when greedy): ``restore`` replays the same draws."""
+        return None if self.generator is None else self.generator.get_state()
+
+    def restore(self, state: torch.Tensor | None) -> None:
+        if state is not None:
+            self.generator.set_state(state)
 
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
         """logits [B, V] (float32) -> token ids [B]."""

@@ -46,7 +46,10 @@ def test_bench_end_to_end_writes_every_row(model_dirs, tmp_path, capsys):
                "--json", str(out), "--png", str(tmp_path / "bench.png"), "--quality-configs", str(tmp_path / "eval.json")])
     assert rc == 0
     runs = json.loads(out.read_text())["runs"]
-    assert [r["policy"] for r in runs] == ["full", "flexgen", "token", "kvswap-noreuse", "kvswap", "kvswap-quality"]
+    assert [r["policy"] for r in runs] == ["full", "flexgen", "token", "kvswap-noreuse", "kvswap", "kvswap-noverify",
+                                           "kvswap-quality"]
+    assert (runs[4]["verify_fraction"], runs[5]["verify_fraction"], runs[0]["verify_fraction"]) == (1.0, 0.0, None)
+    assert {k: runs[5][k] for k in "GMC"} == {k: runs[4][k] for k in "GMC"}  # the same row, unchecked
     assert (runs[-1]["G"], runs[-1]["M"], runs[-1]["sink_tokens"], runs[-1]["klr_dtype"]) == (4, 6, 4, "int8")
     keys = {"policy", "budget", "batch", "context", "decode_tok_s", "ratio_to_full", "kv_resident_mib",
             "read_bytes_per_token", "eff_read_bw_mib_s", "eff_bw_vs_profile", "reuse_rate", "io_stall_share"}

@@ -116,7 +116,10 @@ def test_bench_over_two_paths_writes_the_paths_rows_and_the_meta(model_dirs, tmp
     if fitted["reuse"]:  # the replay of the trace row's own picks through its own policy gives its hit rate back
         assert rates["fifo"] == pytest.approx(next(r for r in paths if r["policy"] == "kvswap/2p+cluster")["reuse_rate"])
     dedup = meta["dedup"]["2x512/1/4"]
-    assert dedup["bytes_without"] > dedup["bytes_with"] > 0 and dedup["ratio"] > 1
+    if fitted["reuse"]:  # a group both questions pick is read once into the shared pool, then hit by both
+        assert dedup["bytes_without"] > dedup["bytes_with"] > 0 and dedup["ratio"] > 1
+    else:  # without a reuse buffer only picks of one step coincide: never more bytes (tests/test_kv_paths.py: exact)
+        assert dedup["bytes_without"] >= dedup["bytes_with"] > 0
     assert (dedup["bytes_with"], dedup["bytes_without"]) == tuple(r["kv_bytes_read"] for r in paths[-2:])
     assert meta["paths"]["n_paths"] == [1, 2] and meta["paths"]["distinct_devices"] == 1
     assert meta["paths"]["path_limit_mib_s"] == 200 and "200 MiB/s" in meta["paths"]["emulation"]

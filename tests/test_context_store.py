@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+from edgekv.runtime.checksum import Trailer
 from edgekv.runtime.disk_store import RecordLayout, aligned_zeros
 from edgekv.runtime.store import (ChunkUnavailable, ContextStore, ContextStoreError, ThrottledBackend,
                                   model_fingerprint)
@@ -24,7 +25,7 @@ from edgekv.runtime.store import local as local_mod
 REPO = Path(__file__).resolve().parents[1]
 G, H, D, L, C = 4, 2, 16, 3, 8  # a chunk is 2 groups
 LAYOUT = RecordLayout(G, H, D, torch.float32)
-CHUNK_BYTES = L * (C // G) * LAYOUT.stride_bytes
+CHUNK_BYTES = L * (C // G) * LAYOUT.stride_bytes + Trailer.nbytes(L, C // G, LAYOUT.align_bytes)  # records, checksums
 
 
 def fingerprint(tag: str, **extra) -> dict:
@@ -83,11 +84,13 @@ def test_put_match_read_round_trip_is_bit_exact(tmp_path):
     h1 = hashlib.sha256(bytes.fromhex(h0) + np.arange(9, 17, dtype="<i8").tobytes()).hexdigest()
     assert [r.hash for r in saved.chunks[:2]] == [h0, h1]  # chained, seeded by the fingerprint
     assert_same_kv(read_back(store, found), kv, 20)
-    # the blob is layer-major records: layer l of a full chunk is one aligned range
+    # the blob is layer-major records (layer l of a full chunk is one aligned range), then the checksum trailer
     ref = found.chunks[0]
     raw = np.fromfile(store.backend.blob_path(ref.hash), dtype=np.uint8)
     per_layer = store.read_bytes_per_chunk_layer(ref)
-    assert per_layer == 2 * LAYOUT.stride_bytes and raw.size == L * per_layer and per_layer % 4096 == 0
+    assert per_layer == 2 * LAYOUT.stride_bytes and per_layer % 4096 == 0
+    assert raw.size == L * per_layer + Trailer.nbytes(L, 2, LAYOUT.align_bytes)
+    assert raw[L * per_layer : L * per_layer + 8].tobytes() == b"EKVSUMS\0"
     for layer in range(L):
         k, v = kv[layer]
         np.testing.assert_array_equal(raw[layer * per_layer:(layer + 1) * per_layer],
@@ -381,11 +384,11 @@ def test_local_reads_fall_back_from_o_direct_once_and_resume_short_reads(tmp_pat
         assert_same_kv(read_back(fresh, saved), kv, 16)
     assert fresh.backend.o_direct is False
     assert sum("O_DIRECT refused" in r.message for r in caplog.records) == 1
-    assert len(calls) == 2 * len(saved.chunks) * L  # 2 pages per (chunk, layer), one page per call
+    assert len(calls) == (2 * L + 1) * len(saved.chunks)  # 2 pages per (chunk, layer) and its trailer's, a page a call
 
     monkeypatch.undo()
     path = store.backend.blob_path(saved.chunks[1].hash)
-    os.truncate(path, path.stat().st_size - 4096)
+    os.truncate(path, path.stat().st_size - Trailer.nbytes(L, 2, LAYOUT.align_bytes) - 4096)  # the trailer, a record
     buf = aligned_zeros((2, LAYOUT.stride_bytes), 4096)
     with pytest.raises(ChunkUnavailable, match="short"):
         store.read(saved.chunks[1], L - 1, buf)
@@ -596,4 +599,5 @@ def test_throttle_accounts_every_byte_across_threads(tmp_path):
     saved = store.put(list(range(9)), make_kv(9))
     store.backend = ThrottledBackend(store.backend, rate_mib_s=1e6)
     assert_same_kv(read_back(store, saved), make_kv(9), 8)
-    assert store.backend.bytes_read == L * store.read_bytes_per_chunk_layer(saved.chunks[0])
+    trailer = Trailer.nbytes(L, 2, LAYOUT.align_bytes)  # read once per chunk
+    assert store.backend.bytes_read == L * store.read_bytes_per_chunk_layer(saved.chunks[0]) + trailer

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from edgekv.runtime import Engine
+from edgekv.runtime.checksum import record_sums
 from edgekv.runtime.disk_store import DiskKVStore, RecordLayout, StoreError, aligned_zeros
 from edgekv.runtime.placement import Placement
 from edgekv.runtime.reader import open_reader
@@ -250,7 +251,8 @@ def test_relocated_groups_of_a_stored_context_are_read_from_the_kv_paths_the_res
     blob.write_bytes(records(12, first=200).tobytes())  # one stored chunk of 12 groups, one layer
     try:
         store.open_sequence(0)
-        store.attach_prefix(0, [(blob, 12)])
+        sums = record_sums(records(12, first=200), layout().record_bytes, 0, np.arange(12))[None]
+        store.attach_prefix(0, [(blob, 12, sums)])
         store.write_groups(0, 0, 0, records(14, first=200))  # the stored 12 are skipped: only 12, 13 are written
         store.relocate(0, 0, [np.array([9, 2]), np.array([5])])
         got, batch = read(store, 0, np.zeros(5, dtype=np.int64), np.array([2, 5, 9, 3, 13]))

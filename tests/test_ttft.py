@@ -216,7 +216,8 @@ def test_the_disk_store_reads_a_stored_prefix_in_place_and_writes_only_the_rest(
         disk = DiskKVStore(tmp_path / "kv", model.dims.n_layers, layout, reader)
         try:
             disk.open_sequence(0)
-            disk.attach_prefix(0, [(store.backend.blob_path(r.hash), r.n_tokens // G) for r in stored.chunks])
+            disk.attach_prefix(0, [(store.backend.blob_path(r.hash), r.n_tokens // G, store.record_sums(r))
+                                  for r in stored.chunks])
             n_groups, prefix = len(ids) // G, stored.n_tokens // G
             for layer in range(model.dims.n_layers):
                 k, v = kv.layer(layer)

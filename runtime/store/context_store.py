@@ -5,14 +5,17 @@ Folder layout (the same when published over HTTP)::
     store.json          geometry every blob shares: G, align, chunk_tokens
     index.json          chunks {hash: parent, start, n_tokens, bytes, LRU tick} and named contexts
     contexts/<x>.json   a named context's token ids
-    chunks/<hash>.kv    one token chunk, every layer, layer-major, in the disk policies' records
+    chunks/<hash>.kv    one token chunk, every layer, layer-major, in the disk policies' records,
+                        then a trailer with each record's checksum (runtime/checksum.py)
 
 Hashes are chained (h_0 = sha256(fingerprint || chunk 0 tokens), h_t = sha256(h_{t-1} ||
 chunk t tokens)), so equal hashes mean equal model, dtype and whole token prefix, and a prompt
 reuses the longest stored prefix chunk by chunk.  Chunk boundaries sit at multiples of
 chunk_tokens; only a context's last chunk may be shorter (a multiple of G).  The index keeps
 ``index ⊆ blobs``: blobs are renamed into place before the index names them, and the index
-forgets a blob before it is unlinked.
+forgets a blob before it is unlinked.  A record or trailer that fails its checksum is a miss:
+the chunk is dropped from the index (and its blob removed), the caller computes it, and the next
+save writes it again.
 """
 from __future__ import annotations
 
@@ -23,14 +26,16 @@ import os
 import re
 import threading
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from ..disk_store import RecordLayout
-from .errors import ChunkUnavailable, ContextStoreError
+from ..checksum import Trailer, TrailerError, record_sums, sums_at
+from ..disk_store import RecordLayout, aligned_zeros
+from .errors import ChunkCorrupt, ChunkUnavailable, ContextStoreError
 from .files import TMP_PREFIX, fsync_dir, locked, stale_tmp, tmp_path, write_atomic
 from .fingerprint import describe
 from .http import HttpBackend
@@ -39,7 +44,7 @@ from .local import LocalBackend
 log = logging.getLogger(__name__)
 
 STORE_FILE, INDEX_FILE = "store.json", "index.json"
-FORMAT = 1
+FORMAT = 2  # 2: blobs end in a checksum trailer
 READ_ONLY = "read-only: save to a local --kv-path and publish the folder"
 
 
@@ -84,6 +89,7 @@ class ContextStore:
         self._index = _empty_index()
         self._stamp = None  # index.json's (inode, mtime, size) when last loaded
         self._lengths: dict[str, set[int]] = {}  # parent hash -> chunk lengths stored under it
+        self._trailers: dict[str, np.ndarray] = {}  # chunk hash -> its records' checksums [n_layers, n_groups]
 
     # ---- opening ------------------------------------------------------------------------------
 
@@ -147,6 +153,10 @@ class ContextStore:
 
     def _check_geometry(self, found: dict) -> None:
         want = self._geometry()
+        if found.get("format") != FORMAT:
+            raise ContextStoreError(
+                f"the context store at {self.location} has format {found.get('format')}; this edgekv reads format "
+                f"{FORMAT} (blobs with checksums): move that folder away, or use another --kv-path, and save again")
         if any(found.get(k) != v for k, v in want.items()):
             def show(g):
                 return ", ".join(f"{k}={g.get(k)}" for k in want)
@@ -290,12 +300,65 @@ class ContextStore:
         if out.nbytes != nbytes:
             raise ValueError(f"out holds {out.nbytes} bytes; chunk {ref.hash[:12]} needs "
                              f"[{ref.n_tokens // self.layout.group_tokens}, {self.layout.stride_bytes}] = {nbytes}")
+        sums = self.record_sums(ref)
         self.backend.read_range(ref.hash, layer * nbytes, nbytes, out)
+        stride, first = self.layout.stride_bytes, ref.start // self.layout.group_tokens
+        groups = np.arange(first, first + ref.n_tokens // self.layout.group_tokens)
+        found = sums_at(out.ctypes.data + np.arange(len(groups)) * stride, self.layout.record_bytes, layer, groups)
+        bad = np.flatnonzero(found != sums[layer])
+        if len(bad):
+            self._corrupt(ref, f"layer {layer} group {int(groups[bad[0]])} (record {layer * len(groups) + int(bad[0])}) "
+                               f"and {len(bad) - 1} more failed their checksums")
+
+    def record_sums(self, ref: ChunkRef) -> np.ndarray:
+        """The checksums [n_layers, n_groups] of a chunk's records, from its trailer (read once, then kept).
+        A damaged trailer, or one of another model or layout, makes the chunk a miss (ChunkCorrupt)."""
+        with self._mutex:
+            if ref.hash in self._trailers:
+                return self._trailers[ref.hash]
+        n_groups = ref.n_tokens // self.layout.group_tokens
+        nbytes = Trailer.nbytes(self.n_layers, n_groups, self.layout.align_bytes)
+        out = aligned_zeros((nbytes,), self.layout.align_bytes)
+        self.backend.read_range(ref.hash, self._records_bytes(ref.n_tokens), nbytes, out)
+        try:
+            trailer = Trailer.unpack(out, self.n_layers, n_groups, self.layout.record_bytes,
+                                     ref.start // self.layout.group_tokens, self.fingerprint["id"])
+        except TrailerError as exc:
+            self._corrupt(ref, str(exc))
+        with self._mutex:
+            if len(self._trailers) >= 4096:
+                self._trailers.pop(next(iter(self._trailers)))
+            self._trailers[ref.hash] = trailer.sums
+        return trailer.sums
+
+    def _corrupt(self, ref: ChunkRef, what: str):
+        """A chunk whose bytes are not those saved is a miss: forget it (local stores), log, raise ChunkCorrupt."""
+        log.warning("context store %s: chunk %s (tokens %d..%d) is damaged (%s): dropped, it is computed instead",
+                    self.location, ref.hash[:16], ref.start, ref.start + ref.n_tokens, what)
+        self.forget_chunk(ref.hash)
+        raise ChunkCorrupt(f"chunk {ref.hash[:16]} of the context store at {self.location} is damaged: {what}")
+
+    def forget_chunk(self, h: str) -> None:
+        """Drop one chunk from the index, then remove its blob (a damaged one: the next save writes it again)."""
+        with self._mutex:
+            self._trailers.pop(h, None)
+            if self.root is None:
+                return
+            with locked(self.root):
+                self._refresh()
+                if self._index["chunks"].pop(h, None) is None:
+                    return
+                self._write_index()
+            self.backend.blob_path(h).unlink(missing_ok=True)
 
     # ---- saving -------------------------------------------------------------------------------
 
-    def _blob_bytes(self, n_tokens: int) -> int:
+    def _records_bytes(self, n_tokens: int) -> int:
         return self.n_layers * n_tokens // self.layout.group_tokens * self.layout.stride_bytes
+
+    def _blob_bytes(self, n_tokens: int) -> int:
+        n_groups = n_tokens // self.layout.group_tokens
+        return self._records_bytes(n_tokens) + Trailer.nbytes(self.n_layers, n_groups, self.layout.align_bytes)
 
     def _check_kv(self, kv, n: int) -> None:
         lay = self.layout
@@ -313,11 +376,17 @@ class ContextStore:
         """Every layer's records of one token chunk into a fsynced temp file (renamed by the caller)."""
         tmp = tmp_path(self.root / "chunks", ".kv")
         stop = ref.start + ref.n_tokens
+        first = ref.start // self.layout.group_tokens
+        groups = np.arange(first, first + ref.n_tokens // self.layout.group_tokens)
+        sums = np.zeros((self.n_layers, len(groups)), dtype=np.uint32)
         try:
             with open(tmp, "wb") as f, torch.no_grad():
                 for layer in range(self.n_layers):
                     k, v = kv[layer]
-                    f.write(memoryview(self.layout.pack(k[:, ref.start : stop], v[:, ref.start : stop]).reshape(-1)))
+                    records = self.layout.pack(k[:, ref.start : stop], v[:, ref.start : stop])
+                    sums[layer] = record_sums(records, self.layout.record_bytes, layer, groups)
+                    f.write(memoryview(records.reshape(-1)))
+                f.write(Trailer(self.fingerprint["id"], self.layout.record_bytes, first, sums).pack(self.layout.align_bytes))
                 f.flush()
                 os.fsync(f.fileno())
         except BaseException:
@@ -377,10 +446,11 @@ class ContextStore:
                     if missing:
                         fsync_dir(self.root / "chunks")
                     self._touch([r.hash for r in refs])
-                    if name is not None:
-                        self._record_context(name, arr, all_hashes, n)
+                    replaced = self._record_context(name, arr, all_hashes, n) if name is not None else None
                     victims = self._evict({r.hash for r in refs})
                     self._write_index()
+                    if replaced is not None:  # the index names the new file now: the old one is nobody's
+                        (self.root / replaced).unlink(missing_ok=True)
                 for h in victims:
                     self.backend.blob_path(h).unlink(missing_ok=True)
             finally:
@@ -388,12 +458,16 @@ class ContextStore:
                     tmp.unlink(missing_ok=True)
         return StoredPrefix(refs[-1].start + refs[-1].n_tokens if refs else 0, refs)
 
-    def _record_context(self, name: str, arr: np.ndarray, hashes: list[str], n_stored: int) -> None:
-        rel = f"contexts/{_slug(name)}.json"
+    def _record_context(self, name: str, arr: np.ndarray, hashes: list[str], n_stored: int) -> str | None:
+        """Write the context's ids to a file of this save's own (a kill before the index names it leaves the old
+        entry and its old file intact; the open-time clean-up drops the new one); returns the file it replaces."""
+        rel = f"contexts/{_slug(name)}-{uuid.uuid4().hex[:8]}.json"
         body = {"name": name, "ids": arr.tolist(), "fingerprint": self.fingerprint, "chunks": hashes}
         write_atomic(self.root / rel, json.dumps(body).encode())
+        old = self._index["contexts"].get(name, {}).get("file")
         self._index["contexts"][name] = {"file": rel, "tokens": len(arr), "stored_tokens": n_stored, "chunks": hashes,
                                          "fingerprint": self.fingerprint, "saved_at": time.time()}
+        return old if old != rel else None
 
     def _evict(self, protected: set[str]) -> list[str]:
         """Drop least-recently-used chunks (later ones of a tie first) until the cap holds."""
@@ -509,7 +583,7 @@ def _check_args(fingerprint: dict, layout: RecordLayout, n_layers: int, chunk_to
         detail = ", ".join(f"{k}: model {a} vs layout {b}" for k, (a, b) in wrong.items())
         raise ContextStoreError(f"layout mismatch between the model fingerprint and the record layout ({detail}); "
                                 f"build the layout from this model")
-    chunk_bytes = n_layers * chunk_tokens // g * layout.stride_bytes
+    chunk_bytes = n_layers * chunk_tokens // g * layout.stride_bytes + Trailer.nbytes(n_layers, chunk_tokens // g, layout.align_bytes)
     if max_bytes is not None and max_bytes < chunk_bytes:
         raise ContextStoreError(f"context store cap {max_bytes} B is smaller than one chunk ({chunk_bytes} B = "
                                 f"{n_layers} layers x {chunk_tokens} tokens); raise the cap or lower chunk_tokens")

@@ -11,3 +11,7 @@ class ChunkUnavailable(OSError):
 
     The caller computes that chunk instead: a read never returns partial or foreign bytes.
     """
+
+
+class ChunkCorrupt(ChunkUnavailable):
+    """A chunk's records or trailer failed their checksums: a miss, never KV to use (the store drops it)."""

@@ -1,0 +1,141 @@
+"""Checksums of KV records: a flipped bit or a torn write on disk is caught before attention sees it.
+
+Every record's checksum is CRC-32C of its (layer, group) as 8 bytes, then its payload (``record_bytes``, the
+padding left out): a record read from another layer's or group's offset fails as surely as a damaged one,
+and CRC-32C catches every single-bit error and every burst up to 32 bits.  A batch is checked in one call
+to a small C library (runtime/native/ekv_crc32c.c: the CPU's crc32c instruction, no GIL), so it runs
+beside the model's compute; without a C compiler the ``crc32c`` package computes the same values.
+Live KV files keep their checksums in memory (the side table of ``DiskKVStore``, 4 bytes per group and
+layer); a context-store blob carries them in a trailer after its records (``Trailer``): format version,
+model fingerprint, layers, groups, record length, first group, the checksums, and the trailer's own CRC.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import crc32c as crc32c_package
+import numpy as np
+
+from .reader import _cache_dir, compile_library
+
+log = logging.getLogger(__name__)
+
+VERSION = 1
+CHECKSUM_BYTES = 4  # one uint32 per (layer, group)
+MAGIC = b"EKVSUMS\0"
+_HEADER = np.dtype([("magic", "S8"), ("version", "<u4"), ("n_layers", "<u4"), ("n_groups", "<u4"),
+                    ("record_bytes", "<u4"), ("first_group", "<u8"), ("fingerprint", "S32")])
+_SOURCE = Path(__file__).with_name("native") / "ekv_crc32c.c"
+
+
+def record_seed(layer: int, group: int) -> int:
+    return (int(layer) << 40) | int(group)
+
+
+def build_crc32c() -> Path:
+    """Compile ekv_crc32c.c into the cache (named by source hash: an edited source is rebuilt)."""
+    digest = hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:12]
+    target = _cache_dir() / f"libekv_crc32c-{digest}.so"
+    if target.exists():
+        return target
+    return compile_library(lambda out: ["cc", "-O2", "-shared", "-fPIC", "-Wall", str(_SOURCE), "-o", out],
+                           target, "the CRC-32C library")
+
+
+@functools.cache
+def native() -> ctypes.CDLL | None:
+    """The C library, or None (logged once) when it cannot be built: the crc32c package serves instead."""
+    try:
+        lib = ctypes.CDLL(str(build_crc32c()))
+    except OSError as exc:
+        log.warning("CRC-32C library unavailable, checking KV records with the crc32c package (slower): %s", exc)
+        return None
+    lib.ekv_crc32c.argtypes = [ctypes.c_uint32, ctypes.c_void_p, ctypes.c_size_t]
+    lib.ekv_crc32c.restype = ctypes.c_uint32
+    lib.ekv_record_sums.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
+    lib.ekv_record_sums.restype = None
+    lib.ekv_crc32c_impl.restype = ctypes.c_char_p
+    return lib
+
+
+def sums_at(addresses, record_bytes: int, layers, groups, use_native: bool = True) -> np.ndarray:
+    """uint32 [n] checksums of the records at host ``addresses`` (where a read put them)."""
+    addresses = np.ascontiguousarray(addresses, dtype=np.int64)
+    seeds = np.ascontiguousarray((np.broadcast_to(np.asarray(layers, dtype=np.uint64), addresses.shape) << np.uint64(40))
+                                 | np.asarray(groups, dtype=np.uint64))
+    out = np.empty(len(addresses), dtype=np.uint32)
+    lib = native() if use_native else None
+    if lib is not None:
+        lib.ekv_record_sums(len(addresses), addresses.ctypes.data, record_bytes, seeds.ctypes.data, out.ctypes.data)
+        return out
+    for i, (a, seed) in enumerate(zip(addresses.tolist(), seeds.tolist())):
+        head = crc32c_package.crc32c(int(seed).to_bytes(8, "little"))
+        out[i] = crc32c_package.crc32c((ctypes.c_char * record_bytes).from_address(a), head)
+    return out
+
+
+def record_sums(records: np.ndarray, record_bytes: int, layer: int, groups) -> np.ndarray:
+    """uint32 [n] checksums of records [n, stride] (C-contiguous) holding ``groups`` of ``layer``."""
+    records = np.ascontiguousarray(records)
+    return sums_at(records.ctypes.data + np.arange(len(records), dtype=np.int64) * records.shape[1], record_bytes,
+                   layer, groups)
+
+
+def crc32c(data: bytes) -> int:
+    return crc32c_package.crc32c(data)
+
+
+class TrailerError(ValueError):
+    """A blob's trailer is damaged or belongs to another model or layout."""
+
+
+@dataclass(frozen=True)
+class Trailer:
+    """What a stored blob says about its records; ``sums`` [n_layers, n_groups]."""
+
+    fingerprint: str  # the model fingerprint id (sha256 hex)
+    record_bytes: int
+    first_group: int
+    sums: np.ndarray
+
+    @staticmethod
+    def nbytes(n_layers: int, n_groups: int, align_bytes: int) -> int:
+        raw = _HEADER.itemsize + n_layers * n_groups * CHECKSUM_BYTES + CHECKSUM_BYTES
+        return -(-raw // align_bytes) * align_bytes
+
+    def pack(self, align_bytes: int) -> bytes:
+        n_layers, n_groups = self.sums.shape
+        header = np.zeros(1, dtype=_HEADER)
+        header[0] = (MAGIC, VERSION, n_layers, n_groups, self.record_bytes, self.first_group, bytes.fromhex(self.fingerprint))
+        body = header.tobytes() + self.sums.astype("<u4").tobytes()
+        body += np.uint32(crc32c(body)).astype("<u4").tobytes()
+        return body.ljust(self.nbytes(n_layers, n_groups, align_bytes), b"\0")
+
+    @classmethod
+    def unpack(cls, data, n_layers: int, n_groups: int, record_bytes: int, first_group: int, fingerprint: str) -> "Trailer":
+        """The trailer in ``data``, checked against what the reader expects; TrailerError says what differs."""
+        data = bytes(data)
+        header = np.frombuffer(data, dtype=_HEADER, count=1)[0]
+        if header["magic"] != MAGIC.rstrip(b"\0") or header["version"] != VERSION:
+            raise TrailerError(f"no checksum trailer of version {VERSION} (found magic {header['magic']!r}, "
+                               f"version {int(header['version'])})")
+        end = _HEADER.itemsize + n_layers * n_groups * CHECKSUM_BYTES
+        if int(header["n_layers"]) != n_layers or int(header["n_groups"]) != n_groups:
+            raise TrailerError(f"trailer holds {int(header['n_layers'])} layers x {int(header['n_groups'])} groups, "
+                               f"the chunk has {n_layers} x {n_groups}")
+        own = int(np.frombuffer(data[end : end + CHECKSUM_BYTES], dtype="<u4")[0])
+        if own != crc32c(data[:end]):
+            raise TrailerError("the trailer's own checksum does not match (damaged)")
+        found = {"record_bytes": (int(header["record_bytes"]), record_bytes),
+                 "first_group": (int(header["first_group"]), first_group),
+                 "fingerprint": (header["fingerprint"].ljust(32, b"\0").hex(), fingerprint)}
+        wrong = [f"{k} {a} (expected {b})" for k, (a, b) in found.items() if a != b]
+        if wrong:
+            raise TrailerError("trailer names another record: " + ", ".join(wrong))
+        sums = np.frombuffer(data[_HEADER.itemsize : end], dtype="<u4").reshape(n_layers, n_groups).astype(np.uint32)
+        return cls(fingerprint, record_bytes, first_group, sums)

@@ -1,0 +1,331 @@
+"""Fault injection at the KV reader and writer (bench/faults.py): damaged records, failed, short and hung reads,
+a full disk, a KV path that disappears, damaged context-store chunks.  Each ends in the same tokens as a clean
+run or a clear error, no file left behind, and an engine that serves the next request."""
+import errno
+import logging
+import os
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+import torch
+
+from bench.faults import DAMAGE, FaultyReader, _rewrite
+from edgekv.runtime import Engine
+from edgekv.runtime import disk_store as disk_store_mod
+from edgekv.runtime.checksum import Trailer
+from edgekv.runtime.disk_store import CorruptRecord, DiskKVStore, RecordLayout, StoreError, aligned_zeros
+from edgekv.runtime.engine import _record_layout
+from edgekv.runtime.reader import open_reader
+from edgekv.runtime.store import ChunkCorrupt
+from edgekv.runtime.ttft.prefill import TTFTOptions
+
+from .conftest import files_under
+
+CFG = {"G": 4, "M": 4, "C": 8, "max_context": 160, "max_batch": 2, "read_deadline_s": 0.5}
+PROMPTS = [list(range(1, 57)), list(range(30, 86))]  # 14 whole groups each
+NEW_TOKENS = 9
+
+
+@pytest.fixture
+def engine(model_dirs, kv_dir):
+    with Engine.from_pretrained(model_dirs["llama"], kv_offload_path=kv_dir, config=CFG, policy="kvswap") as engine:
+        yield engine
+
+
+def run(engine, **kw):
+    return [r.token_ids for r in engine.generate(PROMPTS, max_new_tokens=NEW_TOKENS, stop_token_ids=[], **kw)]
+
+
+def inject(engine, fault: str, at: int) -> FaultyReader:
+    layout = _record_layout(engine.config, engine.model.dims, engine.model.dtype)
+    engine.reader = FaultyReader(engine.reader, layout.record_bytes, fault, at, seed=at)
+    return engine.reader
+
+
+@pytest.mark.parametrize("at", [0, 4, 9])
+@pytest.mark.parametrize("fault", DAMAGE)
+def test_a_damaged_record_is_caught_and_the_answer_is_unchanged(engine, kv_dir, fault, at, caplog):
+    want = run(engine)
+    reader = inject(engine, fault, at)
+    with caplog.at_level(logging.WARNING, logger="edgekv"):
+        got = run(engine)
+    assert reader.injected is not None
+    assert got == want
+    if fault == "flip_memory":  # transient: the second read is intact and used
+        assert "then read back intact" in caplog.text and "twice" not in caplog.text
+    else:  # on disk: the batch is computed again from its tokens, the message names the file and record
+        assert "failed its checksum twice" in caplog.text and str(kv_dir) in caplog.text
+    assert files_under(kv_dir) == []
+
+
+def test_without_verification_damage_goes_through_and_a_warning_says_so(model_dirs, kv_dir, caplog):
+    with caplog.at_level(logging.WARNING, logger="edgekv"):
+        with Engine.from_pretrained(model_dirs["llama"], kv_offload_path=kv_dir, config={**CFG, "verify_fraction": 0},
+                                    policy="kvswap") as engine:
+            reader = inject(engine, "flip_disk", 2)
+            run(engine)
+    assert reader.injected is not None
+    assert "are not checked against their checksums" in caplog.text and "failed its checksum" not in caplog.text
+
+
+def test_sampled_verification_states_its_coverage_and_checks_about_that_share(model_dirs, kv_dir, caplog):
+    with caplog.at_level(logging.WARNING, logger="edgekv"):
+        with Engine.from_pretrained(model_dirs["llama"], kv_offload_path=kv_dir, config={**CFG, "verify_fraction": 0.5},
+                                    policy="kvswap") as engine:
+            stores = []
+            make = engine._make_policy
+            engine._make_policy = lambda *a: _keep_store(make(*a), stores)
+            engine.generate(PROMPTS, max_new_tokens=60, stop_token_ids=[])
+    assert "caught with probability 0.5 per read" in caplog.text
+    store = stores[0]
+    assert store.records_read > 200 and 0.3 < store.records_verified / store.records_read < 0.7
+
+
+def _keep_store(policy, stores):
+    stores.append(policy.store)
+    return policy
+
+
+@pytest.mark.parametrize("fault", ["eio", "short"])
+def test_failed_and_short_reads_end_the_request_with_a_named_error(engine, kv_dir, fault):
+    want = run(engine)
+    inner = engine.reader
+    reader = inject(engine, fault, 3)
+    with pytest.raises(StoreError) as err:
+        run(engine)
+    assert reader.injected is not None and err.value.errno == errno.EIO
+    assert str(kv_dir) in str(err.value) and "check the device" in str(err.value)
+    assert files_under(kv_dir) == []
+    engine.reader = inner
+    assert run(engine) == want
+
+
+def test_a_read_that_hangs_past_the_deadline_fails_the_request_and_the_next_one_runs(engine, kv_dir):
+    want = run(engine)
+    inner = engine.reader
+    reader = inject(engine, "hang", 2)
+    reader.hang_s = 30.0
+    with pytest.raises(StoreError) as err:
+        run(engine)
+    assert err.value.errno == errno.ETIMEDOUT and "read_deadline_s=0.5" in str(err.value)
+    assert files_under(kv_dir) == []
+    reader.released.set()  # the device answers at last: its read lands in memory kept for it
+    engine.reader = inner
+    assert run(engine) == want
+
+
+def _failing_pwrite(after: int):
+    calls = {"n": 0}
+    real = os.pwrite
+
+    def pwrite(fd, data, offset):
+        calls["n"] += 1
+        if calls["n"] > after:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(fd, data, offset)
+    return pwrite
+
+
+@pytest.mark.parametrize("after,phase", [(1, "prefill"), (4, "flush")])
+def test_a_full_disk_during_prefill_or_a_group_flush_is_named(engine, kv_dir, monkeypatch, after, phase):
+    """4 layer writes of prefill (2 sequences x 2 layers), then the flushes of decode."""
+    want = run(engine)
+    steps = []
+    engine.events.subscribe(lambda e: steps.append(e) if e.kind == "decode_step_start" else None)
+    monkeypatch.setattr(disk_store_mod.os, "pwrite", _failing_pwrite(after))
+    with pytest.raises(StoreError) as err:
+        run(engine)
+    assert err.value.errno == errno.ENOSPC and "free space there or pick another --kv-path" in str(err.value)
+    assert str(kv_dir) in str(err.value)
+    assert bool(steps) == (phase == "flush")
+    assert files_under(kv_dir) == []
+    monkeypatch.undo()
+    assert run(engine) == want
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    """A real 192 KiB tmpfs: prefill's 4 x 14 records of 4 KiB fit, the first flushes do not.  Root only."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=232k", "tmpfs", str(mount)], capture_output=True)
+    if done.returncode:
+        pytest.skip(f"cannot mount a size-limited tmpfs here ({done.stderr.decode().strip()})")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_a_real_full_filesystem_fails_the_request_cleanly(model_dirs, small_fs):
+    with Engine.from_pretrained(model_dirs["llama"], kv_offload_path=small_fs, config=CFG, policy="kvswap") as engine:
+        with pytest.raises(StoreError) as err:
+            engine.generate(PROMPTS, max_new_tokens=40, stop_token_ids=[])
+        assert err.value.errno == errno.ENOSPC and str(small_fs) in str(err.value)
+        assert files_under(small_fs) == []
+        assert len(engine.generate(PROMPTS[:1], max_new_tokens=2, stop_token_ids=[])[0].token_ids) == 2
+
+
+def test_a_kv_path_that_disappears_mid_decode(engine, kv_dir):
+    """Open files outlive their folder (the request finishes, the same tokens); the next request names the path."""
+    want = run(engine)
+    gone = []
+
+    def remove(event):
+        if event.kind == "decode_step_start" and event.info["step"] == 2 and not gone:
+            shutil.rmtree(kv_dir)
+            gone.append(True)
+    engine.events.subscribe(remove)
+    assert run(engine) == want and gone
+    with pytest.raises(StoreError, match=f"{kv_dir} does not exist"):
+        run(engine)
+    kv_dir.mkdir()
+    assert run(engine) == want
+
+
+# ---- the store's own checks, many faults at a time -----------------------------------------------
+
+def test_a_thousand_flipped_torn_and_misplaced_records_are_all_caught(tmp_path):
+    layout = RecordLayout(4, 2, 16, torch.float16)
+    rng = np.random.default_rng(0)
+    reader = open_reader("python", 8)
+    store = DiskKVStore(tmp_path, 2, layout, reader, max_groups=64)
+    try:
+        store.open_sequence(0)
+        for layer in range(2):
+            k, v = (torch.randn(2, 64 * 4, 16, dtype=torch.float16, generator=torch.Generator().manual_seed(layer))
+                    for _ in range(2))
+            store.write_groups(0, layer, 0, layout.pack(k, v))
+        out = aligned_zeros((8, layout.stride_bytes), layout.align_bytes)
+        caught = 0
+        for trial in range(1200):
+            layer, groups = int(rng.integers(2)), rng.choice(64, 8, replace=False)
+            target = int(rng.integers(8))
+            fd, offset = int(store._fds[0, layer, 0]), int(groups[target]) * layout.stride_bytes
+            original = _get(fd, layout.record_bytes, offset)
+            kind = trial % 3
+            if kind == 0:  # one bit
+                byte, bit = int(rng.integers(layout.record_bytes)), int(rng.integers(8))
+                damaged = bytearray(original)
+                damaged[byte] ^= 1 << bit
+            elif kind == 1:  # torn: the tail never written
+                cut = int(rng.integers(1, layout.record_bytes))
+                damaged = original[:cut] + bytes(layout.record_bytes - cut)
+            else:  # a whole, valid record of another group at this offset (a misdirected write)
+                other = (int(groups[target]) + 1 + int(rng.integers(63))) % 64
+                damaged = _get(fd, layout.record_bytes, other * layout.stride_bytes)
+            _put(fd, offset, bytes(damaged))
+            batch = store.batch(layer, np.zeros(8, dtype=np.int64), groups, out.ctypes.data + np.arange(8) * layout.stride_bytes)
+            with pytest.raises(CorruptRecord) as err:
+                store.read(batch)
+            e = err.value
+            caught += (e.layer, e.group, e.seq, e.record) == (layer, int(groups[target]), 0, int(groups[target]))
+            assert e.path.endswith(f"seq0_layer{layer}.kv") and e.blob is None
+            _put(fd, offset, original)
+        assert caught == 1200
+        store.read(batch)  # restored: reads clean again
+    finally:
+        store.close()
+        reader.close()
+
+
+def _get(fd: int, nbytes: int, offset: int) -> bytes:
+    own = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY)
+    try:
+        return os.pread(own, nbytes, offset)
+    finally:
+        os.close(own)
+
+
+def _put(fd: int, offset: int, data: bytes) -> None:
+    _rewrite(fd, offset, _Replace(data))
+
+
+class _Replace:
+    def __init__(self, data: bytes):
+        self.data, self.nbytes = data, len(data)
+
+    def __call__(self, _):
+        return self.data
+
+
+# ---- the context store: a damaged chunk is a miss ---------------------------------------------------
+
+@pytest.fixture
+def stored(model_dirs, tmp_path):
+    ids = torch.randint(1, 160, (100,), generator=torch.Generator().manual_seed(5)).tolist()
+    kv = tmp_path / "kv"
+    kv.mkdir()
+    engine = Engine.from_pretrained(model_dirs["llama"], kv_offload_path=kv, config=CFG, policy="kvswap")
+    engine.open_context_store(tmp_path / "store", chunk_tokens=32)
+    want = engine.generate([ids], max_new_tokens=6, stop_token_ids=[])[0].token_ids
+    saved = engine.save_context(ids[:96], name="doc")
+    yield engine, ids, want, saved
+    engine.close()
+
+
+def _flip_blob(engine, ref, offset: int) -> None:
+    path = engine.context_store.backend.blob_path(ref.hash)
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("where", ["record", "trailer"])
+def test_a_damaged_stored_chunk_is_a_miss_computed_again_and_saved_again(stored, where, caplog):
+    engine, ids, want, saved = stored
+    ref = saved.chunks[1]
+    records = engine.context_store.read_bytes_per_chunk_layer(ref) * engine.model.dims.n_layers
+    _flip_blob(engine, ref, 5000 if where == "record" else records + 70)
+    fresh = engine.context_store
+    fresh._trailers.clear()  # as a new process would: nothing read yet
+    engine.ttft = TTFTOptions("load_only")  # every stored chunk is read at prefill (a planner may compute some)
+    with caplog.at_level(logging.WARNING, logger="edgekv"):
+        got = engine.generate([ids], max_new_tokens=6, stop_token_ids=[])[0].token_ids
+    assert got == want
+    assert "is damaged" in caplog.text or "failed its checksum twice" in caplog.text
+    assert ref.hash not in fresh._index["chunks"] and not fresh.backend.blob_path(ref.hash).exists()
+    assert fresh.contexts()[0]["complete"] is False
+    engine.save_context(ids[:96], name="doc")  # replaced
+    assert fresh.contexts()[0]["complete"] is True
+    assert engine.generate([ids], max_new_tokens=6, stop_token_ids=[])[0].token_ids == want
+
+
+def test_a_stored_chunk_damaged_where_decode_reads_it_in_place_is_dropped_and_the_batch_runs_again(stored, caplog):
+    """Prefill computes every chunk (the stored blobs still serve decode's reads in place): the damage meets a
+    decode step, which names the blob; the chunk is dropped and the batch runs again from its tokens."""
+    engine, ids, want, saved = stored
+    store, stride = engine.context_store, engine.context_store.layout.stride_bytes
+    damaged = [r for r in saved.chunks[:-1]]
+    for ref in damaged:  # one bit in every record of every full chunk: whatever decode picks there fails
+        for record in range(store.read_bytes_per_chunk_layer(ref) * engine.model.dims.n_layers // stride):
+            _flip_blob(engine, ref, record * stride + 7)
+    store._trailers.clear()
+    engine.ttft = TTFTOptions("full_prefill")
+    with caplog.at_level(logging.WARNING, logger="edgekv"):
+        got = engine.generate([ids], max_new_tokens=6, stop_token_ids=[])[0].token_ids
+    assert got == want
+    assert "failed its checksum twice" in caplog.text and "chunks" in caplog.text  # the blob's path
+    assert sum(ref.hash not in store._index["chunks"] for ref in damaged) >= 1
+
+
+def test_a_damaged_chunk_read_directly_raises_chunk_corrupt_naming_it(stored):
+    engine, _, _, saved = stored
+    ref = saved.chunks[0]
+    _flip_blob(engine, ref, 100)
+    out = aligned_zeros((ref.n_tokens // 4, engine.context_store.layout.stride_bytes), 4096)
+    with pytest.raises(ChunkCorrupt, match=ref.hash[:16]):
+        engine.context_store.read(ref, 0, out)
+
+
+def test_the_trailer_names_what_it_checks():
+    sums = np.arange(6, dtype=np.uint32).reshape(2, 3)
+    fp = "ab" * 32
+    data = Trailer(fp, 1024, 8, sums).pack(4096)
+    assert len(data) == Trailer.nbytes(2, 3, 4096) == 4096
+    back = Trailer.unpack(data, 2, 3, 1024, 8, fp)
+    assert (back.sums == sums).all()
+    for args, what in [((2, 3, 1024, 9, fp), "first_group"), ((2, 3, 512, 8, fp), "record_bytes"),
+                       ((2, 3, 1024, 8, "cd" * 32), "fingerprint"), ((3, 3, 1024, 8, fp), "layers")]:
+        with pytest.raises(ValueError, match=what):
+            Trailer.unpack(data, *args)
