@@ -4,8 +4,12 @@
 measures a child process, which writes its events to ``EDGEKV_EVENTS_FILE`` (JSON lines on
 the same monotonic clock).  Prefill is the union of prefill_start..prefill_end windows,
 decode the union of decode steps; J/token divides by the prompt tokens and the generated
-tokens of those windows.  A combined meter (``nvml+rapl``) reports each part beside the total;
-a meter that failed part-way reports its error and no energy.
+tokens of those windows.  A combined meter (``nvml+rapl``) reports each part beside the total.
+
+A meter lost part-way (its source vanished or answered garbage) never stops the workload: the
+report keeps ``energy_j`` None (the run's energy is unknown), says why in ``error``, and gives in
+``meter_lost`` when it happened and the energy over the window its readings cover, with only the
+phases that ended inside that window; nothing is extrapolated past the last reading.
 """
 from __future__ import annotations
 
@@ -22,7 +26,7 @@ from .power import PowerTrace, open_meter
 @dataclass
 class EnergyReport:
     meter: str
-    energy_j: float | None  # None when the meter failed part-way (see error)
+    energy_j: float | None  # None when the meter was lost part-way (see error and meter_lost)
     duration_s: float
     avg_power_w: float | None
     peak_power_w: float | None
@@ -32,8 +36,11 @@ class EnergyReport:
     rate_hz: float | None = None  # the rate sampled at, after any cap
     samples_without_reading: int = 0  # samples with neither power nor counter (an "N/A" sensor, jtop before its update)
     notes: list = field(default_factory=list)  # what the meter covers and what it leaves out
-    error: str | None = None  # why the meter stopped early; no energy is reported then
+    error: str | None = None  # why the meter stopped early; no energy for the whole run then
     jetson_module: str | None = None  # which Jetson this ran on (None elsewhere)
+    # a lost meter: at_s (seconds from the first reading), error (the failed read), covered_s, and the
+    # energy_j, avg/peak W, phases and parts of the covered window; phases_left_out counts the spans past it
+    meter_lost: dict | None = None
 
     def to_json(self) -> dict:
         return self.__dict__.copy()
@@ -54,10 +61,10 @@ def phase_windows(events: list[dict]) -> dict[str, list[tuple[int, int, int]]]:
     return out
 
 
-def _measure(trace: PowerTrace, windows: dict) -> dict:
-    """energy_j, duration_s, avg and peak W, and per-phase energy of one trace."""
+def _measure(trace: PowerTrace, windows: dict, until_ns: int | None = None) -> dict:
+    """energy_j, duration_s, avg and peak W, and per-phase energy of one trace (up to ``until_ns`` when given)."""
     powers = [p for _, p in trace.powers_w()]
-    energy = trace.energy_j()
+    energy = trace.energy_j(None, until_ns)
     duration = trace.duration_s
     phases = {}
     for name, spans in windows.items():
@@ -76,28 +83,48 @@ def report(trace: PowerTrace, events: list[dict] | None = None, root: str | Path
               "samples_without_reading": sum(s.power_w is None and s.energy_j is None
                                              for t in (list(trace.parts.values()) or [trace]) for s in t.samples),
               "jetson_module": jetson_module(root)}
+    windows = phase_windows(events or [])
     if trace.error:
         return EnergyReport(energy_j=None, duration_s=trace.duration_s, avg_power_w=None, peak_power_w=None,
-                            error=trace.error, **common)
-    windows = phase_windows(events or [])
+                            error=trace.error, meter_lost=_lost(trace, windows), **common)
     parts = {name: _measure(part, windows) for name, part in trace.parts.items()}
     return EnergyReport(**_measure(trace, windows), parts=parts, **common)
 
 
+def _lost(trace: PowerTrace, windows: dict) -> dict:
+    """The covered window of a lost meter: its readings' energy, and the phases that ended before its last one."""
+    t0, end = trace.samples[0].t_ns, trace.samples[-1].t_ns
+    covered = {name: [s for s in spans if s[1] <= end] for name, spans in windows.items()}
+    measured = _measure(trace, covered, end)
+    return {"at_s": (trace.lost_at_ns - t0) / 1e9 if trace.lost_at_ns is not None else None,
+            "error": trace.lost_cause, "covered_s": trace.duration_s, "samples": len(trace.samples),
+            "energy_j": measured["energy_j"], "avg_power_w": measured["avg_power_w"],
+            "peak_power_w": measured["peak_power_w"], "phases": measured["phases"],
+            "phases_left_out": {name: len(spans) - len(covered[name]) for name, spans in windows.items()},
+            "parts": {name: _measure(part, covered, end) for name, part in trace.parts.items()}}
+
+
 @contextmanager
 def measure_energy(meter: str = "auto", platform: str | None = None, rate_hz: float = 10.0, engine=None):
-    """``with measure_energy(engine=engine) as m: engine.generate(...)``; then ``m.report``, ``m.trace``, ``m.events``."""
+    """``with measure_energy(engine=engine) as m: engine.generate(...)``; then ``m.report``, ``m.trace``, ``m.events``.
+
+    A meter that cannot take its first reading raises MeterUnavailable before the body runs (closed, the engine
+    left unsubscribed); one lost later lets the body finish and its report says so (see the module docstring)."""
     result = _Measurement(open_meter(meter, platform, rate_hz))
+    try:
+        result.meter.start()
+    except BaseException:
+        result.meter.close()
+        raise
     if engine is not None:
         engine.events.subscribe(result.on_event)
-    result.meter.start()
     try:
         yield result
     finally:
-        result.trace = result.meter.stop()
-        result.meter.close()
         if engine is not None:
             engine.events.unsubscribe(result.on_event)
+        result.trace = result.meter.stop()
+        result.meter.close()
         result.report = report(result.trace, result.events)
 
 
@@ -143,6 +170,8 @@ def plot(path: Path, trace: PowerTrace, events: list[dict]) -> None:
     for name, part in trace.parts.items():
         part_pts = part.powers_w()
         ax.plot([t for t, _ in part_pts], [p for _, p in part_pts], "-", lw=0.8, alpha=0.7, label=name)
+    if trace.lost_at_ns is not None:
+        ax.axvline((trace.lost_at_ns - t0) / 1e9, color="C3", ls="--", lw=1, label=f"meter lost ({trace.lost_cause})")
     colors = {"prefill": "C1", "decode": "C2"}
     for name, windows in phase_windows(events).items():
         for i, (a, b, _) in enumerate(windows):

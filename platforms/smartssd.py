@@ -7,21 +7,30 @@
   DRAM with a P2P buffer (O_DIRECT pread of the aligned span into the mapped BO, the kernel handed
   a sub-buffer at the block's first key), never through host RAM.  pyxrt is not on PyPI: it comes
   with XRT (``source /opt/xilinx/xrt/setup.sh``).
+
+Both leave every output entry ``UNWRITTEN`` until the kernel writes it, so a kernel that stops
+early is caught by ``check_result`` (HillInfer then scores on the CPU, see runtime/hillinfer.py)
+rather than read as scores.  The csim runs inside this process: a crash in it ends the process
+(its KV folder is removed by the next engine opened on that path, runtime/disk_store.py).
 """
 from __future__ import annotations
 
 import ctypes
 import errno
 import hashlib
+import logging
 import os
 import platform
+import shutil
 import threading
 from pathlib import Path
 
 import numpy as np
 
 from edgekv.runtime.reader import compile_library
-from edgekv.runtime.scoring import SCORE_ENTRY, InStorageScorer, KeyPool, ScoreResult
+from edgekv.runtime.scoring import SCORE_ENTRY, UNWRITTEN, InStorageScorer, KeyPool, ScoreResult
+
+log = logging.getLogger(__name__)
 
 FPGA_DIR = Path(__file__).resolve().parents[1] / "fpga"
 SOURCES = (FPGA_DIR / "kernels" / "ekv_score.cpp", FPGA_DIR / "host" / "ekv_csim.cpp")
@@ -53,6 +62,9 @@ def build_csim() -> Path:
     target = root / f"libekv_score_csim-{digest}.so"
     if target.exists():
         return target
+    if shutil.which("g++") is None:
+        raise OSError("g++ is not installed, and the csim backend compiles fpga/host/ekv_csim.cpp with it on first use: "
+                      "install it (apt install g++), or use the numpy scorer")
     f16c = ["-mf16c"] if platform.machine() in ("x86_64", "AMD64") else []  # else the integer fp16 routine
     flags = ["-O3", *f16c, "-fPIC", "-shared", "-Wall", "-Wno-unknown-pragmas", "-Wno-unused-label"]
     return compile_library(lambda out: ["g++", *flags, "-o", out, str(SOURCES[1])], target, "the csim scorer")
@@ -64,7 +76,13 @@ class CsimScorer(InStorageScorer):
     name, emulated, max_top_k = "csim", True, MAX_TOPK
 
     def __init__(self):
-        lib = ctypes.CDLL(str(build_csim()))
+        path = build_csim()
+        try:
+            lib = ctypes.CDLL(str(path))
+        except OSError as exc:  # a damaged cached build: the source hash names it, so rebuilding gives the right one
+            log.warning("the cached csim library %s does not load (%s); rebuilding it", path, exc)
+            path.unlink(missing_ok=True)
+            lib = ctypes.CDLL(str(build_csim()))
         lib.ekv_csim_score_file.restype = ctypes.c_int
         lib.ekv_csim_score_file.argtypes = [ctypes.c_char_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int,
                                             ctypes.c_void_p, ctypes.c_void_p, ctypes.c_float, ctypes.c_int, ctypes.c_int,
@@ -77,8 +95,8 @@ class CsimScorer(InStorageScorer):
         n_blocks = -(-n // block_tokens)
         positions = np.ascontiguousarray(pool.positions, dtype=np.int32)
         q = np.ascontiguousarray(query, dtype=np.float32)
-        scores = np.empty(n, dtype=SCORE_ENTRY)
-        block_topk = np.full((n_blocks, top_k), EMPTY, dtype=SCORE_ENTRY) if top_k else np.empty((0, 0), SCORE_ENTRY)
+        scores = np.full(n, UNWRITTEN)
+        block_topk = np.full((n_blocks, top_k), UNWRITTEN) if top_k else np.empty((0, 0), SCORE_ENTRY)
         read = ctypes.c_int64(0)
         rc = self._lib.ekv_csim_score_file(str(pool.path).encode(), pool.offset_bytes, n, pool.n_kv_heads, pool.head_dim,
                                            positions.ctypes.data, q.ctypes.data, scale, block_tokens, top_k,
@@ -184,6 +202,9 @@ class XrtScorer(InStorageScorer):
         lead, read = read_direct(fd, self._keys_map, pool.offset_bytes + start * token_bytes, m * token_bytes, pool.path)
         keys = self.pyxrt.bo(self._keys, _round_up(m * token_bytes, PORT_BYTES), lead)  # a view from the first key
         self._to_device(self._positions, np.ascontiguousarray(pool.positions[start : start + m], dtype=np.int32))
+        self._to_device(self._scores, np.full(m, UNWRITTEN))  # else a run that writes nothing returns the last one's
+        if topk_row is not None:
+            self._to_device(self._topk, np.full(top_k, UNWRITTEN))
         state = self.kernel(keys, self._positions, self._query, m, pool.n_kv_heads, pool.head_dim, top_k, self._scores,
                             self._topk).wait()
         if state != self.pyxrt.ert_cmd_state.ERT_CMD_STATE_COMPLETED:  # wait() returns the state, completed or not

@@ -11,9 +11,18 @@ alpha*N tokens and of the tokens selected most often (the hit table).  Each step
 - hits are counted; storage tokens among the top-alpha hit tokens are promoted into the CPU
   pool and the same number of the lowest-hit non-recent CPU tokens demoted (bidirectional pools).
 With alpha = 1 every token is selected and decoding equals full attention.
+
+When the in-storage scorer fails (the card's run errors or throws, a buffer sync fails, the csim
+returns an error code, or its score blocks fail ``check_result``: short or garbled), its scores
+are never used: that call and the rest of the batch are scored on the CPU by the numpy reference
+(the same selection, at host speed and host byte counts), with one warning naming the failure;
+the next batch tries the card again.  The request fails, with a ScoringError naming both causes,
+only when the CPU cannot score the pool either (the pool file is gone or short).  A scorer that
+refuses the shape (ValueError: past the kernel's bounds) fails the request: that is configuration.
 """
 from __future__ import annotations
 
+import logging
 import math
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -22,8 +31,18 @@ import numpy as np
 import torch
 
 from .config import cpu_pool_tokens
-from .scoring import InStorageScorer, KeyPool
+from .scoring import InStorageScorer, KeyPool, NumpyScorer, ScoreBlockError, ScoreResult, check_result
 from .selector import Selector
+
+log = logging.getLogger(__name__)
+
+
+class ScoringError(OSError):
+    """Neither the in-storage scorer nor the CPU fallback could score a pool: the request cannot go on."""
+
+
+def _text(exc: Exception) -> str:
+    return f"{type(exc).__name__}: {exc}"
 
 
 class HierarchicalSelector(Selector):
@@ -47,6 +66,8 @@ class HierarchicalSelector(Selector):
         self.n_tokens = np.zeros((n_layers, batch), dtype=np.int64)
         self.resident_bytes = self.cpu_keys.numel() * self.cpu_keys.element_size() + self.index_bytes(n_layers, max_context) * batch
         self.bytes_to_host = 0
+        self.fallback: str | None = None  # why this batch scores on the CPU instead of the in-storage scorer
+        self._cpu = scorer if isinstance(scorer, NumpyScorer) else NumpyScorer()
         self._storage = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ekv-instorage")
 
     @property
@@ -107,16 +128,17 @@ class HierarchicalSelector(Selector):
             # each block's top-k_sel holds every storage token of the global top-k_sel; past the backend's top-k bound
             # a block's top-k could drop some, so its full score block is merged instead (k = 0)
             block_k = k_sel if k_sel <= self.scorer.max_top_k else 0
-            future = None
+            future = scorer = pool = None
             if storage_n > 0:  # in-storage scoring of the prefix, in parallel with the CPU pool
                 pool = KeyPool(self._pool_path(layer, seq), np.arange(storage_n, dtype=np.int32), self.n_kv_heads, self.head_dim)
-                future = self._storage.submit(self.scorer.score, pool, query[seq], self.scaling, self.block_tokens, block_k)
+                scorer = self._cpu if self.fallback else self.scorer
+                future = self._storage.submit(scorer.score, pool, query[seq], self.scaling, self.block_tokens, block_k)
             cpu_pos = np.flatnonzero(self.row_of[layer, seq, :n] >= 0)
             keys = self.cpu_keys[layer, seq, self.row_of[layer, seq, cpu_pos]].float()
             cpu_scores = torch.einsum("nhd,hd->n", keys, torch.from_numpy(query[seq])).numpy() * self.scaling
             pos, score = [cpu_pos], [cpu_scores]
             if future is not None:
-                result = future.result()
+                result = self._storage_result(future, scorer, pool, query[seq], block_k, layer, seq)
                 self.bytes_to_host += result.bytes_to_host
                 best = result.block_topk.reshape(-1) if result.block_topk.size else result.scores
                 best = best[(best["pos"] >= 0) & (self.row_of[layer, seq, np.maximum(best["pos"], 0)] < 0)]
@@ -128,6 +150,39 @@ class HierarchicalSelector(Selector):
             valid[seq, : len(top)] = True
             self._update_pools(layer, seq, n, top)
         return torch.from_numpy(groups), torch.from_numpy(valid)
+
+    def _storage_result(self, future, scorer: InStorageScorer, pool: KeyPool, query: np.ndarray, block_k: int,
+                        layer: int, seq: int) -> ScoreResult:
+        """The scorer's checked result; on its failure the CPU's, for this call and the rest of the batch."""
+        try:
+            result = future.result()
+        except Exception as exc:  # noqa: BLE001 - whatever the card or csim raised, its scores are not used
+            if self.scorer is self._cpu or (scorer is self.scorer and isinstance(exc, ValueError)):
+                raise  # the reference's own error, or a shape the backend refuses (configuration)
+            if scorer is self._cpu:
+                raise self._unscorable(pool, layer, seq, exc) from exc
+            failure = exc
+        else:
+            if scorer is self._cpu:
+                return result
+            try:
+                check_result(result, pool, self.block_tokens, block_k)
+                return result
+            except ScoreBlockError as exc:
+                failure = exc
+        self.fallback = f"{self.scorer.backend_label} failed on layer {layer}, sequence {seq} ({_text(failure)})"
+        log.warning("HillInfer: the in-storage scorer %s; its scores are discarded and this batch is scored on the CPU "
+                    "(the numpy reference: the same selection, at host speed); the next batch tries it again. "
+                    "Check the card (xbutil examine, dmesg) or the csim build", self.fallback)
+        try:
+            return self._cpu.score(pool, query, self.scaling, self.block_tokens, block_k)
+        except Exception as exc:  # noqa: BLE001 - the pool itself is unreadable: the request cannot go on
+            raise self._unscorable(pool, layer, seq, exc) from exc
+
+    def _unscorable(self, pool: KeyPool, layer: int, seq: int, exc: Exception) -> ScoringError:
+        return ScoringError(f"HillInfer cannot score layer {layer} of sequence {seq} on the CPU either ({_text(exc)}), "
+                            f"where it went because the in-storage scorer {self.fallback}: the key pool {pool.path} "
+                            "is missing or short, so the request is abandoned; check the KV disk and run it again")
 
     def _update_pools(self, layer: int, seq: int, n: int, selected: np.ndarray) -> None:
         """Hit table; storage tokens among the top-alpha hit tokens are promoted, as many others demoted."""

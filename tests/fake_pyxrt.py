@@ -16,6 +16,16 @@ It behaves as the real binding does where the host code depends on it, read from
 A normal BO has a host copy that only sync() moves; a p2p BO's map() is the device memory itself (a PCIe BAR window:
 Vitis_Accel_Examples host_xrt/p2p_simple_xrt/src/host.cpp preads into the mapped p2p BO and never syncs it).
 
+Faults, as the binding surfaces them (pybind11 turns any C++ std::exception into RuntimeError, with its what()):
+- ``device.sync_error``: bo.sync() raises it; XRT's sync_bo throws xrt_core::system_error(err, "unable to sync BO")
+  (core/common/ishim.h), a std::system_error whose what() is "unable to sync BO: <strerror(err)>".
+- ``device.wait_error``: run.wait() raises it: a wait that throws instead of returning a state (run::wait2 throws
+  xrt::run::command_error on abnormal termination, include/xrt/xrt_kernel.h; a failing driver call under the wait
+  throws xrt_core::system_error).  An error *state* is ``fail_state``: wait() returns it, it does not throw.
+- ``device.written``: the kernel writes only that many score entries and no top-k, yet the run completes.
+Each, and ``fail_state``, hits only runs (and syncs after) from ``device.faulty_from`` on: kernel calls are counted in
+``device.runs``.
+
 The device runs the kernel of the interface contract, ``ekv_score(keys, positions, query, n_tokens, n_kv_heads,
 head_dim, top_k, scores_out, topk_out)``, with the reference math (edgekv.runtime.scoring.score_keys), reading keys
 in 64-byte beats from a 64-byte-aligned address and writing exactly top_k entries padded with (-1, -inf).  The kernel
@@ -53,11 +63,19 @@ class xclBOSyncDirection(enum.IntEnum):
 
 
 class device:
-    """The card: records root BO allocations; ``fail_state`` makes every run end in that state."""
+    """The card: records root BO allocations; ``fail_state`` makes every run end in that state; the faults above."""
 
     def __init__(self, index: int = 0):
         self.allocations: list[tuple[int, int, int]] = []  # (size, flags, group)
         self.fail_state: ert_cmd_state | None = None
+        self.sync_error: Exception | None = None
+        self.wait_error: Exception | None = None
+        self.written: int | None = None
+        self.faulty_from = 0
+        self.runs = 0
+
+    def faulty(self) -> bool:
+        return self.runs >= self.faulty_from
 
     def load_xclbin(self, path: str) -> str:
         return "uuid-" + path
@@ -78,8 +96,10 @@ class bo:
             if offset > owner._size or size > owner._size - offset:
                 raise RuntimeError("sub buffer size and offset")
             self.root, self.offset, self.flags_, self.group = owner.root, owner.offset + offset, owner.flags_, owner.group
+            self.device = owner.device
         else:
             owner.allocations.append((size, int(flags_or_offset), group))
+            self.device = owner
             self.root, self.offset, self.flags_, self.group = self, 0, bo.flags(flags_or_offset), group
             self._device_mem = mmap.mmap(-1, max(size, 1))  # page-aligned, as device memory behind a BAR is
             self._host = bytearray(size)
@@ -117,6 +137,8 @@ class bo:
         size = self._size if size is None else size
         if offset + size > self._size:
             raise RuntimeError("sync past the end of the buffer object")
+        if self.device.sync_error is not None and self.device.faulty():
+            raise self.device.sync_error
         if self.flags_ == bo.flags.p2p:
             return
         host, dev = self._host_bytes(), self.device_bytes()
@@ -147,10 +169,12 @@ def _cast_int(item) -> int:
 
 
 class run:
-    def __init__(self, state: ert_cmd_state):
-        self._state = state
+    def __init__(self, state: ert_cmd_state, error: Exception | None = None):
+        self._state, self._error = state, error
 
     def wait(self, timeout_ms: int = 0) -> ert_cmd_state:
+        if self._error is not None:
+            raise self._error
         return self._state
 
     def state(self) -> ert_cmd_state:
@@ -179,9 +203,16 @@ class kernel:
                     values[i] = value
                 except Exception:  # pyxrt.cpp: catch (const std::exception&) { }
                     pass
-        return run(self.device.fail_state or self._execute(values))
+        dev = self.device
+        faulty = dev.faulty()
+        dev.runs += 1
+        if faulty and dev.wait_error is not None:
+            return run(ert_cmd_state.ERT_CMD_STATE_ERROR, dev.wait_error)
+        if faulty and dev.fail_state is not None:
+            return run(dev.fail_state)
+        return run(self._execute(values, dev.written if faulty else None))
 
-    def _execute(self, values: list) -> ert_cmd_state:
+    def _execute(self, values: list, written: int | None = None) -> ert_cmd_state:
         if any(values[i] is None for i in GLOBAL_ARGS):
             return ert_cmd_state.ERT_CMD_STATE_ERROR  # an unset buffer is address 0
         for i in GLOBAL_ARGS:
@@ -198,6 +229,9 @@ class kernel:
         n, k = min(n, MAX_BLOCK), min(top_k, MAX_TOPK)  # past the static bounds: a wrong answer, here a truncated one
         keys, query = keys[:n, :MAX_KV_HEADS, :MAX_HEAD_DIM], query[:MAX_KV_HEADS, :MAX_HEAD_DIM]
         scores, block_topk = score_keys(keys, positions[:n], query, 1.0, max(n, 1), k)
+        if written is not None:  # a kernel that stops early and still signals done
+            out_bo.device_bytes()[: written * SCORE_ENTRY.itemsize] = scores[:written].tobytes()
+            return ert_cmd_state.ERT_CMD_STATE_COMPLETED
         out_bo.device_bytes()[: scores.nbytes] = scores.tobytes()
         if k > 0:
             assert top_bo.size() >= block_topk.nbytes

@@ -148,6 +148,10 @@ class FakeJtopClient:
     def start(self):
         self.interval = self.asked_s
 
+    def ok(self, spin=False):
+        """jtop.ok(): True while the service feeds the client (raises its stored error otherwise)."""
+        return True
+
     @property
     def power(self):
         return self._stats["power"]

@@ -4,8 +4,11 @@ A read returns the instantaneous power (W) and, where the hardware keeps one, a 
 energy counter (J).  Energy over a window comes from the counter when there is one (exact,
 wrap-around handled by the meter), else from integrating power with the trapezoid rule.
 
-A read that raises in the sampling thread ends the sampling: the trace carries the error, and
-asking it for energy raises, because energy bridged across the missing samples would be a guess.
+A read that raises (the source vanished: a GPU off the bus, a sysfs file gone, a service
+stopped, garbage where a number belongs) ends the sampling: the command being measured runs on,
+the loss is logged, and the trace keeps the readings taken before it with the time it happened.
+Energy is then given only over the window those readings cover; asked past it (or for the whole
+measurement) the trace raises, because energy bridged across the missing samples would be a guess.
 """
 from __future__ import annotations
 
@@ -39,13 +42,18 @@ class PowerTrace:
     samples: list[PowerSample]
     rate_hz: float | None = None  # the rate the meter sampled at (after any cap)
     notes: list[str] = field(default_factory=list)  # what the numbers cover and what they miss
-    error: str | None = None  # the read that ended sampling early; energy is then refused
+    error: str | None = None  # the read that ended sampling early: energy only up to the last reading
     parts: dict[str, PowerTrace] = field(default_factory=dict)  # per-source traces of a combined meter
+    lost_at_ns: int | None = None  # when the failed read was made (the meter was lost then)
+    lost_cause: str | None = None  # that read's exception, "Type: message"
 
     def energy_j(self, t0_ns: int | None = None, t1_ns: int | None = None) -> float:
         """Energy between two instants (default: the whole trace): the sum of the parts when the meter
-        combines sources, else counter-based when available, else the integral of power."""
-        if self.error:
+        combines sources, else counter-based when available, else the integral of power.
+
+        After a lost meter only a window ending at its last reading has an energy; the whole
+        measurement, or a window reaching past that reading, raises MeterFailed."""
+        if self.error and (t1_ns is None or t1_ns > self.samples[-1].t_ns):
             raise MeterFailed(self.error)
         t0 = self.samples[0].t_ns if t0_ns is None else t0_ns
         t1 = self.samples[-1].t_ns if t1_ns is None else t1_ns
@@ -106,6 +114,11 @@ def integrate_power(samples, t0_ns: int, t1_ns: int) -> float:
     return total
 
 
+def failure_text(exc: Exception) -> str:
+    """"Type: message"; a MeterFailed already names its source and cause."""
+    return str(exc) if isinstance(exc, MeterFailed) else f"{type(exc).__name__}: {exc}"
+
+
 class PowerMeter:
     """Samples ``read()`` on a background thread at ``rate_hz`` between start() and stop().
 
@@ -123,6 +136,8 @@ class PowerMeter:
         self.notes: list[str] = []
         self._samples: list[PowerSample] = []
         self._error: str | None = None
+        self._lost_at_ns: int | None = None
+        self._lost_cause: str | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -137,10 +152,16 @@ class PowerMeter:
         return s
 
     def start(self) -> None:
+        """Take the first reading and start the sampling thread; a meter that cannot read at all raises
+        MeterUnavailable here, before anything is measured."""
         self._samples = []
-        self._error = None
+        self._error = self._lost_at_ns = self._lost_cause = None
         self._stop.clear()
-        self.sample()
+        try:
+            self.sample()
+        except Exception as exc:  # noqa: BLE001 - whatever the source raised, nothing can be measured
+            raise MeterUnavailable(f"the {self.name} meter failed its first reading ({failure_text(exc)}), so nothing is "
+                                   "measured; check its source and start again") from exc
         self._thread = threading.Thread(target=self._loop, name=f"edgekv-{self.name}", daemon=True)
         self._thread.start()
 
@@ -153,10 +174,14 @@ class PowerMeter:
                 return
 
     def _fail(self, exc: Exception) -> None:
-        elapsed = (time.monotonic_ns() - self._samples[0].t_ns) / 1e9 if self._samples else 0.0
-        self._error = (f"the {self.name} meter stopped after {len(self._samples)} samples ({elapsed:.1f} s): "
-                       f"{type(exc).__name__}: {exc}; no energy is reported for this run, "
-                       "fix the meter and measure again")
+        self._lost_at_ns = time.monotonic_ns()
+        self._lost_cause = failure_text(exc)
+        t0 = self._samples[0].t_ns
+        elapsed, covered = (self._lost_at_ns - t0) / 1e9, (self._samples[-1].t_ns - t0) / 1e9
+        self._error = (f"the {self.name} meter was lost {elapsed:.1f} s into the measurement, after {len(self._samples)} "
+                       f"samples: {self._lost_cause}; energy is reported only for the {covered:.1f} s its readings "
+                       "cover (meter_lost in the report), never for the whole run: check the meter's source "
+                       "and measure again")
         log.warning(self._error)
 
     def stop(self) -> PowerTrace:
@@ -169,7 +194,9 @@ class PowerMeter:
                 self.sample()
             except Exception as exc:  # noqa: BLE001 - same contract as the thread
                 self._fail(exc)
-        return PowerTrace(self.name, list(self._samples), self.rate_hz, list(self.notes), self._error)
+        return PowerTrace(self.name, list(self._samples), self.rate_hz, list(self.notes), self._error,
+                          lost_at_ns=self._lost_at_ns, lost_cause=self._lost_cause)
 
     def close(self) -> None:
-        pass
+        """Release the source; a meter whose source fails to close logs it and does not raise (the measurement
+        it ends is already taken)."""

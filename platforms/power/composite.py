@@ -5,12 +5,18 @@ Every sample reads each part at the same instant; the trace keeps one trace per 
 (``trace.parts``), so each part's energy comes from its own counter or integral, and the total
 is their sum.  A sample's power is the parts' power summed (a counter-only part contributes
 its rate since the previous sample) and its rails are the parts' powers side by side.
+
+A part that fails a read ends the whole trace at the last sample every part read (the total
+would otherwise silently drop that part's share); the error names the part.
 """
 from __future__ import annotations
 
+import logging
 import time
 
-from .base import PowerMeter, PowerSample, PowerTrace, instant_power_w
+from .base import MeterFailed, PowerMeter, PowerSample, PowerTrace, failure_text, instant_power_w
+
+log = logging.getLogger(__name__)
 
 
 class CompositeMeter(PowerMeter):
@@ -24,7 +30,12 @@ class CompositeMeter(PowerMeter):
         self._part_samples: dict[str, list[PowerSample]] = {p.name: [] for p in parts}
 
     def sample(self) -> PowerSample:
-        readings = [p.read() for p in self.parts]
+        readings = []
+        for part in self.parts:
+            try:
+                readings.append(part.read())
+            except Exception as exc:  # noqa: BLE001 - tagged with the part, handled as any failed read
+                raise MeterFailed(f"{part.name}: {failure_text(exc)}") from exc
         t_ns = time.monotonic_ns()
         powers, rails = [], {}
         for part, (power, energy, part_rails) in zip(self.parts, readings):
@@ -51,5 +62,9 @@ class CompositeMeter(PowerMeter):
         return trace
 
     def close(self) -> None:
+        """Every part is closed, even after one fails to: that one is logged, as a single meter's close would be."""
         for part in self.parts:
-            part.close()
+            try:
+                part.close()
+            except Exception as exc:  # noqa: BLE001 - the others must still be closed
+                log.warning("%s: closing failed (%s); the measurement is unaffected", part.name, failure_text(exc))

@@ -7,12 +7,18 @@ refreshes as often as the meter reads; a service already running for another cli
 own interval, which ``jetson.interval`` reports and the notes repeat.  Before the first update,
 or on a board without sensors, ``power`` is empty (or absent): such a read has no power.
 
+When the service stops, the client's reader thread stores the error (``JtopException("Lost
+connection with jtop server")``, or the socket's own) and ``jetson.power`` keeps returning the last
+stats it got (jtop/jtop.py: ``run``, ``_get_data``); ``jetson.ok()`` raises that stored error, or
+returns False once the client stopped.  So each read asks ``ok(spin=True)`` (no wait for fresh
+data) first: a stopped service ends the trace instead of repeating its last values.
+
 jetson-stats is AGPL-3.0 and needs its jtop service; it is imported only when this meter is
 chosen, never installed by edgekv.  Without it the INA3221 hwmon reader covers the same rails.
 """
 from __future__ import annotations
 
-from .base import MeterUnavailable, PowerMeter
+from .base import MeterFailed, MeterUnavailable, PowerMeter
 
 
 class JtopMeter(PowerMeter):
@@ -38,6 +44,7 @@ class JtopMeter(PowerMeter):
         self.source = source
 
     def read(self):
+        self._check_alive()
         try:
             power = self.source.power or {}
         except KeyError:  # jtop's stats dict holds no 'power' until the service's first update
@@ -45,6 +52,12 @@ class JtopMeter(PowerMeter):
         rails = {name: r["power"] / 1000 for name, r in power.get("rail", {}).items() if "power" in r}
         total = power.get("tot", {}).get("power")
         return (total / 1000 if total is not None else None), None, rails
+
+    def _check_alive(self) -> None:
+        """Raise the client's stored error, or MeterFailed when it stopped."""
+        if not self.source.ok(spin=True):
+            raise MeterFailed("jtop: the client stopped (jetson.ok() is False), so its power values are no longer "
+                              "updated; sudo systemctl restart jtop")
 
     def close(self):
         if self._owned is not None:

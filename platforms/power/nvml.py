@@ -1,9 +1,19 @@
 """NVML through nvidia-ml-py (import name ``pynvml``): the GPU's energy counter in mJ (Volta and
 newer), else its power draw in mW integrated over time.  The GPU board only: the host's CPU and
-DRAM are RAPL's (the ``rtx`` order combines both, see select.py)."""
+DRAM are RAPL's (the ``rtx`` order combines both, see select.py).
+
+A GPU that falls off the bus makes every query raise ``NVMLError_GpuIsLost`` (NVML_ERROR_GPU_IS_LOST,
+nvml.h; pynvml maps each return code to an ``NVMLError_<Name>`` subclass in ``_nvmlCheckReturn``):
+the read raises and the base class ends the trace there.  ``nvmlShutdown`` may fail too
+(NVML_ERROR_UNKNOWN): that is logged, never raised out of the measurement.
+"""
 from __future__ import annotations
 
+import logging
+
 from .base import MeterUnavailable, PowerMeter
+
+log = logging.getLogger(__name__)
 
 
 class NvmlMeter(PowerMeter):
@@ -36,4 +46,7 @@ class NvmlMeter(PowerMeter):
         return power_w, energy_j, {}
 
     def close(self):
-        self.nvml.nvmlShutdown()
+        try:
+            self.nvml.nvmlShutdown()
+        except self.nvml.NVMLError as exc:
+            log.warning("nvml: nvmlShutdown failed (%s: %s); the measurement is unaffected", type(exc).__name__, exc)
