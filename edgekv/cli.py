@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import logging
+import math
 import os
 import sys
 import tempfile
@@ -14,6 +16,30 @@ from edgekv.runtime.checkpoints import MODEL_HELP
 
 KV_PATHS_HELP = ("folders on several disks, comma-separated, instead of --kv-path: the KV records are spread over "
                  "them and read through one queue per disk")
+PROMPT_HELP = "plain text, or a JSON list of token ids when it starts with '['"
+# bench rows (edgekv/bench.py policy_configs, plus the GGUF file's llama.cpp row)
+BENCH_ROWS = ("full", "flexgen", "token", "kvswap-noreuse", "kvswap", "kvswap-noverify", "kvswap-quality", "arkv",
+              "llama.cpp")
+# whole-number flags (by dest): (least, most or None); argparse only checks that they are numbers
+WHOLE_FLAGS = {"max_new_tokens": (1, None), "top_k": (0, None), "chunk_tokens": (1, None), "max_context": (2, None),
+               "new_tokens": (1, None), "samples": (1, None), "ppl_tokens": (2, None), "group_size": (1, None),
+               "steps": (1, None), "warmup": (0, None),
+               "seed": (0, 2**63 - 1)}  # torch's generator takes 64-bit seeds; numpy's none below 0
+# number flags (by dest): (low, high, low allowed, high allowed); NaN and infinities are never meant
+REAL_FLAGS = {"temperature": (0, math.inf, True, False), "top_p": (0, 1, False, True), "drop_at": (0, 1, False, False),
+              "max_mib": (0, math.inf, False, False), "disk_seconds": (0, math.inf, False, False),
+              "path_limit_mib_s": (0, math.inf, False, False), "rate_hz": (0, math.inf, False, False)}
+# what each command's memory grows with: named when it runs out
+MEMORY_FLAGS = {"generate": "the prompts or --config's max_context / max_batch", "context": "the context file",
+                "eval": "--contexts or --samples", "bench": "--contexts or --batches", "ttft": "--contexts"}
+
+
+class UsageError(ValueError):
+    """A flag's value cannot work; the message names the flag and what to pass instead."""
+
+
+def _flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
 
 
 def _kv_paths(args, must_exist: bool = True) -> list[str] | None:
@@ -24,16 +50,19 @@ def _kv_paths(args, must_exist: bool = True) -> list[str] | None:
 
     single, several = getattr(args, "kv_path", None), getattr(args, "kv_paths", None)
     if single is not None and several is not None:
-        raise ValueError(f"--kv-path {single} and --kv-paths {several} both name the KV folders; pass one of them "
+        raise UsageError(f"--kv-path {single} and --kv-paths {several} both name the KV folders; pass one of them "
                          "(--kv-paths DIR1,DIR2,... for several disks)")
     if single is None and several is None:
         return None
     flag, given = ("--kv-path", [single]) if single is not None else (
         "--kv-paths", [p.strip() for p in several.split(",")])
-    paths = list(check_kv_paths(given, flag))
+    try:
+        paths = list(check_kv_paths(given, flag))
+    except ValueError as exc:
+        raise UsageError(str(exc)) from exc
     missing = [user for user, path in zip(given, paths) if not os.path.isdir(path)]
     if must_exist and missing:
-        raise ValueError(f"{flag}: no folder {', '.join(missing)}; create it on the disk that should hold the KV cache")
+        raise UsageError(f"{flag}: no folder {', '.join(missing)}; create it on the disk that should hold the KV cache")
     return paths
 
 
@@ -48,9 +77,7 @@ def _scratch_kv(paths: list[str] | None):
 def _generate(args) -> int:
     from edgekv.runtime import Engine
 
-    if not args.prompt and not args.chat and not args.context:
-        raise ValueError("nothing to generate from: pass --prompt TEXT, --chat MESSAGE or --context NAME")
-    prompts = [json.loads(p) if p.lstrip().startswith("[") else p for p in args.prompt or []]
+    prompts = list(args.prompt or [])  # read and parsed by _check_args
     prompts += [[{"role": "user", "content": c}] for c in args.chat or []]
     prompts = prompts or [""]  # --context alone: continue the stored context
     kv_paths = _kv_paths(args)
@@ -89,8 +116,7 @@ def _context(args) -> int:
     if args.action == "save":
         from edgekv.runtime import Engine
 
-        text = sys.stdin.read() if args.file == "-" else Path(args.file).read_text(encoding="utf-8")
-        context = json.loads(text) if text.lstrip().startswith("[") else text  # token ids, like generate's --prompt
+        context = _read_prompt("context save FILE", args.file, from_file=True)
         with Engine.from_pretrained(args.model, config={"max_context": args.max_context}, policy="full") as engine:
             engine.open_context_store(_store_location(args), chunk_tokens=args.chunk_tokens,
                                       max_bytes=int(args.max_mib * 2**20) if args.max_mib else None)
@@ -114,16 +140,7 @@ def _ttft(args) -> int:
     from edgekv import ttft_bench
 
     rates = [float(r) for r in args.link_mib_s.split(",") if r]
-    if not rates or min(rates) <= 0:
-        raise ValueError(f"--link-mib-s {args.link_mib_s}: give positive rates, e.g. 50,100,200,400")
-    if args.drop_at is not None and not 0 < args.drop_at < 1:
-        raise ValueError(f"--drop-at {args.drop_at}: a fraction of the load-only time, between 0 and 1")
-    costs = None
-    if args.costs:
-        from edgekv.runtime.ttft.costs import cost_model_from_json
-
-        data = json.loads(Path(args.costs).read_text())
-        costs = cost_model_from_json(data.get("predictor", data))
+    costs = _cost_model(args.costs) if args.costs else None
     contexts = [int(c) for c in args.contexts.split(",")]
     meta = {"model": args.model, "contexts": contexts, "link_mib_s": rates, "drop_at": args.drop_at,
             "chunk_tokens": args.chunk_tokens, "costs": args.costs}
@@ -159,13 +176,6 @@ def _bench(args) -> int:
     from edgekv import bench
     from edgekv.runtime.checkpoints import resolve_checkpoint
 
-    if args.quick:
-        args.batches, args.contexts, args.budgets, args.steps, args.warmup, args.disk_seconds = "2", "4096", "1/13", 4, 2, 2
-    for budget in args.budgets.split(","):
-        _parse_budget(budget)
-    if args.path_limit_mib_s is not None and args.path_limit_mib_s <= 0:
-        raise ValueError(f"--path-limit-mib-s {args.path_limit_mib_s:g}: give a positive read rate per KV path, "
-                         "e.g. 200")
     checkpoint = resolve_checkpoint(args.model)
     kv_paths = _kv_paths(args)
     with _scratch_kv(kv_paths) as kvs:
@@ -204,7 +214,12 @@ def _energy(args) -> int:
         return 2
     with tempfile.TemporaryDirectory() as tmp:
         events_file = os.path.join(tmp, "events.jsonl")
-        meter.start()
+        try:
+            meter.start()
+        except MeterUnavailable as exc:  # its first reading failed: nothing to measure, the command not run
+            meter.close()
+            print(f"edgekv energy: {exc}", file=sys.stderr)
+            return 2
         try:
             rc = subprocess.run(command, env={**os.environ, "EDGEKV_EVENTS_FILE": events_file}).returncode
         finally:
@@ -245,7 +260,7 @@ def _parse_budget(text: str) -> float:
     except (ValueError, ZeroDivisionError):
         value = float("nan")
     if not 0 < value <= 1:
-        raise ValueError(f"--budgets: {text!r} must be a fraction in (0, 1], e.g. 1/13")
+        raise UsageError(f"--budgets: {text!r} must be a fraction in (0, 1], e.g. 1/13")
     return value
 
 
@@ -256,8 +271,162 @@ def _record_dtypes(text: str) -> list[str]:
     asked = [r for r in text.split(",") if r]
     bad = [r for r in asked if r not in RECORD_DTYPES]
     if bad:
-        raise ValueError(f"--record-dtype {text}: {bad} unknown; give a list of {list(RECORD_DTYPES)}, e.g. int8,int4")
+        raise UsageError(f"--record-dtype {text}: {bad} unknown; give a list of {list(RECORD_DTYPES)}, e.g. int8,int4")
     return list(dict.fromkeys(["auto", *asked]))
+
+
+def _read_prompt(flag: str, source: str, from_file: bool):
+    """A prompt as text or token ids: ``source`` itself, or the file it names (``-``: standard input) when
+    ``from_file``.  Text that starts with '[' is a JSON list of token ids.  Errors name ``flag`` and the file, so a
+    bad prompt is refused before the model loads."""
+    where = f"{flag} {source}"
+    if from_file:
+        path = Path(source)
+        if source == "-":
+            raw = sys.stdin.buffer.read()
+        elif path.is_dir():
+            raise UsageError(f"{where} is a folder; pass the prompt's text file")
+        elif not path.is_file():
+            raise UsageError(f"{where}: no such file; pass a text file (or a JSON list of token ids)")
+        else:
+            raw = path.read_bytes()
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise UsageError(f"{where} is not UTF-8 text (byte 0x{raw[exc.start]:02x} at offset {exc.start}); "
+                             "convert it (iconv -t UTF-8) or pass token ids as a JSON list") from exc
+        if not text.strip():
+            raise UsageError(f"{where} is empty; put the prompt's text (or a JSON list of token ids) in it")
+    else:
+        text = source
+    if not text.lstrip().startswith("["):
+        return text
+    try:
+        ids = json.loads(text)
+    except ValueError as exc:
+        raise UsageError(f"{where if from_file else flag} starts with '[' but is not a JSON list of token ids ({exc}); "
+                         "write token ids as [1, 20, 30]") from exc
+    if not isinstance(ids, list):
+        raise UsageError(f"{where if from_file else flag} starts with '[' but holds a JSON {type(ids).__name__}, not a "
+                         "list of token ids; write token ids as [1, 20, 30]")
+    return ids
+
+
+def _cost_model(path: str):
+    """--costs: the chunk cost model JSON ``python -m edgekv.install.chunk_profile`` writes, named when unreadable."""
+    from edgekv.runtime.ttft.costs import cost_model_from_json
+
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+        return cost_model_from_json(data.get("predictor", data))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise UsageError(f"--costs {path}: not a readable cost model ({type(exc).__name__}: {exc}); write one with "
+                         "python -m edgekv.install.chunk_profile --json FILE, or drop --costs") from exc
+
+
+def _check_args(args) -> None:
+    """Every flag's value checked once, before any model loads; refusals are UsageErrors naming the flag."""
+    if getattr(args, "quick", False):
+        args.batches, args.contexts, args.budgets, args.steps, args.warmup, args.disk_seconds = "2", "4096", "1/13", 4, 2, 2
+    for dest, (least, most) in WHOLE_FLAGS.items():
+        value = getattr(args, dest, None)
+        if value is not None and not (least <= value and (most is None or value <= most)):
+            bound = f">= {least}" if most is None else f"in [{least}, {most}]"
+            raise UsageError(f"{_flag(dest)} {value}: must be a whole number {bound}")
+    for dest, (low, high, low_ok, high_ok) in REAL_FLAGS.items():
+        value = getattr(args, dest, None)
+        if value is not None and not (math.isfinite(value) and (low < value or low_ok and value == low)
+                                      and (value < high or high_ok and value == high)):
+            span = f"{'[' if low_ok else '('}{low:g}, {high:g}{']' if high_ok else ')'}"
+            raise UsageError(f"{_flag(dest)} {value:g}: must be a number in {span}")
+    for dest in ("contexts", "batches"):
+        if isinstance(getattr(args, dest, None), str):
+            _whole_list(_flag(dest), getattr(args, dest))
+    if args.command == "bench":  # bench.bench_point: prompts of context - steps - warmup - 8 - 4 * (batch - 1) tokens
+        shortest, batch = min(_whole_list("--contexts", args.contexts)), max(_whole_list("--batches", args.batches))
+        least = args.steps + args.warmup + 8 + 4 * (batch - 1) + 1
+        if shortest < least:
+            raise UsageError(f"--contexts {shortest} leaves no prompt before {args.steps} --steps, {args.warmup} "
+                             f"--warmup steps at --batches {batch}; give contexts of at least {least}")
+    if getattr(args, "budgets", None) is not None:
+        for budget in args.budgets.split(","):
+            _parse_budget(budget)
+    if getattr(args, "record_dtype", None) is not None:
+        _record_dtypes(args.record_dtype)
+    if getattr(args, "link_mib_s", None) is not None:
+        _real_list("--link-mib-s", args.link_mib_s, 0, "positive rates, e.g. 50,100,200,400")
+    if getattr(args, "recall_sigmas", None) is not None:
+        _real_list("--recall-sigmas", args.recall_sigmas, 1, "sigmas >= 1, e.g. 2,4,8,16", least_ok=True)
+    if getattr(args, "policies", None) is not None:
+        from edgekv.runtime.config import POLICIES
+
+        known = BENCH_ROWS if args.command == "bench" else POLICIES
+        _names("--policies", args.policies, known)
+    if getattr(args, "tasks", None) not in (None, "all"):
+        from edgekv.evals.tasks import TASKS
+
+        _names("--tasks", args.tasks, TASKS, "or all")
+    if args.command == "generate":
+        args.prompt = [_read_prompt("--prompt", p, False) if kind == "text" else _read_prompt("--prompt-file", p, True)
+                       for kind, p in args.prompt or []]
+        if not args.prompt and not args.chat and not args.context:
+            raise UsageError("nothing to generate from: pass --prompt TEXT, --prompt-file FILE, --chat MESSAGE or "
+                             "--context NAME")
+        if any(p == "" for p in args.prompt) and not args.context:
+            raise UsageError("--prompt is empty; pass the prompt's text (an empty prompt continues a stored --context)")
+    for dest in ("costs", "adapter", "configs_from", "quality_configs", "calibration", "text"):
+        value = getattr(args, dest, None)
+        if value is not None and not (dest == "text" and value == "builtin") and not Path(value).is_file():
+            raise UsageError(f"{_flag(dest)} {value}: no such file{' (or builtin)' if dest == 'text' else ''}")
+    for dest in ("configs_from", "quality_configs"):
+        if getattr(args, dest, None) is not None:
+            from edgekv.evals.harness import recorded_configs
+
+            try:
+                recorded_configs(getattr(args, dest))
+            except (ValueError, KeyError, TypeError, AttributeError) as exc:
+                raise UsageError(f"{_flag(dest)} {getattr(args, dest)}: not the JSON of an `edgekv eval --json` run "
+                                 f"({type(exc).__name__}: {exc}); pass that file") from exc
+    for dest in ("json", "png", "csv", "niah"):  # checked now: a long run must not fail at its last line
+        value = getattr(args, dest, None)
+        if isinstance(value, str):
+            out = Path(value)
+            if out.is_dir() or not value.strip():
+                raise UsageError(f"{_flag(dest)} {value!r}: name a file to write, not a folder")
+            if not out.parent.is_dir():
+                raise UsageError(f"{_flag(dest)} {value}: no folder {out.parent}; create it or write elsewhere")
+    if args.command in ("generate", "eval", "bench", "ttft"):
+        _kv_paths(args)
+    elif args.command in ("deploy", "context"):
+        _kv_paths(args, must_exist=False)
+
+
+def _whole_list(flag: str, text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise UsageError(f"{flag} {text!r}: give whole numbers >= 1, comma-separated, e.g. 4096,16384")
+    return values
+
+
+def _real_list(flag: str, text: str, least: float, example: str, least_ok: bool = False) -> list[float]:
+    try:
+        values = [float(v) for v in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or not all(math.isfinite(v) and (v > least or least_ok and v == least) for v in values):
+        raise UsageError(f"{flag} {text!r}: give {example}")
+    return values
+
+
+def _names(flag: str, text: str, known, also: str = "") -> list[str]:
+    names = text.split(",")
+    bad = [n for n in names if n not in known]
+    if bad:
+        raise UsageError(f"{flag} {text!r}: {bad} unknown; pick from {list(known)}{' ' + also if also else ''}")
+    return names
 
 
 def _eval(args) -> int:
@@ -369,8 +538,7 @@ def _eval_ppl(args, model, variants, contexts, kv_paths: list[str] | None) -> in
     return 0
 
 
-def main(argv=None) -> int:
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="edgekv", description="Long-context LLM inference with the KV cache on disk")
     sub = ap.add_subparsers(dest="command", required=True)
 
@@ -380,7 +548,10 @@ def main(argv=None) -> int:
     gen.add_argument("--kv-paths", metavar="DIR1,DIR2,...", help=KV_PATHS_HELP)
     gen.add_argument("--config", help="runtime config JSON (G, M, sigma, C, max_kv_mem_mib, ...)")
     gen.add_argument("--policy", default="kvswap", choices=["kvswap", "full", "flexgen", "token", "arkv"])
-    gen.add_argument("--prompt", action="append", help="plain text, or a JSON list of token ids (repeatable)")
+    gen.add_argument("--prompt", action="append", type=lambda text: ("text", text), help=PROMPT_HELP + " (repeatable)")
+    gen.add_argument("--prompt-file", action="append", dest="prompt", type=lambda path: ("file", path), metavar="FILE",
+                     help="a prompt read from a UTF-8 file (- for standard input): " + PROMPT_HELP + " (repeatable, "
+                          "in order with --prompt)")
     gen.add_argument("--chat", action="append", help="a user message, sent through the model's chat template (repeatable)")
     gen.add_argument("--max-new-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
@@ -495,7 +666,7 @@ def main(argv=None) -> int:
     be.add_argument("--quality-configs", metavar="EVAL_JSON",
                     help="also time kvswap-quality rows: the configurations an `edgekv eval --json` run chose by measured "
                          "quality, per context and budget, beside the solver's kvswap rows (M*G = 400)")
-    be.add_argument("--policies", default="full,flexgen,token,kvswap-noreuse,kvswap,kvswap-quality,llama.cpp",
+    be.add_argument("--policies", default="full,flexgen,token,kvswap-noreuse,kvswap,kvswap-noverify,kvswap-quality,llama.cpp",
                     help="rows; llama.cpp runs when the model is a GGUF file and llama-cpp-python is installed")
     be.add_argument("--quiet", action="store_true", help="no progress bars")
     be.add_argument("--disk-seconds", type=float, default=10, help="time for the disk profile the solver and ratios use")
@@ -532,12 +703,40 @@ def main(argv=None) -> int:
     st.add_argument("--json")
     st.set_defaults(func=_fpga)
 
-    args = ap.parse_args(argv)
+    return ap
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """The arguments, parsed and checked: argparse exits with status 2 naming a flag it cannot parse, and a value
+    that cannot work raises UsageError naming its flag.  No model is loaded here."""
+    args = _parsed(argv)
+    _check_args(args)
+    return args
+
+
+@functools.cache
+def _parser() -> argparse.ArgumentParser:
+    return build_parser()  # built once: parsing does not change it, and building takes tens of ms
+
+
+def _parsed(argv) -> argparse.Namespace:
+    args = _parser().parse_args(argv)
     args.command_line = " ".join(["edgekv", *(sys.argv[1:] if argv is None else argv)])
+    return args
+
+
+def main(argv=None) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    args = _parsed(argv)
     try:
+        _check_args(args)
         return args.func(args)
     except (ValueError, OSError) as exc:
         print(f"edgekv {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except MemoryError as exc:  # e.g. numpy's "Unable to allocate 7.28 TiB" for a context nobody can hold
+        print(f"edgekv {args.command}: error: out of memory ({exc}); ask for less: "
+              f"{MEMORY_FLAGS.get(args.command, 'smaller sizes')}", file=sys.stderr)
         return 2
 
 

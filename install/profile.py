@@ -5,6 +5,7 @@ never reaches the profilers or the runtime.
 """
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +20,7 @@ DTYPES = ("float32", "float16", "bfloat16")
 DISK_TYPES = ("nvme", "emmc", "ufs", "sata", "smartssd", "unknown")
 POWER_METERS = ("auto", "rapl", "ina3221", "jtop", "nvml", "xrt", "none")
 SCORERS = ("cpu", "smartssd")
+MAX_SOLVER_POINTS = 10_000  # deploy solves every (batch, context) pair: more would take hours or exhaust memory
 
 
 class ProfileError(ValueError):
@@ -95,12 +97,23 @@ def profile_path(platform: str, profiles_dir: Path = PROFILES_DIR) -> Path:
 def load_profile(source: str | Path, profiles_dir: Path = PROFILES_DIR) -> Profile:
     """A platform name (``local``) or a YAML path -> a validated Profile."""
     path = Path(source) if str(source).endswith((".yaml", ".yml")) else profile_path(str(source), profiles_dir)
+    if path.is_dir():
+        raise ProfileError(f"profile {path} is a folder; pass a platform name or a YAML file")
     if not path.is_file():
         raise ProfileError(f"profile file {path} does not exist; pass a platform name or an existing YAML file")
+    raw = path.read_bytes()
     try:
-        data = yaml.safe_load(path.read_text())
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ProfileError(f"{path}: not UTF-8 text (byte 0x{raw[exc.start]:02x} at offset {exc.start}); "
+                           "save the profile as UTF-8") from exc
+    try:
+        data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise ProfileError(f"{path}: not valid YAML ({exc}); fix the syntax") from exc
+    except (ValueError, RecursionError) as exc:  # an integer of more than 4300 digits, nesting deeper than Python's stack
+        raise ProfileError(f"{path}: YAML this loader cannot take ({type(exc).__name__}: {str(exc)[:120]}); "
+                           "fix the value") from exc
     if not isinstance(data, dict):
         raise ProfileError(f"{path}: the top level must be a mapping of fields, got {type(data).__name__}")
     flat = _check(path, data, SCHEMA, "")
@@ -125,6 +138,10 @@ def load_profile(source: str | Path, profiles_dir: Path = PROFILES_DIR) -> Profi
 
 def _check(path: Path, data: dict, schema: dict, prefix: str) -> dict:
     """Type-check ``data`` against ``schema``; returns the fields flattened as 'section.field'."""
+    odd = [k for k in data if not isinstance(k, str)]
+    if odd:  # YAML keys may be numbers, booleans or null: `1: x`, `yes: x`, `: x`
+        raise ProfileError(f"{path}: key {odd[0]!r} in {prefix.rstrip('.') or 'the top level'} is not a field name; "
+                           f"fields here are {sorted(schema)}")
     unknown = sorted(set(data) - set(schema))
     if unknown:
         field = prefix + unknown[0]
@@ -149,6 +166,8 @@ def _check(path: Path, data: dict, schema: dict, prefix: str) -> dict:
             isinstance(value, kind) and not isinstance(value, bool))
         if not ok:
             raise ProfileError(f"{path}: field '{name}' must be {kind.__name__}, got {value!r}; write e.g. {_example(kind)}")
+        if kind is float and not math.isfinite(value):  # YAML's .nan and .inf pass every comparison check below
+            raise ProfileError(f"{path}: field '{name}' must be a finite number, got {value!r}; write e.g. {_example(kind)}")
         if allowed is not None and value not in allowed:
             raise ProfileError(f"{path}: field '{name}' is {value!r}; allowed values: {list(allowed)}")
         flat[name] = value
@@ -161,6 +180,14 @@ def _check_ranges(path: Path, flat: dict) -> None:
     for name in positive:
         if flat[name] <= 0:
             raise ProfileError(f"{path}: field '{name}' must be > 0, got {flat[name]!r}")
+    if flat["solver.context_min"] > flat["memory.max_context"]:
+        raise ProfileError(f"{path}: field 'solver.context_min' ({flat['solver.context_min']}) is above "
+                           f"'memory.max_context' ({flat['memory.max_context']}); lower it")
+    contexts = (flat["memory.max_context"] - flat["solver.context_min"]) // flat["solver.context_step"] + 2
+    if flat["memory.max_batch"] * contexts > MAX_SOLVER_POINTS:
+        raise ProfileError(f"{path}: fields 'memory.max_batch' ({flat['memory.max_batch']}) and 'solver.context_step' "
+                           f"({flat['solver.context_step']}) make about {flat['memory.max_batch'] * contexts} (batch, "
+                           f"context) points to solve, over {MAX_SOLVER_POINTS}; raise context_step or lower max_batch")
     if flat["solver.sigma_max"] < 1:
         raise ProfileError(f"{path}: field 'solver.sigma_max' must be >= 1 (1 = full-rank K), got {flat['solver.sigma_max']!r}")
     for name in ("solver.alpha", "solver.reuse_step"):
@@ -201,7 +228,7 @@ def check_kv_paths(paths, where: str) -> tuple[str, ...]:
     paths = [os.fspath(p) if isinstance(p, os.PathLike) else p for p in paths]
     folders = []
     for i, p in enumerate(paths):
-        if not isinstance(p, str) or not p.strip():
+        if not isinstance(p, str) or not p.strip() or "\0" in p:  # no file name holds a NUL byte
             raise ProfileError(f"{where} entry {i} must be a folder path, got {p!r}")
         folders.append(os.path.expanduser(p))
         if os.path.exists(folders[-1]) and not os.path.isdir(folders[-1]):

@@ -8,6 +8,8 @@ q/k RMS norms on the head dimension, Qwen2 adds q/k/v biases (inside the Linear 
 from __future__ import annotations
 
 import json
+import math
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,6 +47,11 @@ class ModelDims:
 
 
 REQUIRED_CONFIG_FIELDS = ("num_hidden_layers", "hidden_size", "num_attention_heads", "vocab_size")
+# bytes per element of the safetensors dtypes; a dtype not listed here is bounds-checked only
+SAFETENSORS_ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "I16": 2, "F16": 2, "BF16": 2,
+                        "U32": 4, "I32": 4, "F32": 4, "U64": 8, "I64": 8, "F64": 8}
+MAX_SAFETENSORS_HEADER = 100_000_000  # the safetensors library's own limit
+REDOWNLOAD = "the checkpoint is damaged or incomplete: download it again"
 
 
 def read_model_config(model_dir: str | Path) -> dict:
@@ -71,7 +78,103 @@ def read_model_config(model_dir: str | Path) -> dict:
     if missing:
         raise ModelError(f"{cfg_path} lacks positive integer field(s) {missing}; the checkpoint is incomplete: "
                          "download it again")
+    for key in ("num_key_value_heads", "head_dim"):  # optional, but a present one must be a size
+        value = cfg.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ModelError(f"{cfg_path}: field '{key}' must be a positive integer or absent, got {value!r}; {REDOWNLOAD}")
+    heads, kv_heads = cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+    if heads % kv_heads:
+        raise ModelError(f"{cfg_path}: num_attention_heads ({heads}) is not a multiple of num_key_value_heads "
+                         f"({kv_heads}); {REDOWNLOAD}")
+    if not cfg.get("head_dim") and cfg["hidden_size"] % heads:
+        raise ModelError(f"{cfg_path}: hidden_size ({cfg['hidden_size']}) is not a multiple of num_attention_heads "
+                         f"({heads}) and no head_dim is given; {REDOWNLOAD}")
     return cfg
+
+
+def safetensors_header(path: Path) -> dict:
+    """The tensor table of a .safetensors file, checked against the file's size before any weight is read: a
+    truncated download, another file under the name or a header claiming bytes the file lacks is named here
+    instead of surfacing as the library's "Error while deserializing header"."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise ModelError(f"{path} is {size} bytes, too short for a safetensors file; {REDOWNLOAD}")
+        n = struct.unpack("<Q", head)[0]
+        if n > min(size - 8, MAX_SAFETENSORS_HEADER):
+            raise ModelError(f"{path}: its header claims {n} bytes but the file has {size}: not a safetensors file, "
+                             f"or cut short; {REDOWNLOAD}")
+        raw = f.read(n)
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ModelError(f"{path}: its header is not JSON ({exc}); not a safetensors file, {REDOWNLOAD}") from exc
+    if not isinstance(header, dict):
+        raise ModelError(f"{path}: its header is a JSON {type(header).__name__}, not a tensor table; {REDOWNLOAD}")
+    data_bytes = size - 8 - n
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, shape, (begin, end) = entry["dtype"], entry["shape"], entry["data_offsets"]
+            ok = isinstance(dtype, str) and begin <= end and all(
+                isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in [*shape, begin, end])
+        except (TypeError, KeyError, ValueError):
+            ok = False
+        if not ok:
+            raise ModelError(f"{path}: tensor {name!r} has a malformed entry {entry!r:.120}; {REDOWNLOAD}")
+        if end > data_bytes:
+            raise ModelError(f"{path}: tensor {name!r} lies at bytes {begin}..{end} of a data area of {data_bytes}: "
+                             f"the file is cut short; {REDOWNLOAD}")
+        need = math.prod(shape) * SAFETENSORS_ITEMSIZE.get(dtype, 0)
+        if dtype in SAFETENSORS_ITEMSIZE and end - begin != need:
+            raise ModelError(f"{path}: tensor {name!r} ({dtype} {shape}) needs {need} bytes but its header gives it "
+                             f"{end - begin}; {REDOWNLOAD}")
+    return header
+
+
+def weight_headers(model_dir: str | Path) -> dict[Path, dict]:
+    """Each safetensors file of a checkpoint with its tensor table ({} for pytorch_model.bin checkpoints, which
+    transformers reads itself), as transformers would pick them: model.safetensors, else the shards that
+    model.safetensors.index.json names, each of which must exist and hold the tensors it is named for."""
+    folder = Path(model_dir)
+    single, index = folder / "model.safetensors", folder / "model.safetensors.index.json"
+    if single.is_file():
+        return {single: safetensors_header(single)}
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+                raise TypeError("weight_map must map tensor names to file names")
+        except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise ModelError(f"{index} is not a shard index ({type(exc).__name__}: {exc}); {REDOWNLOAD}") from exc
+        headers = {}
+        for shard in sorted(set(weight_map.values())):
+            path = folder / shard
+            if not path.is_file():
+                raise ModelError(f"{path} is missing (named by {index.name}); {REDOWNLOAD}")
+            headers[path] = safetensors_header(path)
+        lost = next((t for t, shard in weight_map.items() if t not in headers[folder / shard]), None)
+        if lost is not None:
+            raise ModelError(f"{index.name} puts tensor {lost!r} in {weight_map[lost]}, which lacks it; {REDOWNLOAD}")
+        return headers
+    if any((folder / n).is_file() for n in ("pytorch_model.bin", "pytorch_model.bin.index.json")):
+        return {}
+    raise ModelError(f"{folder} holds no weights (model.safetensors, or model.safetensors.index.json and its shards); "
+                     f"{REDOWNLOAD}")
+
+
+def check_weights(model_dir: str | Path, cfg: dict) -> None:
+    """The weight files are whole and their embedding is the size config.json says (a config.json from another
+    model would otherwise build a model of the wrong size and fail deep inside transformers)."""
+    headers = weight_headers(model_dir)
+    for path, header in headers.items():
+        entry = header.get("model.embed_tokens.weight")
+        if entry is not None and list(entry["shape"]) != [cfg["vocab_size"], cfg["hidden_size"]]:
+            raise ModelError(f"{path}: model.embed_tokens.weight is {entry['shape']} but {Path(model_dir) / 'config.json'} "
+                             f"says vocab_size={cfg['vocab_size']}, hidden_size={cfg['hidden_size']}: the config and the "
+                             "weights are of different models; download the checkpoint again")
 
 
 def check_no_sliding_window(hf_config, max_context: int) -> None:
@@ -155,9 +258,16 @@ def load_model(model_dir: str | Path, device: torch.device, dtype: torch.dtype, 
     """Load a local checkpoint (never from a hub) after checking its architecture."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    read_model_config(model_dir)
+    check_weights(model_dir, read_model_config(model_dir))
     hf_config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
     check_no_sliding_window(hf_config, max_context)
-    hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, local_files_only=True)
+    hf_model, info = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, local_files_only=True,
+                                                          output_loading_info=True, ignore_mismatched_sizes=True)
+    # transformers fills a missing or misshapen tensor with random values and only logs it: refuse instead
+    wrong = sorted(info["missing_keys"]) + sorted(f"{k} ({tuple(old)} on disk, {tuple(new)} expected)"
+                                                  for k, old, new in info["mismatched_keys"])
+    if wrong:
+        raise ModelError(f"{model_dir}: the weights lack or misshape {len(wrong)} tensor(s) the config.json model has "
+                         f"({', '.join(wrong[:4])}{', ...' if len(wrong) > 4 else ''}); {REDOWNLOAD}")
     hf_model.to(device).eval()
     return DecoderModel(hf_model)
