@@ -14,6 +14,7 @@ Faults (one per run, at a random read):
 from __future__ import annotations
 
 import argparse
+import ctypes
 import errno
 import json
 import logging
@@ -40,34 +41,25 @@ def record_location(batch: ReadBatch, i: int) -> tuple[int, int]:
     return int(batch.fds[r]), int(batch.offsets[r]) + (i - int(starts[r])) * batch.nbytes
 
 
-def _rewrite(fd: int, offset: int, change) -> None:
-    """Change bytes of the file behind ``fd`` through a buffered fd of its own (the KV fd may be O_DIRECT);
-    a direct read afterwards writes the page cache back first, so it sees the change."""
+def rewrite(fd: int, offset: int, nbytes: int, change) -> None:
+    """Replace bytes [offset, offset + nbytes) of the file behind ``fd`` by ``change(old bytes)``, through a
+    buffered fd of its own (the KV fd may be O_DIRECT); a direct read afterwards writes the page cache back
+    first, so it sees the change."""
     own = os.open(f"/proc/self/fd/{fd}", os.O_RDWR)
     try:
-        data = bytearray(os.pread(own, change.nbytes, offset))
-        os.pwrite(own, change(data), offset)
+        os.pwrite(own, change(os.pread(own, nbytes, offset)), offset)
         os.fsync(own)
     finally:
         os.close(own)
 
 
-class _Flip:
-    def __init__(self, byte: int, bit: int):
-        self.byte, self.bit, self.nbytes = byte, bit, byte + 1
-
-    def __call__(self, data: bytearray) -> bytes:
-        data[self.byte] ^= 1 << self.bit
-        return bytes(data)
+def _flip(byte: int, bit: int):
+    return lambda data: data[:byte] + bytes([data[byte] ^ (1 << bit)]) + data[byte + 1 :]
 
 
-class _Tear:
-    def __init__(self, record_bytes: int):
-        self.nbytes = record_bytes
-
-    def __call__(self, data: bytearray) -> bytes:
-        half = len(data) // 2
-        return bytes(data[:half]) + bytes(len(data) - half)
+def _tear(data: bytes) -> bytes:
+    """The second half never written."""
+    return data[: len(data) // 2] + bytes(len(data) - len(data) // 2)
 
 
 class FaultyReader(KVReader):
@@ -102,16 +94,15 @@ class FaultyReader(KVReader):
         if self.fault == "hang":
             self.released.wait(self.hang_s)
         if self.fault == "flip_disk":
-            _rewrite(fd, offset, _Flip(byte, bit))
+            rewrite(fd, offset, self.record_bytes, _flip(byte, bit))
         if self.fault == "torn_disk":
-            _rewrite(fd, offset, _Tear(self.record_bytes))
+            rewrite(fd, offset, self.record_bytes, _tear)
         if self.fault == "short":
             os.truncate(f"/proc/self/fd/{fd}", offset)
         self.inner.read(batch)
         if self.fault == "flip_memory":
             address = int(batch.addresses[i]) + byte
-            view = (np.ctypeslib.as_array((np.ctypeslib.ctypes.c_uint8 * 1).from_address(address)))
-            view[0] ^= np.uint8(1 << bit)
+            ctypes.c_uint8.from_address(address).value ^= 1 << bit
 
     def close(self) -> None:
         self.released.set()

@@ -33,10 +33,6 @@ _HEADER = np.dtype([("magic", "S8"), ("version", "<u4"), ("n_layers", "<u4"), ("
 _SOURCE = Path(__file__).with_name("native") / "ekv_crc32c.c"
 
 
-def record_seed(layer: int, group: int) -> int:
-    return (int(layer) << 40) | int(group)
-
-
 def build_crc32c() -> Path:
     """Compile ekv_crc32c.c into the cache (named by source hash: an edited source is rebuilt)."""
     digest = hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:12]
@@ -64,7 +60,8 @@ def native() -> ctypes.CDLL | None:
 
 
 def sums_at(addresses, record_bytes: int, layers, groups, use_native: bool = True) -> np.ndarray:
-    """uint32 [n] checksums of the records at host ``addresses`` (where a read put them)."""
+    """uint32 [n] checksums of the records at host ``addresses`` (where a read put them); a record's seed is
+    layer << 40 | group."""
     addresses = np.ascontiguousarray(addresses, dtype=np.int64)
     seeds = np.ascontiguousarray((np.broadcast_to(np.asarray(layers, dtype=np.uint64), addresses.shape) << np.uint64(40))
                                  | np.asarray(groups, dtype=np.uint64))

@@ -7,7 +7,6 @@ selected group is one aligned read at offset g * stride_bytes (64-bit).  Each re
 """
 from __future__ import annotations
 
-import ctypes
 import errno
 import logging
 import os
@@ -394,7 +393,7 @@ class DiskKVStore:
         starts = request_starts(fds, offsets, stride, self.max_request_records)
         counts = np.diff(np.r_[starts, n]).astype(np.int32)
         seqs, groups = np.asarray(seqs)[order], np.asarray(groups)[order]
-        check = self._rng.random(n) < self.verify_fraction
+        check = np.ones(n, dtype=bool) if self.verify_fraction >= 1 else self._rng.random(n) < self.verify_fraction
         expected = np.zeros(n, dtype=np.uint32)
         for seq in np.unique(seqs[check]).tolist():
             mine = check & (seqs == seq)
@@ -427,7 +426,8 @@ class DiskKVStore:
         for i, r in zip(bad.tolist(), request.tolist()):
             fd, offset = int(batch.fds[r]), int(batch.offsets[r]) + (i - int(starts[r])) * batch.nbytes
             address, seq, group = int(batch.addresses[i]), int(batch.seqs[i]), int(batch.groups[i])
-            os.preadv(fd, [memoryview((ctypes.c_char * batch.nbytes).from_address(address)).cast("B")], offset)
+            self.reader.read(ReadBatch(np.array([fd], dtype=np.int32), np.array([offset], dtype=np.int64),
+                                       np.array([address], dtype=np.int64), batch.nbytes))
             if sums_at(np.array([address]), record_bytes, batch.layer, [group])[0] == batch.expected[i]:
                 self.records_reread += 1
                 log.warning("KV record %d of %s failed its checksum, then read back intact (a transient fault)",

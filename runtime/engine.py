@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import operator
 import os
 import time
 from dataclasses import dataclass, field
@@ -234,8 +235,6 @@ class Engine:
             raise ValueError("prompts must be a list of strings or of token-id lists")
         if not prompts:
             raise ValueError("prompts is empty: pass at least one prompt")
-        import operator
-
         vocab, out = self.model.dims.vocab, []
 
         def token_id(i: int, j: int, t) -> int:

@@ -5,7 +5,7 @@ Per sequence: ``full`` keeps the whole cache; the offloading policies keep K_lr 
 reuse: M slots for two layers, the one computing and the one loading; sink and window groups
 are not picked, so they take no slots), the sinks (S tokens per layer) and the rolling window
 (the W newest tokens plus the group being filled, per layer), and with ``clustering`` the placement tables
-(each group's copies on the KV paths), and the checksums of the records on disk (8 bytes per group and layer,
+(each group's copies on the KV paths), and the checksums of the records on disk (4 bytes per group and layer,
 none when ``verify_fraction`` is 0).  Slots count their O_DIRECT padding: it is resident too.
 ``arkv`` keeps, per layer, its window in original precision and the rest of its share of the budget as
 original or quantized tokens (with their scores), the split per layer set by the prompt (runtime/arkv.py);

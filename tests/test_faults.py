@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from bench.faults import DAMAGE, FaultyReader, _rewrite
+from bench.faults import DAMAGE, FaultyReader, rewrite
 from edgekv.runtime import Engine
 from edgekv.runtime import disk_store as disk_store_mod
 from edgekv.runtime.checksum import Trailer
@@ -238,15 +238,7 @@ def _get(fd: int, nbytes: int, offset: int) -> bytes:
 
 
 def _put(fd: int, offset: int, data: bytes) -> None:
-    _rewrite(fd, offset, _Replace(data))
-
-
-class _Replace:
-    def __init__(self, data: bytes):
-        self.data, self.nbytes = data, len(data)
-
-    def __call__(self, _):
-        return self.data
+    rewrite(fd, offset, len(data), lambda _: data)
 
 
 # ---- the context store: a damaged chunk is a miss ---------------------------------------------------

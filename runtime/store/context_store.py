@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..checksum import Trailer, TrailerError, record_sums, sums_at
+from ..checksum import Trailer, TrailerError, record_sums
 from ..disk_store import RecordLayout, aligned_zeros
 from .errors import ChunkCorrupt, ChunkUnavailable, ContextStoreError
 from .files import TMP_PREFIX, fsync_dir, locked, stale_tmp, tmp_path, write_atomic
@@ -302,9 +302,9 @@ class ContextStore:
                              f"[{ref.n_tokens // self.layout.group_tokens}, {self.layout.stride_bytes}] = {nbytes}")
         sums = self.record_sums(ref)
         self.backend.read_range(ref.hash, layer * nbytes, nbytes, out)
-        stride, first = self.layout.stride_bytes, ref.start // self.layout.group_tokens
+        first = ref.start // self.layout.group_tokens
         groups = np.arange(first, first + ref.n_tokens // self.layout.group_tokens)
-        found = sums_at(out.ctypes.data + np.arange(len(groups)) * stride, self.layout.record_bytes, layer, groups)
+        found = record_sums(out, self.layout.record_bytes, layer, groups)
         bad = np.flatnonzero(found != sums[layer])
         if len(bad):
             self._corrupt(ref, f"layer {layer} group {int(groups[bad[0]])} (record {layer * len(groups) + int(bad[0])}) "
