@@ -20,6 +20,7 @@ import torch
 from .adapter import LowRankAdapter
 from .checkpoints import load_tokenizer, resolve_checkpoint
 from .arkv import ArkvGeometry, ArkvKV
+from .batching import RunningBatch
 from .cluster import CoactivationLayout
 from .config import IN_MEMORY_POLICIES, ConfigError, RuntimeConfig
 from .disk_store import CorruptRecord, DiskKVStore, RecordLayout, check_offload_path, kv_path_list
@@ -290,30 +291,24 @@ class Engine:
             return []
         return list(eos) if isinstance(eos, (list, tuple)) else [eos]
 
+    def open_batch(self, rows: int, context: int) -> RunningBatch:
+        """A decode batch of ``rows`` sequences that join and leave between steps (a server's continuous batching),
+        run with the solution for (rows, context): every sequence it takes needs at most ``context`` tokens."""
+        if not 1 <= rows <= self.config.max_batch:
+            raise ValueError(f"a batch of {rows} rows: the config allows 1 to max_batch={self.config.max_batch}")
+        return RunningBatch(self, rows, self._batch_config(rows, context))
+
     @torch.inference_mode()
     def _run_batch(self, prompts, forced, max_new_tokens: int, sampler: Sampler, stops: set[int], output_logits: bool):
-        model, batch = self.model, len(prompts)
+        batch = len(prompts)
         needed = max(len(p) + (len(f) + 1 if f is not None else max_new_tokens) for p, f in zip(prompts, forced))
-        cfg = self._batch_config(batch, needed)
-        policy = self._make_policy(batch, cfg)
         self.prefill_stats = []
-        owners = _prefix_owners(prompts, cfg.G) if cfg.share_prefix else [None] * batch
-        try:
-            prefill_s, first_logits = [], []
-            for seq, ids in enumerate(prompts):
-                self.events.emit("prefill_start", seq=seq, tokens=len(ids))
-                start = time.perf_counter()
-                policy.start_sequence(seq)
-                if owners[seq] is not None:
-                    policy.share_prefix(seq, *owners[seq])
-                first_logits.append(self._prefill(policy, seq, ids))
-                policy.end_prompt(seq, len(ids))
-                prefill_s.append(time.perf_counter() - start)
-                self.events.emit("prefill_end", seq=seq, tokens=len(ids))
-            policy.end_prefill()
-            self._keep_fitted_adapter(policy, cfg)
+        with RunningBatch(self, batch, self._batch_config(batch, needed)) as run:
+            cfg = run.cfg
+            owners = _prefix_owners(prompts, cfg.G) if cfg.share_prefix else [None] * batch
+            logits = torch.stack([run.join(seq, ids, owners[seq]) for seq, ids in enumerate(prompts)])
+            run.end_prefill()
 
-            logits = torch.stack(first_logits)
             chosen = sampler(logits)
             generated = [[int(t)] for t in chosen]
             tokens = _next_inputs(chosen, generated, forced)
@@ -324,13 +319,10 @@ class Engine:
             done = np.array([g[0] in st or lim <= 1 for g, st, lim in zip(generated, stops_of, limit)])
             decode_s = np.zeros(batch)
             start = time.perf_counter()
-            step = 0
             while not done.all():
                 active = ~done
-                self.events.emit("decode_step_start", step=step, active=int(active.sum()))
-                logits = self._decode_step(policy, tokens, active)
+                logits = run.step(tokens, active)
                 chosen = sampler(logits)
-                policy.end_step(active)
                 for seq in np.flatnonzero(active):
                     generated[seq].append(int(chosen[seq]))
                     if kept is not None:
@@ -339,19 +331,9 @@ class Engine:
                         done[seq] = True
                         decode_s[seq] = time.perf_counter() - start
                 tokens = _next_inputs(chosen, generated, forced)
-                self.events.emit("decode_step_end", step=step, active=int(active.sum()))
-                step += 1
-            results = [
-                self._result(policy, cfg, seq, prompts[seq], generated[seq], stops, prefill_s[seq], decode_s[seq])
-                for seq in range(batch)
-            ]
+            results = [run.result(seq, generated[seq], stops, decode_s[seq]) for seq in range(batch)]
             for seq, result in enumerate(results if kept is not None else []):
                 result.logits = torch.stack(kept[seq]).cpu()
-        except BaseException:
-            with contextlib.suppress(Exception):  # the step's own error surfaces, not one of a read abandoned with it
-                _end_batch(policy, batch)
-            raise
-        _end_batch(policy, batch)
         return results
 
     def _prefill(self, policy: KVPolicy, seq: int, ids: list[int]) -> torch.Tensor:
@@ -549,15 +531,6 @@ class Engine:
 
     def __exit__(self, *exc):
         self.close()
-
-
-def _end_batch(policy: KVPolicy, batch: int) -> None:
-    """Wait for the policy's work in flight, then release every sequence's KV (files included)."""
-    try:
-        policy.close()
-    finally:
-        for seq in range(batch):
-            policy.release_sequence(seq)
 
 
 def _store_stats(store) -> dict:
