@@ -23,12 +23,14 @@ BENCH_ROWS = ("full", "flexgen", "token", "kvswap-noreuse", "kvswap", "kvswap-no
 # whole-number flags (by dest): (least, most or None); argparse only checks that they are numbers
 WHOLE_FLAGS = {"max_new_tokens": (1, None), "top_k": (0, None), "chunk_tokens": (1, None), "max_context": (2, None),
                "new_tokens": (1, None), "samples": (1, None), "ppl_tokens": (2, None), "group_size": (1, None),
-               "steps": (1, None), "warmup": (0, None),
+               "steps": (1, None), "warmup": (0, None), "port": (0, 65535), "max_queue": (1, None),
                "seed": (0, 2**63 - 1)}  # torch's generator takes 64-bit seeds; numpy's none below 0
 # number flags (by dest): (low, high, low allowed, high allowed); NaN and infinities are never meant
 REAL_FLAGS = {"temperature": (0, math.inf, True, False), "top_p": (0, 1, False, True), "drop_at": (0, 1, False, False),
               "max_mib": (0, math.inf, False, False), "disk_seconds": (0, math.inf, False, False),
-              "path_limit_mib_s": (0, math.inf, False, False), "rate_hz": (0, math.inf, False, False)}
+              "path_limit_mib_s": (0, math.inf, False, False), "rate_hz": (0, math.inf, False, False),
+              "max_body_mib": (0, math.inf, False, False), "store_max_mib": (0, math.inf, False, False),
+              "shutdown_grace_s": (0, math.inf, True, False)}
 # what each command's memory grows with: named when it runs out
 MEMORY_FLAGS = {"generate": "the prompts or --config's max_context / max_batch", "context": "the context file",
                 "eval": "--contexts or --samples", "bench": "--contexts or --batches", "ttft": "--contexts"}
@@ -170,6 +172,25 @@ def _deploy(args) -> int:
     if result.get("stats"):
         print(json.dumps(result["stats"]))  # the last line: the smoke generation's stats
     return 0
+
+
+def _serve(args) -> int:
+    from edgekv.serve import ServeOptions, run
+
+    if args.platform and args.config:
+        raise UsageError(f"--platform {args.platform} and --config {args.config} both name the config; pass one")
+    config = args.config
+    if args.platform:
+        from edgekv.serve.server import deployed_config
+
+        config = str(deployed_config(args.platform))
+    kv_paths = _kv_paths(args)
+    logging.getLogger("edgekv").setLevel(logging.INFO)
+    return run(ServeOptions(
+        model=args.model, config=config, kv_paths=kv_paths, policy=args.policy, host=args.host, port=args.port,
+        api_key=args.api_key, max_queue=args.max_queue, max_body_mib=args.max_body_mib,
+        context_store=not args.no_context_store, chunk_tokens=args.chunk_tokens, store_max_mib=args.store_max_mib,
+        served_model_name=args.served_model_name, shutdown_grace_s=args.shutdown_grace_s))
 
 
 def _bench(args) -> int:
@@ -564,6 +585,31 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--store", help="the context store: a folder or an http(s):// URL of a published one (default: "
                                      "KV_PATH/contexts); prompts reuse their longest stored prefix")
     gen.set_defaults(func=_generate)
+
+    srv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (continuous batching over the deployed config)")
+    where = srv.add_mutually_exclusive_group()
+    where.add_argument("--platform", help="serve deploy/PLATFORM/config.json (auto: the platform detected here)")
+    where.add_argument("--config", help="a deployed config.json (its model and KV folders are the defaults)")
+    srv.add_argument("--model", help=MODEL_HELP + " (default: the config's model)")
+    srv.add_argument("--kv-path", help="folder on the disk that holds the KV cache (default: the config's, else a "
+                                       "temporary one)")
+    srv.add_argument("--kv-paths", metavar="DIR1,DIR2,...", help=KV_PATHS_HELP)
+    srv.add_argument("--policy", default="kvswap", choices=["kvswap", "full", "flexgen", "token", "arkv", "hillinfer"])
+    srv.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
+    srv.add_argument("--port", type=int, default=8080)
+    srv.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every endpoint but /health (default: "
+                                       "$EDGEKV_API_KEY, else none)")
+    srv.add_argument("--max-queue", type=int, default=64, help="requests waiting for a batch row; more get 429")
+    srv.add_argument("--max-body-mib", type=float, default=4.0, help="largest request body; larger get 413")
+    srv.add_argument("--no-context-store", action="store_true",
+                     help="do not keep prompts' KV in KV_PATH/contexts (multi-turn chats then prefill every turn whole)")
+    srv.add_argument("--chunk-tokens", type=int, default=256, help="context store chunk size for a new store")
+    srv.add_argument("--store-max-mib", type=float, default=1024.0, help="context store cap (least recently used "
+                                                                          "chunks go first)")
+    srv.add_argument("--served-model-name", help="the model id /v1/models lists (default: --model as given)")
+    srv.add_argument("--shutdown-grace-s", type=float, default=30.0,
+                     help="on SIGTERM/SIGINT, seconds requests in flight get to finish")
+    srv.set_defaults(func=_serve)
 
     ctx = sub.add_parser("context", help="the context store: save a context's KV once, reuse it across requests")
     ctx_sub = ctx.add_subparsers(dest="action", required=True)

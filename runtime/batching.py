@@ -32,6 +32,15 @@ class RunningBatch:
     def max_context(self) -> int:
         return self.cfg.max_context
 
+    @property
+    def io_stall_s(self) -> float:
+        """Seconds the decode steps of this batch waited for KV reads, since it opened."""
+        return self.policy.io_stall_s
+
+    @property
+    def resident_bytes(self) -> int:
+        return self.policy.resident_bytes
+
     def free_rows(self) -> list[int]:
         return [int(r) for r in np.flatnonzero(~self.active)]
 

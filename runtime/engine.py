@@ -81,6 +81,7 @@ class Engine:
         self.solutions = solutions
         self.scorer = scorer  # hillinfer's in-storage scorer (a platform's backend); the numpy reference if None
         self.prompt_cache: PromptKVCache | None = None  # set to share prompt KV across engines on this model
+        self.prompt_sink = None  # prompt_sink(ids, [(k, v)] per layer) after each prefill: a server saves turns with it
         self.context_store = None  # a runtime.store.ContextStore (open_context_store): stored prefixes skip compute
         self.ttft = TTFTOptions(compute_costs=_ttft_costs(self.config.ttft_costs_path))  # prefill with a stored prefix
         self.prefill_stats: list[dict] = []  # per prompt of the last batch: how its prefill went
@@ -207,7 +208,7 @@ class Engine:
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         params = SamplingParams(temperature, top_k, top_p, seed)
-        stops = set(self._default_stops() if stop_token_ids is None else stop_token_ids)
+        stops = set(self.default_stops() if stop_token_ids is None else stop_token_ids)
         sampler = Sampler(params, self.model.device)
         results = []
         step = self.config.max_batch
@@ -230,6 +231,11 @@ class Engine:
             self.events.emit("kv_corrupt", path=exc.path, record=exc.record, layer=exc.layer, group=exc.group)
         sampler.restore(state)
         return self._run_batch(prompts, forced, max_new_tokens, sampler, stops, output_logits)
+
+    def tokenize(self, prompt, chat: bool = False) -> list[int]:
+        """One prompt (text, token ids or chat messages) as checked token ids: in the vocabulary, shorter than
+        max_context; a ValueError names what is wrong."""
+        return self._tokenize([prompt], chat)[0]
 
     def _tokenize(self, prompts, chat: bool = False) -> list[list[int]]:
         if isinstance(prompts, (str, bytes)) or not isinstance(prompts, (list, tuple)):
@@ -285,7 +291,8 @@ class Engine:
         ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)
         return list(ids["input_ids"])
 
-    def _default_stops(self) -> list[int]:
+    def default_stops(self) -> list[int]:
+        """The checkpoint's end-of-sequence ids (generation_config), where a generation stops by default."""
         eos = getattr(self.model.hf.generation_config, "eos_token_id", None)
         if eos is None:
             return []
@@ -296,14 +303,14 @@ class Engine:
         run with the solution for (rows, context): every sequence it takes needs at most ``context`` tokens."""
         if not 1 <= rows <= self.config.max_batch:
             raise ValueError(f"a batch of {rows} rows: the config allows 1 to max_batch={self.config.max_batch}")
-        return RunningBatch(self, rows, self._batch_config(rows, context))
+        return RunningBatch(self, rows, self.batch_config(rows, context))
 
     @torch.inference_mode()
     def _run_batch(self, prompts, forced, max_new_tokens: int, sampler: Sampler, stops: set[int], output_logits: bool):
         batch = len(prompts)
         needed = max(len(p) + (len(f) + 1 if f is not None else max_new_tokens) for p, f in zip(prompts, forced))
         self.prefill_stats = []
-        with RunningBatch(self, batch, self._batch_config(batch, needed)) as run:
+        with RunningBatch(self, batch, self.batch_config(batch, needed)) as run:
             cfg = run.cfg
             owners = _prefix_owners(prompts, cfg.G) if cfg.share_prefix else [None] * batch
             logits = torch.stack([run.join(seq, ids, owners[seq]) for seq, ids in enumerate(prompts)])
@@ -356,12 +363,14 @@ class Engine:
             self._attach_stored(policy, seq, stored)
             for layer in range(self.model.dims.n_layers):
                 policy.store_prompt(layer, seq, *result.kv.layer(layer))
+            if self.prompt_sink is not None:
+                self.prompt_sink(ids, [result.kv.layer(layer) for layer in range(self.model.dims.n_layers)])
             return result.logits
         kept, queries = [], []
 
         def keep(layer, k, v):
             policy.store_prompt(layer, seq, k, v)
-            if self.prompt_cache is not None:
+            if self.prompt_cache is not None or self.prompt_sink is not None:
                 kept.append((k, v))
 
         def observe(layer, q):
@@ -372,6 +381,8 @@ class Engine:
         logits = prefill(self.model, ids, keep, observe if n_queries else None)
         if self.prompt_cache is not None:
             self.prompt_cache.put(ids, PromptKV(kept, logits, queries or None))
+        if self.prompt_sink is not None:
+            self.prompt_sink(ids, kept)
         return logits
 
     def _attach_stored(self, policy: KVPolicy, seq: int, stored) -> None:
@@ -420,6 +431,8 @@ class Engine:
             "decode_tok_s": decode_tokens / decode_s if decode_s > 0 else 0.0,
             "kv_bytes_read": int(policy.bytes_read[seq]),
             "reuse_rate": float(hits[seq] / lookups[seq]) if lookups[seq] else 0.0,
+            "reuse_hits": int(hits[seq]),
+            "reuse_lookups": int(lookups[seq]),
             "io_stall_s": policy.io_stall_s,
             "io_read_s": policy.io_read_s,
             "select_s": policy.select_s,
@@ -439,7 +452,7 @@ class Engine:
 
     # ---- the offloading policy, in one place ------------------------------------------------
 
-    def _batch_config(self, batch: int, context: int) -> RuntimeConfig:
+    def batch_config(self, batch: int, context: int) -> RuntimeConfig:
         """The solution for this (batch, context) when the config has solutions, else the config."""
         if self.solutions is None:
             return self.config

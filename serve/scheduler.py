@@ -1,0 +1,289 @@
+"""Continuous batching: one thread owns the engine; requests join the running batch at step boundaries.
+
+Each loop turn: rows whose client left are freed, queued requests are prefilled into free rows (up to the
+batch's rows, FIFO), then one decode step runs for every row.  A sequence leaves the moment it is done and its
+KV files go with it.  The batch is built with the solution for (rows, context) where context covers the
+requests waiting when it is built; a request needing a longer context than the running batch holds waits
+(and holds the queue behind it) until the batch drains, and the next batch is built for it.  The HTTP side
+talks to this thread only through ``submit`` / ``cancel`` and each job's ``notify`` callback.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from edgekv.runtime.sampling import Sampler
+
+from .metrics import ServerMetrics
+from .text import TextStream
+
+log = logging.getLogger(__name__)
+
+PENDING_SAVES_MAX = 4  # prompts whose KV waits for the context store writer; more are not saved (memory)
+
+
+class QueueFull(Exception):
+    def __init__(self, waiting: int, retry_after_s: int):
+        super().__init__(f"{waiting} requests are waiting (the queue limit): retry in {retry_after_s} s")
+        self.retry_after_s = retry_after_s
+
+
+class ServerClosing(Exception):
+    pass
+
+
+@dataclass
+class Job:
+    """One request's sequence.  ``notify(kind, data)`` is called from the scheduler thread with ``"text"``
+    ({"text", "tokens"}), then ``"done"`` ({"finish_reason", "completion_tokens", "stats"}) or ``"error"``
+    ({"status", "message"}); the HTTP side makes it thread-safe."""
+
+    ids: list[int]
+    max_tokens: int
+    sampler: Sampler
+    stop_ids: set[int]
+    text: TextStream
+    notify: Callable[[str, dict], None]
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    arrived: float = field(default_factory=time.monotonic)
+    first_at: float | None = None
+    generated: list[int] = field(default_factory=list)
+
+    @property
+    def context_tokens(self) -> int:
+        return len(self.ids) + self.max_tokens
+
+
+class Scheduler:
+    def __init__(self, engine, metrics: ServerMetrics, max_queue: int, rows: int | None = None,
+                 save_prompts: bool = False):
+        self.engine = engine
+        self.metrics = metrics
+        self.max_queue = max_queue
+        self.rows = rows or engine.config.max_batch
+        self.batch = None  # a runtime RunningBatch, built when requests come
+        self.jobs: dict[int, Job] = {}  # row -> its job
+        self._queue: collections.deque[Job] = collections.deque()
+        self._cv = threading.Condition()
+        self._stopping = False
+        self._recent_s: collections.deque[float] = collections.deque(maxlen=32)  # durations, for Retry-After
+        self._saves = ThreadPoolExecutor(1, thread_name_prefix="edgekv-save") if save_prompts else None
+        self._pending_saves = 0
+        if save_prompts:
+            engine.prompt_sink = self._save_prompt
+        self._thread = threading.Thread(target=self._loop, name="edgekv-scheduler", daemon=True)
+
+    # ---- the HTTP side -----------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, job: Job) -> None:
+        with self._cv:
+            if self._stopping:
+                raise ServerClosing("the server is shutting down")
+            if len(self._queue) >= self.max_queue:
+                raise QueueFull(len(self._queue), self._retry_after_s())
+            self._queue.append(job)
+            self.metrics.waiting.set(len(self._queue))
+            self._cv.notify()
+
+    def cancel(self, job: Job) -> None:
+        """The client left: its row is freed before the next step (a queued job is dropped when reached)."""
+        job.cancelled.set()
+        with self._cv:
+            self._cv.notify()
+
+    def stop(self, timeout_s: float = 60.0) -> None:
+        """Jobs still queued or running end with an error event; the batch's KV files are removed."""
+        with self._cv:
+            self._stopping = True
+            self._cv.notify()
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+        else:
+            self._shutdown()
+
+    def _retry_after_s(self) -> int:
+        """Seconds until the queue has likely moved by one batch: the mean recent request time."""
+        mean = sum(self._recent_s) / len(self._recent_s) if self._recent_s else 1.0
+        return max(1, round(mean * len(self._queue) / self.rows))
+
+    # ---- the loop ----------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        try:
+            while True:
+                with self._cv:
+                    while not (self._stopping or self._queue or self.jobs):
+                        self._cv.wait()
+                    if self._stopping:
+                        return
+                self._free_cancelled()
+                self._admit()
+                if self.jobs:
+                    self._step()
+                self.metrics.running.set(len(self.jobs))
+        except BaseException as exc:  # a bug here must not leave clients waiting forever
+            log.exception("scheduler stopped")
+            self._fail_all(exc)
+            raise
+        finally:
+            self._shutdown()
+
+    def _free_cancelled(self) -> None:
+        for row, job in list(self.jobs.items()):
+            if job.cancelled.is_set():
+                self._leave(row, job)
+                self.metrics.cancelled.inc()
+
+    def _next_job(self) -> Job | None:
+        with self._cv:
+            while self._queue and self._queue[0].cancelled.is_set():
+                self._queue.popleft()
+                self.metrics.cancelled.inc()
+            self.metrics.waiting.set(len(self._queue))
+            return self._queue[0] if self._queue else None
+
+    def _admit(self) -> None:
+        joined = False
+        while (job := self._next_job()) is not None:
+            if self.batch is not None and not self.jobs and self._solution_changes(job):
+                self._close_batch()  # idle: the next requests get their own solution
+            if self.batch is not None and job.context_tokens > self.batch.max_context:
+                break  # the running batch cannot hold it: drain, then build one that can
+            if self.batch is None:
+                with self._cv:
+                    context = max(j.context_tokens for j in list(self._queue)[: self.rows])
+                self.batch = self.engine.open_batch(self.rows, context)
+            free = self.batch.free_rows()
+            if not free:
+                break
+            with self._cv:
+                self._queue.popleft()
+                self.metrics.waiting.set(len(self._queue))
+            joined |= self._join(free[0], job)
+        if joined:
+            self.batch.end_prefill()
+
+    def _solution_changes(self, job: Job) -> bool:
+        return self.engine.batch_config(self.rows, job.context_tokens) != self.batch.cfg
+
+    def _join(self, row: int, job: Job) -> bool:
+        try:
+            logits = self.batch.join(row, job.ids)
+        except Exception as exc:  # this prompt's prefill failed (its store chunk, its disk write): the others go on
+            log.warning("prefill failed: %s", exc)
+            self.batch.leave(row)
+            self._fail(job, exc)
+            return False
+        self.jobs[row] = job
+        self.metrics.prompt_tokens.inc(len(job.ids))
+        stored = self.engine.prefill_stats[-1].get("stored_tokens", 0) if self.engine.prefill_stats else 0
+        self.engine.prefill_stats.clear()
+        self.metrics.prompt_tokens_stored.inc(stored)
+        self._take(row, job, int(job.sampler(logits[None].float())[0]))
+        return True
+
+    def _step(self) -> None:
+        tokens = torch.zeros(self.rows, dtype=torch.long)
+        for row, job in self.jobs.items():
+            tokens[row] = job.generated[-1]
+        stall_before, start = self.batch.io_stall_s, time.perf_counter()
+        try:
+            logits = self.batch.step(tokens)
+        except Exception as exc:  # the step's state is lost for every row: they end with this error, the batch closes
+            log.error("decode step failed: %s", exc)
+            for job in self.jobs.values():
+                self._fail(job, exc)
+            self.jobs.clear()
+            self.batch.abort()
+            self.batch = None
+            return
+        self.metrics.step(time.perf_counter() - start, self.batch.io_stall_s - stall_before)
+        self.metrics.kv_resident_bytes.set(self.batch.resident_bytes)
+        for row, job in list(self.jobs.items()):
+            self._take(row, job, int(job.sampler(logits[row : row + 1])[0]))
+
+    def _take(self, row: int, job: Job, token: int) -> None:
+        """One generated token: its text goes out; a stop token, a stop string or max_tokens ends the job."""
+        now = time.monotonic()
+        if job.first_at is None:
+            job.first_at = now
+            self.metrics.ttft.observe(now - job.arrived)
+        job.generated.append(token)
+        self.metrics.generation_tokens.inc()
+        text = job.text.push(token)
+        finish = "stop" if token in job.stop_ids or job.text.stopped else (
+            "length" if len(job.generated) >= job.max_tokens else None)
+        if finish is not None:
+            text += job.text.finish()
+        if text:
+            job.notify("text", {"text": text, "tokens": len(job.generated)})
+        if finish is not None:
+            stats = self._leave(row, job)
+            decode_s = now - job.first_at
+            if len(job.generated) > 1 and decode_s > 0:
+                self.metrics.decode_rate.observe((len(job.generated) - 1) / decode_s)
+            self._recent_s.append(now - job.arrived)
+            job.notify("done", {"finish_reason": finish, "completion_tokens": len(job.generated), "stats": stats})
+
+    def _leave(self, row: int, job: Job) -> dict:
+        decode_s = time.monotonic() - job.first_at if job.first_at else 0.0
+        stats = self.batch.result(row, job.generated, job.stop_ids, decode_s).stats
+        self.batch.leave(row)
+        self.jobs.pop(row, None)
+        self.metrics.sequence_done(stats)
+        return stats
+
+    # ---- failures and shutdown ---------------------------------------------------------------
+
+    @staticmethod
+    def _fail(job: Job, exc: BaseException, status: int = 500) -> None:
+        job.notify("error", {"status": status, "message": f"{type(exc).__name__}: {exc}"})
+
+    def _fail_all(self, exc: BaseException, status: int = 500) -> None:
+        with self._cv:
+            waiting, self._queue = list(self._queue), collections.deque()
+        for job in [*self.jobs.values(), *waiting]:
+            self._fail(job, exc, status)
+        self.jobs.clear()
+
+    def _close_batch(self) -> None:
+        batch, self.batch = self.batch, None
+        if batch is not None:
+            batch.close()
+
+    def _shutdown(self) -> None:
+        self._fail_all(ServerClosing("the server shut down before this request finished"), 503)
+        try:
+            self._close_batch()
+        finally:
+            if self._saves is not None:
+                self._saves.shutdown(wait=True)
+
+    # ---- multi-turn reuse --------------------------------------------------------------------
+
+    def _save_prompt(self, ids: list[int], kv: list) -> None:
+        """Keep a prompt's KV in the context store (in the background): a chat's next turn starts with this
+        prompt, so its prefill loads it and computes only what is new."""
+        if self._pending_saves >= PENDING_SAVES_MAX:
+            log.info("context store writer busy: this prompt's KV is not saved")
+            return
+        self._pending_saves += 1
+        self._saves.submit(self._put, ids, kv)
+
+    def _put(self, ids: list[int], kv: list) -> None:
+        try:
+            self.engine.context_store.put(ids, kv)
+        except Exception as exc:  # a full disk or a damaged store costs the next turn its reuse, never this reply
+            log.warning("context store: prompt not saved: %s", exc)
+        finally:
+            self._pending_saves -= 1
