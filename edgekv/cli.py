@@ -177,8 +177,6 @@ def _deploy(args) -> int:
 def _serve(args) -> int:
     from edgekv.serve import ServeOptions, run
 
-    if args.platform and args.config:
-        raise UsageError(f"--platform {args.platform} and --config {args.config} both name the config; pass one")
     config = args.config
     if args.platform:
         from edgekv.serve.server import deployed_config

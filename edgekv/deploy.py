@@ -29,7 +29,7 @@ from edgekv.runtime import Engine, RecordLayout
 from edgekv.runtime.adapter import LowRankAdapter
 from edgekv.runtime.checkpoints import load_tokenizer, resolve_checkpoint
 from edgekv.runtime.model import ModelDims, load_model, read_model_config
-from edgekv.runtime.store.files import write_json_atomic
+from edgekv.runtime.store.files import write_atomic, write_json_atomic
 
 VERSION = "0.1.0"
 
@@ -439,6 +439,7 @@ def run(platform: str | None = None, model: str | None = None, kv_paths: str | P
         config["beta"], measurements["scoring"] = hillinfer_pools(d, scorer, budget)
         config["scorer_backend"] = scorer.backend_label  # "csim (emulated)" off the card: beta is a host figure
     write_json_atomic(out / "config.json", config)
+    write_service_unit(prof.platform, out)
     tuning_s = time.perf_counter() - started
     log(f"config: {out / 'config.json'}  (G={top.G} M={top.M} C={top.C} sigma={top.sigma:g} reuse={top.reuse} "
         f"S={top.sink_tokens} W={top.window_tokens} records {top.kv_record_dtype} ppl ratio {top.ppl_ratio} at batch {top.batch}, context {top.context}; {len(solutions)} solutions; tuning {tuning_s:.0f} s)")
@@ -447,6 +448,16 @@ def run(platform: str | None = None, model: str | None = None, kv_paths: str | P
     report.write(out, prof, d.model_dir, measurements, solutions, stats, tuning_s)
     log(f"report: {out / 'report.txt'}")
     return {"config": str(out / "config.json"), "stats": stats, "tuning_s": round(tuning_s, 1)}
+
+
+def write_service_unit(platform: str, out: Path) -> Path:
+    """``out/edgekv.service``: systemd serves this deploy (``edgekv serve``) from the repository it was made in."""
+    from edgekv.serve.server import service_unit
+
+    unit = service_unit(platform, (out / "config.json").resolve(), Path.cwd().resolve(), sys.executable)
+    path = out / "edgekv.service"
+    write_atomic(path, unit.encode())
+    return path
 
 
 def smoke_run(model_dir: Path, kv_dirs: tuple[Path, ...], config: Path, prof: Profile, device: torch.device,

@@ -80,6 +80,11 @@ class ServerState:
         log.info("model %s ready in %.1f s: /health answers 200", self.settings.model_names[0],
                  time.perf_counter() - started)
 
+    def begin_shutdown(self, grace_s: float) -> None:
+        """SIGTERM/SIGINT: requests in flight get ``grace_s`` to finish, then end with an error event."""
+        if self.scheduler is not None:
+            self.scheduler.drain(grace_s)
+
     def close(self) -> None:
         with self._lock:
             scheduler, engine, self.scheduler = self.scheduler, self.engine, None

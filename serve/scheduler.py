@@ -73,6 +73,7 @@ class Scheduler:
         self._queue: collections.deque[Job] = collections.deque()
         self._cv = threading.Condition()
         self._stopping = False
+        self._closing_at: float | None = None  # drain: jobs still running then end with an error event
         self._recent_s: collections.deque[float] = collections.deque(maxlen=32)  # durations, for Retry-After
         self._saves = ThreadPoolExecutor(1, thread_name_prefix="edgekv-save") if save_prompts else None
         self._pending_saves = 0
@@ -87,8 +88,8 @@ class Scheduler:
 
     def submit(self, job: Job) -> None:
         with self._cv:
-            if self._stopping:
-                raise ServerClosing("the server is shutting down")
+            if self._stopping or self._closing_at is not None:
+                raise ServerClosing("the server is shutting down: retry on another instance or after it restarts")
             if len(self._queue) >= self.max_queue:
                 raise QueueFull(len(self._queue), self._retry_after_s())
             self._queue.append(job)
@@ -99,6 +100,12 @@ class Scheduler:
         """The client left: its row is freed before the next step (a queued job is dropped when reached)."""
         job.cancelled.set()
         with self._cv:
+            self._cv.notify()
+
+    def drain(self, grace_s: float) -> None:
+        """Shutdown began: no new job is taken; jobs not done within ``grace_s`` end with an error event."""
+        with self._cv:
+            self._closing_at = time.monotonic() + grace_s
             self._cv.notify()
 
     def stop(self, timeout_s: float = 60.0) -> None:
@@ -126,6 +133,10 @@ class Scheduler:
                         self._cv.wait()
                     if self._stopping:
                         return
+                if self._closing_at is not None and time.monotonic() >= self._closing_at:
+                    self._fail_all(ServerClosing("the server shut down before this request finished"), 503)
+                    self._close_batch()
+                    continue
                 self._free_cancelled()
                 self._admit()
                 if self.jobs:

@@ -79,6 +79,67 @@ def load_engine(options: ServeOptions, model: str, kv_paths: list[str]):
     return engine
 
 
+STREAM_FLUSH_S = 5.0  # after the grace, what streams ended by it get to send their error event and [DONE]
+
+
+def _server_class():
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn's server, telling the scheduler when a signal starts the shutdown."""
+
+        def __init__(self, config, on_exit):
+            super().__init__(config)
+            self.on_exit = on_exit
+
+        def handle_exit(self, sig, frame):
+            if not self.should_exit:
+                self.on_exit()
+            super().handle_exit(sig, frame)
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            """uvicorn raises the caught signal again once shut down (a SIGINT then ends in a KeyboardInterrupt
+            traceback); after a graceful shutdown the command exits 0 instead."""
+            with super().capture_signals():
+                try:
+                    yield
+                finally:
+                    self._captured_signals.clear()
+
+    return Server
+
+
+def _Server(config, on_exit):
+    return _server_class()(config, on_exit)
+
+
+def service_unit(platform: str, config: str | Path, workdir: str | Path, python: str, host: str = "127.0.0.1",
+                 port: int = 8080, grace_s: float = ServeOptions.shutdown_grace_s) -> str:
+    """A systemd unit that serves a deployed config (``deploy/<platform>/edgekv.service``): started at boot,
+    restarted on failure, stopped with SIGTERM and the grace the server gives requests in flight.  The API key,
+    if any, comes from /etc/edgekv/env (EDGEKV_API_KEY=...), never from the unit file."""
+    return f"""[Unit]
+Description=edgekv OpenAI-compatible server ({platform})
+After=network-online.target local-fs.target
+Wants=network-online.target
+
+[Service]
+Type=simple
+WorkingDirectory={workdir}
+ExecStart={python} -m edgekv.cli serve --config {config} --host {host} --port {port}
+EnvironmentFile=-/etc/edgekv/env
+Environment=PYTHONUNBUFFERED=1
+KillSignal=SIGTERM
+TimeoutStopSec={int(grace_s + STREAM_FLUSH_S + 15)}
+Restart=on-failure
+RestartSec=5
+
+[Install]
+WantedBy=multi-user.target
+"""
+
+
 def run(options: ServeOptions) -> int:
     """Serve until SIGTERM/SIGINT; 1 when the model failed to load (named in the log)."""
     import uvicorn
@@ -96,8 +157,8 @@ def run(options: ServeOptions) -> int:
             kv_paths = [stack.enter_context(tempfile.TemporaryDirectory(prefix="edgekv-serve-"))]
         state = ServerState(settings, lambda: load_engine(options, model, kv_paths))
         config = uvicorn.Config(create_app(state), host=options.host, port=options.port, log_level=options.log_level,
-                                timeout_graceful_shutdown=options.shutdown_grace_s, lifespan="on")
-        server = uvicorn.Server(config)
+                                timeout_graceful_shutdown=options.shutdown_grace_s + STREAM_FLUSH_S, lifespan="on")
+        server = _Server(config, lambda: state.begin_shutdown(options.shutdown_grace_s))
 
         def failed(exc: BaseException) -> None:
             server.should_exit = True
