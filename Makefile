@@ -12,7 +12,7 @@ DEPLOY_ARGS = --platform $(PLATFORM) $(if $(MODEL),--model $(MODEL)) $(if $(KV_P
               $(if $(KV_PATHS),--kv-paths $(KV_PATHS)) \
               $(if $(filter-out 0,$(REPROFILE)),--reprofile) $(if $(CALIBRATION),--calibration $(CALIBRATION))
 
-.PHONY: env native fio test deploy profile bench energy clean
+.PHONY: env native fio test deploy serve profile bench energy clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -45,6 +45,10 @@ test: native
 # PLATFORM=auto detects orin / rtx / smartssd, else local (the shipped fixture model)
 deploy: native fio
 	$(PYTHON) -m edgekv.cli deploy $(DEPLOY_ARGS)
+
+# the OpenAI-compatible server over the deployed config (after make deploy); SERVE_ARGS e.g. --port 8081 --api-key K
+serve: native
+	$(PYTHON) -m edgekv.cli serve --platform $(PLATFORM) $(if $(MODEL),--model $(MODEL)) $(SERVE_ARGS)
 
 # every policy side by side on this machine (BENCH_ARGS=--quick for a one-minute run)
 bench: native fio

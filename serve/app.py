@@ -40,7 +40,7 @@ class ServeSettings:
     api_key: str | None = None
     max_queue: int = 64
     max_body_bytes: int = 4 * 2**20
-    save_prompts: bool = True  # keep each prompt's KV in the context store (multi-turn reuse), when one is open
+    save_prompts: bool = True  # keep each chat prompt's KV in the context store (multi-turn reuse), when one is open
 
 
 @dataclass
@@ -281,7 +281,7 @@ async def _generate(state: ServerState, request: Request, body: SamplingRequest,
     stops = set(engine.default_stops())
     if chat and engine.tokenizer is not None and engine.tokenizer.eos_token_id is not None:
         stops.add(engine.tokenizer.eos_token_id)
-    job = Job(ids, budget, sampler, stops, TextStream(engine.tokenizer, body.stop), notify)
+    job = Job(ids, budget, sampler, stops, TextStream(engine.tokenizer, body.stop), notify, save_prompt=chat)
     try:
         scheduler.submit(job)
     except QueueFull as exc:

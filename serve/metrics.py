@@ -6,6 +6,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disa
 
 disable_created_metrics()  # the *_created series only repeat the start time
 TTFT_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+ITL_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
 RATE_BUCKETS_TOK_S = (0.5, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1000)
 
 
@@ -18,6 +19,8 @@ class ServerMetrics:
         self.generation_tokens = Counter("edgekv_generation_tokens", "tokens generated", registry=r)
         self.ttft = Histogram("edgekv_time_to_first_token_seconds", "arrival to first token (queue wait included)",
                               buckets=TTFT_BUCKETS_S, registry=r)
+        self.inter_token = Histogram("edgekv_inter_token_latency_seconds", "time between a request's tokens",
+                                     buckets=ITL_BUCKETS_S, registry=r)
         self.decode_rate = Histogram("edgekv_decode_rate_tokens_per_second",
                                      "per request: tokens after the first / seconds from the first to the last",
                                      buckets=RATE_BUCKETS_TOK_S, registry=r)

@@ -53,7 +53,9 @@ class Job:
     notify: Callable[[str, dict], None]
     cancelled: threading.Event = field(default_factory=threading.Event)
     arrived: float = field(default_factory=time.monotonic)
+    save_prompt: bool = False  # keep the prompt's KV in the context store (a chat: its next turn starts with it)
     first_at: float | None = None
+    last_at: float | None = None  # when its latest token came
     generated: list[int] = field(default_factory=list)
 
     @property
@@ -76,7 +78,8 @@ class Scheduler:
         self._closing_at: float | None = None  # drain: jobs still running then end with an error event
         self._recent_s: collections.deque[float] = collections.deque(maxlen=32)  # durations, for Retry-After
         self._saves = ThreadPoolExecutor(1, thread_name_prefix="edgekv-save") if save_prompts else None
-        self._pending_saves = 0
+        self._save_slots = threading.BoundedSemaphore(PENDING_SAVES_MAX)
+        self._saving = False  # whether the job being prefilled wants its prompt kept
         if save_prompts:
             engine.prompt_sink = self._save_prompt
         self._thread = threading.Thread(target=self._loop, name="edgekv-scheduler", daemon=True)
@@ -188,6 +191,7 @@ class Scheduler:
         return self.engine.batch_config(self.rows, job.context_tokens) != self.batch.cfg
 
     def _join(self, row: int, job: Job) -> bool:
+        self._saving = job.save_prompt
         try:
             logits = self.batch.join(row, job.ids)
         except Exception as exc:  # this prompt's prefill failed (its store chunk, its disk write): the others go on
@@ -229,6 +233,9 @@ class Scheduler:
         if job.first_at is None:
             job.first_at = now
             self.metrics.ttft.observe(now - job.arrived)
+        else:
+            self.metrics.inter_token.observe(now - job.last_at)
+        job.last_at = now
         job.generated.append(token)
         self.metrics.generation_tokens.inc()
         text = job.text.push(token)
@@ -236,7 +243,7 @@ class Scheduler:
             "length" if len(job.generated) >= job.max_tokens else None)
         if finish is not None:
             text += job.text.finish()
-        if text:
+        if text or job.text.tokenizer is None:  # no tokenizer (the fixture): an empty chunk per token shows progress
             job.notify("text", {"text": text, "tokens": len(job.generated)})
         if finish is not None:
             stats = self._leave(row, job)
@@ -285,10 +292,11 @@ class Scheduler:
     def _save_prompt(self, ids: list[int], kv: list) -> None:
         """Keep a prompt's KV in the context store (in the background): a chat's next turn starts with this
         prompt, so its prefill loads it and computes only what is new."""
-        if self._pending_saves >= PENDING_SAVES_MAX:
+        if not self._saving:
+            return
+        if not self._save_slots.acquire(blocking=False):
             log.info("context store writer busy: this prompt's KV is not saved")
             return
-        self._pending_saves += 1
         self._saves.submit(self._put, ids, kv)
 
     def _put(self, ids: list[int], kv: list) -> None:
@@ -297,4 +305,4 @@ class Scheduler:
         except Exception as exc:  # a full disk or a damaged store costs the next turn its reuse, never this reply
             log.warning("context store: prompt not saved: %s", exc)
         finally:
-            self._pending_saves -= 1
+            self._save_slots.release()
