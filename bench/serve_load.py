@@ -131,6 +131,16 @@ def metric(text: str, name: str) -> float | None:
     return None
 
 
+def server_side(text: str, batch: int, bench_tok_s: float) -> dict:
+    """The server's own split: decode steps alone (tokens after each request's first / decode seconds) beside the
+    bench's decode rate, and how full its batch was (tokens per step / rows); prefill is the rest of the wall time."""
+    steps, seconds = metric(text, "edgekv_decode_steps_total"), metric(text, "edgekv_decode_seconds_total")
+    tokens = metric(text, "edgekv_generation_tokens_total") - metric(text, "edgekv_time_to_first_token_seconds_count")
+    rate = tokens / seconds if seconds else 0.0
+    return {"server_decode_tok_s": round(rate, 2), "server_decode_ratio_to_bench": round(rate / bench_tok_s, 3),
+            "server_decode_s": round(seconds, 2), "batch_occupancy": round(tokens / steps / batch, 3) if steps else None}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="fixture")
@@ -200,6 +210,7 @@ def main(argv=None) -> int:
         "throughput_tok_s": round(throughput, 2), "bench_decode_tok_s": round(row["decode_tok_s"], 2),
         "ratio_to_bench": round(throughput / row["decode_tok_s"], 3) if row["decode_tok_s"] else None,
         "ttft_ms": percentiles(ttft), "inter_token_ms": percentiles(itl),
+        **server_side(metrics_text, args.batch, row["decode_tok_s"]),
         "server_io_stall_share": metric(metrics_text, "edgekv_io_stall_share"),
         "server_reuse_rate": metric(metrics_text, "edgekv_reuse_rate"),
         "server_exit_code": code, "kv_files_left": len(leftover),

@@ -30,6 +30,8 @@ class ServerMetrics:
                                      registry=r)
         self.reuse_rate = Gauge("edgekv_reuse_rate", "reuse hits / lookups since start", registry=r)
         self.decode_seconds = Counter("edgekv_decode_seconds", "seconds spent in decode steps", registry=r)
+        self.decode_steps = Counter("edgekv_decode_steps", "decode steps run (each gives every running row a token)",
+                                    registry=r)
         self.io_stall_seconds = Counter("edgekv_io_stall_seconds", "seconds decode steps waited for KV reads",
                                         registry=r)
         self.io_stall_share = Gauge("edgekv_io_stall_share", "I/O stall seconds / decode seconds since start", registry=r)
@@ -55,6 +57,7 @@ class ServerMetrics:
     def step(self, seconds: float, io_stall_s: float) -> None:
         t = self._totals
         self.decode_seconds.inc(seconds)
+        self.decode_steps.inc()
         self.io_stall_seconds.inc(io_stall_s)
         t["decode_s"] += seconds
         t["stall_s"] += io_stall_s
