@@ -58,7 +58,7 @@ class ServerState:
 
     @property
     def ready(self) -> bool:
-        return self.scheduler is not None
+        return self.scheduler is not None and self.scheduler.alive
 
     def start_loading(self) -> None:
         threading.Thread(target=self._load, name="edgekv-load", daemon=True).start()

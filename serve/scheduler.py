@@ -128,6 +128,10 @@ class Scheduler:
 
     # ---- the loop ----------------------------------------------------------------------------
 
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
     def _loop(self) -> None:
         try:
             while True:
@@ -136,21 +140,25 @@ class Scheduler:
                         self._cv.wait()
                     if self._stopping:
                         return
-                if self._closing_at is not None and time.monotonic() >= self._closing_at:
-                    self._fail_all(ServerClosing("the server shut down before this request finished"), 503)
-                    self._close_batch()
-                    continue
-                self._free_cancelled()
-                self._admit()
-                if self.jobs:
-                    self._step()
+                try:
+                    self._turn()
+                except Exception as exc:  # e.g. a KV file that cannot be closed: the rows running end, serving goes on
+                    log.exception("scheduler: %s", exc)
+                    self._fail_running(exc)
                 self.metrics.running.set(len(self.jobs))
-        except BaseException as exc:  # a bug here must not leave clients waiting forever
-            log.exception("scheduler stopped")
-            self._fail_all(exc)
-            raise
         finally:
             self._shutdown()
+
+    def _turn(self) -> None:
+        """Free the rows of clients that left, fill free rows from the queue, run one step."""
+        if self._closing_at is not None and time.monotonic() >= self._closing_at:
+            self._fail_all(ServerClosing("the server shut down before this request finished"), 503)
+            self._close_batch()
+            return
+        self._free_cancelled()
+        self._admit()
+        if self.jobs:
+            self._step()
 
     def _free_cancelled(self) -> None:
         for row, job in list(self.jobs.items()):
@@ -173,10 +181,8 @@ class Scheduler:
                 self._close_batch()  # idle: the next requests get their own solution
             if self.batch is not None and job.context_tokens > self.batch.max_context:
                 break  # the running batch cannot hold it: drain, then build one that can
-            if self.batch is None:
-                with self._cv:
-                    context = max(j.context_tokens for j in list(self._queue)[: self.rows])
-                self.batch = self.engine.open_batch(self.rows, context)
+            if self.batch is None and not self._open_batch(job):
+                continue
             free = self.batch.free_rows()
             if not free:
                 break
@@ -186,6 +192,20 @@ class Scheduler:
             joined |= self._join(free[0], job)
         if joined:
             self.batch.end_prefill()
+
+    def _open_batch(self, job: Job) -> bool:
+        """A batch for the requests at the head of the queue; one that cannot be built fails the head request."""
+        with self._cv:
+            context = max(j.context_tokens for j in list(self._queue)[: self.rows])
+        try:
+            self.batch = self.engine.open_batch(self.rows, context)
+            return True
+        except Exception as exc:
+            log.error("cannot open a batch for %d tokens: %s", context, exc)
+            with self._cv:
+                self._queue.remove(job)
+            self._fail(job, exc)
+            return False
 
     def _solution_changes(self, job: Job) -> bool:
         return self.engine.batch_config(self.rows, job.context_tokens) != self.batch.cfg
@@ -216,11 +236,7 @@ class Scheduler:
             logits = self.batch.step(tokens)
         except Exception as exc:  # the step's state is lost for every row: they end with this error, the batch closes
             log.error("decode step failed: %s", exc)
-            for job in self.jobs.values():
-                self._fail(job, exc)
-            self.jobs.clear()
-            self.batch.abort()
-            self.batch = None
+            self._fail_running(exc)
             return
         self.metrics.step(time.perf_counter() - start, self.batch.io_stall_s - stall_before)
         self.metrics.kv_resident_bytes.set(self.batch.resident_bytes)
@@ -266,6 +282,15 @@ class Scheduler:
     @staticmethod
     def _fail(job: Job, exc: BaseException, status: int = 500) -> None:
         job.notify("error", {"status": status, "message": f"{type(exc).__name__}: {exc}"})
+
+    def _fail_running(self, exc: BaseException) -> None:
+        """The running rows end with ``exc``; the batch is dropped (its files removed), queued requests go on."""
+        for job in self.jobs.values():
+            self._fail(job, exc)
+        self.jobs.clear()
+        batch, self.batch = self.batch, None
+        if batch is not None:
+            batch.abort()
 
     def _fail_all(self, exc: BaseException, status: int = 500) -> None:
         with self._cv:

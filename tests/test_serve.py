@@ -171,6 +171,33 @@ def test_curl_completions_and_sse_framing(server):
     assert whole["usage"] == {"prompt_tokens": 5, "completion_tokens": 5, "total_tokens": 10}
 
 
+def test_concurrent_clients_are_all_answered(server):
+    """A bounded load: 8 clients, 3 requests each, streamed and whole, over 2 batch rows: none lost or failed."""
+    url, _, _ = server
+    answers = []
+
+    def client(i):
+        with httpx.Client(timeout=120) as http:
+            for j in range(3):
+                body = {"model": "tiny", "prompt": [5 + i, 6 + j, 7], "max_tokens": 4 + i, "temperature": 0}
+                if (i + j) % 2:
+                    r = http.post(url + "/v1/completions", json=body)
+                    answers.append(r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4 + i)
+                else:
+                    r = http.post(url + "/v1/completions", json={**body, "stream": True})
+                    events = _sse_events(r.text)
+                    last = json.loads(events[-2])
+                    answers.append(r.status_code == 200 and events[-1] == "[DONE]"
+                                   and last["usage"]["completion_tokens"] == 4 + i)
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert answers == [True] * 24
+
+
 # ---- refusals ----------------------------------------------------------------------------------------------
 
 
@@ -372,6 +399,31 @@ def test_a_longer_request_waits_for_the_batch_to_drain_and_gets_its_own_solution
     assert built == [59, 119]  # the 64-token solution, drained, then the 256-token one
     configs = [data["stats"]["config"] for _, data in results]
     assert [c["M"] for c in configs] == [2, 4, 4] and [c["max_context"] for c in configs] == [64, 256, 256]
+
+
+def test_a_failed_step_or_prefill_ends_its_requests_and_serving_goes_on(model_dirs, kv_dir):
+    with Engine.from_pretrained(model_dirs["llama"], kv_offload_path=kv_dir, config=CFG) as engine:
+        failures = {"prefill_start": 1, "decode_step_start": 1}
+
+        def fault(event):
+            if failures.get(event.kind):
+                failures[event.kind] -= 1
+                raise OSError(5, f"injected at {event.kind}")
+
+        engine.events.subscribe(fault)
+        scheduler = Scheduler(engine, ServerMetrics(), max_queue=16)
+        results = []
+        jobs = [_job(list(range(1, 30)), 8, results) for _ in range(4)]
+        scheduler.start()
+        for job in jobs:
+            scheduler.submit(job)
+            assert job.done.wait(120)
+        scheduler.stop()
+    kinds = [kind for kind, _ in results]
+    assert kinds == ["error", "error", "done", "done"]  # the prefill's request, then the step's, then service
+    assert "injected at prefill_start" in results[0][1]["message"]
+    assert "injected at decode_step_start" in results[1][1]["message"]
+    assert not [f for f in files_under(kv_dir) if os.path.isfile(f)]
 
 
 def test_a_client_leaving_mid_stream_frees_its_row(server):
