@@ -49,6 +49,28 @@ def server_config(row: dict, batch: int, max_context: int) -> dict:
             "io_queue_depth": 32}
 
 
+def start_server(model: str, kv: Path, port: int, log_path: Path, extra: list[str]) -> subprocess.Popen:
+    """``edgekv serve`` as a user runs it (the CLI, a child process) on 127.0.0.1, its output in ``log_path``."""
+    command = [sys.executable, "-m", "edgekv.cli", "serve", "--model", model, "--kv-path", str(kv), "--host",
+               "127.0.0.1", "--port", str(port), *extra]
+    with open(log_path, "w") as log:
+        return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+
+
+def wait_healthy(url: str, server: subprocess.Popen, log_path: Path, limit_s: float = 600.0) -> None:
+    """Until /health answers 200; a server that exits or never gets there ends the run with its log's tail."""
+    deadline = time.monotonic() + limit_s
+    while True:
+        try:
+            if httpx.get(url + "/health").status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if server.poll() is not None or time.monotonic() > deadline:
+            raise SystemExit(f"the server did not come up: {Path(log_path).read_text()[-2000:]}")
+        time.sleep(0.2)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -167,22 +189,10 @@ def main(argv=None) -> int:
         (tmp / "kv").mkdir()
         port = free_port()
         url = f"http://127.0.0.1:{port}"
-        command = [sys.executable, "-m", "edgekv.cli", "serve", "--model", args.model, "--config", str(tmp / "config.json"),
-                   "--kv-path", str(tmp / "kv"), "--host", "127.0.0.1", "--port", str(port),
-                   *(["--no-context-store"] if args.no_context_store else [])]
-        log = open(tmp / "serve.log", "w")
-        server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+        server = start_server(args.model, tmp / "kv", port, tmp / "serve.log",
+                              ["--config", str(tmp / "config.json"), *(["--no-context-store"] if args.no_context_store else [])])
         try:
-            deadline = time.monotonic() + 300
-            while True:
-                try:
-                    if httpx.get(url + "/health").status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                if server.poll() is not None or time.monotonic() > deadline:
-                    raise SystemExit(f"the server did not come up: {(tmp / 'serve.log').read_text()[-2000:]}")
-                time.sleep(0.2)
+            wait_healthy(url, server, tmp / "serve.log")
             model_id = httpx.get(url + "/v1/models").json()["data"][0]["id"]
             vocab = 256 if args.model == "fixture" else 1000
             results, sent = asyncio.run(clients(url, model_id, args.clients, args.duration_s, args.prompt_tokens,
@@ -191,7 +201,6 @@ def main(argv=None) -> int:
         finally:
             server.send_signal(signal.SIGTERM)
             code = server.wait(120)
-            log.close()
         leftover = [p for p in (tmp / "kv").rglob("*") if p.is_file() and "contexts" not in p.parts]
 
     ok = [r for r in results if "error" not in r]

@@ -18,20 +18,12 @@ from pathlib import Path
 
 import httpx
 
-from bench.serve_load import free_port, metric
+from bench.serve_load import free_port, metric, start_server, wait_healthy
 
 DOCUMENT = ("The river Alder rises in the northern hills and flows south for ninety kilometres. " * 40
             + "The harbour master of the town at its mouth is named Ilse Varga. ")
 TURNS = ["{doc}\nWho is the harbour master of the town at the river's mouth?", "How long is the river?",
          "Where does it rise?", "Summarise the document in one sentence.", "Name one thing it does not say."]
-
-
-def serve(model: str, kv: Path, store: bool, port: int, config: str | None):
-    import subprocess
-
-    command = [sys.executable, "-m", "edgekv.cli", "serve", "--model", model, "--kv-path", str(kv), "--port",
-               str(port), *(["--config", config] if config else []), *([] if store else ["--no-context-store"])]
-    return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=open(kv / "serve.log", "w"))
 
 
 def converse(url: str, model: str, turns: int, max_tokens: int) -> list[dict]:
@@ -78,18 +70,10 @@ def main(argv=None) -> int:
         with tempfile.TemporaryDirectory(prefix="edgekv-turns-", dir="/var/tmp") as tmp:
             port = free_port()
             url = f"http://127.0.0.1:{port}"
-            server = serve(args.model, Path(tmp), store, port, args.config)
+            extra = [*(["--config", args.config] if args.config else []), *([] if store else ["--no-context-store"])]
+            server = start_server(args.model, Path(tmp), port, Path(tmp) / "serve.log", extra)
             try:
-                deadline = time.monotonic() + 600
-                while True:
-                    try:
-                        if httpx.get(url + "/health").status_code == 200:
-                            break
-                    except httpx.HTTPError:
-                        pass
-                    if server.poll() is not None or time.monotonic() > deadline:
-                        raise SystemExit((Path(tmp) / "serve.log").read_text()[-2000:])
-                    time.sleep(0.5)
+                wait_healthy(url, server, Path(tmp) / "serve.log")
                 model_id = httpx.get(url + "/v1/models").json()["data"][0]["id"]
                 print(f"context store {'on' if store else 'off'}:", flush=True)
                 report["runs"]["store" if store else "no_store"] = converse(url, model_id, args.turns, args.max_tokens)

@@ -95,6 +95,21 @@ def save_text_model(path):
     return folder
 
 
+CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }} : {{ m['content'] }} .{% endfor %}"
+                 "{% if add_generation_prompt %}<s>assistant :{% endif %}")
+
+
+def save_chat_model(path):
+    """``save_text_model`` whose tokenizer carries a chat template, like an instruct checkpoint."""
+    from transformers import AutoTokenizer
+
+    folder = save_text_model(path)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
 def tiny_deploy_profile(root, name: str, kv_paths: list, max_batch: int, context_min: int, disk_seconds: float):
     """The local profile shrunk to a seconds-long deploy (2 MiB budget, 1K context), written to root/name.yaml."""
     import yaml

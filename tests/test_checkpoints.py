@@ -6,22 +6,11 @@ import pytest
 from edgekv.cli import main
 from edgekv.runtime import Engine, ModelError
 from edgekv.runtime import checkpoints
-from tests.conftest import save_text_model
-
-CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }} : {{ m['content'] }} .{% endfor %}"
-                 "{% if add_generation_prompt %}<s>assistant :{% endif %}")
-
+from tests.conftest import save_chat_model, save_text_model
 
 @pytest.fixture(scope="module")
 def chat_model(tmp_path_factory):
-    """A random Llama whose tokenizer carries a chat template, like an instruct checkpoint."""
-    from transformers import AutoTokenizer
-
-    folder = save_text_model(tmp_path_factory.mktemp("chat") / "m")
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    tokenizer.chat_template = CHAT_TEMPLATE
-    tokenizer.save_pretrained(folder)
-    return folder
+    return save_chat_model(tmp_path_factory.mktemp("chat") / "m")
 
 
 def test_names_and_folders_resolve_to_hf_folders(model_dirs):

@@ -12,7 +12,6 @@ import threading
 import time
 
 import httpx
-import numpy as np
 import pytest
 import torch
 
@@ -23,24 +22,15 @@ from edgekv.serve.metrics import ServerMetrics
 from edgekv.serve.scheduler import Job, Scheduler
 from edgekv.serve.server import ServeOptions, deployed_config, resolve, service_unit
 from edgekv.serve.text import TextStream
-from tests.conftest import files_under, save_text_model
+from tests.conftest import files_under, save_chat_model
 
 CFG = {"G": 4, "M": 4, "C": 8, "max_context": 256, "max_batch": 2}
-CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }} : {{ m['content'] }} .{% endfor %}"
-                 "{% if add_generation_prompt %}<s>assistant :{% endif %}")
 WORDS = "the value of the river is north and the key of the mountain is green"
 
 
 @pytest.fixture(scope="module")
 def text_model(tmp_path_factory):
-    """A random Llama with a word tokenizer carrying a chat template, like an instruct checkpoint."""
-    from transformers import AutoTokenizer
-
-    folder = save_text_model(tmp_path_factory.mktemp("serve") / "m")
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    tokenizer.chat_template = CHAT_TEMPLATE
-    tokenizer.save_pretrained(folder)
-    return folder
+    return save_chat_model(tmp_path_factory.mktemp("serve") / "m")
 
 
 def _poll(check, what: str, limit_s: float = 60.0):
