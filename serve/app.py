@@ -298,6 +298,9 @@ async def _generate(state: ServerState, request: Request, body: SamplingRequest,
 
 def _prompt_ids(engine, body: SamplingRequest, chat: bool) -> list[int]:
     if chat:
+        if not getattr(engine.tokenizer, "chat_template", None):
+            raise RequestError(f"{engine.model.hf.name_or_path} has no chat template: send the text to /v1/completions "
+                               "instead", param="messages")
         prompt, param = [m.as_template_message() for m in body.messages], "messages"
     else:
         prompt, param = body.prompt, "prompt"

@@ -216,6 +216,13 @@ def test_bad_chat_messages_and_json(server):
     assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
 
 
+def test_chat_on_a_model_without_a_chat_template_points_to_completions(model_dirs, tmp_path):
+    with serving(model_dirs["llama"], tmp_path, store=False) as (url, _):
+        r = _post(url, "/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+        assert "/v1/completions" in r.json()["error"]["message"]
+
+
 def test_prompt_plus_max_tokens_over_max_context_names_both_numbers(server):
     url, _, _ = server
     r = _post(url, "/v1/completions", {"model": "tiny", "prompt": list(range(5, 205)), "max_tokens": 100})
