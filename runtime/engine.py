@@ -1,7 +1,8 @@
 """The engine: load a checkpoint, build the KV policy, prefill, and run the decode loop.
 
-The whole offloading policy is visible in ``_make_policy``; the decode loop in
-``_run_batch`` owns time (prefill and decode timings, I/O stall, step events).
+The whole offloading policy is visible in ``_make_policy``; a batch's prefill and decode steps go through
+``RunningBatch`` (runtime/batching.py: timings, step events), which ``_run_batch`` drives to the end and a
+server keeps open (``open_batch``: sequences join and leave between steps).
 """
 from __future__ import annotations
 

@@ -219,6 +219,8 @@ def test_deploy_writes_config_report_and_smoke_stats_and_reuses_only_matching_pr
     costs = json.loads(Path(config["ttft_costs_path"]).read_text())  # the chunk predictor for stored contexts
     assert costs["predictor"]["kind"] == "fit" and config["measurements"]["chunk_compute_errors"]["layer"]["held_out"]
     assert (out_root / "local" / "report.txt").is_file() and (out_root / "local" / "disk.png").is_file()
+    unit = (out_root / "local" / "edgekv.service").read_text()  # systemd serves this deploy (edgekv serve)
+    assert f"serve --config {(out_root / 'local' / 'config.json').resolve()} --host 127.0.0.1" in unit
     assert result["stats"]["decode_tok_s"] > 0 and result["stats"]["kv_resident_mib"] <= 2
     assert not list((root / "kv").iterdir())  # no test file or KV left behind
 
