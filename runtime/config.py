@@ -31,6 +31,16 @@ class ConfigError(ValueError):
     """A config field is missing, unknown or out of range; the message names it."""
 
 
+def _finite_positive(value) -> bool:
+    """A number a float holds (an integer of 400 digits does not: the budget arithmetic would overflow), above 0."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(float(value)) and value > 0
+    except OverflowError:
+        return False
+
+
 def cpu_pool_tokens(beta: float, max_context: int) -> int:
     """HillInfer's CPU pool: M_c = beta / (1 + beta) of the context (Eq. 1: M_c / M_s ~ f_cpu / f_ssd)."""
     return max(1, math.ceil(beta / (1 + beta) * max_context))
@@ -163,10 +173,8 @@ class RuntimeConfig:
             raise ConfigError("config field 'sigma' is required when no 'adapter_path' is given")
         if self.sigma is not None and (not isinstance(self.sigma, (int, float)) or self.sigma < 1):
             raise ConfigError(f"config field 'sigma' must be a number >= 1, got {self.sigma!r}")
-        if self.max_kv_mem_mib is not None and (
-            not isinstance(self.max_kv_mem_mib, (int, float)) or self.max_kv_mem_mib <= 0
-        ):
-            raise ConfigError(f"config field 'max_kv_mem_mib' must be a positive number, got {self.max_kv_mem_mib!r}")
+        if self.max_kv_mem_mib is not None and not _finite_positive(self.max_kv_mem_mib):
+            raise ConfigError(f"config field 'max_kv_mem_mib' must be a positive number, got {self.max_kv_mem_mib!r:.60}")
         for name in ("sink_tokens", "window_tokens"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:

@@ -377,6 +377,7 @@ def test_a_prompt_plus_new_tokens_past_max_context_runs_with_the_largest_solutio
     ({"solutions": [7]}, r"'solutions\[0\]' must be a mapping"),
     ({"solutions": [{**DEPLOYED["solutions"][1], "batch": "2"}]}, r"'solutions\[0\]'.batch must be a positive 64-bit"),
     ({"solutions": [{**DEPLOYED["solutions"][1], "batch": 10**400}]}, r"'solutions\[0\]'.batch must be a positive"),
+    ({"max_kv_mem_mib": 10**400}, r"'max_kv_mem_mib' must be a positive number"),  # hypothesis: an OverflowError
     ({"solutions": [{**DEPLOYED["solutions"][1], "G": 0}]}, r"'solutions\[0\]': config field 'G' must be a positive"),
 ])
 def test_bad_solutions_are_named_by_row(edit, match):

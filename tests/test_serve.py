@@ -439,6 +439,18 @@ def test_a_client_leaving_mid_stream_frees_its_row(server):
     assert not [f for f in files_under(kv) if os.path.isfile(f) and "contexts" not in f]
 
 
+def test_a_client_leaving_a_whole_response_frees_its_row(server):
+    url, state, _ = server
+    cancelled = _metric(url, "edgekv_requests_cancelled_total")
+    with steps_held(state.engine):
+        with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
+            httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 240},
+                       timeout=httpx.Timeout(60, read=1.0))
+        _poll(lambda: [j.cancelled.is_set() for j in state.scheduler.jobs.values()] == [True], "disconnect seen")
+    _poll(lambda: not state.scheduler.jobs, "row freed after the client left")
+    assert _metric(url, "edgekv_requests_cancelled_total") == cancelled + 1
+
+
 def test_multi_turn_chat_prefills_only_what_is_new(server):
     url, state, _ = server
     client = _client(url)
