@@ -82,7 +82,9 @@ def load_engine(options: ServeOptions, model: str, kv_paths: list[str]):
 STREAM_FLUSH_S = 5.0  # after the grace, what streams ended by it get to send their error event and [DONE]
 
 
-def _server_class():
+def _make_server(config, on_exit):
+    """uvicorn's Server that tells ``on_exit`` when a signal starts the shutdown (uvicorn is imported here, not at
+    module level: ``make deploy`` imports this module for the unit file only)."""
     import uvicorn
 
     class Server(uvicorn.Server):
@@ -107,11 +109,7 @@ def _server_class():
                 finally:
                     self._captured_signals.clear()
 
-    return Server
-
-
-def _Server(config, on_exit):
-    return _server_class()(config, on_exit)
+    return Server(config, on_exit)
 
 
 def service_unit(platform: str, config: str | Path, workdir: str | Path, python: str, host: str = "127.0.0.1",
@@ -158,7 +156,7 @@ def run(options: ServeOptions) -> int:
         state = ServerState(settings, lambda: load_engine(options, model, kv_paths))
         config = uvicorn.Config(create_app(state), host=options.host, port=options.port, log_level=options.log_level,
                                 timeout_graceful_shutdown=options.shutdown_grace_s + STREAM_FLUSH_S, lifespan="on")
-        server = _Server(config, lambda: state.begin_shutdown(options.shutdown_grace_s))
+        server = _make_server(config, lambda: state.begin_shutdown(options.shutdown_grace_s))
 
         def failed(exc: BaseException) -> None:
             server.should_exit = True
