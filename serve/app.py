@@ -60,6 +60,13 @@ class ServerState:
     def ready(self) -> bool:
         return self.scheduler is not None and self.scheduler.alive
 
+    @property
+    def status(self) -> str:
+        """What /health says: loading, ok, or stopped (the scheduler has ended: shutdown)."""
+        if self.scheduler is None:
+            return "loading"
+        return "ok" if self.scheduler.alive else "stopped"
+
     def start_loading(self) -> None:
         threading.Thread(target=self._load, name="edgekv-load", daemon=True).start()
 
@@ -86,8 +93,8 @@ class ServerState:
             self.scheduler.drain(grace_s)
 
     def close(self) -> None:
-        with self._lock:
-            scheduler, engine, self.scheduler = self.scheduler, self.engine, None
+        with self._lock:  # kept: /health says "stopped" from now on
+            scheduler, engine = self.scheduler, self.engine
         try:
             if scheduler is not None:
                 scheduler.stop()
@@ -190,14 +197,6 @@ def create_app(state: ServerState) -> FastAPI:
             raise RequestError("missing or wrong API key: send 'Authorization: Bearer <key>' (the server's --api-key)",
                                status=401, kind="authentication_error", headers={"WWW-Authenticate": "Bearer"})
 
-    def engine_ready():
-        if state.error is not None:
-            raise RequestError(f"the model failed to load: {state.error}", status=503, kind="server_error")
-        if not state.ready:
-            raise RequestError("the model is loading; retry when /health answers 200", status=503, kind="server_error",
-                               headers={"Retry-After": "5"})
-        return state
-
     @app.exception_handler(RequestError)
     async def _refused(request, exc: RequestError):
         return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
@@ -222,7 +221,7 @@ def create_app(state: ServerState) -> FastAPI:
         if state.error is not None:
             return JSONResponse({"status": "error", "message": str(state.error)}, status_code=503)
         if not state.ready:
-            return JSONResponse({"status": "loading"}, status_code=503)
+            return JSONResponse({"status": state.status}, status_code=503)
         return {"status": "ok", "model": settings.model_names[0]}
 
     @app.get("/metrics", dependencies=[Depends(api_key)])
@@ -231,7 +230,7 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.get("/v1/models", dependencies=[Depends(api_key)])
     async def models():
-        engine = engine_ready().engine
+        engine = _ready(state).engine
         return {"object": "list", "data": [{"id": settings.model_names[0], "object": "model", "created": 0,
                                             "owned_by": "edgekv", "max_model_len": engine.config.max_context}]}
 
@@ -247,16 +246,23 @@ def create_app(state: ServerState) -> FastAPI:
     return app
 
 
+def _ready(state: ServerState) -> ServerState:
+    """503 until requests can run: loading, failed to load, or shut down."""
+    if state.error is not None:
+        raise RequestError(f"the model failed to load: {state.error}", status=503, kind="server_error")
+    if not state.ready:
+        raise RequestError(f"the model is {state.status}; retry when /health answers 200", status=503,
+                           kind="server_error", headers={"Retry-After": "5"})
+    return state
+
+
 async def _generate(state: ServerState, request: Request, body: SamplingRequest, chat: bool):
     settings = state.settings
     body.refuse_unsupported()
     if body.model not in settings.model_names:
         raise RequestError(f"model {body.model!r} is not served here; this server serves {settings.model_names[0]!r}",
                            param="model", status=404, kind="invalid_request_error")
-    if state.error is not None or not state.ready:
-        raise RequestError("the model is loading; retry when /health answers 200", status=503, kind="server_error",
-                           headers={"Retry-After": "5"})
-    engine, scheduler = state.engine, state.scheduler
+    engine, scheduler = _ready(state).engine, state.scheduler
     ids = _prompt_ids(engine, body, chat)
     max_context = engine.config.max_context
     budget = body.token_budget if chat else body.max_tokens
