@@ -32,10 +32,12 @@ import httpx
 import numpy as np
 from tqdm import tqdm
 
+from edgekv.runtime.checkpoints import resolve_checkpoint
+from edgekv.runtime.model import ModelDims, read_model_config
+
 
 def bench_row(model: str, kv: Path, batch: int, context: int, budget: str, steps: int) -> dict:
     from edgekv import bench
-    from edgekv.runtime.checkpoints import resolve_checkpoint
 
     runs, _ = bench.run(resolve_checkpoint(model), kv, [batch], [context], [budget], steps, 4, 5.0, ["kvswap"],
                         quiet=True)
@@ -194,7 +196,7 @@ def main(argv=None) -> int:
         try:
             wait_healthy(url, server, tmp / "serve.log")
             model_id = httpx.get(url + "/v1/models").json()["data"][0]["id"]
-            vocab = 256 if args.model == "fixture" else 1000
+            vocab = ModelDims.from_config(read_model_config(resolve_checkpoint(args.model))).vocab
             results, sent = asyncio.run(clients(url, model_id, args.clients, args.duration_s, args.prompt_tokens,
                                                 args.max_tokens, vocab, args.seed))
             metrics_text = httpx.get(url + "/metrics").text

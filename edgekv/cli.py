@@ -13,6 +13,7 @@ import tempfile
 from pathlib import Path
 
 from edgekv.runtime.checkpoints import MODEL_HELP
+from edgekv.runtime.config import utf8_text
 
 KV_PATHS_HELP = ("folders on several disks, comma-separated, instead of --kv-path: the KV records are spread over "
                  "them and read through one queue per disk")
@@ -309,11 +310,7 @@ def _read_prompt(flag: str, source: str, from_file: bool):
             raise UsageError(f"{where}: no such file; pass a text file (or a JSON list of token ids)")
         else:
             raw = path.read_bytes()
-        try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError as exc:
-            raise UsageError(f"{where} is not UTF-8 text (byte 0x{raw[exc.start]:02x} at offset {exc.start}); "
-                             "convert it (iconv -t UTF-8) or pass token ids as a JSON list") from exc
+        text = utf8_text(raw, where, "convert it (iconv -t UTF-8) or pass token ids as a JSON list", UsageError)
         if not text.strip():
             raise UsageError(f"{where} is empty; put the prompt's text (or a JSON list of token ids) in it")
     else:

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import yaml
 
+from edgekv.runtime.config import utf8_text
+
 from .quality import RECORD_DTYPES
 
 PROFILES_DIR = Path(__file__).resolve().parents[1] / "profiles"
@@ -101,12 +103,7 @@ def load_profile(source: str | Path, profiles_dir: Path = PROFILES_DIR) -> Profi
         raise ProfileError(f"profile {path} is a folder; pass a platform name or a YAML file")
     if not path.is_file():
         raise ProfileError(f"profile file {path} does not exist; pass a platform name or an existing YAML file")
-    raw = path.read_bytes()
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise ProfileError(f"{path}: not UTF-8 text (byte 0x{raw[exc.start]:02x} at offset {exc.start}); "
-                           "save the profile as UTF-8") from exc
+    text = utf8_text(path.read_bytes(), str(path), "save the profile as UTF-8", ProfileError)
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:

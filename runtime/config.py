@@ -41,6 +41,14 @@ def _finite_positive(value) -> bool:
         return False
 
 
+def utf8_text(raw: bytes, where: str, fix: str, error: type[Exception] = ValueError) -> str:
+    """``raw`` as UTF-8; otherwise ``error`` naming ``where``, the first bad byte and its offset, and ``fix``."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise error(f"{where} is not UTF-8 text (byte 0x{raw[exc.start]:02x} at offset {exc.start}); {fix}") from exc
+
+
 def cpu_pool_tokens(beta: float, max_context: int) -> int:
     """HillInfer's CPU pool: M_c = beta / (1 + beta) of the context (Eq. 1: M_c / M_s ~ f_cpu / f_ssd)."""
     return max(1, math.ceil(beta / (1 + beta) * max_context))

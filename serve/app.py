@@ -273,10 +273,8 @@ async def _generate(state: ServerState, request: Request, body: SamplingRequest,
         raise RequestError(f"the prompt has {len(ids)} tokens and {field_name} is {budget}: {len(ids) + budget} "
                            f"tokens, over this model's max_context of {max_context}; shorten the prompt or lower "
                            f"{field_name} to {max_context - len(ids)}", param=field_name)
-    try:
-        sampler = Sampler(SamplingParams(body.temperature, body.top_k, body.top_p, body.seed), engine.model.device)
-    except ValueError as exc:
-        raise RequestError(str(exc), param=str(exc).split(" ")[0]) from exc
+    # the request model already holds every field to the ranges SamplingParams checks
+    sampler = Sampler(SamplingParams(body.temperature, body.top_k, body.top_p, body.seed), engine.model.device)
 
     loop, events = asyncio.get_running_loop(), asyncio.Queue()
 

@@ -145,7 +145,6 @@ class Scheduler:
                 except Exception as exc:  # e.g. a KV file that cannot be closed: the rows running end, serving goes on
                     log.exception("scheduler: %s", exc)
                     self._fail_running(exc)
-                self.metrics.running.set(len(self.jobs))
         finally:
             self._shutdown()
 
@@ -220,6 +219,7 @@ class Scheduler:
             self._fail(job, exc)
             return False
         self.jobs[row] = job
+        self._rows_changed()
         self.metrics.prompt_tokens.inc(len(job.ids))
         stored = self.engine.prefill_stats[-1].get("stored_tokens", 0) if self.engine.prefill_stats else 0
         self.engine.prefill_stats.clear()
@@ -239,7 +239,6 @@ class Scheduler:
             self._fail_running(exc)
             return
         self.metrics.step(time.perf_counter() - start, self.batch.io_stall_s - stall_before)
-        self.metrics.kv_resident_bytes.set(self.batch.resident_bytes)
         for row, job in list(self.jobs.items()):
             self._take(row, job, int(job.sampler(logits[row : row + 1])[0]))
 
@@ -274,8 +273,14 @@ class Scheduler:
         stats = self.batch.result(row, job.generated, job.stop_ids, decode_s).stats
         self.batch.leave(row)
         self.jobs.pop(row, None)
+        self._rows_changed()
         self.metrics.sequence_done(stats)
         return stats
+
+    def _rows_changed(self) -> None:
+        """What the gauges show changes only when a sequence joins or leaves: set here, not every step."""
+        self.metrics.running.set(len(self.jobs))
+        self.metrics.kv_resident_bytes.set(self.batch.resident_bytes)
 
     # ---- failures and shutdown ---------------------------------------------------------------
 
@@ -288,6 +293,7 @@ class Scheduler:
         for job in self.jobs.values():
             self._fail(job, exc)
         self.jobs.clear()
+        self.metrics.running.set(0)
         batch, self.batch = self.batch, None
         if batch is not None:
             batch.abort()
@@ -298,6 +304,8 @@ class Scheduler:
         for job in [*self.jobs.values(), *waiting]:
             self._fail(job, exc, status)
         self.jobs.clear()
+        self.metrics.running.set(0)
+        self.metrics.waiting.set(0)
 
     def _close_batch(self) -> None:
         batch, self.batch = self.batch, None

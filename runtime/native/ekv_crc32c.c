@@ -44,33 +44,30 @@ static uint32_t crc_table(uint32_t c, const uint8_t *p, size_t n) {
 }
 
 #if defined(__x86_64__)
-__attribute__((target("sse4.2"))) static uint32_t crc_hw(uint32_t c, const uint8_t *p, size_t n) {
-    uint64_t c64 = c;
-    while (n >= 8) {
-        uint64_t w;
-        memcpy(&w, p, 8);
-        c64 = __builtin_ia32_crc32di(c64, w);
-        p += 8;
-        n -= 8;
-    }
-    c = (uint32_t)c64;
-    while (n--) c = __builtin_ia32_crc32qi(c, *p++);
-    return c;
-}
+#define HW_TARGET __attribute__((target("sse4.2")))
+#define CRC_WORD(c, w) ((uint32_t)__builtin_ia32_crc32di((c), (w)))
+#define CRC_BYTE(c, b) __builtin_ia32_crc32qi((c), (b))
 static int has_hw(void) { return __builtin_cpu_supports("sse4.2"); }
 #elif defined(__aarch64__) && defined(__ARM_FEATURE_CRC32)
-static uint32_t crc_hw(uint32_t c, const uint8_t *p, size_t n) {
+#define HW_TARGET
+#define CRC_WORD(c, w) __crc32cd((c), (w))
+#define CRC_BYTE(c, b) __crc32cb((c), (b))
+static int has_hw(void) { return 1; }
+#endif
+
+#ifdef CRC_WORD
+/* 8 bytes per instruction, then the tail byte by byte: one loop, the instructions named per architecture above */
+HW_TARGET static uint32_t crc_hw(uint32_t c, const uint8_t *p, size_t n) {
     while (n >= 8) {
         uint64_t w;
         memcpy(&w, p, 8);
-        c = __crc32cd(c, w);
+        c = CRC_WORD(c, w);
         p += 8;
         n -= 8;
     }
-    while (n--) c = __crc32cb(c, *p++);
+    while (n--) c = CRC_BYTE(c, *p++);
     return c;
 }
-static int has_hw(void) { return 1; }
 #else
 static uint32_t crc_hw(uint32_t c, const uint8_t *p, size_t n) { return crc_table(c, p, n); }
 static int has_hw(void) { return 0; }
