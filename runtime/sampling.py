@@ -7,6 +7,10 @@ from dataclasses import dataclass
 
 import torch
 
+# Below this temperature a sampled draw is the top token anyway (a logit gap of 1e-3 scales to 100 nats), and
+# dividing by it is where float32 stops being exact: such requests take the greedy path, drawing nothing.
+MIN_SAMPLED_TEMPERATURE = 1e-5
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -32,8 +36,9 @@ class SamplingParams:
 class Sampler:
     def __init__(self, params: SamplingParams, device: torch.device):
         self.params = params
+        self.greedy = params.temperature < MIN_SAMPLED_TEMPERATURE
         self.generator = None
-        if params.temperature > 0:
+        if not self.greedy:
             self.generator = torch.Generator(device=device)
             if params.seed is not None:
                 self.generator.manual_seed(params.seed)
@@ -49,11 +54,12 @@ class Sampler:
             self.generator.set_state(state)
 
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
-        """logits [B, V] (float32) -> token ids [B]."""
+        """logits [B, V] (float32) -> token ids [B].  Logits are shifted to a maximum of 0 before they are scaled,
+        so no accepted temperature overflows them."""
         p = self.params
-        if p.temperature == 0:
+        if self.greedy:
             return logits.argmax(dim=-1)
-        logits = logits / p.temperature
+        logits = (logits - logits.amax(dim=-1, keepdim=True)) / p.temperature
         if p.top_k:
             kth = logits.topk(min(p.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
             logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -62,6 +68,7 @@ class Sampler:
             probs = sorted_logits.softmax(dim=-1)
             # drop a token when the mass before it already reaches top_p (the top token always stays)
             drop = probs.cumsum(dim=-1) - probs >= p.top_p
+            drop[:, 0] = False  # even where top_p rounds to 0 in float32 (1e-300)
             logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
         probs = logits.softmax(dim=-1)
         return torch.multinomial(probs, 1, generator=self.generator)[:, 0]

@@ -285,7 +285,9 @@ async def _generate(state: ServerState, request: Request, body: SamplingRequest,
     stops = set(engine.default_stops())
     if chat and engine.tokenizer is not None and engine.tokenizer.eos_token_id is not None:
         stops.add(engine.tokenizer.eos_token_id)
-    job = Job(ids, budget, sampler, stops, TextStream(engine.tokenizer, body.stop), notify, save_prompt=chat)
+    envelope = Envelope(chat, body.model)
+    job = Job(ids, budget, sampler, stops, TextStream(engine.tokenizer, body.stop), notify, save_prompt=chat,
+              request_id=envelope.id)
     try:
         scheduler.submit(job)
     except QueueFull as exc:
@@ -293,7 +295,6 @@ async def _generate(state: ServerState, request: Request, body: SamplingRequest,
                            headers={"Retry-After": str(exc.retry_after_s)}) from exc
     except ServerClosing as exc:
         raise RequestError(str(exc), status=503, kind="server_error") from exc
-    envelope = Envelope(chat, body.model)
     if body.stream:
         return StreamingResponse(_stream(scheduler, job, events, envelope, body.include_usage, len(ids)),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})

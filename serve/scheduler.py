@@ -54,6 +54,7 @@ class Job:
     cancelled: threading.Event = field(default_factory=threading.Event)
     arrived: float = field(default_factory=time.monotonic)
     save_prompt: bool = False  # keep the prompt's KV in the context store (a chat: its next turn starts with it)
+    request_id: str = "-"  # the response's id: what the server's log files a failure under
     first_at: float | None = None
     last_at: float | None = None  # when its latest token came
     generated: list[int] = field(default_factory=list)
@@ -224,7 +225,7 @@ class Scheduler:
         stored = self.engine.prefill_stats[-1].get("stored_tokens", 0) if self.engine.prefill_stats else 0
         self.engine.prefill_stats.clear()
         self.metrics.prompt_tokens_stored.inc(stored)
-        self._take(row, job, int(job.sampler(logits[None].float())[0]))
+        self._next_token(row, job, logits[None].float())
         return True
 
     def _step(self) -> None:
@@ -240,7 +241,19 @@ class Scheduler:
             return
         self.metrics.step(time.perf_counter() - start, self.batch.io_stall_s - stall_before)
         for row, job in list(self.jobs.items()):
-            self._take(row, job, int(job.sampler(logits[row : row + 1])[0]))
+            self._next_token(row, job, logits[row : row + 1])
+
+    def _next_token(self, row: int, job: Job, logits: torch.Tensor) -> None:
+        """Sample this row's token and give it out.  What fails here is this request's own (its sampling, its
+        text): it ends this row only, the batch's other rows never see it."""
+        try:
+            token = int(job.sampler(logits)[0])
+            self._take(row, job, token)
+        except Exception as exc:
+            log.exception("request %s: its token could not be given out", job.request_id)
+            if self.jobs.get(row) is job:
+                self._leave(row, job)
+            self._fail(job, exc)
 
     def _take(self, row: int, job: Job, token: int) -> None:
         """One generated token: its text goes out; a stop token, a stop string or max_tokens ends the job."""
@@ -270,7 +283,8 @@ class Scheduler:
 
     def _leave(self, row: int, job: Job) -> dict:
         decode_s = time.monotonic() - job.first_at if job.first_at else 0.0
-        stats = self.batch.result(row, job.generated, job.stop_ids, decode_s).stats
+        # a row whose first token failed has no result: its prefill read nothing a decode step counts
+        stats = self.batch.result(row, job.generated, job.stop_ids, decode_s).stats if job.generated else {}
         self.batch.leave(row)
         self.jobs.pop(row, None)
         self._rows_changed()
@@ -286,7 +300,14 @@ class Scheduler:
 
     @staticmethod
     def _fail(job: Job, exc: BaseException, status: int = 500) -> None:
-        job.notify("error", {"status": status, "message": f"{type(exc).__name__}: {exc}"})
+        """The client hears what it can act on: that the server is closing (503), or that its request failed and
+        under which id the server's log names the cause (paths and exception types stay in the log)."""
+        if isinstance(exc, ServerClosing):
+            message = str(exc)
+        else:
+            log.warning("request %s failed: %s: %s", job.request_id, type(exc).__name__, exc)
+            message = f"the server could not finish this request; its log says why (request {job.request_id})"
+        job.notify("error", {"status": status, "message": message})
 
     def _fail_running(self, exc: BaseException) -> None:
         """The running rows end with ``exc``; the batch is dropped (its files removed), queued requests go on."""

@@ -11,6 +11,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from edgekv.cli import main, parse_args
@@ -502,3 +503,20 @@ def test_engine_sampling_refuses_nan_and_out_of_range_seeds(params, match):
 
     with pytest.raises(ValueError, match=match):
         SamplingParams(**params)
+
+
+@pytest.mark.parametrize("temperature", [1e-300, 5e-324, 1e-40, 1e-6, 1e-5, 0.5, 2.0])
+@pytest.mark.parametrize("top_k, top_p", [(0, 1.0), (3, 1.0), (0, 1e-300), (10**12, 0.5)])
+def test_every_accepted_temperature_samples_without_overflow(temperature, top_k, top_p):
+    """Temperatures a request may send (any finite value >= 0) never overflow the scaled logits (issue 28: 1e-40
+    made torch.multinomial raise); below the sampled range a draw is the top token."""
+    from edgekv.runtime.sampling import MIN_SAMPLED_TEMPERATURE, Sampler, SamplingParams
+
+    logits = torch.randn(3, 200, generator=torch.Generator().manual_seed(0), dtype=torch.float32) * 40
+    logits[1, 7] = 3e4  # one logit far above the rest
+    sampler = Sampler(SamplingParams(temperature, top_k, top_p, seed=1), torch.device("cpu"))
+    ids = sampler(logits)
+    assert ids.shape == (3,) and bool(((ids >= 0) & (ids < 200)).all())
+    assert int(ids[1]) == 7
+    if temperature < MIN_SAMPLED_TEMPERATURE:
+        assert ids.tolist() == logits.argmax(dim=-1).tolist() and sampler.state() is None

@@ -1,7 +1,6 @@
 """edgekv serve: every endpoint and error code over real HTTP (uvicorn on 127.0.0.1), driven by the official
 ``openai`` client, curl and httpx; SSE framing; continuous batching (joins give the tokens of a lone run,
 a client that leaves frees its row); shutdown leaves no KV file."""
-import contextlib
 import json
 import os
 import shutil
@@ -9,7 +8,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 
 import httpx
 import pytest
@@ -17,58 +15,16 @@ import torch
 
 from edgekv.runtime import Engine
 from edgekv.runtime.sampling import Sampler, SamplingParams
-from edgekv.serve import ServerState, ServeSettings, create_app
 from edgekv.serve.metrics import ServerMetrics
 from edgekv.serve.scheduler import Job, Scheduler
 from edgekv.serve.server import ServeOptions, deployed_config, resolve, service_unit
 from edgekv.serve.text import TextStream
 from tests.conftest import files_under, save_chat_model
-
-CFG = {"G": 4, "M": 4, "C": 8, "max_context": 256, "max_batch": 2}
-WORDS = "the value of the river is north and the key of the mountain is green"
-
+from tests.serving import CFG, WORDS, openai_client, poll, post, serving, sse_events, steps_held
 
 @pytest.fixture(scope="module")
 def text_model(tmp_path_factory):
     return save_chat_model(tmp_path_factory.mktemp("serve") / "m")
-
-
-def _poll(check, what: str, limit_s: float = 60.0):
-    """Wait for ``check()`` to hold (a liveness bound, not a speed assertion)."""
-    deadline = time.monotonic() + limit_s
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not within {limit_s:g} s")
-        time.sleep(0.02)
-
-
-@contextlib.contextmanager
-def serving(model, kv_dir, config=CFG, names=("tiny",), load=None, store: bool = True, **settings):
-    """The app under uvicorn in a thread on a free port; yields (base_url, state) once /health answers 200."""
-    import uvicorn
-
-    def load_engine():
-        engine = Engine.from_pretrained(model, kv_offload_path=kv_dir, config=config)
-        if store:
-            engine.open_context_store(kv_dir / "contexts", chunk_tokens=8)
-        return engine
-
-    state = ServerState(ServeSettings(tuple(names), save_prompts=store, **settings), load or load_engine)
-    server = uvicorn.Server(uvicorn.Config(create_app(state), host="127.0.0.1", port=0, log_level="warning",
-                                           timeout_graceful_shutdown=10))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    _poll(lambda: server.started, "uvicorn started")
-    port = server.servers[0].sockets[0].getsockname()[1]
-    url = f"http://127.0.0.1:{port}"
-    if load is None:
-        _poll(lambda: httpx.get(url + "/health").status_code == 200, "model loaded")
-    try:
-        yield url, state
-    finally:
-        state.begin_shutdown(2.0)  # what a signal does (serve.server): work in flight gets 2 s
-        server.should_exit = True
-        thread.join(60)
 
 
 @pytest.fixture(scope="module")
@@ -78,30 +34,12 @@ def server(text_model, tmp_path_factory):
         yield url, state, kv
 
 
-def _client(url, key="none"):
-    import openai
-
-    return openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0)
-
-
-def _post(url, path, body, **kw):
-    return httpx.post(url + path, json=body, timeout=60, **kw)
-
-
-def _sse_events(text: str) -> list[str]:
-    """The data fields of an SSE body; asserts the framing (every event one 'data: ' line and a blank line)."""
-    assert text.endswith("\n\n")
-    events = text[:-2].split("\n\n")
-    assert all(e.startswith("data: ") and "\n" not in e for e in events), events
-    return [e[len("data: "):] for e in events]
-
-
 # ---- the openai client -------------------------------------------------------------------------------------
 
 
 def test_openai_client_chat_whole_and_streamed_give_the_same_text(server):
     url, _, _ = server
-    client = _client(url)
+    client = openai_client(url)
     ask = dict(model="tiny", messages=[{"role": "user", "content": WORDS}], max_tokens=12, temperature=0.9, seed=11)
     whole = client.chat.completions.create(**ask)
     assert whole.object == "chat.completion" and whole.choices[0].message.role == "assistant"
@@ -119,7 +57,7 @@ def test_openai_client_chat_whole_and_streamed_give_the_same_text(server):
 
 def test_openai_client_completions_text_prompt_and_stop(server):
     url, _, _ = server
-    client = _client(url)
+    client = openai_client(url)
     free = client.completions.create(model="tiny", prompt=WORDS, max_tokens=16, temperature=0)
     assert free.object == "text_completion" and free.choices[0].finish_reason == "length"
     words = free.choices[0].text.split()
@@ -134,9 +72,9 @@ def test_openai_client_completions_text_prompt_and_stop(server):
 
 def test_models_and_an_unknown_model(server):
     url, _, _ = server
-    listed = _client(url).models.list()
+    listed = openai_client(url).models.list()
     assert [m.id for m in listed.data] == ["tiny"]
-    r = _post(url, "/v1/completions", {"model": "gpt-4", "prompt": "the", "max_tokens": 2})
+    r = post(url, "/v1/completions", {"model": "gpt-4", "prompt": "the", "max_tokens": 2})
     assert r.status_code == 404 and r.json()["error"]["param"] == "model" and "'tiny'" in r.json()["error"]["message"]
 
 
@@ -149,7 +87,7 @@ def test_curl_completions_and_sse_framing(server):
     body = json.dumps({"model": "tiny", "prompt": [5, 6, 7, 8, 9], "max_tokens": 5, "temperature": 0, "stream": True})
     out = subprocess.run(["curl", "-sN", url + "/v1/completions", "-H", "Content-Type: application/json", "-d", body],
                          capture_output=True, text=True, timeout=60, check=True).stdout
-    events = _sse_events(out)
+    events = sse_events(out)
     assert events[-1] == "[DONE]"
     chunks = [json.loads(e) for e in events[:-1]]
     assert {c["id"] for c in chunks} == {chunks[0]["id"]} and all(c["object"] == "text_completion" for c in chunks)
@@ -175,7 +113,7 @@ def test_concurrent_clients_are_all_answered(server):
                     answers.append(r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4 + i)
                 else:
                     r = http.post(url + "/v1/completions", json={**body, "stream": True})
-                    events = _sse_events(r.text)
+                    events = sse_events(r.text)
                     last = json.loads(events[-2])
                     answers.append(r.status_code == 200 and events[-1] == "[DONE]"
                                    and last["usage"]["completion_tokens"] == 4 + i)
@@ -200,7 +138,7 @@ def test_concurrent_clients_are_all_answered(server):
 ])
 def test_bad_fields_get_400_naming_the_field(server, extra, param):
     url, _, _ = server
-    r = _post(url, "/v1/completions", {"model": "tiny", "prompt": "the", "max_tokens": 2, **extra})
+    r = post(url, "/v1/completions", {"model": "tiny", "prompt": "the", "max_tokens": 2, **extra})
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["param"] == param and error["type"] == "invalid_request_error" and param in r.text
@@ -208,9 +146,9 @@ def test_bad_fields_get_400_naming_the_field(server, extra, param):
 
 def test_bad_chat_messages_and_json(server):
     url, _, _ = server
-    r = _post(url, "/v1/chat/completions", {"model": "tiny", "messages": [{"role": "wizard", "content": "x"}]})
+    r = post(url, "/v1/chat/completions", {"model": "tiny", "messages": [{"role": "wizard", "content": "x"}]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages[0].role"
-    r = _post(url, "/v1/chat/completions", {"model": "tiny", "messages": []})
+    r = post(url, "/v1/chat/completions", {"model": "tiny", "messages": []})
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
     r = httpx.post(url + "/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
     assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
@@ -218,18 +156,18 @@ def test_bad_chat_messages_and_json(server):
 
 def test_chat_on_a_model_without_a_chat_template_points_to_completions(model_dirs, tmp_path):
     with serving(model_dirs["llama"], tmp_path, store=False) as (url, _):
-        r = _post(url, "/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]})
+        r = post(url, "/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]})
         assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
         assert "/v1/completions" in r.json()["error"]["message"]
 
 
 def test_prompt_plus_max_tokens_over_max_context_names_both_numbers(server):
     url, _, _ = server
-    r = _post(url, "/v1/completions", {"model": "tiny", "prompt": list(range(5, 205)), "max_tokens": 100})
+    r = post(url, "/v1/completions", {"model": "tiny", "prompt": list(range(5, 205)), "max_tokens": 100})
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
     message = r.json()["error"]["message"]
     assert "200 tokens" in message and "max_tokens is 100" in message and "256" in message and "56" in message
-    r = _post(url, "/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": WORDS}],
+    r = post(url, "/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": WORDS}],
                                             "max_completion_tokens": 1000})
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_completion_tokens"
 
@@ -237,7 +175,7 @@ def test_prompt_plus_max_tokens_over_max_context_names_both_numbers(server):
 def test_body_size_cap_by_length_and_chunked(text_model, tmp_path):
     with serving(text_model, tmp_path, max_body_bytes=2000, store=False) as (url, _):
         big = {"model": "tiny", "prompt": "the " * 1000, "max_tokens": 2}
-        r = _post(url, "/v1/completions", big)
+        r = post(url, "/v1/completions", big)
         assert r.status_code == 413 and "2000" in r.json()["error"]["message"]
 
         def chunked():
@@ -245,7 +183,7 @@ def test_body_size_cap_by_length_and_chunked(text_model, tmp_path):
 
         r = httpx.post(url + "/v1/completions", content=chunked(), headers={"content-type": "application/json"})
         assert r.status_code == 413
-        assert _post(url, "/v1/completions", {"model": "tiny", "prompt": "the", "max_tokens": 2}).status_code == 200
+        assert post(url, "/v1/completions", {"model": "tiny", "prompt": "the", "max_tokens": 2}).status_code == 200
 
 
 def test_api_key_on_every_endpoint_but_health(text_model, tmp_path):
@@ -256,11 +194,11 @@ def test_api_key_on_every_endpoint_but_health(text_model, tmp_path):
             r = httpx.request(method, url + path, json={}, headers={"Authorization": "Bearer wrong"})
             assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer", path
             assert httpx.request(method, url + path).status_code == 401
-        assert _client(url, "s3cret").models.list().data[0].id == "tiny"
+        assert openai_client(url, "s3cret").models.list().data[0].id == "tiny"
         import openai
 
         with pytest.raises(openai.AuthenticationError):
-            _client(url, "wrong").models.list()
+            openai_client(url, "wrong").models.list()
 
 
 def test_health_is_503_while_loading_then_200(text_model, tmp_path):
@@ -273,27 +211,10 @@ def test_health_is_503_while_loading_then_200(text_model, tmp_path):
     with serving(text_model, tmp_path, load=slow_load, store=False) as (url, state):
         r = httpx.get(url + "/health")
         assert r.status_code == 503 and r.json()["status"] == "loading"
-        r = _post(url, "/v1/completions", {"model": "tiny", "prompt": "the"})
+        r = post(url, "/v1/completions", {"model": "tiny", "prompt": "the"})
         assert r.status_code == 503 and r.headers["retry-after"]
         gate.set()
-        _poll(lambda: httpx.get(url + "/health").status_code == 200, "loaded")
-
-
-@contextlib.contextmanager
-def steps_held(engine):
-    """Decode steps wait at their start until the block exits: what runs and what waits is then fixed."""
-    gate = threading.Event()
-
-    def hold(event):
-        if event.kind == "decode_step_start":
-            gate.wait(60)
-
-    engine.events.subscribe(hold)
-    try:
-        yield
-    finally:
-        gate.set()
-        engine.events.unsubscribe(hold)
+        poll(lambda: httpx.get(url + "/health").status_code == 200, "loaded")
 
 
 def test_queue_cap_gives_429_with_retry_after(text_model, tmp_path):
@@ -301,13 +222,13 @@ def test_queue_cap_gives_429_with_retry_after(text_model, tmp_path):
         ask = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 20, "temperature": 0}
         answers = []
         with steps_held(state.engine):
-            running = threading.Thread(target=lambda: answers.append(_post(url, "/v1/completions", ask)))
+            running = threading.Thread(target=lambda: answers.append(post(url, "/v1/completions", ask)))
             running.start()
-            _poll(lambda: len(state.scheduler.jobs) == 1, "first request running")
-            queued = threading.Thread(target=lambda: answers.append(_post(url, "/v1/completions", ask)))
+            poll(lambda: len(state.scheduler.jobs) == 1, "first request running")
+            queued = threading.Thread(target=lambda: answers.append(post(url, "/v1/completions", ask)))
             queued.start()
-            _poll(lambda: len(state.scheduler._queue) == 1, "second request queued")
-            r = _post(url, "/v1/completions", ask)
+            poll(lambda: len(state.scheduler._queue) == 1, "second request queued")
+            r = post(url, "/v1/completions", ask)
             assert r.status_code == 429 and int(r.headers["retry-after"]) >= 1
             assert r.json()["error"]["type"] == "rate_limit_error" and "queue" in r.json()["error"]["message"]
         running.join(120)
@@ -388,7 +309,7 @@ def test_a_longer_request_waits_for_the_batch_to_drain_and_gets_its_own_solution
                               _job(list(range(1, 10)), 4, results))
         scheduler.submit(short)
         scheduler.start()
-        _poll(lambda: scheduler.jobs, "short request running")
+        poll(lambda: scheduler.jobs, "short request running")
         scheduler.submit(long)
         scheduler.submit(after)  # behind the long one: it waits too (first come, first served)
         assert short.done.wait(120) and long.done.wait(120) and after.done.wait(120)
@@ -398,7 +319,7 @@ def test_a_longer_request_waits_for_the_batch_to_drain_and_gets_its_own_solution
     assert [c["M"] for c in configs] == [2, 4, 4] and [c["max_context"] for c in configs] == [64, 256, 256]
 
 
-def test_a_failed_step_or_prefill_ends_its_requests_and_serving_goes_on(model_dirs, kv_dir):
+def test_a_failed_step_or_prefill_ends_its_requests_and_serving_goes_on(model_dirs, kv_dir, caplog):
     with Engine.from_pretrained(model_dirs["llama"], kv_offload_path=kv_dir, config=CFG) as engine:
         failures = {"prefill_start": 1, "decode_step_start": 1}
 
@@ -411,6 +332,8 @@ def test_a_failed_step_or_prefill_ends_its_requests_and_serving_goes_on(model_di
         scheduler = Scheduler(engine, ServerMetrics(), max_queue=16)
         results = []
         jobs = [_job(list(range(1, 30)), 8, results) for _ in range(4)]
+        for i, job in enumerate(jobs):
+            job.request_id = f"cmpl-{i}"
         scheduler.start()
         for job in jobs:
             scheduler.submit(job)
@@ -418,8 +341,9 @@ def test_a_failed_step_or_prefill_ends_its_requests_and_serving_goes_on(model_di
         scheduler.stop()
     kinds = [kind for kind, _ in results]
     assert kinds == ["error", "error", "done", "done"]  # the prefill's request, then the step's, then service
-    assert "injected at prefill_start" in results[0][1]["message"]
-    assert "injected at decode_step_start" in results[1][1]["message"]
+    for i, at in enumerate(["prefill_start", "decode_step_start"]):  # the client gets its id, the log the cause
+        assert f"(request cmpl-{i})" in results[i][1]["message"] and "injected" not in results[i][1]["message"]
+        assert f"request cmpl-{i} failed: OSError: [Errno 5] injected at {at}" in caplog.text
     assert not [f for f in files_under(kv_dir) if os.path.isfile(f)]
 
 
@@ -430,10 +354,10 @@ def test_a_client_leaving_mid_stream_frees_its_row(server):
             with client.stream("POST", url + "/v1/completions",
                                json={"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 240, "stream": True}) as r:
                 assert next(r.iter_lines()).startswith("data: ")
-                _poll(lambda: len(state.scheduler.jobs) == 1, "request running")
+                poll(lambda: len(state.scheduler.jobs) == 1, "request running")
                 steps = state.scheduler.batch.steps
         assert [f for f in files_under(kv) if os.path.isfile(f) and "contexts" not in f]  # its KV files, until freed
-    _poll(lambda: not state.scheduler.jobs, "row freed after the client left")
+    poll(lambda: not state.scheduler.jobs, "row freed after the client left")
     assert state.scheduler.batch.steps - steps <= 2  # the step held when it left, and at most one more
     assert b"edgekv_requests_cancelled_total 1.0" in httpx.get(url + "/metrics").content
     assert not [f for f in files_under(kv) if os.path.isfile(f) and "contexts" not in f]
@@ -446,18 +370,18 @@ def test_a_client_leaving_a_whole_response_frees_its_row(server):
         with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
             httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 240},
                        timeout=httpx.Timeout(60, read=1.0))
-        _poll(lambda: [j.cancelled.is_set() for j in state.scheduler.jobs.values()] == [True], "disconnect seen")
-    _poll(lambda: not state.scheduler.jobs, "row freed after the client left")
+        poll(lambda: [j.cancelled.is_set() for j in state.scheduler.jobs.values()] == [True], "disconnect seen")
+    poll(lambda: not state.scheduler.jobs, "row freed after the client left")
     assert _metric(url, "edgekv_requests_cancelled_total") == cancelled + 1
 
 
 def test_multi_turn_chat_prefills_only_what_is_new(server):
     url, state, _ = server
-    client = _client(url)
+    client = openai_client(url)
     turn1 = [{"role": "user", "content": WORDS}]
     reply = client.chat.completions.create(model="tiny", messages=turn1, max_tokens=6, temperature=0)
     first_ids = state.engine.tokenize(turn1, chat=True)
-    _poll(lambda: state.engine.context_store.match(first_ids + [5]) is not None, "turn 1 saved")
+    poll(lambda: state.engine.context_store.match(first_ids + [5]) is not None, "turn 1 saved")
     before = _metric(url, "edgekv_prompt_tokens_from_store_total")
     turn2 = turn1 + [{"role": "assistant", "content": reply.choices[0].message.content},
                      {"role": "user", "content": "and the key of the river"}]
@@ -475,7 +399,7 @@ def _metric(url: str, name: str) -> float:
 
 def test_metrics_are_prometheus_text_with_what_the_issue_lists(server):
     url, _, _ = server
-    _post(url, "/v1/completions", {"model": "tiny", "prompt": [5, 6, 7, 8], "max_tokens": 6})
+    post(url, "/v1/completions", {"model": "tiny", "prompt": [5, 6, 7, 8], "max_tokens": 6})
     r = httpx.get(url + "/metrics")
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
     from prometheus_client.parser import text_string_to_metric_families
@@ -530,7 +454,7 @@ def test_shutdown_ends_work_in_flight_and_leaves_no_kv_file(text_model, tmp_path
 
         asker = threading.Thread(target=ask)
         asker.start()
-        _poll(lambda: len(state.scheduler.jobs) == 1, "request running")
+        poll(lambda: len(state.scheduler.jobs) == 1, "request running")
         assert [f for f in files_under(tmp_path) if os.path.isfile(f)]
     asker.join(120)
     assert results["events"][-1] == "data: [DONE]"  # finished within the grace, or ended with an error event
@@ -552,7 +476,7 @@ def test_sigterm_on_the_cli_server(tmp_path):
                 break
         assert port, "uvicorn did not start"
         url = f"http://127.0.0.1:{port}"
-        _poll(lambda: httpx.get(url + "/health").status_code == 200, "fixture loaded")
+        poll(lambda: httpx.get(url + "/health").status_code == 200, "fixture loaded")
         with httpx.Client(timeout=60) as client:
             with client.stream("POST", url + "/v1/completions", json={
                     "model": "fixture", "prompt": list(range(1, 40)), "max_tokens": 30000, "stream": True}) as r:
