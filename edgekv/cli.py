@@ -25,13 +25,15 @@ BENCH_ROWS = ("full", "flexgen", "token", "kvswap-noreuse", "kvswap", "kvswap-no
 WHOLE_FLAGS = {"max_new_tokens": (1, None), "top_k": (0, None), "chunk_tokens": (1, None), "max_context": (2, None),
                "new_tokens": (1, None), "samples": (1, None), "ppl_tokens": (2, None), "group_size": (1, None),
                "steps": (1, None), "warmup": (0, None), "port": (0, 65535), "max_queue": (1, None),
+               "max_connections": (1, None),
                "seed": (0, 2**63 - 1)}  # torch's generator takes 64-bit seeds; numpy's none below 0
 # number flags (by dest): (low, high, low allowed, high allowed); NaN and infinities are never meant
 REAL_FLAGS = {"temperature": (0, math.inf, True, False), "top_p": (0, 1, False, True), "drop_at": (0, 1, False, False),
               "max_mib": (0, math.inf, False, False), "disk_seconds": (0, math.inf, False, False),
               "path_limit_mib_s": (0, math.inf, False, False), "rate_hz": (0, math.inf, False, False),
               "max_body_mib": (0, math.inf, False, False), "store_max_mib": (0, math.inf, False, False),
-              "shutdown_grace_s": (0, math.inf, True, False)}
+              "shutdown_grace_s": (0, math.inf, True, False), "header_timeout_s": (0, math.inf, False, False),
+              "body_timeout_s": (0, math.inf, False, False)}
 # what each command's memory grows with: named when it runs out
 MEMORY_FLAGS = {"generate": "the prompts or --config's max_context / max_batch", "context": "the context file",
                 "eval": "--contexts or --samples", "bench": "--contexts or --batches", "ttft": "--contexts"}
@@ -187,9 +189,12 @@ def _serve(args) -> int:
     logging.getLogger("edgekv").setLevel(logging.INFO)
     return run(ServeOptions(
         model=args.model, config=config, kv_paths=kv_paths, policy=args.policy, host=args.host, port=args.port,
-        api_key=args.api_key, max_queue=args.max_queue, max_body_mib=args.max_body_mib,
+        api_key=args.api_key, api_key_file=args.api_key_file, max_queue=args.max_queue, max_body_mib=args.max_body_mib,
         context_store=not args.no_context_store, chunk_tokens=args.chunk_tokens, store_max_mib=args.store_max_mib,
-        served_model_name=args.served_model_name, shutdown_grace_s=args.shutdown_grace_s))
+        served_model_name=args.served_model_name, shutdown_grace_s=args.shutdown_grace_s,
+        max_connections=args.max_connections, header_timeout_s=args.header_timeout_s,
+        body_timeout_s=args.body_timeout_s, openapi=args.openapi,
+        allowed_hosts=[h.strip() for h in args.allowed_hosts.split(",") if h.strip()] if args.allowed_hosts else None))
 
 
 def _bench(args) -> int:
@@ -592,8 +597,12 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--policy", default="kvswap", choices=["kvswap", "full", "flexgen", "token", "arkv", "hillinfer"])
     srv.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     srv.add_argument("--port", type=int, default=8080)
-    srv.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every endpoint but /health (default: "
-                                       "$EDGEKV_API_KEY, else none)")
+    keys = srv.add_mutually_exclusive_group()
+    keys.add_argument("--api-key-file", metavar="FILE",
+                      help="require 'Authorization: Bearer KEY' on every endpoint but /health, KEY being FILE's first "
+                           "line (printable ASCII); or set $EDGEKV_API_KEY (default: no key)")
+    keys.add_argument("--api-key", metavar="KEY", help="as --api-key-file, with the key on the command line, where "
+                                                       "the process list shows it: prefer the file or the variable")
     srv.add_argument("--max-queue", type=int, default=64, help="requests waiting for a batch row; more get 429")
     srv.add_argument("--max-body-mib", type=float, default=4.0, help="largest request body; larger get 413")
     srv.add_argument("--no-context-store", action="store_true",
@@ -601,9 +610,21 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--chunk-tokens", type=int, default=256, help="context store chunk size for a new store")
     srv.add_argument("--store-max-mib", type=float, default=1024.0, help="context store cap (least recently used "
                                                                           "chunks go first)")
-    srv.add_argument("--served-model-name", help="the model id /v1/models lists (default: --model as given)")
+    srv.add_argument("--served-model-name", nargs="+", metavar="NAME",
+                     help="the model ids requests may name; the first is the one /v1/models lists (default: the "
+                          "model's name, or its folder's)")
     srv.add_argument("--shutdown-grace-s", type=float, default=30.0,
                      help="on SIGTERM/SIGINT, seconds requests in flight get to finish")
+    srv.add_argument("--max-connections", type=int, default=128,
+                     help="open connections beyond this get 503 (a reverse proxy in front should cap per client)")
+    srv.add_argument("--header-timeout-s", type=float, default=10.0,
+                     help="a connection whose request headers take longer is closed")
+    srv.add_argument("--body-timeout-s", type=float, default=60.0,
+                     help="a request whose body takes longer to arrive gets 408")
+    srv.add_argument("--allowed-hosts", metavar="NAME,...",
+                     help="Host header names answered, '*' for any (default: localhost, 127.0.0.1, ::1 on a loopback "
+                          "--host, else any)")
+    srv.add_argument("--openapi", action="store_true", help="serve the OpenAPI schema at /openapi.json (behind the key)")
     srv.set_defaults(func=_serve)
 
     ctx = sub.add_parser("context", help="the context store: save a context's KV once, reuse it across requests")

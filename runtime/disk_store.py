@@ -141,9 +141,12 @@ def remove_dead_sequences(root: Path) -> list[Path]:
     removed = []
     for entry in root.glob("edgekv-*-*"):
         pid = entry.name.split("-")[1]
-        if entry.is_dir() and pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
+        if entry.is_symlink() or not entry.is_dir():  # not a folder edgekv made: never followed, never counted
+            continue
+        if pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
             shutil.rmtree(entry, ignore_errors=True)
-            removed.append(entry)
+            if not entry.exists():
+                removed.append(entry)
     if removed:
         log.info("removed the KV files of %d dead process(es) under %s", len(removed), root)
     return removed

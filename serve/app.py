@@ -1,8 +1,10 @@
 """The HTTP side: FastAPI routes in the OpenAI shape over one Scheduler.
 
 The model loads in a thread after the server starts listening, so ``/health`` answers 503 while it loads and
-200 once requests can run.  Limits are checked before a request is queued: the API key (every endpoint but
-``/health``), the body size, the fields, the context (prompt + max_tokens within max_context) and the queue.
+200 once requests can run.  Limits are checked before a request is queued: the Host, the body's size and read
+time (serve/limits.py), the API key (every endpoint but ``/health``), the fields, the context (prompt +
+max_tokens within max_context) and the queue.  The OpenAPI schema is served only when asked for (``openapi``),
+behind the key like every endpoint; the HTML doc pages, which load their scripts from a public CDN, never are.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from edgekv.runtime.sampling import Sampler, SamplingParams
 
+from .limits import LOOPBACK_NAMES, AllowedHosts, BodyLimit, CountRequests
 from .metrics import ServerMetrics
 from .protocol import (ChatCompletionRequest, CompletionRequest, Envelope, RequestError, SamplingRequest, error_body,
                        usage)
@@ -41,6 +44,25 @@ class ServeSettings:
     max_queue: int = 64
     max_body_bytes: int = 4 * 2**20
     save_prompts: bool = True  # keep each chat prompt's KV in the context store (multi-turn reuse), when one is open
+    body_timeout_s: float = 60.0  # a request body not complete by then gets 408
+    allowed_hosts: tuple[str, ...] = LOOPBACK_NAMES  # Host header names answered ("*": any)
+    openapi: bool = False  # serve /openapi.json (behind the key)
+
+    def __post_init__(self):
+        if self.api_key is not None:
+            check_api_key(self.api_key)
+
+
+def check_api_key(key: str) -> None:
+    """A key travels in an HTTP header (latin-1 bytes) and is compared byte for byte: an empty key would turn
+    auth off, and a key outside printable ASCII could never match what a client sends."""
+    if not key:
+        raise ValueError("the API key is empty: give a key, or leave --api-key / EDGEKV_API_KEY unset to serve "
+                         "without one")
+    bad = next((c for c in key if not 0x21 <= ord(c) <= 0x7E), None)
+    if bad is not None:
+        raise ValueError(f"the API key holds {ascii(bad)} at position {key.index(bad)}: a key must be printable "
+                         "ASCII without spaces (HTTP headers carry it byte for byte)")
 
 
 @dataclass
@@ -103,75 +125,6 @@ class ServerState:
                 engine.close()
 
 
-# ---- limits that wrap the app (pure ASGI: they see every request, streaming ones too) ----------------------
-
-
-class BodyLimit:
-    """413 for a body over ``max_bytes``: by Content-Length before reading, or counted for a chunked upload
-    (read here and replayed to the app)."""
-
-    def __init__(self, app, max_bytes: int):
-        self.app, self.max_bytes = app, max_bytes
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        length = dict(scope["headers"]).get(b"content-length")
-        if length is not None:
-            if int(length) > self.max_bytes:
-                return await self._refuse(send, int(length))
-            return await self.app(scope, receive, send)
-        chunks, size, more = [], 0, True
-        while more:
-            message = await receive()
-            if message["type"] != "http.request":
-                return
-            chunks.append(message.get("body", b""))
-            size += len(chunks[-1])
-            more = message.get("more_body", False)
-            if size > self.max_bytes:
-                return await self._refuse(send, size)
-        body, replayed = b"".join(chunks), False
-
-        async def replay():
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()
-
-        await self.app(scope, replay, send)
-
-    async def _refuse(self, send, size: int) -> None:
-        body = json.dumps(error_body(f"request body is {size} bytes, over this server's limit of {self.max_bytes}; "
-                                     "send a shorter prompt or raise --max-body-mib", "invalid_request_error")).encode()
-        await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
-        await send({"type": "http.response.body", "body": body})
-
-
-class CountRequests:
-    """``edgekv_requests_total{endpoint, status}`` for every answer, refusals by the limits included."""
-
-    def __init__(self, app, metrics: ServerMetrics):
-        self.app, self.metrics = app, metrics
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        status = [500]
-
-        async def noting(message):
-            if message["type"] == "http.response.start":
-                status[0] = message["status"]
-            await send(message)
-
-        try:
-            await self.app(scope, receive, noting)
-        finally:
-            self.metrics.requests.labels(scope["path"], str(status[0])).inc()
-
-
 # ---- the app -----------------------------------------------------------------------------------------------
 
 
@@ -184,16 +137,18 @@ def create_app(state: ServerState) -> FastAPI:
         yield
         await asyncio.to_thread(state.close)
 
-    app = FastAPI(title="edgekv", lifespan=lifespan)
-    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
-    app.add_middleware(CountRequests, metrics=state.metrics)
+    app = FastAPI(title="edgekv", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, read_timeout_s=settings.body_timeout_s)
+    app.add_middleware(AllowedHosts, names=settings.allowed_hosts)
+    app.add_middleware(CountRequests, metrics=state.metrics, routes=app.router.routes)  # the outermost: counts all
 
     def api_key(request: Request) -> None:
         if settings.api_key is None:
             return
         given = request.headers.get("authorization", "")
         scheme, _, key = given.partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(key.strip().encode(), settings.api_key.encode()):
+        sent = key.strip().encode("latin-1")  # the header's bytes as the client sent them
+        if scheme.lower() != "bearer" or not secrets.compare_digest(sent, settings.api_key.encode("ascii")):
             raise RequestError("missing or wrong API key: send 'Authorization: Bearer <key>' (the server's --api-key)",
                                status=401, kind="authentication_error", headers={"WWW-Authenticate": "Bearer"})
 
@@ -203,13 +158,7 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request, exc: RequestValidationError):
-        first = exc.errors()[0]
-        loc = [str(p) for p in first["loc"] if p != "body"]
-        param = "".join(f"[{p}]" if p.isdigit() else f".{p}" for p in loc).lstrip(".") or None
-        if first["type"] == "json_invalid" or not loc:
-            message = f"the body is not a JSON object of this endpoint's fields: {first['msg']}"
-        else:
-            message = f"field {param!r}: {first['msg'].removeprefix('Value error, ')}"
+        param, message = validation_error(exc.errors())
         return JSONResponse(error_body(message, "invalid_request_error", param), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
@@ -218,8 +167,9 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        if state.error is not None:
-            return JSONResponse({"status": "error", "message": str(state.error)}, status_code=503)
+        if state.error is not None:  # unauthenticated: the cause (paths, names) is in the server's log only
+            return JSONResponse({"status": "error", "message": "the model failed to load; the server log says why"},
+                                status_code=503)
         if not state.ready:
             return JSONResponse({"status": state.status}, status_code=503)
         return {"status": "ok", "model": settings.model_names[0]}
@@ -242,14 +192,39 @@ def create_app(state: ServerState) -> FastAPI:
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         return await _generate(state, request, body, chat=True)
 
+    if settings.openapi:
+        @app.get("/openapi.json", dependencies=[Depends(api_key)], include_in_schema=False)
+        async def openapi():
+            return app.openapi()
+
     app.state.server = state
     return app
+
+
+def validation_error(errors: list[dict]) -> tuple[str | None, str]:
+    """(param, message) of pydantic's errors for a body.  A value that matches no member of a union (``prompt``)
+    gives one error per member, each located under the member's type name: the param is the field, not
+    ``prompt.str``.  Undecodable JSON names no field (pydantic locates it at a character offset)."""
+    first = errors[0]
+    if first["type"] == "json_invalid" or len(first["loc"]) < 2:
+        return None, f"the body is not a JSON object of this endpoint's fields: {first['msg']}"
+    field_errors = [e["loc"] for e in errors if e["loc"][:2] == first["loc"][:2]]
+    common = list(first["loc"])
+    for loc in field_errors[1:]:
+        while list(loc[: len(common)]) != common:
+            common.pop()
+    loc = [str(p) for p in common[1:]]
+    param = "".join(f"[{p}]" if p.isdigit() else f".{p}" for p in loc).lstrip(".")
+    if len(field_errors) > 1:
+        kinds = dict.fromkeys(str(e[len(common)]) for e in field_errors if len(e) > len(common))
+        return param, f"field {param!r} is none of the types it takes ({', '.join(kinds)})"
+    return param, f"field {param!r}: {first['msg'].removeprefix('Value error, ')}"
 
 
 def _ready(state: ServerState) -> ServerState:
     """503 until requests can run: loading, failed to load, or shut down."""
     if state.error is not None:
-        raise RequestError(f"the model failed to load: {state.error}", status=503, kind="server_error")
+        raise RequestError("the model failed to load; the server log says why", status=503, kind="server_error")
     if not state.ready:
         raise RequestError(f"the model is {state.status}; retry when /health answers 200", status=503,
                            kind="server_error", headers={"Retry-After": "5"})
@@ -304,8 +279,8 @@ async def _generate(state: ServerState, request: Request, body: SamplingRequest,
 def _prompt_ids(engine, body: SamplingRequest, chat: bool) -> list[int]:
     if chat:
         if not getattr(engine.tokenizer, "chat_template", None):
-            raise RequestError(f"{engine.model.hf.name_or_path} has no chat template: send the text to /v1/completions "
-                               "instead", param="messages")
+            raise RequestError(f"{body.model} has no chat template: send the text to /v1/completions instead",
+                               param="messages")
         prompt, param = [m.as_template_message() for m in body.messages], "messages"
     else:
         prompt, param = body.prompt, "prompt"

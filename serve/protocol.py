@@ -3,6 +3,7 @@
 Field names and shapes follow the OpenAI API reference (``/v1/completions``, ``/v1/chat/completions``) as the
 ``openai`` Python client sends and parses them.  A field the server cannot honour is refused with a 400 naming
 it, never ignored: unknown fields, and known ones (penalties, logprobs, n, ...) at anything but their neutral value.
+Types are strict (``max_tokens: "5"``, ``prompt: [1, true]`` are refused, not coerced); a float field takes an int.
 """
 from __future__ import annotations
 
@@ -41,14 +42,14 @@ NEUTRAL = {"frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0), "logprob
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool = False
 
 
 class SamplingRequest(BaseModel):
     """What both endpoints share.  OpenAI's defaults: temperature 1, top_p 1."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     model: str
     max_tokens: int | None = Field(None, ge=1)
@@ -115,13 +116,13 @@ class CompletionRequest(SamplingRequest):
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     type: Literal["text"]
     text: str
 
 
 class Message(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart]
     name: str | None = None

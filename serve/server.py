@@ -27,15 +27,22 @@ class ServeOptions:
     policy: str = "kvswap"
     host: str = "127.0.0.1"
     port: int = 8080
-    api_key: str | None = None
+    api_key: str | None = None  # visible in the process list: api_key_file or $EDGEKV_API_KEY are not
+    api_key_file: str | None = None
     max_queue: int = 64
     max_body_mib: float = 4.0
     context_store: bool = True
     chunk_tokens: int = 256
     store_max_mib: float = 1024.0
-    served_model_name: str | None = None
+    served_model_name: list[str] | None = None  # the first is the id /v1/models lists (as vLLM's flag)
     shutdown_grace_s: float = 30.0
     log_level: str = "info"
+    max_connections: int = 128  # open connections (and requests in flight) beyond this get 503
+    keep_alive_s: int = 5  # an idle keep-alive connection is closed after this
+    header_timeout_s: float = 10.0  # a request whose headers take longer: its connection is closed
+    body_timeout_s: float = 60.0  # a request whose body takes longer gets 408
+    allowed_hosts: list[str] | None = None  # Host names answered; default: the loopback names on a loopback --host
+    openapi: bool = False  # serve /openapi.json behind the key
 
 
 def deployed_config(platform: str, root: str | Path = "deploy") -> Path:
@@ -51,9 +58,19 @@ def deployed_config(platform: str, root: str | Path = "deploy") -> Path:
     return path
 
 
+def short_id(model: str) -> str:
+    """The id a model is served under by default: a registry name as given (``smollm2``), else the folder's or
+    file's name (``/data/models/smollm2-hf`` -> ``smollm2-hf``): a server never lists its paths."""
+    path = Path(model)
+    if os.sep not in model and not path.exists():
+        return model
+    return path.name.removesuffix(".gguf") or model
+
+
 def resolve(options: ServeOptions) -> tuple[str, list[str] | None, tuple[str, ...]]:
     """(model, KV folders, served names): --model, else the deployed config's model; --kv-path(s), else the
-    config's kv_paths; names: --served-model-name, the model as given, its folder name."""
+    config's kv_paths; names: --served-model-name (all of them), else the model's short id and the model as
+    given.  The first name is the one /v1/models lists; a request naming another model gets 404."""
     meta = {}
     if options.config:
         try:
@@ -65,8 +82,47 @@ def resolve(options: ServeOptions) -> tuple[str, list[str] | None, tuple[str, ..
         raise ValueError("which model? pass --model (a name such as fixture or smollm2, a folder or a .gguf file), "
                          "or --config with a deployed config")
     kv_paths = options.kv_paths or meta.get("kv_paths") or ([meta["kv_path"]] if meta.get("kv_path") else None)
-    names = [options.served_model_name, options.model or Path(str(model)).name, Path(str(model)).name, str(model)]
-    return str(model), kv_paths, tuple(dict.fromkeys(n for n in names if n))
+    names = options.served_model_name or [short_id(str(options.model or model)), str(options.model or model)]
+    if any(not n.strip() for n in names):
+        raise ValueError("--served-model-name: a name is empty; give each name the clients will send as 'model'")
+    return str(model), kv_paths, tuple(dict.fromkeys(names))
+
+
+def resolve_api_key(options: ServeOptions) -> str | None:
+    """The key from --api-key-file (its first line), --api-key, or $EDGEKV_API_KEY, checked (serve.app
+    check_api_key); None when none is given: the server then takes requests without a key."""
+    if options.api_key_file and options.api_key is not None:
+        raise ValueError("--api-key and --api-key-file both given: pass one (the file keeps the key out of the "
+                         "process list)")
+    if options.api_key_file:
+        try:
+            key, source = Path(options.api_key_file).read_text().splitlines()[0], f"--api-key-file {options.api_key_file}"
+        except (OSError, UnicodeDecodeError, IndexError) as exc:
+            raise ValueError(f"--api-key-file {options.api_key_file}: cannot read a key from it ({exc or 'empty'}); "
+                             "write the key on its first line") from exc
+    elif options.api_key is not None:
+        key, source = options.api_key, "--api-key"
+    elif API_KEY_ENV in os.environ:
+        key, source = os.environ[API_KEY_ENV], API_KEY_ENV
+    else:
+        return None
+    from .app import check_api_key
+
+    try:
+        check_api_key(key)
+    except ValueError as exc:
+        raise ValueError(f"{source}: {exc}") from None
+    return key
+
+
+def allowed_hosts(options: ServeOptions) -> tuple[str, ...]:
+    """Host names answered: --allowed-hosts, else the loopback names when listening on loopback (a page whose DNS
+    name is rebound to 127.0.0.1 is refused), else any (the API key guards a server others reach)."""
+    from .limits import LOOPBACK_NAMES
+
+    if options.allowed_hosts:
+        return tuple(options.allowed_hosts)
+    return LOOPBACK_NAMES if options.host in LOOPBACK_NAMES else ("*",)
 
 
 def load_engine(options: ServeOptions, model: str, kv_paths: list[str]):
@@ -80,6 +136,19 @@ def load_engine(options: ServeOptions, model: str, kv_paths: list[str]):
 
 
 STREAM_FLUSH_S = 5.0  # after the grace, what streams ended by it get to send their error event and [DONE]
+
+
+def uvicorn_config(app, options: ServeOptions):
+    """uvicorn's settings for the app: the header deadline (serve.limits), the connection cap, the keep-alive
+    time and the shutdown grace."""
+    import uvicorn
+
+    from .limits import header_deadline_protocol
+
+    return uvicorn.Config(app, host=options.host, port=options.port, log_level=options.log_level, lifespan="on",
+                          http=header_deadline_protocol(options.header_timeout_s),
+                          limit_concurrency=options.max_connections, timeout_keep_alive=options.keep_alive_s,
+                          timeout_graceful_shutdown=options.shutdown_grace_s + STREAM_FLUSH_S)
 
 
 def _make_server(config, on_exit):
@@ -138,25 +207,32 @@ WantedBy=multi-user.target
 """
 
 
+def settings_of(options: ServeOptions, names: tuple[str, ...]):
+    from .app import ServeSettings
+
+    key = resolve_api_key(options)
+    if options.host not in ("127.0.0.1", "localhost", "::1") and key is None:
+        log.warning("listening on %s without an API key: anyone who reaches this port can use the model; pass "
+                    "--api-key-file or set %s", options.host, API_KEY_ENV)
+    elif options.api_key is not None:
+        log.warning("--api-key is visible in the process list (ps): prefer --api-key-file or %s", API_KEY_ENV)
+    return ServeSettings(names, key, options.max_queue, int(options.max_body_mib * 2**20), options.context_store,
+                         body_timeout_s=options.body_timeout_s, allowed_hosts=allowed_hosts(options),
+                         openapi=options.openapi)
+
+
 def run(options: ServeOptions) -> int:
     """Serve until SIGTERM/SIGINT; 1 when the model failed to load (named in the log)."""
-    import uvicorn
-
-    from .app import ServerState, ServeSettings, create_app
+    from .app import ServerState, create_app
 
     model, kv_paths, names = resolve(options)
-    api_key = options.api_key or os.environ.get(API_KEY_ENV) or None
-    if options.host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
-        log.warning("listening on %s without an API key: anyone who reaches this port can use the model; pass "
-                    "--api-key or set %s", options.host, API_KEY_ENV)
-    settings = ServeSettings(names, api_key, options.max_queue, int(options.max_body_mib * 2**20), options.context_store)
+    settings = settings_of(options, names)
     with contextlib.ExitStack() as stack:
         if kv_paths is None:  # no KV disk named: a scratch folder, removed at exit
             kv_paths = [stack.enter_context(tempfile.TemporaryDirectory(prefix="edgekv-serve-"))]
         state = ServerState(settings, lambda: load_engine(options, model, kv_paths))
-        config = uvicorn.Config(create_app(state), host=options.host, port=options.port, log_level=options.log_level,
-                                timeout_graceful_shutdown=options.shutdown_grace_s + STREAM_FLUSH_S, lifespan="on")
-        server = _make_server(config, lambda: state.begin_shutdown(options.shutdown_grace_s))
+        server = _make_server(uvicorn_config(create_app(state), options),
+                              lambda: state.begin_shutdown(options.shutdown_grace_s))
 
         def failed(exc: BaseException) -> None:
             server.should_exit = True

@@ -7,6 +7,7 @@ import httpx
 
 from edgekv.runtime import Engine
 from edgekv.serve import ServerState, ServeSettings, create_app
+from edgekv.serve.server import ServeOptions, uvicorn_config
 
 CFG = {"G": 4, "M": 4, "C": 8, "max_context": 256, "max_batch": 2}
 WORDS = "the value of the river is north and the key of the mountain is green"
@@ -22,8 +23,10 @@ def poll(check, what: str, limit_s: float = 60.0):
 
 
 @contextlib.contextmanager
-def serving(model, kv_dir, config=CFG, names=("tiny",), load=None, store: bool = True, **settings):
-    """The app under uvicorn in a thread on a free port; yields (base_url, state) once /health answers 200."""
+def serving(model, kv_dir, config=CFG, names=("tiny",), load=None, store: bool = True, options: dict | None = None,
+            **settings):
+    """The app under uvicorn in a thread on a free port, with ``edgekv serve``'s uvicorn settings (``options``:
+    ServeOptions fields); yields (base_url, state) once /health answers 200."""
     import uvicorn
 
     def load_engine():
@@ -33,8 +36,8 @@ def serving(model, kv_dir, config=CFG, names=("tiny",), load=None, store: bool =
         return engine
 
     state = ServerState(ServeSettings(tuple(names), save_prompts=store, **settings), load or load_engine)
-    server = uvicorn.Server(uvicorn.Config(create_app(state), host="127.0.0.1", port=0, log_level="warning",
-                                           timeout_graceful_shutdown=10))
+    options = ServeOptions(**{"port": 0, "log_level": "warning", "shutdown_grace_s": 5.0, **(options or {})})
+    server = uvicorn.Server(uvicorn_config(create_app(state), options))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     poll(lambda: server.started, "uvicorn started")

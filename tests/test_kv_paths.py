@@ -318,6 +318,23 @@ def test_the_kv_files_of_dead_processes_are_removed_and_live_ones_kept(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(n for n in folders if not n.startswith(f"edgekv-{dead_pid}-"))
 
 
+def test_a_symlink_named_like_a_dead_kv_folder_is_neither_followed_nor_counted(tmp_path):
+    import subprocess
+    import sys
+
+    from edgekv.runtime.disk_store import remove_dead_sequences
+
+    dead_pid = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                                  text=True).stdout)
+    (tmp_path / "kv").mkdir()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "keep.txt").write_text("mine")
+    (tmp_path / "kv" / f"edgekv-{dead_pid}-0badc0de").symlink_to(elsewhere, target_is_directory=True)
+    assert remove_dead_sequences(tmp_path / "kv") == []
+    assert (elsewhere / "keep.txt").read_text() == "mine"
+
+
 def test_an_interrupted_atomic_write_leaves_the_old_file_and_no_debris(tmp_path, monkeypatch):
     from edgekv.runtime.store import files
 
