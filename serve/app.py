@@ -18,16 +18,18 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import Depends, FastAPI, Request, Security
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from edgekv.runtime.sampling import Sampler, SamplingParams
 
 from .limits import LOOPBACK_NAMES, AllowedHosts, BodyLimit, CountRequests
 from .metrics import ServerMetrics
-from .protocol import (ChatCompletionRequest, CompletionRequest, Envelope, RequestError, SamplingRequest, error_body,
+from .protocol import (REFUSALS, SERVER_ERROR, STREAM, ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
+                       CompletionResponse, Envelope, Health, ModelList, RequestError, SamplingRequest, error_body,
                        usage)
 from .scheduler import Job, QueueFull, Scheduler, ServerClosing
 from .text import TextStream
@@ -142,7 +144,11 @@ def create_app(state: ServerState) -> FastAPI:
     app.add_middleware(AllowedHosts, names=settings.allowed_hosts)
     app.add_middleware(CountRequests, metrics=state.metrics, routes=app.router.routes)  # the outermost: counts all
 
-    def api_key(request: Request) -> None:
+    bearer = HTTPBearer(auto_error=False, description="the server's key (--api-key-file or EDGEKV_API_KEY), when "
+                                                       "it has one")
+
+    def api_key(request: Request, _: HTTPAuthorizationCredentials | None = Security(bearer)) -> None:
+        """Checked on the header's own bytes (``bearer`` only declares the scheme in the OpenAPI schema)."""
         if settings.api_key is None:
             return
         given = request.headers.get("authorization", "")
@@ -165,7 +171,7 @@ def create_app(state: ServerState) -> FastAPI:
     async def _http(request, exc: StarletteHTTPException):
         return JSONResponse(error_body(str(exc.detail), "invalid_request_error"), status_code=exc.status_code)
 
-    @app.get("/health")
+    @app.get("/health", response_model=None, responses={200: {"model": Health}, 503: {"model": Health}})
     async def health():
         if state.error is not None:  # unauthenticated: the cause (paths, names) is in the server's log only
             return JSONResponse({"status": "error", "message": "the model failed to load; the server log says why"},
@@ -174,21 +180,25 @@ def create_app(state: ServerState) -> FastAPI:
             return JSONResponse({"status": state.status}, status_code=503)
         return {"status": "ok", "model": settings.model_names[0]}
 
-    @app.get("/metrics", dependencies=[Depends(api_key)])
+    @app.get("/metrics", dependencies=[Depends(api_key)], responses={
+        200: {"content": {"text/plain": {"schema": {"type": "string"}}}, "description": "Prometheus text"}, **REFUSALS})
     async def metrics():
         return Response(state.metrics.text(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    @app.get("/v1/models", dependencies=[Depends(api_key)])
+    @app.get("/v1/models", dependencies=[Depends(api_key)], response_model=None,
+             responses={200: {"model": ModelList}, **REFUSALS})
     async def models():
         engine = _ready(state).engine
         return {"object": "list", "data": [{"id": settings.model_names[0], "object": "model", "created": 0,
                                             "owned_by": "edgekv", "max_model_len": engine.config.max_context}]}
 
-    @app.post("/v1/completions", dependencies=[Depends(api_key)])
+    @app.post("/v1/completions", dependencies=[Depends(api_key)], response_model=None,
+              responses={200: {"model": CompletionResponse, "content": STREAM}, **REFUSALS, **SERVER_ERROR})
     async def completions(body: CompletionRequest, request: Request):
         return await _generate(state, request, body, chat=False)
 
-    @app.post("/v1/chat/completions", dependencies=[Depends(api_key)])
+    @app.post("/v1/chat/completions", dependencies=[Depends(api_key)], response_model=None,
+              responses={200: {"model": ChatCompletionResponse, "content": STREAM}, **REFUSALS, **SERVER_ERROR})
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         return await _generate(state, request, body, chat=True)
 

@@ -141,6 +141,91 @@ class ChatCompletionRequest(SamplingRequest):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
+# ---- the response bodies, as the OpenAPI schema declares them (documentation: routes build plain dicts) ------
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    finish_reason: Literal["stop", "length"]
+    logprobs: None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    finish_reason: Literal["stop", "length"]
+    logprobs: None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class Health(BaseModel):
+    status: Literal["ok", "loading", "stopped", "error"]
+    model: str | None = None
+    message: str | None = None
+
+
+REFUSALS = {"4XX": {"model": ErrorResponse, "description": "refused: the message names the field or limit, and the fix"},
+            503: {"model": ErrorResponse, "description": "the model is loading, failed to load, or the server is "
+                                                         "shutting down: retry when /health answers 200"}}
+SERVER_ERROR = {500: {"model": ErrorResponse, "description": "this request failed; the message names the request id "
+                                                             "under which the server's log has the cause"}}
+STREAM = {"text/event-stream": {"schema": {"type": "string", "description": "server-sent events: chunks, then "
+                                                                           "'data: [DONE]'"}}}
+
+
 def request_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
