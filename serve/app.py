@@ -296,8 +296,9 @@ def _prompt_ids(engine, body: SamplingRequest, chat: bool) -> list[int]:
         prompt, param = body.prompt, "prompt"
     try:
         return engine.tokenize(prompt)
-    except ValueError as exc:
-        raise RequestError(str(exc).replace("prompt 0", "the prompt"), param=param) from exc
+    except ValueError as exc:  # the engine names the checkpoint's folder: clients know the model by its served id
+        message = str(exc).replace("prompt 0", "the prompt").replace(engine.model.hf.name_or_path, body.model)
+        raise RequestError(message, param=param) from exc
 
 
 def _sse(obj) -> str:

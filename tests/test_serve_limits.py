@@ -279,3 +279,12 @@ def test_a_failed_load_shows_no_path_to_clients(text_model, tmp_path):
     assert health.status_code == asked.status_code == 503
     assert str(secret) not in health.text + asked.text and "FileNotFoundError" not in health.text + asked.text
     assert "log" in json.loads(health.text)["message"]
+
+
+def test_refusals_name_the_served_model_not_its_folder(model_dirs, tmp_path):
+    """The engine's messages name the checkpoint's folder (right for the CLI); a client sees the served id."""
+    with serving(model_dirs["llama"], tmp_path, store=False) as (url, _):
+        for prompt in ("text, but no tokenizer", [10**6]):
+            r = post(url, "/v1/completions", {"model": "tiny", "prompt": prompt, "max_tokens": 1})
+            assert r.status_code == 400 and "tiny" in r.text, r.text
+            assert str(model_dirs["llama"]) not in r.text
