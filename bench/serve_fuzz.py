@@ -160,6 +160,7 @@ def fuzz(url: str, schema: dict, model: str, requests: int, seed: int, headers: 
     from hypothesis import HealthCheck, Phase, given, settings
     from hypothesis import seed as fix_seed
     from hypothesis import strategies as st
+    from schemathesis.core.failures import FailureGroup
 
     checks = fuzz_checks()
 
@@ -178,7 +179,7 @@ def fuzz(url: str, schema: dict, model: str, requests: int, seed: int, headers: 
         try:
             case.validate_response(response, checks=checks, headers=headers)
             record(response.status_code, None, case)
-        except Exception as exc:
+        except (Exception, FailureGroup) as exc:  # FailureGroup is a BaseExceptionGroup, not an Exception
             record(response.status_code, f"{type(exc).__name__}: {str(exc)[:300]}", case)
 
     one()

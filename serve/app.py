@@ -59,8 +59,8 @@ def check_api_key(key: str) -> None:
     """A key travels in an HTTP header (latin-1 bytes) and is compared byte for byte: an empty key would turn
     auth off, and a key outside printable ASCII could never match what a client sends."""
     if not key:
-        raise ValueError("the API key is empty: give a key, or leave --api-key / EDGEKV_API_KEY unset to serve "
-                         "without one")
+        raise ValueError("the API key is empty: give a key, or give none (no --api-key-file, --api-key or "
+                         "EDGEKV_API_KEY) to serve without one")
     bad = next((c for c in key if not 0x21 <= ord(c) <= 0x7E), None)
     if bad is not None:
         raise ValueError(f"the API key holds {ascii(bad)} at position {key.index(bad)}: a key must be printable "

@@ -222,8 +222,10 @@ REFUSALS = {"4XX": {"model": ErrorResponse, "description": "refused: the message
                                                          "shutting down: retry when /health answers 200"}}
 SERVER_ERROR = {500: {"model": ErrorResponse, "description": "this request failed; the message names the request id "
                                                              "under which the server's log has the cause"}}
-STREAM = {"text/event-stream": {"schema": {"type": "string", "description": "server-sent events: chunks, then "
-                                                                           "'data: [DONE]'"}}}
+STREAM = {"text/event-stream": {"schema": {  # one server-sent event, as a client parses it
+    "type": "object", "required": ["data"], "properties": {"data": {
+        "type": "string", "description": "a JSON chunk (the completion's shape, choices[].text or .delta), an error "
+                                         "body, or [DONE] last"}}}}}
 
 
 def request_id(prefix: str) -> str:

@@ -95,11 +95,15 @@ def resolve_api_key(options: ServeOptions) -> str | None:
         raise ValueError("--api-key and --api-key-file both given: pass one (the file keeps the key out of the "
                          "process list)")
     if options.api_key_file:
+        source = f"--api-key-file {options.api_key_file}"
         try:
-            key, source = Path(options.api_key_file).read_text().splitlines()[0], f"--api-key-file {options.api_key_file}"
-        except (OSError, UnicodeDecodeError, IndexError) as exc:
-            raise ValueError(f"--api-key-file {options.api_key_file}: cannot read a key from it ({exc or 'empty'}); "
-                             "write the key on its first line") from exc
+            lines = Path(options.api_key_file).read_text().splitlines()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"{source}: cannot read it ({exc}); point to a text file with the key on its first "
+                             "line") from exc
+        if not lines:
+            raise ValueError(f"{source}: the file is empty; write the key on its first line")
+        key = lines[0]
     elif options.api_key is not None:
         key, source = options.api_key, "--api-key"
     elif API_KEY_ENV in os.environ:

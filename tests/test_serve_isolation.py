@@ -147,6 +147,25 @@ def test_the_api_fuzzed_from_its_own_schema(fuzzed):
     assert not [f for f in files_under(kv) if os.path.isfile(f) and "contexts" not in f]
 
 
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"prompt": "the value", "max_tokens": 5, "stream": True,
+                         "stream_options": {"include_usage": True}}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "the key"}], "max_tokens": 5, "stream": True}),
+    ("/v1/completions", {"prompt": [5, 6], "max_tokens": 3}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "the key"}], "max_tokens": 3})])
+def test_answers_of_every_kind_are_what_the_schema_declares(fuzzed, path, body):
+    """Whole and streamed answers of both endpoints through the schema's checks (the random fuzz may draw few
+    streams): each server-sent event, each body, its status and content type as declared."""
+    import schemathesis
+
+    url, state, _ = fuzzed
+    operation = schemathesis.openapi.from_dict(app_schema(state.settings)).find_operation_by_path("POST", path)
+    case = operation.Case(body={"model": "tiny", **body}, media_type="application/json")
+    response = case.call(base_url=url, headers=KEY, timeout=60)
+    assert response.status_code == 200
+    case.validate_response(response, checks=fuzz_checks(), headers=KEY)
+
+
 # ---- hostile requests beside running streams ---------------------------------------------------------------
 
 

@@ -96,8 +96,13 @@ def test_the_key_comes_from_a_file_the_environment_or_the_flag(tmp_path, monkeyp
     with pytest.raises(ValueError, match="EDGEKV_API_KEY: the API key is empty"):
         resolve_api_key(ServeOptions())
     (tmp_path / "empty").write_text("")
-    with pytest.raises(ValueError, match="--api-key-file .*first line"):
+    with pytest.raises(ValueError, match="--api-key-file .*empty: the file is empty; write the key on its first"):
         resolve_api_key(ServeOptions(api_key_file=str(tmp_path / "empty")))
+    (tmp_path / "blank").write_text("\nsecond-line\n")
+    with pytest.raises(ValueError, match="--api-key-file .*blank: the API key is empty"):
+        resolve_api_key(ServeOptions(api_key_file=str(tmp_path / "blank")))
+    with pytest.raises(ValueError, match="--api-key-file .*missing: cannot read it"):
+        resolve_api_key(ServeOptions(api_key_file=str(tmp_path / "missing")))
 
 
 def test_cli_refuses_an_empty_key_and_says_where_keys_come_from(capsys):
