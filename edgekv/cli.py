@@ -108,11 +108,16 @@ def _generate(args) -> int:
 
 
 def _store_location(args) -> str:
-    """--store, else the store folder under the (first) KV path: contexts live on the KV disk beside the running KV."""
-    kv_paths = None if args.store else _kv_paths(args, must_exist=False)
-    if not (args.store or kv_paths):
+    """--store (a folder, file:// or http(s):// URL; other schemes refused), else the store folder under the (first)
+    KV path: contexts live on the KV disk beside the running KV."""
+    from edgekv.runtime.store import store_location
+
+    if args.store:
+        return str(store_location(args.store))
+    kv_paths = _kv_paths(args, must_exist=False)
+    if not kv_paths:
         raise ValueError("which context store? pass --kv-path (the store is KV_PATH/contexts) or --store")
-    return args.store or str(Path(kv_paths[0]) / "contexts")
+    return str(Path(kv_paths[0]) / "contexts")
 
 
 def _context(args) -> int:
@@ -395,6 +400,13 @@ def _check_args(args) -> None:
                              "--context NAME")
         if any(p == "" for p in args.prompt) and not args.context:
             raise UsageError("--prompt is empty; pass the prompt's text (an empty prompt continues a stored --context)")
+    if getattr(args, "store", None) is not None:
+        from edgekv.runtime.store import store_location
+
+        try:
+            store_location(args.store)
+        except ValueError as exc:
+            raise UsageError(f"--store: {exc}") from exc
     for dest in ("costs", "adapter", "configs_from", "quality_configs", "calibration", "text"):
         value = getattr(args, dest, None)
         if value is not None and not (dest == "text" and value == "builtin") and not Path(value).is_file():
@@ -582,7 +594,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="one JSON line per prompt (token ids, text, stats) instead of the text")
     gen.add_argument("--context", help="a context saved with `edgekv context save`, put before every prompt (its KV is loaded "
                                        "or recomputed chunk by chunk, whichever is faster)")
-    gen.add_argument("--store", help="the context store: a folder or an http(s):// URL of a published one (default: "
+    gen.add_argument("--store", help="the context store: a folder (or file:// URL) or an http(s):// URL of a published one (default: "
                                      "KV_PATH/contexts); prompts reuse their longest stored prefix")
     gen.set_defaults(func=_generate)
 
@@ -644,7 +656,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--kv-path", help="folder on the KV disk; the store is KV_PATH/contexts")
         p.add_argument("--kv-paths", metavar="DIR1,DIR2,...",
                        help="the KV folders generate uses; the store is DIR1/contexts")
-        p.add_argument("--store", help="the store folder itself (instead of --kv-path)")
+        p.add_argument("--store", help="the store folder itself, or its file:// URL (instead of --kv-path)")
         p.set_defaults(func=_context)
 
     tt = sub.add_parser("ttft", help="time to first token with a stored context: full prefill, load-only, "

@@ -114,25 +114,35 @@ class Trailer:
         return body.ljust(self.nbytes(n_layers, n_groups, align_bytes), b"\0")
 
     @classmethod
-    def unpack(cls, data, n_layers: int, n_groups: int, record_bytes: int, first_group: int, fingerprint: str) -> "Trailer":
-        """The trailer in ``data``, checked against what the reader expects; TrailerError says what differs."""
+    def parse(cls, data, n_layers: int, n_groups: int) -> "Trailer":
+        """The trailer of a blob of ``n_layers`` x ``n_groups`` records in ``data``, its own checksum verified,
+        saying which model, record length and first group it holds; TrailerError when it is damaged."""
         data = bytes(data)
+        end = _HEADER.itemsize + n_layers * n_groups * CHECKSUM_BYTES
+        if len(data) < end + CHECKSUM_BYTES:
+            raise TrailerError(f"the trailer is {len(data)} bytes, {n_layers} layers x {n_groups} groups need "
+                               f"{end + CHECKSUM_BYTES}")
         header = np.frombuffer(data, dtype=_HEADER, count=1)[0]
         if header["magic"] != MAGIC.rstrip(b"\0") or header["version"] != VERSION:
             raise TrailerError(f"no checksum trailer of version {VERSION} (found magic {header['magic']!r}, "
                                f"version {int(header['version'])})")
-        end = _HEADER.itemsize + n_layers * n_groups * CHECKSUM_BYTES
         if int(header["n_layers"]) != n_layers or int(header["n_groups"]) != n_groups:
             raise TrailerError(f"trailer holds {int(header['n_layers'])} layers x {int(header['n_groups'])} groups, "
                                f"the chunk has {n_layers} x {n_groups}")
         own = int(np.frombuffer(data[end : end + CHECKSUM_BYTES], dtype="<u4")[0])
         if own != crc32c(data[:end]):
             raise TrailerError("the trailer's own checksum does not match (damaged)")
-        found = {"record_bytes": (int(header["record_bytes"]), record_bytes),
-                 "first_group": (int(header["first_group"]), first_group),
-                 "fingerprint": (header["fingerprint"].ljust(32, b"\0").hex(), fingerprint)}
+        sums = np.frombuffer(data[_HEADER.itemsize : end], dtype="<u4").reshape(n_layers, n_groups).astype(np.uint32)
+        return cls(header["fingerprint"].ljust(32, b"\0").hex(), int(header["record_bytes"]),
+                   int(header["first_group"]), sums)
+
+    @classmethod
+    def unpack(cls, data, n_layers: int, n_groups: int, record_bytes: int, first_group: int, fingerprint: str) -> "Trailer":
+        """The trailer in ``data``, checked against what the reader expects; TrailerError says what differs."""
+        trailer = cls.parse(data, n_layers, n_groups)
+        found = {"record_bytes": (trailer.record_bytes, record_bytes), "first_group": (trailer.first_group, first_group),
+                 "fingerprint": (trailer.fingerprint, fingerprint)}
         wrong = [f"{k} {a} (expected {b})" for k, (a, b) in found.items() if a != b]
         if wrong:
             raise TrailerError("trailer names another record: " + ", ".join(wrong))
-        sums = np.frombuffer(data[_HEADER.itemsize : end], dtype="<u4").reshape(n_layers, n_groups).astype(np.uint32)
-        return cls(fingerprint, record_bytes, first_group, sums)
+        return trailer

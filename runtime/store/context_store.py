@@ -3,8 +3,9 @@
 Folder layout (the same when published over HTTP)::
 
     store.json          geometry every blob shares: G, align, chunk_tokens
-    index.json          chunks {hash: parent, start, n_tokens, bytes, LRU tick} and named contexts
-    contexts/<x>.json   a named context's token ids
+    index.json          chunks {hash: parent, start, n_tokens, bytes, LRU tick} and named contexts, and a copy
+                        of the geometry
+    contexts/<x>.json   a named context's token ids, fingerprint and chunk hashes
     chunks/<hash>.kv    one token chunk, every layer, layer-major, in the disk policies' records,
                         then a trailer with each record's checksum (runtime/checksum.py)
 
@@ -16,16 +17,36 @@ chunk_tokens; only a context's last chunk may be shorter (a multiple of G).  The
 forgets a blob before it is unlinked.  A record or trailer that fails its checksum is a miss:
 the chunk is dropped from the index (and its blob removed), the caller computes it, and the next
 save writes it again.
+
+The JSON files carry a checksum and are parsed strictly (store/meta.py); damage there is a miss too,
+logged naming the file, never an opaque error:
+
+- index.json damaged: rebuilt from the intact context files (each one's ids give its chunk chain, every
+  hash recomputed) and the blobs whose trailer names that chunk (fingerprint, first group, size); chunks
+  no context names cannot be placed and are dropped, the LRU order starts afresh (``index ⊆ blobs`` holds).
+  Over HTTP nothing can be listed: every prompt is computed until the folder is published again.  A
+  sealed index entry that names a path outside the store (or a hash that is not one) is refused by name,
+  never followed.
+- store.json damaged or missing: its geometry comes back from index.json's copy and is written again;
+  with no intact copy either, the error names store.json and the fix.
+- contexts/<x>.json damaged: asking for that context names the file and says to save it again; the
+  context is dropped, its chunks stay usable as unnamed prefixes.
+
+Format 3 (checksummed metadata) is written; a format-2 store is migrated when opened locally (its JSON
+files sealed, store.json last, so a migration cut short runs again; blobs unchanged) and read as it is
+over HTTP.  Other formats are refused naming store.json.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
-import json
 import logging
 import os
 import re
 import threading
 import time
+import urllib.parse
+import urllib.request
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,21 +56,43 @@ import torch
 
 from ..checksum import Trailer, TrailerError, record_sums
 from ..disk_store import RecordLayout, aligned_zeros
-from .errors import ChunkCorrupt, ChunkUnavailable, ContextStoreError
+from .errors import ChunkCorrupt, ContextStoreError
 from .files import TMP_PREFIX, fsync_dir, locked, stale_tmp, tmp_path, write_atomic
 from .fingerprint import describe
 from .http import HttpBackend
 from .local import LocalBackend
+from .meta import (FORMAT, INDEX_FILE, LEGACY_FORMAT, STORE_FILE, Damaged, check_rel, is_count, is_hash, is_time,
+                   parse_index, read_file, read_geometry, seal, unseal)
 
 log = logging.getLogger(__name__)
 
-STORE_FILE, INDEX_FILE = "store.json", "index.json"
-FORMAT = 2  # 2: blobs end in a checksum trailer
 READ_ONLY = "read-only: save to a local --kv-path and publish the folder"
+LOCATIONS = "a folder path, file:///folder, http://host/path or https://host/path"
+_SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://")
 
 
 def chain_hash(parent: str, tokens: np.ndarray) -> str:
     return hashlib.sha256(bytes.fromhex(parent) + np.asarray(tokens, dtype="<i8").tobytes()).hexdigest()
+
+
+def store_location(location: str | Path) -> str | Path:
+    """A store's place as a local Path or an http(s) URL (str).  file:// URLs become their path; any other
+    scheme is refused before anything is created (``ftp://x`` would otherwise be the folder ./ftp:/x)."""
+    if isinstance(location, Path):
+        return location
+    found = _SCHEME.match(location)
+    if found is None:
+        return Path(location)
+    scheme = found.group(1).lower()
+    if scheme in ("http", "https"):
+        return location
+    if scheme == "file":
+        parts = urllib.parse.urlsplit(location)
+        if parts.netloc not in ("", "localhost") or not parts.path:
+            raise ContextStoreError(f"context store {location!r}: a file:// URL names a folder of this machine "
+                                    f"(file:///path/to/store); give {LOCATIONS}")
+        return Path(urllib.request.url2pathname(parts.path))
+    raise ContextStoreError(f"context store {location!r}: the scheme {scheme}:// is not supported; give {LOCATIONS}")
 
 
 @dataclass(frozen=True)
@@ -90,35 +133,45 @@ class ContextStore:
         self._stamp = None  # index.json's (inode, mtime, size) when last loaded
         self._lengths: dict[str, set[int]] = {}  # parent hash -> chunk lengths stored under it
         self._trailers: dict[str, np.ndarray] = {}  # chunk hash -> its records' checksums [n_layers, n_groups]
+        self._legacy = False  # a format-2 store: its JSON files carry no checksum yet
+        self._refused: dict[str, str] = {}  # context name -> why its entry was refused (asking for it says so)
+        self._lost: list[str] = []  # damage that dropped contexts whose names are unknown
 
     # ---- opening ------------------------------------------------------------------------------
 
     @classmethod
     def open(cls, location: str | Path, fingerprint: dict, layout: RecordLayout, n_layers: int,
              chunk_tokens: int = 512, max_bytes: int | None = None, timeout_s: float = 30.0) -> "ContextStore":
-        """A local folder (created if missing) or an http(s):// URL of a published one (read-only)."""
+        """A local folder (created if missing; ``file://`` URLs too) or an http(s):// URL of a published one
+        (read-only)."""
+        loc = store_location(location)
         _check_args(fingerprint, layout, n_layers, chunk_tokens, max_bytes)
-        loc = str(location)
-        if loc.startswith(("http://", "https://")):
+        if isinstance(loc, str):
             store = cls(HttpBackend(loc, timeout_s), None, loc, fingerprint, layout, n_layers, chunk_tokens, max_bytes)
-            found = store._fetch_json(STORE_FILE)
+            found, note = read_geometry(store.backend, loc)
             if found is None:
                 raise ContextStoreError(f"no context store at {loc} (no {STORE_FILE}); publish a store folder there")
+            if note:
+                log.warning("%s", note)
             store._check_geometry(found)
             store.refresh()
             return store
-        root = Path(location)
+        root = loc
         for sub in ("chunks", "contexts"):
             (root / sub).mkdir(parents=True, exist_ok=True)
         store = cls(LocalBackend(root, layout.align_bytes), root, str(root), fingerprint, layout, n_layers,
                     chunk_tokens, max_bytes)
         with locked(root):
-            found = store._fetch_json(STORE_FILE)
-            if found is None:
-                write_atomic(root / STORE_FILE, json.dumps(store._geometry(), indent=1).encode())
-            else:
+            found, note = read_geometry(store.backend, str(root))
+            if found is not None:
                 store._check_geometry(found)
+            if found is None or note:
+                if note:
+                    log.warning("%s: %s written again", note, STORE_FILE)
+                write_atomic(root / STORE_FILE, seal(store._geometry(), indent=1))
             store._refresh()
+            if store._legacy:
+                store._migrate()
             store._clean()
         return store
 
@@ -128,13 +181,9 @@ class ContextStore:
 
         An engine opens an existing store with its geometry, so a config with another G still reuses it.
         """
-        loc = str(location)
-        if loc.startswith(("http://", "https://")):
-            data = HttpBackend(loc, timeout_s).read_file(STORE_FILE)
-        else:
-            path = Path(loc) / STORE_FILE
-            data = path.read_bytes() if path.is_file() else None
-        return json.loads(data) if data else None
+        loc = store_location(location)
+        backend = HttpBackend(loc, timeout_s) if isinstance(loc, str) else LocalBackend(loc)
+        return read_geometry(backend, str(loc))[0]
 
     @classmethod
     def open_existing(cls, location: str | Path, timeout_s: float = 30.0) -> "ContextStore":
@@ -152,42 +201,60 @@ class ContextStore:
                 "chunk_tokens": self.chunk_tokens}
 
     def _check_geometry(self, found: dict) -> None:
-        want = self._geometry()
-        if found.get("format") != FORMAT:
-            raise ContextStoreError(
-                f"the context store at {self.location} has format {found.get('format')}; this edgekv reads format "
-                f"{FORMAT} (blobs with checksums): move that folder away, or use another --kv-path, and save again")
+        """The store's geometry against this engine's (its format was checked when it was read, a format-2 one
+        is read without checksums)."""
+        want = {k: v for k, v in self._geometry().items() if k != "format"}
         if any(found.get(k) != v for k, v in want.items()):
             def show(g):
                 return ", ".join(f"{k}={g.get(k)}" for k in want)
             raise ContextStoreError(
                 f"layout mismatch: the context store at {self.location} holds {show(found)}; this engine uses "
                 f"{show(want)}: run with the store's group size and chunk size, or use another --kv-path")
+        self._legacy = found["format"] == LEGACY_FORMAT  # its JSON files carry no checksum yet
 
-    def _fetch_json(self, rel: str) -> dict | None:
-        try:
-            data = self.backend.read_file(rel)
-        except ChunkUnavailable as exc:
-            raise ContextStoreError(f"cannot read {rel} of the context store at {self.location}: {exc}") from exc
-        if data is None:
-            return None
-        try:
-            return json.loads(data)
-        except ValueError as exc:
-            raise ContextStoreError(f"{self.location}/{rel} is not valid JSON ({exc}); move it away to start afresh") from exc
+    def _migrate(self) -> None:
+        """Under the lock: seal a format-2 store's JSON files (blobs unchanged); store.json goes last, so a
+        migration cut short runs again (a file sealed already reads as well)."""
+        for name, c in list(self._index["contexts"].items()):
+            try:
+                body = self._context_body(c["file"], read_file(self.backend, self.location, c["file"]), name, c)
+            except Damaged as exc:
+                log.warning("context store %s: %s is damaged (%s): context %r dropped, save it again",
+                            self.location, c["file"], exc, name)
+                del self._index["contexts"][name]
+                continue
+            write_atomic(self._file(c["file"]), seal({**body, "saved_at": c["saved_at"]}))
+        self._legacy = False
+        self._write_index()
+        write_atomic(self.root / STORE_FILE, seal(self._geometry(), indent=1))
+        log.info("context store %s: format %d metadata sealed (format %d)", self.location, LEGACY_FORMAT, FORMAT)
+
+    def _file(self, rel: str) -> Path:
+        return self.root / check_rel(rel)
 
     # ---- the index ----------------------------------------------------------------------------
 
-    def refresh(self) -> None:
-        """Pick up what other processes saved (local), or fetch the published index again (remote)."""
+    @contextlib.contextmanager
+    def _current(self):
+        """Hold the store: this process's mutex and, for a local store, the store's lock with the index reloaded
+        if another process replaced it (a damaged one rebuilt and written)."""
         with self._mutex:
             if self.root is None:
-                self._set_index(self._fetch_json(INDEX_FILE) or _empty_index())
-            else:
+                yield
+                return
+            with locked(self.root):
                 self._refresh()
+                yield
+
+    def refresh(self) -> None:
+        """Pick up what other processes saved (local), or fetch the published index again (remote)."""
+        with self._current():
+            if self.root is None:
+                self._set_index(self._load_index()[0])
 
     def _refresh(self) -> None:
-        """Local: reload index.json if another process replaced it.  Remote: the snapshot stays until refresh()."""
+        """Local, under the lock: reload index.json if another process replaced it.  Remote: the snapshot stays
+        until refresh()."""
         if self.root is None:
             return
         try:
@@ -196,8 +263,129 @@ class ContextStore:
         except FileNotFoundError:
             stamp = "missing"
         if stamp != self._stamp:
-            self._set_index(self._fetch_json(INDEX_FILE) or _empty_index())
+            index, repaired = self._load_index()
+            self._set_index(index)
             self._stamp = stamp
+            if repaired:
+                self._write_index()
+
+    def _load_index(self) -> tuple[dict, bool]:
+        """index.json checked: (the index, whether it was repaired and must be written again)."""
+        self._refused, self._lost = {}, []
+        data = read_file(self.backend, self.location, INDEX_FILE)
+        if data is None:
+            return _empty_index(), False
+        try:
+            body, sealed = unseal(data)
+            if not (sealed or self._legacy):
+                raise Damaged("it carries no checksum")
+            return self._checked_index(body)
+        except Damaged as exc:
+            why = f"{self.location}/{INDEX_FILE} is damaged ({exc})"
+        if self.root is None:
+            self._lost.append(f"{why}: publish the store folder again")
+            log.warning("context store: %s: every prompt is computed; publish the store folder again", why)
+            return _empty_index(), False
+        index = self._rebuild()
+        self._lost.append(f"{why}; it was rebuilt from the context files")
+        log.warning("context store: %s: rebuilt from %d intact context files (%d chunks); chunks no context names "
+                    "are dropped", why, len(index["contexts"]), len(index["chunks"]))
+        return index, True
+
+    def _checked_index(self, body: dict) -> tuple[dict, bool]:
+        """The index in ``body`` with every entry that cannot be right refused by name (logged; a refused context
+        says why when asked for); Damaged when its structure is not an index of this store."""
+        index, contexts, chunks = parse_index(body, self._geometry(), self._legacy)
+        for h, why in chunks.items():
+            log.warning("context store %s: %s names chunk %r, refused (%s): not read, it is computed instead",
+                        self.location, INDEX_FILE, h[:80], why)
+        for name, why in contexts.items():
+            self._refused[name] = (f"context {name!r} in {self.location}/{INDEX_FILE} is refused: {why}; nothing it "
+                                   f"names is read or removed: save the context again (edgekv context save {name} ...)")
+            log.warning("context store: %s", self._refused[name])
+        return index, bool(contexts or chunks)
+
+    def _context_body(self, rel: str, data: bytes | None, name: str | None = None, entry: dict | None = None) -> dict:
+        """A context file checked: sealed, its ids whole numbers whose chunk chain gives its hashes, and (given
+        its index entry) the context that entry describes; Damaged says what is wrong."""
+        if data is None:
+            raise Damaged("it is missing")
+        body, sealed = unseal(data)
+        keys = {"name", "ids", "fingerprint", "chunks", "saved_at"}
+        if not (sealed and set(body) == keys or self._legacy and set(body) | {"saved_at"} == keys):
+            raise Damaged("it carries no checksum" if set(body) == keys else f"its keys are {sorted(body)}")
+        ids, fp = body["ids"], body["fingerprint"]
+        if not (isinstance(body["name"], str) and isinstance(ids, list) and all(is_count(t) and t < 2**63 for t in ids)
+                and isinstance(fp, dict) and is_hash(fp.get("id")) and is_time(body.get("saved_at", 0))):
+            raise Damaged("its name, ids, fingerprint or saved_at is malformed")
+        if body["chunks"] != [ref.hash for ref, _ in self._chain(fp["id"], np.asarray(ids, dtype="<i8"))]:
+            raise Damaged("its chunk hashes are not those of its token ids")
+        if entry is not None and (body["name"] != name or len(ids) != entry["tokens"]
+                                  or body["chunks"] != entry["chunks"] or fp["id"] != entry["fingerprint"]["id"]):
+            raise Damaged(f"it is not the context {name!r} that {INDEX_FILE} describes")
+        return body
+
+    def _chain(self, root_id: str, arr: np.ndarray) -> list[tuple[ChunkRef, str]]:
+        """(chunk, its parent hash) for the stored part of ``arr``: floor(len/G)*G tokens in chunk_tokens pieces."""
+        n, out, parent = len(arr) // self.layout.group_tokens * self.layout.group_tokens, [], root_id
+        for start in range(0, n, self.chunk_tokens):
+            stop = min(start + self.chunk_tokens, n)
+            ref = ChunkRef(chain_hash(parent, arr[start:stop]), start, stop - start)
+            out.append((ref, parent))
+            parent = ref.hash
+        return out
+
+    def _rebuild(self) -> dict:
+        """Under the lock: an index from what can be checked.  Each intact context file (the newest of a name)
+        gives its chunk chain; a chunk is indexed where its blob's trailer says it holds that chunk."""
+        newest: dict[str, tuple[str, dict]] = {}
+        for path in sorted((self.root / "contexts").glob("*.json")):
+            rel = f"contexts/{path.name}"
+            if path.name.startswith(TMP_PREFIX):
+                continue
+            try:
+                body = self._context_body(rel, path.read_bytes())
+            except Damaged as exc:
+                self._lost.append(f"{self.location}/{rel} was damaged ({exc}) and dropped")
+                log.warning("context store %s: %s is damaged (%s): that context is dropped, save it again",
+                            self.location, rel, exc)
+                continue
+            if body["name"] not in newest or body.get("saved_at", 0) > newest[body["name"]][1].get("saved_at", 0):
+                newest[body["name"]] = (rel, body)
+        index, g = _empty_index(), self.layout.group_tokens
+        for name, (rel, body) in sorted(newest.items()):
+            fp, saved_at = body["fingerprint"], body.get("saved_at", 0.0)
+            ids = np.asarray(body["ids"], dtype="<i8")
+            for ref, parent in self._chain(fp["id"], ids):
+                size = self._blob_size(ref, fp)
+                if size is not None:
+                    index["chunks"][ref.hash] = {"fp": fp["id"], "parent": parent, "start": ref.start,
+                                                 "n_tokens": ref.n_tokens, "bytes": size, "tick": 0,
+                                                 "last_used": saved_at}
+            index["contexts"][name] = {"file": rel, "tokens": len(ids), "stored_tokens": len(ids) // g * g,
+                                       "chunks": body["chunks"], "fingerprint": fp, "saved_at": saved_at}
+        return index
+
+    def _blob_size(self, ref: ChunkRef, fp: dict) -> int | None:
+        """The size of ``ref``'s blob where its trailer (own checksum intact) names that model and first group and
+        its size is its records' and trailer's; None otherwise (missing, damaged, another chunk)."""
+        g, align = self.layout.group_tokens, self.layout.align_bytes
+        n_layers = fp.get("n_layers", self.n_layers if fp["id"] == self.fingerprint["id"] else None)
+        if not is_count(n_layers, 1):
+            return None
+        n_groups = ref.n_tokens // g
+        tail = Trailer.nbytes(n_layers, n_groups, align)
+        try:
+            with open(self.backend.blob_path(ref.hash), "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                f.seek(max(size - tail, 0))
+                trailer = Trailer.parse(f.read(tail), n_layers, n_groups)
+        except (OSError, TrailerError):
+            return None
+        stride = -(-trailer.record_bytes // align) * align
+        fits = (trailer.fingerprint == fp["id"] and trailer.first_group == ref.start // g
+                and size == n_layers * n_groups * stride + tail)
+        return size if fits else None
 
     def _set_index(self, index: dict) -> None:
         self._index = index
@@ -206,8 +394,9 @@ class ContextStore:
             self._lengths.setdefault(entry["parent"], set()).add(entry["n_tokens"])
 
     def _write_index(self) -> None:
-        """Under the lock: replace index.json atomically and remember its stamp."""
-        write_atomic(self.root / INDEX_FILE, json.dumps(self._index, separators=(",", ":")).encode())
+        """Under the lock: replace index.json atomically (sealed, with a copy of the geometry), remember its stamp."""
+        self._index["format"] = FORMAT
+        write_atomic(self.root / INDEX_FILE, seal({**self._index, "geometry": self._geometry()}))
         st = (self.root / INDEX_FILE).stat()
         self._stamp = (st.st_ino, st.st_mtime_ns, st.st_ctime_ns, st.st_size)
         self._set_index(self._index)
@@ -256,16 +445,11 @@ class ContextStore:
         limit = (len(arr) - 1) // g * g
         if limit <= 0:
             return None
-        with self._mutex:
-            if self.root is None:
-                refs = self._walk(arr, limit)
-            else:
-                with locked(self.root):
-                    self._refresh()
-                    refs = self._walk(arr, limit)
-                    if refs:
-                        self._touch([r.hash for r in refs])
-                        self._write_index()
+        with self._current():
+            refs = self._walk(arr, limit)
+            if refs and self.root is not None:
+                self._touch([r.hash for r in refs])
+                self._write_index()
         if not refs:
             return None
         return StoredPrefix(refs[-1].start + refs[-1].n_tokens, refs)
@@ -344,8 +528,7 @@ class ContextStore:
             self._trailers.pop(h, None)
             if self.root is None:
                 return
-            with locked(self.root):
-                self._refresh()
+            with self._current():
                 if self._index["chunks"].pop(h, None) is None:
                     return
                 self._write_index()
@@ -404,15 +587,10 @@ class ContextStore:
         if self.root is None:
             raise self._read_only()
         arr = np.asarray(ids, dtype="<i8").reshape(-1)
-        g, c = self.layout.group_tokens, self.chunk_tokens
-        n = len(arr) // g * g
+        n = len(arr) // self.layout.group_tokens * self.layout.group_tokens
         self._check_kv(kv, n)
-        refs, parents, parent = [], {}, self.fingerprint["id"]
-        for start in range(0, n, c):
-            stop = min(start + c, n)
-            ref = ChunkRef(chain_hash(parent, arr[start:stop]), start, stop - start)
-            refs.append(ref)
-            parents[ref.hash], parent = parent, ref.hash
+        chain = self._chain(self.fingerprint["id"], arr)
+        refs, parents = [ref for ref, _ in chain], {ref.hash: parent for ref, parent in chain}
         all_hashes = [r.hash for r in refs]
         if self.max_bytes is not None:
             fits, total = 0, 0
@@ -424,15 +602,13 @@ class ContextStore:
                             self.max_bytes, fits, len(refs))
                 refs = refs[:fits]
         with self._mutex:
-            with locked(self.root):
-                self._refresh()
+            with self._current():
                 missing = [r for r in refs if r.hash not in self._index["chunks"]]
             written: dict[str, Path] = {}
             try:
                 for r in missing:  # outside the lock: other processes keep matching meanwhile
                     written[r.hash] = self._write_blob(r, kv)
-                with locked(self.root):
-                    self._refresh()
+                with self._current():
                     chunks = self._index["chunks"]
                     for r in missing:
                         tmp = written.pop(r.hash)
@@ -450,7 +626,7 @@ class ContextStore:
                     victims = self._evict({r.hash for r in refs})
                     self._write_index()
                     if replaced is not None:  # the index names the new file now: the old one is nobody's
-                        (self.root / replaced).unlink(missing_ok=True)
+                        self._file(replaced).unlink(missing_ok=True)
                 for h in victims:
                     self.backend.blob_path(h).unlink(missing_ok=True)
             finally:
@@ -461,12 +637,13 @@ class ContextStore:
     def _record_context(self, name: str, arr: np.ndarray, hashes: list[str], n_stored: int) -> str | None:
         """Write the context's ids to a file of this save's own (a kill before the index names it leaves the old
         entry and its old file intact; the open-time clean-up drops the new one); returns the file it replaces."""
-        rel = f"contexts/{_slug(name)}-{uuid.uuid4().hex[:8]}.json"
-        body = {"name": name, "ids": arr.tolist(), "fingerprint": self.fingerprint, "chunks": hashes}
-        write_atomic(self.root / rel, json.dumps(body).encode())
+        rel, now = f"contexts/{_slug(name)}-{uuid.uuid4().hex[:8]}.json", time.time()
+        body = {"name": name, "ids": arr.tolist(), "fingerprint": self.fingerprint, "chunks": hashes, "saved_at": now}
+        write_atomic(self.root / rel, seal(body))
         old = self._index["contexts"].get(name, {}).get("file")
         self._index["contexts"][name] = {"file": rel, "tokens": len(arr), "stored_tokens": n_stored, "chunks": hashes,
-                                         "fingerprint": self.fingerprint, "saved_at": time.time()}
+                                         "fingerprint": self.fingerprint, "saved_at": now}
+        self._refused.pop(name, None)
         return old if old != rel else None
 
     def _evict(self, protected: set[str]) -> list[str]:
@@ -488,8 +665,7 @@ class ContextStore:
 
     def contexts(self) -> list[dict]:
         """Every named context, of any fingerprint; ``complete`` is false once a chunk was evicted."""
-        with self._mutex:
-            self._refresh()
+        with self._current():
             chunks = self._index["chunks"]
             out = []
             for name, c in sorted(self._index["contexts"].items()):
@@ -508,32 +684,52 @@ class ContextStore:
     def _context(self, name: str) -> dict:
         c = self._index["contexts"].get(name)
         if c is None:
+            if name in self._refused:
+                raise ContextStoreError(self._refused[name])
             known = ", ".join(sorted(self._index["contexts"])) or "none"
-            raise ContextStoreError(f"no saved context named {name!r} in {self.location}; saved contexts: {known}")
+            raise ContextStoreError(f"no saved context named {name!r} in {self.location}; saved contexts: {known}"
+                                    + "".join(f"; {lost}" for lost in self._lost))
         return c
 
     def context_ids(self, name: str) -> list[int]:
         """The token ids of a named context saved by this model in this dtype."""
-        with self._mutex:
-            self._refresh()
+        with self._current():
             c = self._context(name)
         if c["fingerprint"].get("id") != self.fingerprint["id"]:
             raise ContextStoreError(
                 f"context {name!r} was saved by {describe(c['fingerprint'])}; this engine runs "
                 f"{describe(self.fingerprint)}: refused, not used (KV of other weights or another dtype); "
                 f"save it again with this model")
-        data = self.backend.read_file(c["file"])
+        data = read_file(self.backend, self.location, c["file"])
         if data is None:
             raise ContextStoreError(f"context {name!r}: {c['file']} is missing from {self.location}; save it again")
-        return [int(t) for t in json.loads(data)["ids"]]
+        try:
+            return self._context_body(c["file"], data, name, c)["ids"]
+        except Damaged as exc:
+            why = (f"context {name!r}: {self.location}/{c['file']} is damaged ({exc}): the context is dropped (its "
+                   f"chunks stay usable as prefixes); save it again (edgekv context save {name} ...)")
+        log.warning("context store: %s", why)
+        self._drop_context(name, c["file"], why)
+        raise ContextStoreError(why)
+
+    def _drop_context(self, name: str, rel: str, why: str) -> None:
+        """Forget a context whose file is damaged (local stores: its entry and its file); asking for it says ``why``."""
+        with self._current():
+            if self.root is not None and self._index["contexts"].get(name, {}).get("file") == rel:
+                del self._index["contexts"][name]
+                self._write_index()
+                self._file(rel).unlink(missing_ok=True)
+            self._refused[name] = why
 
     def remove(self, name: str) -> None:
         """Forget a named context and the chunks no other named context uses."""
         if self.root is None:
             raise self._read_only()
         with self._mutex:
-            with locked(self.root):
-                self._refresh()
+            with self._current():
+                if name in self._refused and name not in self._index["contexts"]:
+                    log.warning("context store: %s; %s no longer lists it", self._refused.pop(name), INDEX_FILE)
+                    return
                 c = self._context(name)
                 del self._index["contexts"][name]
                 shared = {h for other in self._index["contexts"].values() for h in other["chunks"]}
@@ -541,7 +737,7 @@ class ContextStore:
                 for h in victims:
                     del self._index["chunks"][h]
                 self._write_index()
-                (self.root / c["file"]).unlink(missing_ok=True)
+                self._file(c["file"]).unlink(missing_ok=True)
             for h in victims:
                 self.backend.blob_path(h).unlink(missing_ok=True)
 
@@ -550,21 +746,19 @@ class ContextStore:
         if self.root is None:
             raise self._read_only()
         with self._mutex:
-            with locked(self.root):
-                self._refresh()
+            with self._current():
                 victims = list(self._index["chunks"])
                 files = [c["file"] for c in self._index["contexts"].values()]
                 self._index = {**_empty_index(), "tick": self._index["tick"]}
                 self._write_index()
                 for rel in files:
-                    (self.root / rel).unlink(missing_ok=True)
+                    self._file(rel).unlink(missing_ok=True)
             for h in victims:
                 self.backend.blob_path(h).unlink(missing_ok=True)
 
     @property
     def total_bytes(self) -> int:
-        with self._mutex:
-            self._refresh()
+        with self._current():
             return sum(e["bytes"] for e in self._index["chunks"].values())
 
 

@@ -11,6 +11,7 @@ import numpy as np
 
 from .errors import ChunkUnavailable
 from .local import byte_view
+from .meta import check_blob, check_rel
 
 _STALE = (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError, ConnectionAbortedError)
 
@@ -61,7 +62,7 @@ class HttpBackend:
 
     def read_file(self, rel: str) -> bytes | None:
         """A whole small file (index, context ids); None on 404."""
-        url = self.base_url + rel
+        url = self.base_url + check_rel(rel)
         try:
             resp = self._get(rel, {})
             body = resp.read()
@@ -77,7 +78,7 @@ class HttpBackend:
     def read_range(self, blob: str, offset: int, nbytes: int, out: np.ndarray) -> None:
         """Fill out[:nbytes] from one ranged GET; anything but a 206 of exactly that range raises ChunkUnavailable."""
         view = byte_view(out, nbytes)
-        rel = f"chunks/{blob}.kv"
+        rel = f"chunks/{check_blob(blob)}.kv"
         last = offset + nbytes - 1
         where = f"GET {self.base_url}{rel} bytes {offset}-{last}"
         try:

@@ -11,6 +11,7 @@ import numpy as np
 
 from ..disk_store import open_maybe_direct
 from .errors import ChunkUnavailable
+from .meta import check_blob, check_rel
 
 log = logging.getLogger(__name__)
 
@@ -31,11 +32,11 @@ class LocalBackend:
         self._warn_lock = threading.Lock()
 
     def blob_path(self, blob: str) -> Path:
-        return self.root / "chunks" / f"{blob}.kv"
+        return self.root / "chunks" / f"{check_blob(blob)}.kv"
 
     def read_file(self, rel: str) -> bytes | None:
         try:
-            return (self.root / rel).read_bytes()
+            return (self.root / check_rel(rel)).read_bytes()
         except FileNotFoundError:
             return None
 
