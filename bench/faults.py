@@ -10,6 +10,12 @@ Faults (one per run, at a random read):
   hang         the read blocks past the engine's read deadline
 
     .venv/bin/python -m bench.faults --trials 1200 --json docs/results/faults-campaign.json
+
+The store campaign (``--store-flips N``, ``run_store_flips``) damages a saved context store instead: one byte of
+one file (store.json, index.json, the context's file, each chunk blob, in turn) XORed with a random non-zero
+value, then the same request as undamaged; it must give the same tokens or an error naming that file.
+
+    .venv/bin/python -m bench.faults --store-flips 700 --json docs/results/faults-store-flips.json
 """
 from __future__ import annotations
 
@@ -23,6 +29,7 @@ import shutil
 import tempfile
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -193,6 +200,138 @@ def run_campaign(trials: int, model: str = "fixture", seed: int = 0, faults=FAUL
             "wrong_tokens": sum(r["wrong_tokens"] for r in rows.values()), "by_fault": rows}
 
 
+class _Messages(logging.Handler):
+    """The engine's warnings of one trial."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+OUTCOMES = ("same", "named_error", "wrong", "opaque")
+
+
+DETECTIONS = (("trailer", "blob trailer"), ("failed their checksums", "record checksum"), ("not valid JSON", "not JSON"),
+              ("checksum does not match", "file checksum"), ("carries no checksum", "file checksum"))
+
+
+def _detected_by(messages: list[str]) -> str:
+    """Which check named the damage first, from the messages that named the file."""
+    for text in messages:
+        for words, check in DETECTIONS:
+            if words in text:
+                return check
+    return "schema" if messages else "nothing (unread bytes)"
+
+
+def _store_kind(rel: str) -> str:
+    return rel if rel in ("store.json", "index.json") else "context" if rel.startswith("contexts/") else "blob"
+
+
+def _damaged_copy(pristine: Path, work: Path, rel: str, rng) -> tuple[int, int]:
+    """``work`` made a fresh copy of the store ``pristine`` with one byte of its file ``rel`` XORed with a random
+    non-zero value; returns (offset, value)."""
+    shutil.rmtree(work, ignore_errors=True)
+    shutil.copytree(pristine, work)
+    data = bytearray((work / rel).read_bytes())
+    offset, mask = int(rng.integers(len(data))), int(rng.integers(1, 256))
+    data[offset] ^= mask
+    (work / rel).write_bytes(bytes(data))
+    return offset, mask
+
+
+def _flip_row(kind: str, size: int) -> dict:
+    return {"kind": kind, "bytes": size, "flips": 0, "named": 0, **dict.fromkeys(OUTCOMES, 0), "detected_by": Counter()}
+
+
+def _by_kind(rows: dict) -> dict:
+    kinds = {}
+    for row in rows.values():
+        total = kinds.setdefault(row["kind"], {**_flip_row(row["kind"], 0), "files": 0})
+        total["files"] += 1
+        for key in ("bytes", "flips", "named", *OUTCOMES):
+            total[key] += row[key]
+        total["detected_by"].update(row["detected_by"])
+    return kinds
+
+
+def run_store_flips(trials: int, model: str = "fixture", seed: int = 0, kinds=("store.json", "index.json", "context", "blob"),
+                    context_tokens: int = 100, chunk_tokens: int = 32, new_tokens: int = 8, progress: bool = True) -> dict:
+    """``trials`` requests on a saved context ``doc``, each against a fresh copy of its store with one byte of one
+    file flipped (the files of ``kinds`` in turn, a random offset, XOR a random non-zero value).  Outcomes per file:
+    ``same`` tokens as undamaged, ``named_error`` (an error whose message names the file), ``wrong`` tokens,
+    ``opaque`` (any other error); ``named`` counts the flips a warning or the error named (the file, or a blob's
+    hash), ``detected_by`` the check that caught them."""
+    import torch
+    from tqdm import tqdm
+
+    from edgekv.runtime import Engine
+    from edgekv.runtime.ttft.prefill import TTFTOptions
+
+    torch.set_num_threads(1)  # outcomes are counted, nothing is timed
+    rng = np.random.default_rng(seed)
+    root = Path(tempfile.mkdtemp(prefix="edgekv-store-flips-"))
+    seen = _Messages()
+    logger = logging.getLogger("edgekv")
+    level = logger.level
+    logger.setLevel(logging.WARNING)
+    logger.addHandler(seen)
+    config = {"G": 4, "M": 4, "C": 8, "max_context": context_tokens + new_tokens + 16, "max_batch": 1}
+    try:
+        (root / "kv").mkdir()
+        with Engine.from_pretrained(model, kv_offload_path=root / "kv", config=config, policy="kvswap") as engine:
+            engine.ttft = TTFTOptions("load_only")  # every stored chunk is read at prefill: a damaged one meets a read
+            ids, prompt = (rng.integers(3, engine.model.dims.vocab, n).tolist() for n in (context_tokens, 4))
+            no_store = engine.generate([ids + prompt], max_new_tokens=new_tokens, stop_token_ids=[])[0].token_ids
+            pristine, work = root / "pristine", root / "work"
+            engine.open_context_store(pristine, chunk_tokens=chunk_tokens)
+            engine.save_context(ids, name="doc")
+
+            def answer() -> list[int]:
+                return engine.generate([prompt], context="doc", max_new_tokens=new_tokens, stop_token_ids=[])[0].token_ids
+
+            want = answer()
+            found = sorted((str(p.relative_to(pristine)), p.stat().st_size) for p in pristine.rglob("*") if p.is_file())
+            rows = {rel: _flip_row(_store_kind(rel), size) for rel, size in found if size and _store_kind(rel) in kinds}
+            files, examples, unnamed = list(rows), {}, []
+            for trial in tqdm(range(trials), desc="store flips", unit="flip", disable=not progress):
+                rel = files[trial % len(files)]
+                offset, mask = _damaged_copy(pristine, work, rel, rng)
+                seen.messages.clear()
+                name, message = Path(rel).name, ""
+                try:
+                    engine.open_context_store(work, chunk_tokens=chunk_tokens)
+                    outcome = "same" if answer() == want else "wrong"
+                except Exception as exc:  # every error is classified, none is let through
+                    message = f"{type(exc).__name__}: {exc}"
+                    outcome = "named_error" if name in str(exc) else "opaque"
+                named = [m for m in seen.messages + [message] if name in m or Path(rel).stem[:16] in m]
+                row = rows[rel]
+                row["flips"] += 1
+                row[outcome] += 1
+                row["named"] += bool(named)
+                row["detected_by"][_detected_by(named)] += 1
+                examples.setdefault(f"{row['kind']} {outcome}", named[0] if named else message)
+                if outcome != "same" and outcome != "named_error" or not named:
+                    unnamed.append({"file": rel, "offset": offset, "xor": mask, "outcome": outcome, "error": message})
+            engine.context_store = None
+    finally:
+        logger.removeHandler(seen)
+        logger.setLevel(level)
+        shutil.rmtree(root, ignore_errors=True)
+    by_kind = _by_kind(rows)
+    return {"model": model, "trials": trials, "seed": seed, "context_tokens": context_tokens, "chunk_tokens": chunk_tokens,
+            "new_tokens": new_tokens, "undamaged_equals_no_store": want == no_store,
+            "skipped": [f"{rel} (empty)" for rel, size in found if not size],
+            "totals": {key: sum(k[key] for k in by_kind.values()) for key in ("flips", "named", *OUTCOMES)},
+            "by_kind": by_kind, "by_file": rows, "examples": examples,
+            "failures": [u for u in unnamed if u["outcome"] in ("wrong", "opaque")],
+            "same_unnamed": [u for u in unnamed if u["outcome"] == "same"][:100]}
+
+
 def _record_bytes(engine) -> int:
     from edgekv.runtime.engine import _record_layout
 
@@ -205,6 +344,8 @@ def main(argv=None) -> None:
     parser.add_argument("--model", default="fixture")
     parser.add_argument("--faults", default=",".join(FAULTS), help="comma-separated subset of " + ",".join(FAULTS))
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--store-flips", type=int, metavar="N",
+                        help="run the context-store campaign instead: N single-byte flips over every file of a store")
     parser.add_argument("--json", help="write the totals here")
     args = parser.parse_args(argv)
     faults = tuple(args.faults.split(","))
@@ -212,7 +353,10 @@ def main(argv=None) -> None:
     if unknown:
         parser.error(f"--faults: unknown {unknown}; choose from {FAULTS}")
     logging.getLogger().addHandler(logging.NullHandler())  # the campaign's warnings are counted, not printed
-    result = run_campaign(args.trials, args.model, args.seed, faults)
+    if args.store_flips is not None:
+        result = run_store_flips(args.store_flips, args.model, args.seed)
+    else:
+        result = run_campaign(args.trials, args.model, args.seed, faults)
     text = json.dumps(result, indent=1)
     print(text)
     if args.json:

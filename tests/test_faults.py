@@ -2,6 +2,7 @@
 a full disk, a KV path that disappears, damaged context-store chunks.  Each ends in the same tokens as a clean
 run or a clear error, no file left behind, and an engine that serves the next request."""
 import errno
+import json
 import logging
 import os
 import shutil
@@ -11,14 +12,15 @@ import numpy as np
 import pytest
 import torch
 
-from bench.faults import DAMAGE, FaultyReader, rewrite
+from bench.faults import DAMAGE, FaultyReader, rewrite, run_store_flips
+from edgekv.cli import main
 from edgekv.runtime import Engine
 from edgekv.runtime import disk_store as disk_store_mod
 from edgekv.runtime.checksum import Trailer
 from edgekv.runtime.disk_store import CorruptRecord, DiskKVStore, RecordLayout, StoreError, aligned_zeros
 from edgekv.runtime.engine import _record_layout
 from edgekv.runtime.reader import open_reader
-from edgekv.runtime.store import ChunkCorrupt
+from edgekv.runtime.store import ChunkCorrupt, ContextStore
 from edgekv.runtime.ttft.prefill import TTFTOptions
 
 from .conftest import files_under
@@ -321,3 +323,47 @@ def test_the_trailer_names_what_it_checks():
                        ((2, 3, 1024, 8, "cd" * 32), "fingerprint"), ((3, 3, 1024, 8, fp), "layers")]:
         with pytest.raises(ValueError, match=what):
             Trailer.unpack(data, *args)
+
+
+# ---- the context store's other files: one flipped byte anywhere (issue 28) ------------------------------------
+
+def test_every_file_of_a_stored_context_survives_flipped_bytes():
+    """The CI share of the campaign (docs/results/faults-store-flips.json runs 700): every file flipped 6 times."""
+    result = run_store_flips(42, progress=False)
+    assert result["undamaged_equals_no_store"]
+    assert {k: (r["files"], r["flips"]) for k, r in result["by_kind"].items()} == {
+        "store.json": (1, 6), "index.json": (1, 6), "context": (1, 6), "blob": (4, 24)}
+    assert result["totals"]["wrong"] == 0 and result["totals"]["opaque"] == 0, result["failures"]
+    assert result["by_kind"]["context"]["named_error"] == 6  # its ids are nowhere else: asking for it names the file
+    assert result["by_kind"]["index.json"]["same"] == result["by_kind"]["store.json"]["same"] == 6  # rebuilt, restored
+
+
+def test_the_store_campaign_catches_a_store_that_trusts_its_context_files(monkeypatch):
+    """The campaign can fail: a context file read without its checks gives other ids (wrong tokens) or a bare
+    JSON error (opaque)."""
+    def trusting(self, rel, data, name=None, entry=None):
+        return json.loads(data)
+
+    monkeypatch.setattr(ContextStore, "_context_body", trusting)
+    result = run_store_flips(8, kinds=("context",), progress=False)
+    assert result["totals"]["wrong"] + result["totals"]["opaque"] > 0
+
+
+def test_generate_with_a_context_whose_index_or_store_json_was_damaged_answers_as_before(tmp_path, capsys):
+    """The issue's repro: one flipped byte of index.json made `edgekv generate --context doc` fail with
+    "error: Expecting value"; now the store rebuilds it and the answer is unchanged."""
+    doc, store = tmp_path / "doc.json", tmp_path / "store"
+    doc.write_text(json.dumps(list(range(3, 90))))
+    base = ["--model", "fixture", "--store", str(store)]
+    assert main(["context", "save", "doc", str(doc), "--chunk-tokens", "32", *base]) == 0
+    generate = ["generate", *base, "--policy", "full", "--context", "doc", "--prompt", "[5, 6]", "--json",
+                "--max-new-tokens", "6"]
+    capsys.readouterr()
+    assert main(generate) == 0
+    want = json.loads(capsys.readouterr().out)["token_ids"]
+    for name in ("index.json", "store.json"):
+        data = bytearray((store / name).read_bytes())
+        data[0] ^= 0x5A  # '{' -> '!': no longer JSON
+        (store / name).write_bytes(bytes(data))
+        assert main(generate) == 0, capsys.readouterr().err
+        assert json.loads(capsys.readouterr().out)["token_ids"] == want
