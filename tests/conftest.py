@@ -1,12 +1,16 @@
 """Shared fixtures: small random-weight checkpoints saved with save_pretrained, and KV folders."""
 from __future__ import annotations
 
+import http.server
 import os
 import shutil
 import tempfile
+import threading
 
 import pytest
 import torch
+
+from tests import store_helpers
 
 # the tests' caches (native reader build, GGUF conversions, measured quality choices) never touch the user's
 _CACHE = tempfile.mkdtemp(prefix="edgekv-test-cache-")
@@ -124,3 +128,18 @@ def tiny_deploy_profile(root, name: str, kv_paths: list, max_batch: int, context
     path = root / f"{name}.yaml"
     path.write_text(yaml.safe_dump(data))
     return path
+
+
+@pytest.fixture
+def range_server(tmp_path):
+    """A static HTTP server of tmp_path/published with byte ranges (tests/store_helpers.RangeHandler)."""
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), store_helpers.RangeHandler)
+    srv.daemon_threads = True
+    srv.root, srv.mode, srv.connections, srv.release = tmp_path / "published", "normal", 0, threading.Event()
+    thread = threading.Thread(target=srv.serve_forever, daemon=True)
+    thread.start()
+    srv.url = f"http://127.0.0.1:{srv.server_address[1]}/"
+    yield srv
+    srv.release.set()
+    srv.shutdown()
+    srv.server_close()

@@ -3,14 +3,11 @@ crashes, keeps its cap, refuses other models, and reads over HTTP without hangin
 import copy
 import errno
 import hashlib
-import http.server
 import logging
 import os
 import subprocess
 import sys
 import threading
-import urllib.parse
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -21,54 +18,8 @@ from edgekv.runtime.disk_store import RecordLayout, aligned_zeros
 from edgekv.runtime.store import (ChunkUnavailable, ContextStore, ContextStoreError, ThrottledBackend,
                                   model_fingerprint)
 from edgekv.runtime.store import local as local_mod
-
-REPO = Path(__file__).resolve().parents[1]
-G, H, D, L, C = 4, 2, 16, 3, 8  # a chunk is 2 groups
-LAYOUT = RecordLayout(G, H, D, torch.float32)
-CHUNK_BYTES = L * (C // G) * LAYOUT.stride_bytes + Trailer.nbytes(L, C // G, LAYOUT.align_bytes)  # records, checksums
-
-
-def fingerprint(tag: str, **extra) -> dict:
-    return {"id": hashlib.sha256(tag.encode()).hexdigest(), "name": tag, "model_type": "llama", "n_layers": L,
-            "n_kv_heads": H, "head_dim": D, "dtype": "float32", **extra}
-
-
-FP = fingerprint("model-a")
-
-
-def make_kv(n: int, seed: int = 0, layers: int = L):
-    gen = torch.Generator().manual_seed(seed)
-    return [(torch.randn(H, n, D, generator=gen), torch.randn(H, n, D, generator=gen)) for _ in range(layers)]
-
-
-def open_store(path, fp=FP, **kw) -> ContextStore:
-    return ContextStore.open(path, fp, LAYOUT, L, chunk_tokens=C, **kw)
-
-
-def read_back(store: ContextStore, prefix, layout=LAYOUT, n_layers=L):
-    """Per layer (k, v) [H_kv, prefix.n_tokens, d] rebuilt from the store's records."""
-    out = []
-    for layer in range(n_layers):
-        ks, vs = [], []
-        for ref in prefix.chunks:
-            buf = aligned_zeros((ref.n_tokens // layout.group_tokens, layout.stride_bytes), layout.align_bytes)
-            store.read(ref, layer, buf)
-            rec = layout.typed(buf)  # [n, 2, H, G, d]
-            for i, acc in ((0, ks), (1, vs)):
-                acc.append(rec[:, i].transpose(0, 1).reshape(layout.n_kv_heads, -1, layout.head_dim).clone())
-        out.append((torch.cat(ks, 1), torch.cat(vs, 1)))
-    return out
-
-
-def assert_same_kv(got, kv, n):
-    for (k, v), (k0, v0) in zip(got, kv):
-        assert k.shape[1] == n
-        assert torch.equal(k, k0[:, :n]) and torch.equal(v, v0[:, :n])
-
-
-def blobs(root) -> list[Path]:
-    return sorted((Path(root) / "chunks").glob("*.kv"))
-
+from tests.store_helpers import (C, CHUNK_BYTES, FP, LAYOUT, REPO, D, G, H, L, assert_same_kv, blobs, fingerprint,
+                                 make_kv, open_store, read_back)
 
 # ---- round trip and matching --------------------------------------------------------------------
 
@@ -140,7 +91,7 @@ def test_prefix_matching(tmp_path):
 SCRIPT = """
 import hashlib, os, sys, torch
 sys.path.insert(0, {tests!r})
-from test_context_store import open_store, make_kv
+from store_helpers import open_store, make_kv
 from edgekv.runtime.store import context_store
 store = open_store({root!r})
 store.put(list(range(300, 320)), make_kv(20, seed=5), name="other")
@@ -418,115 +369,55 @@ def finishes(fn, *args):
 
 # ---- HTTP ---------------------------------------------------------------------------------------------
 
-class RangeHandler(http.server.BaseHTTPRequestHandler):
-    """A static server with byte ranges (SimpleHTTPRequestHandler has none) and ways to misbehave."""
-
-    protocol_version = "HTTP/1.1"
-
-    def log_message(self, *args):
-        pass
-
-    def setup(self):
-        super().setup()
-        self.server.connections += 1
-
-    def _head(self, status, length, **headers):
-        self.send_response(status)
-        self.send_header("Content-Length", str(length))
-        for k, v in headers.items():
-            self.send_header(k.replace("_", "-"), v)
-        self.end_headers()
-
-    def do_GET(self):
-        srv = self.server
-        path = srv.root / urllib.parse.unquote(urllib.parse.urlsplit(self.path).path).lstrip("/")
-        if not path.is_file():
-            self._head(404, 0)
-            return
-        data = path.read_bytes()
-        rng = self.headers.get("Range")
-        if rng is None or srv.mode == "ignore-range":
-            self._head(200, len(data))
-            self.wfile.write(data)
-            return
-        a, b = (int(x) for x in rng.removeprefix("bytes=").split("-"))
-        if srv.mode == "wrong-range":  # the right length from the wrong place
-            a, b = a + 4096, b + 4096
-        body = data[a:b + 1]
-        self._head(206, len(body), Content_Range=f"bytes {a}-{a + len(body) - 1}/{len(data)}")
-        if srv.mode in ("drop", "stall"):
-            self.wfile.write(body[:len(body) // 2])
-            self.wfile.flush()
-            if srv.mode == "stall":
-                srv.release.wait(30)
-            self.close_connection = True
-            return
-        self.wfile.write(body)
-
-
-@pytest.fixture
-def server(tmp_path):
-    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), RangeHandler)
-    srv.daemon_threads = True
-    srv.root, srv.mode, srv.connections, srv.release = tmp_path / "published", "normal", 0, threading.Event()
-    thread = threading.Thread(target=srv.serve_forever, daemon=True)
-    thread.start()
-    srv.url = f"http://127.0.0.1:{srv.server_address[1]}/"
-    yield srv
-    srv.release.set()
-    srv.shutdown()
-    srv.server_close()
-
-
-def test_http_store_reads_what_was_published_on_one_connection(server):
-    local = open_store(server.root)
+def test_http_store_reads_what_was_published_on_one_connection(range_server):
+    local = open_store(range_server.root)
     ids = list(range(40, 70))
     kv = make_kv(30, seed=4)
     local.put(ids, kv, name="doc")
-    remote = open_store(server.url, timeout_s=5)
+    remote = open_store(range_server.url, timeout_s=5)
     assert remote.context_ids("doc") == ids
     got = remote.match(ids + [1])
     assert got.n_tokens == 28
     assert_same_kv(read_back(remote, got), kv, 28)
-    assert server.connections == 1  # keep-alive: every GET so far on one connection
+    assert range_server.connections == 1  # keep-alive: every GET so far on one connection
     for call in (lambda: remote.put(ids, kv), lambda: remote.remove("doc"), remote.remove_all):
         with pytest.raises(ContextStoreError, match="read-only: save to a local --kv-path and publish the folder"):
             call()
 
 
-def test_http_failures_raise_chunk_unavailable(server):
-    local = open_store(server.root)
+def test_http_failures_raise_chunk_unavailable(range_server):
+    local = open_store(range_server.root)
     saved = local.put(list(range(17)), make_kv(17))
-    remote = open_store(server.url, timeout_s=0.5)
+    remote = open_store(range_server.url, timeout_s=0.5)
     ref = saved.chunks[0]
     buf = aligned_zeros((2, LAYOUT.stride_bytes), 4096)
 
     local.backend.blob_path(saved.chunks[1].hash).unlink()
     with pytest.raises(ChunkUnavailable, match="404"):
         remote.read(saved.chunks[1], 0, buf)
-    server.mode = "drop"  # the connection closes mid-body
+    range_server.mode = "drop"  # the connection closes mid-body
     with pytest.raises(ChunkUnavailable):
         finishes(remote.read, ref, 1, buf)
-    server.mode = "wrong-range"
+    range_server.mode = "wrong-range"
     with pytest.raises(ChunkUnavailable, match="Content-Range"):
         remote.read(ref, 0, buf)
-    server.mode = "ignore-range"
+    range_server.mode = "ignore-range"
     with pytest.raises(ChunkUnavailable, match="ignores Range"):
         remote.read(ref, 1, buf)
-    server.mode = "stall"  # half the body, then silence: the timeout ends it
+    range_server.mode = "stall"  # half the body, then silence: the timeout ends it
     with pytest.raises(ChunkUnavailable):
         finishes(remote.read, ref, 2, buf)
-    server.release.set()
-    server.mode = "normal"
+    range_server.release.set()
+    range_server.mode = "normal"
     remote.read(ref, 2, buf)  # a fresh connection after the failures
     k, v = make_kv(17)[2]
     np.testing.assert_array_equal(buf, LAYOUT.pack(k[:, :8], v[:, :8]))
 
 
-def test_http_open_without_a_store_is_refused(server):
-    server.root.mkdir()
+def test_http_open_without_a_store_is_refused(range_server):
+    range_server.root.mkdir()
     with pytest.raises(ContextStoreError, match="no context store"):
-        open_store(server.url, timeout_s=2)
+        open_store(range_server.url, timeout_s=2)
 
 
 # ---- throttling -----------------------------------------------------------------------------------------

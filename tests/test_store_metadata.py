@@ -13,7 +13,7 @@ from edgekv.runtime.disk_store import aligned_zeros
 from edgekv.runtime.store import ContextStore, ContextStoreError, HttpBackend, LocalBackend
 from edgekv.runtime.store.meta import seal, unseal
 
-from .test_context_store import C, assert_same_kv, blobs, make_kv, open_store, read_back, server  # noqa: F401 (fixture)
+from tests.store_helpers import C, assert_same_kv, blobs, make_kv, open_store, read_back
 
 IDS = list(range(1, 30))  # 28 stored tokens: chunks of 8, 8, 8, 4
 
@@ -192,12 +192,12 @@ def test_a_format_2_store_is_migrated_with_its_blobs_unchanged(saved):
         open_store(root)
 
 
-def test_a_published_store_with_a_damaged_index_computes_every_prompt_and_says_why(server, caplog):
-    local = open_store(server.root)
+def test_a_published_store_with_a_damaged_index_computes_every_prompt_and_says_why(range_server, caplog):
+    local = open_store(range_server.root)
     local.put(IDS, make_kv(29), name="doc")
-    flip(server.root / "index.json", 10)
+    flip(range_server.root / "index.json", 10)
     with caplog.at_level(logging.WARNING, logger="edgekv"):
-        remote = open_store(server.url, timeout_s=5)
+        remote = open_store(range_server.url, timeout_s=5)
     assert "index.json is damaged" in caplog.text and "publish the store folder again" in caplog.text
     assert remote.match(IDS + [0]) is None
     with pytest.raises(ContextStoreError, match=r"no saved context named 'doc'.*index.json is damaged"):
