@@ -39,9 +39,9 @@ from edgekv.runtime.model import ModelDims, read_model_config
 def bench_row(model: str, kv: Path, batch: int, context: int, budget: str, steps: int) -> dict:
     from edgekv import bench
 
-    runs, _ = bench.run(resolve_checkpoint(model), kv, [batch], [context], [budget], steps, 4, 5.0, ["kvswap"],
+    runs, _ = bench.run(resolve_checkpoint(model), kv, [batch], [context], [budget], steps, 4, 5.0, [bench.TUNED_ROW],
                         quiet=True)
-    row = next(r for r in runs if r.policy == "kvswap")
+    row = next(r for r in runs if r.policy == bench.TUNED_ROW)
     return row.__dict__
 
 

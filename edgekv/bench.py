@@ -40,14 +40,14 @@ from edgekv.install.iomodel import io_model
 from edgekv.runtime import Engine, RecordLayout, RuntimeConfig
 from edgekv.runtime.adapter import LowRankAdapter
 from edgekv.runtime.checkpoints import gguf_source
-from edgekv.runtime.config import IN_MEMORY_POLICIES, REPLACEMENTS
+from edgekv.runtime import policies as registry
+from edgekv.runtime.config import REPLACEMENTS
 from edgekv.runtime.model import DecoderModel
 from edgekv.runtime.prompt_cache import PromptKVCache
 from edgekv.runtime.reader import open_reader
 from edgekv.runtime.slots import replay_hit_rate
 
 QUEUE_DEPTH = 32
-DISK_ROWS = ("kvswap", "token", "flexgen")  # the rows that read records from disk (repeated per --record-dtype)
 PATH_COUNTS = (1, 2, 4)  # KV paths per kvswap/Np row, up to the folders given (all of them included)
 PROMPT_SOURCES = ("random", "tasks")
 QUESTION_TOKENS = 16  # each question's own tail after the shared document (the dedup pair)
@@ -128,17 +128,83 @@ class StepTimer:
             self.steps.append((step, event.info["active"], event.t_ns - self._start.pop(step)))
 
 
+@dataclass(frozen=True)
+class Row:
+    """A bench row: the registered policy it runs, and how it departs from that policy's own budget fit."""
+
+    name: str
+    policy: str
+    reuse: bool | None = None  # False: the tuned G refitted without a reuse buffer (what reuse buys)
+    overrides: tuple = ()  # (field, value) set on the fitted configuration (e.g. what checksums cost)
+    chosen: bool = False  # the configurations an eval chose by measured quality (--quality-configs), when given
+
+
+# the table's rows in order; a registered policy no row names runs as a row of its own name
+ROWS = (Row("full", "full"), Row("flexgen", "flexgen"), Row("token", "token"),
+        Row("kvswap-noreuse", "kvswap", reuse=False), Row("kvswap", "kvswap"),
+        Row("kvswap-noverify", "kvswap", overrides=(("verify_fraction", 0.0),)), Row("arkv", "arkv"),
+        Row("kvswap-quality", "kvswap", chosen=True))
+TUNED_ROW = "kvswap"  # the solver's tuned row: the rows over several KV paths and the step-time plot follow it
+LLAMA_CPP_ROW = "llama.cpp"  # the GGUF file under llama.cpp (llama_cpp_run), not a policy
+
+
+def rows() -> list[Row]:
+    named = {r.policy for r in ROWS if not r.overrides and r.reuse is None and not r.chosen}
+    return list(ROWS) + [Row(name, name) for name in registry.names() if name not in named]
+
+
+def row_names() -> tuple[str, ...]:
+    return tuple(r.name for r in rows()) + (LLAMA_CPP_ROW,)
+
+
+def row_policy(name: str) -> str:
+    """The registered policy behind a row (a row over several KV paths, e.g. kvswap/2p+cluster, runs kvswap)."""
+    base = name.split("/")[0].split(",")[0]
+    return next((r.policy for r in rows() if r.name == base), base)
+
+
+class SolverFit(registry.BudgetFit):
+    """A budget per sequence as the install step's solver fits it on this machine: ``tuned`` by its disk and
+    compute profiles, ``fixed`` the largest (sigma, M, C) at a given G."""
+
+    def __init__(self, model: DecoderModel, batch: int, context: int, per_seq_bytes: float, budget_mib: float,
+                 limits: solver.Limits, t_io, compute_profile, reuse_table: dict | None):
+        self.model, self.batch, self.context, self.per_seq, self.limits = model, batch, context, per_seq_bytes, limits
+        self.t_io, self.compute_profile, self.reuse_table = t_io, compute_profile, reuse_table
+        super().__init__(budget_mib, limits.g_max)
+        self._tuned = None
+
+    def tuned(self) -> dict | None:
+        if self._tuned is None:
+            self._tuned = solver.solve(self.batch, self.context, self.per_seq, self.model.dims, self.model.dtype,
+                                       self.limits, self.t_io, self.compute_profile.t_model_ms,
+                                       lambda G, C, M: tables.reuse_rate(self.reuse_table or {}, G, C, M))
+        return _geometry(self._tuned, self._tuned.reuse)
+
+    def fixed(self, G: int, reuse: bool) -> dict | None:
+        fit = solver.fit_memory(self.per_seq, self.model.dims, self.model.dtype, self.limits, self.context, G,
+                                reuse=reuse)
+        return _geometry(fit, reuse)
+
+
+def _geometry(fit, reuse: bool) -> dict | None:
+    return None if fit is None else {"G": fit.G, "M": fit.M, "C": fit.C, "sigma": fit.sigma, "reuse": reuse}
+
+
 def policy_configs(model: DecoderModel, batch: int, context: int, budgets: list[str], limits: solver.Limits,
                    disk_profile, compute_profile, reuse_table: dict | None = None, chosen: dict | None = None,
                    record_dtypes=("auto",)) -> list[tuple[str, str | None, dict]]:
-    """(row name, budget label, runtime config) for every row of one (batch, context); ``kvswap-quality``
-    rows run the configurations of ``chosen`` (edgekv.evals.harness.recorded_configs) at this batch.  Each disk
-    row (kvswap*, token, flexgen) comes once per ``kv_record_dtype`` of ``record_dtypes``, same configuration."""
+    """(row name, budget label, runtime config) for every row of one (batch, context): the rows of policies not
+    sized by a budget once, then each budget's rows, every policy asked for its geometry (``budget_geometry``)
+    from the solver's fit; ``kvswap-quality`` rows run the configurations of ``chosen``
+    (edgekv.evals.harness.recorded_configs) at this batch.  Each row of a disk policy comes once per
+    ``kv_record_dtype`` of ``record_dtypes``, same configuration."""
     dims = model.dims
     base = {"max_context": context, "max_batch": batch, "io_align_bytes": limits.io_align_bytes,
-            "io_queue_depth": QUEUE_DEPTH}
-    rows = [("full", None, {**base, "G": 4, "M": 1, "C": 1, "sigma": 8}),
-            ("flexgen", None, {**base, "G": limits.g_max, "M": 1, "C": 1, "sigma": 8, "reuse": False})]
+            "io_queue_depth": QUEUE_DEPTH, "G": 4, "M": 1, "C": 1, "sigma": 8}
+    unbudgeted = registry.BudgetFit(largest_group_tokens=limits.g_max)
+    out = [(r.name, None, {**base, **registry.get(r.policy).budget_geometry(unbudgeted), **dict(r.overrides)})
+           for r in rows() if not registry.get(r.policy).budgeted]
     itemsize = torch.empty(0, dtype=model.dtype).element_size()
     full_bytes = dims.n_layers * context * 2 * dims.n_kv_heads * dims.head_dim * itemsize
     t_io = io_model(disk_profile, dims, model.dtype, limits.io_align_bytes, QUEUE_DEPTH)
@@ -146,21 +212,22 @@ def policy_configs(model: DecoderModel, batch: int, context: int, budgets: list[
         num, _, den = label.partition("/")
         per_seq = float(num) / float(den) * full_bytes
         budget_mib = per_seq * batch / 2**20
-        tuned = solver.solve(batch, context, per_seq, dims, model.dtype, limits, t_io, compute_profile.t_model_ms,
-                             lambda G, C, M: tables.reuse_rate(reuse_table or {}, G, C, M))
-        token = solver.fit_memory(per_seq, dims, model.dtype, limits, context, 1, reuse=False)
-        noreuse = solver.fit_memory(per_seq, dims, model.dtype, limits, context, tuned.G, reuse=False)
-        for name, fit, reuse in (("token", token, False), ("kvswap-noreuse", noreuse, False), ("kvswap", tuned, tuned.reuse)):
-            if fit is None:
+        fit = SolverFit(model, batch, context, per_seq, budget_mib, limits, t_io, compute_profile, reuse_table)
+        for r in rows():
+            spec = registry.get(r.policy)
+            if not spec.budgeted:
                 continue
-            rows.append((name, label, {**base, "G": fit.G, "M": fit.M, "C": fit.C, "sigma": fit.sigma, "reuse": reuse,
-                                       "max_kv_mem_mib": budget_mib}))
-        rows.append(("kvswap-noverify", label, {**rows[-1][2], "verify_fraction": 0.0}))  # what checksums cost
-        rows.append(("arkv", label, {**base, "G": 4, "M": 1, "C": 1, "sigma": 8, "max_kv_mem_mib": budget_mib}))
-        if (context, label) in (chosen or {}):
-            rows.append(("kvswap-quality", label, {**base, **chosen[(context, label)], "max_kv_mem_mib": budget_mib}))
-    return [(name, label, {**cfg, "kv_record_dtype": record}) for name, label, cfg in rows
-            for record in (record_dtypes if name.startswith(DISK_ROWS) else ("auto",))]
+            if r.chosen:
+                geometry = chosen.get((context, label)) if chosen else None
+            elif r.reuse is False:
+                tuned = fit.tuned()
+                geometry = fit.fixed(tuned["G"], reuse=False) if tuned else None
+            else:
+                geometry = spec.budget_geometry(fit)
+            if geometry is not None:
+                out.append((r.name, label, {**base, **geometry, **dict(r.overrides), "max_kv_mem_mib": budget_mib}))
+    return [(name, label, {**cfg, "kv_record_dtype": record}) for name, label, cfg in out
+            for record in (record_dtypes if registry.get(row_policy(name)).on_disk else ("auto",))]
 
 
 class TraceRecorder:
@@ -197,7 +264,7 @@ class RowRunner:
             reader = open_reader(config.reader_backend, config.io_queue_depth, n_paths=n, limit_mib_s=limit_mib_s,
                                  limit_iops=limit_iops)
         try:
-            engine = Engine(self.model, config, "kvswap" if name.startswith("kvswap") else name, kv, reader=reader)
+            engine = Engine(self.model, config, row_policy(name), kv, reader=reader)
         except BaseException:
             if reader is not None:
                 reader.close()
@@ -220,7 +287,8 @@ class RowRunner:
         read = sum(x["kv_bytes_read"] for x in s)
         requests = s[0]["kv_read_requests"]  # the batch's, in every sequence's stats
         eff = effective_bandwidth(read, s[0]["io_read_s"])
-        on_disk, kvswap, selects = name not in IN_MEMORY_POLICIES, name.startswith("kvswap"), name.startswith(("kvswap", "token"))
+        spec = registry.get(row_policy(name))
+        on_disk, predicts, selects = spec.on_disk, spec.predicts, spec.selects and spec.predicts
         stride = RecordLayout(config.G, dims.n_kv_heads, dims.head_dim, self.model.dtype, self.limits.io_align_bytes,
                               config.kv_record_dtype).stride_bytes
         profile_bw = self.disk_profile.read_mib_s(stride, QUEUE_DEPTH, source="fio") if on_disk else None
@@ -230,16 +298,16 @@ class RowRunner:
         return Run(
             label, budget, len(s), self.context, rate, None, s[0]["kv_resident_bytes"] / 2**20, read / decoded,
             eff, ratio(eff, profile_bw), float(np.mean([x["reuse_rate"] for x in s])), s[0]["io_stall_share"], step_ms,
-            parts, G=config.G if on_disk else None, M=config.M if selects else None, C=config.C if name in ("kvswap", "kvswap-noverify") else None,
+            parts, G=config.G if on_disk else None, M=config.M if selects else None, C=config.C if spec.tunable else None,
             sigma=config.sigma if selects else None, o_direct=s[0]["o_direct"],
-            sink_tokens=config.sink_tokens if kvswap else None, window_tokens=config.window_tokens if kvswap else None,
-            klr_dtype=config.klr_dtype if kvswap else None,
-            kv_record_dtype=config.kv_record_dtype if name.startswith(DISK_ROWS) else None,
+            sink_tokens=config.sink_tokens if selects else None, window_tokens=config.window_tokens if selects else None,
+            klr_dtype=config.klr_dtype if predicts else None,
+            kv_record_dtype=config.kv_record_dtype if on_disk else None,
             n_paths=s[0]["n_paths"] if on_disk else None, eff_bw_mib_s=eff,
             requests_per_step=requests / len(timer.steps) if on_disk else None,
             bytes_per_request=read / requests if requests else None,
             clustering=("on" if config.clustering else "off") if on_disk else None,
-            replacement=config.replacement if kvswap and config.reuse else None,
+            replacement=config.replacement if selects and config.reuse else None,
             share_prefix=config.share_prefix if on_disk else None, path_limit_mib_s=path_limit_mib_s,
             records_by_path=s[0]["kv_records_by_path"] if on_disk else None, reader=s[0]["reader"], kv_bytes_read=read,
             verify_fraction=s[0]["kv_records_verified"] / max(1, s[0]["kv_records_read"]) if on_disk else None)
@@ -358,7 +426,7 @@ def bench_point(model: DecoderModel, kv_dir: Path, batch: int, context: int, bud
     found = {"paths_configs": {}, "replacement_replay": {}, "dedup": {}}
     questions = shared_doc_prompts(prompts[0], max(2, batch), vocab, g) if kv_paths else []
     for budget in budgets if kv_paths else []:
-        kvswap = next((cfg for name, b, cfg in configs if name == "kvswap" and b == budget), None)
+        kvswap = next((cfg for name, b, cfg in configs if name == TUNED_ROW and b == budget), None)
         if kvswap is None:
             log(f"  no kvswap configuration fits budget {budget}: no rows over several KV paths")
             continue
@@ -382,7 +450,8 @@ def bench_point(model: DecoderModel, kv_dir: Path, batch: int, context: int, bud
                                "ratio": ratio(dedup["bytes_without"], dedup["bytes_with"])}
     if gguf is not None and batch == 1:
         keep(llama_cpp_run(gguf, model.dims, prompts[0], context, steps, warmup))
-    full_rate = next((r.decode_tok_s for r in runs if r.policy == "full"), None)
+    references = {r.name for r in rows() if registry.get(r.policy).reference}
+    full_rate = next((r.decode_tok_s for r in runs if r.policy in references), None)
     for run in runs:
         run.ratio_to_full = ratio(run.decode_tok_s, full_rate)
     return runs, found
@@ -465,7 +534,7 @@ def plot(runs: list[Run], png: Path) -> None:
             ax1.plot([r.batch for r in rows], [r.decode_tok_s for r in rows], "-o", color=f"C{i % 10}",
                      label=key[0] + (f" {key[1]}" if key[1] else ""))
         rows = sorted((r for r in runs if (r.policy, r.budget) == key), key=lambda r: r.context)
-        if key[0] == "kvswap" and len({r.context for r in rows}) > 1:
+        if key[0] == TUNED_ROW and len({r.context for r in rows}) > 1:
             for b in sorted({r.batch for r in rows}):
                 sub = [r for r in rows if r.batch == b]
                 ax2.plot([r.context for r in sub], [r.step_ms for r in sub], "-o", label=f"kvswap {key[1]} b={b}")

@@ -17,10 +17,8 @@ from edgekv.runtime.config import utf8_text
 
 KV_PATHS_HELP = ("folders on several disks, comma-separated, instead of --kv-path: the KV records are spread over "
                  "them and read through one queue per disk")
+POLICY_HELP = "the KV policy: a name registered in runtime/policies/ (kvswap, full, flexgen, token, hillinfer, arkv)"
 PROMPT_HELP = "plain text, or a JSON list of token ids when it starts with '['"
-# bench rows (edgekv/bench.py policy_configs, plus the GGUF file's llama.cpp row)
-BENCH_ROWS = ("full", "flexgen", "token", "kvswap-noreuse", "kvswap", "kvswap-noverify", "kvswap-quality", "arkv",
-              "llama.cpp")
 # whole-number flags (by dest): (least, most or None); argparse only checks that they are numbers
 WHOLE_FLAGS = {"max_new_tokens": (1, None), "top_k": (0, None), "chunk_tokens": (1, None), "max_context": (2, None),
                "new_tokens": (1, None), "samples": (1, None), "ppl_tokens": (2, None), "group_size": (1, None),
@@ -384,10 +382,15 @@ def _check_args(args) -> None:
     if getattr(args, "recall_sigmas", None) is not None:
         _real_list("--recall-sigmas", args.recall_sigmas, 1, "sigmas >= 1, e.g. 2,4,8,16", least_ok=True)
     if getattr(args, "policies", None) is not None:
-        from edgekv.runtime.config import POLICIES
+        from edgekv.bench import row_names
+        from edgekv.runtime.policies import names
 
-        known = BENCH_ROWS if args.command == "bench" else POLICIES
+        known = row_names() if args.command == "bench" else names()
         _names("--policies", args.policies, known)
+    if getattr(args, "policy", None) is not None:
+        from edgekv.runtime.policies import names
+
+        _names("--policy", args.policy, names())
     if getattr(args, "tasks", None) not in (None, "all"):
         from edgekv.evals.tasks import TASKS
 
@@ -466,43 +469,21 @@ def _eval(args) -> int:
     import torch
 
     from edgekv.evals import harness
+    from edgekv.evals.variants import eval_variants
     from edgekv.runtime.checkpoints import resolve_checkpoint
 
     model = resolve_checkpoint(args.model)
     kv_paths = _kv_paths(args)
     tasks = list(harness.TASKS) if args.tasks == "all" else args.tasks.split(",")
     budgets = [_parse_budget(b) for b in args.budgets.split(",")]
-    variants = []
     main = {"G": args.group_size, "score_reduce": args.score_reduce}
-    records = _record_dtypes(args.record_dtype)
-    for policy in args.policies.split(","):
-        if policy in ("kvswap", "token"):
-            rule = args.rule if policy == "kvswap" else "mg_const"  # token: KVSwap's rule (its cells cost 4x to measure)
-            variants += [harness.Variant(policy, b, **main, rule=rule, record_dtype=r) for b in budgets for r in records]
-        elif policy == "flexgen":
-            variants += [harness.Variant(policy, record_dtype=r) for r in records]
-        elif policy == "arkv":
-            variants += [harness.Variant(policy, b) for b in budgets]
-        else:
-            variants.append(harness.Variant(policy))
-    if args.ablations:
-        variants += loss_stages(harness, budgets[-1], main, args.rule)
-    if args.ablations and not args.ppl:
-        b = budgets[-1]
-        variants += [harness.Variant("kvswap", b, **main, rolling_buffer=False, ablation="no-rb"),
-                     harness.Variant("kvswap", b, **main, reuse=False, ablation="reuse=off"),
-                     harness.Variant("kvswap", b, **main, reuse=True, ablation="reuse=on")]
-        other = "softmax" if args.score_reduce == "sum" else "sum"
-        variants.append(harness.Variant("kvswap", b, G=args.group_size, score_reduce=other, ablation=f"scores={other}"))
-        variants += [harness.Variant("kvswap", b, G=g, score_reduce=args.score_reduce, ablation=f"G={g}")
-                     for g in (1, 2, 4, 8, 16) if g != args.group_size]
+    variants = eval_variants(args.policies.split(","), budgets, main, args.rule, _record_dtypes(args.record_dtype),
+                             args.ablations, tasks=not args.ppl)
     contexts = [int(c) for c in args.contexts.split(",")]
     if args.configs_from and args.rule != "quality":
         raise ValueError("--configs-from replays the quality rule's choices; drop it or use --rule quality")
     if args.ppl:
         return _eval_ppl(args, model, variants, contexts, kv_paths)
-    if not any(v.policy == "full" for v in variants):
-        variants.insert(0, harness.Variant("full"))
     with _scratch_kv(kv_paths) as kv:
         results = harness.evaluate(model, kv, variants, contexts, tasks, args.samples or 20, args.seed,
                                    adapter_path=args.adapter, quiet=args.quiet, configs_from=args.configs_from)
@@ -511,7 +492,7 @@ def _eval(args) -> int:
             "command": args.command_line}
     if args.niah:
         depths = [i / 10 for i in range(11)]
-        variant = next(v for v in variants if v.policy == "kvswap") if "kvswap" in args.policies else variants[0]
+        variant = next((v for v in variants if v.budget is not None and not v.ablation), variants[0])
         with _scratch_kv(kv_paths) as kv:
             grid = harness.niah_grid(model, kv, variant, contexts, depths, max(1, (args.samples or 20) // 4), args.seed,
                                      adapter_path=args.adapter)
@@ -535,21 +516,6 @@ def _eval(args) -> int:
     if args.json:
         harness.write_json(args.json, results, meta)
     return 0
-
-
-def loss_stages(harness, budget: float, main: dict, rule: str) -> list:
-    """The loss of kvswap's main row taken apart, each row changing one thing of the chosen configuration:
-    top-k by the layer's true attention (oracle: exact query and keys), the layer-ahead prediction with exact
-    keys (sigma=1), head votes by softmax, no sinks or window, and KVSwap's own rule (M*G = 400)."""
-    stage = lambda name, **over: harness.Variant("kvswap", budget, **main, rule=rule, ablation=name,  # noqa: E731
-                                                overrides=tuple(over.items()))
-    rows = [stage("oracle", selector="oracle", score_reduce="softmax", sigma=1), stage("sigma=1", sigma=1),
-            stage("no-sinks-window", sink_tokens=0, window_tokens=0)]
-    if main["score_reduce"] == "sum":
-        rows.append(stage("softmax-votes", score_reduce="softmax"))
-    if rule == "quality":
-        rows.append(harness.Variant("kvswap", budget, **main, rule="mg_const", ablation="mg=400"))
-    return rows
 
 
 def _eval_ppl(args, model, variants, contexts, kv_paths: list[str] | None) -> int:
@@ -580,7 +546,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--kv-path", help="folder on the disk that holds the KV cache (default: a temporary one in the system temp dir)")
     gen.add_argument("--kv-paths", metavar="DIR1,DIR2,...", help=KV_PATHS_HELP)
     gen.add_argument("--config", help="runtime config JSON (G, M, sigma, C, max_kv_mem_mib, ...)")
-    gen.add_argument("--policy", default="kvswap", choices=["kvswap", "full", "flexgen", "token", "arkv"])
+    gen.add_argument("--policy", default="kvswap", help=POLICY_HELP)
     gen.add_argument("--prompt", action="append", type=lambda text: ("text", text), help=PROMPT_HELP + " (repeatable)")
     gen.add_argument("--prompt-file", action="append", dest="prompt", type=lambda path: ("file", path), metavar="FILE",
                      help="a prompt read from a UTF-8 file (- for standard input): " + PROMPT_HELP + " (repeatable, "
@@ -606,7 +572,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--kv-path", help="folder on the disk that holds the KV cache (default: the config's, else a "
                                        "temporary one)")
     srv.add_argument("--kv-paths", metavar="DIR1,DIR2,...", help=KV_PATHS_HELP)
-    srv.add_argument("--policy", default="kvswap", choices=["kvswap", "full", "flexgen", "token", "arkv", "hillinfer"])
+    srv.add_argument("--policy", default="kvswap", help=POLICY_HELP)
     srv.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     srv.add_argument("--port", type=int, default=8080)
     keys = srv.add_mutually_exclusive_group()

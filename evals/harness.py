@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from edgekv.install.solver import Limits, fit_memory, quality_fit
-from edgekv.runtime import Engine, RuntimeConfig
+from edgekv.runtime import Engine, RuntimeConfig, policies
 from edgekv.runtime.config import picked_groups
 from edgekv.runtime.adapter import LowRankAdapter, collect_keys
 from edgekv.runtime.checkpoints import load_tokenizer
@@ -61,7 +61,8 @@ def budget_config(variant: Variant, context: int, dims: ModelDims, kv_dtype: tor
     (edgekv.install.solver.quality_fit); ``token`` is G = 1 without reuse.  ``overrides`` are applied last.
     ``record_dtype`` only changes the records of the configuration chosen for exact ones, so a row shows what the
     format alone costs in quality and saves in reads (its memory stays within the budget: records only shrink)."""
-    G = 1 if variant.policy == "token" else variant.G
+    spec = policies.get(variant.policy)
+    G = spec.group_tokens or variant.G
     max_context = context + 64
     base = {"max_context": max_context, "max_batch": max_batch, "G": G, "rolling_buffer": variant.rolling_buffer,
             "selector": variant.selector, "score_reduce": variant.score_reduce, "kv_record_dtype": variant.record_dtype}
@@ -69,7 +70,7 @@ def budget_config(variant: Variant, context: int, dims: ModelDims, kv_dtype: tor
         return {**base, "M": 1, "C": 1, "sigma": 8}
     itemsize = torch.empty(0, dtype=kv_dtype).element_size()
     budget = variant.budget * dims.n_layers * max_context * 2 * dims.n_kv_heads * dims.head_dim * itemsize
-    if variant.policy == "arkv":  # in memory: the whole budget is its cache, no disk geometry to fit
+    if not spec.on_disk:  # in memory: the whole budget is its cache, no disk geometry to fit
         return {**base, "M": 1, "C": 1, "sigma": 8, "max_kv_mem_mib": budget * max_batch / 2**20, **dict(variant.overrides)}
     if variant.rule == "quality":
         if chooser is None:
@@ -80,17 +81,34 @@ def budget_config(variant: Variant, context: int, dims: ModelDims, kv_dtype: tor
         if overridden:  # an ablation may leave the budget (sigma=1): it measures quality, not memory
             config["max_kv_mem_mib"] = None
         return config
-    if variant.policy == "token":
-        fit = fit_memory(budget, dims, kv_dtype, limits, max_context, G, reuse=False)
-    else:
-        fit = quality_fit(budget, dims, kv_dtype, limits, max_context, G)
+    fit = spec.budget_geometry(RuleFit(budget, dims, kv_dtype, limits, max_context, G))
     if fit is None:
         raise ValueError(f"budget 1/{round(1 / variant.budget)} leaves no room for one group at context {context}")
-    reuse = fit.reuse if variant.reuse is None else variant.reuse
-    over = reuse and not fit.reuse  # per-layer slots at the shared buffers' M: a quality ablation, over budget
-    config = {**base, "sigma": fit.sigma, "M": fit.M, "C": fit.C, "reuse": reuse, "io_align_bytes": limits.io_align_bytes,
-              "max_kv_mem_mib": None if over else budget * max_batch / 2**20}
+    reuse = fit["reuse"] if variant.reuse is None else variant.reuse
+    over = reuse and not fit["reuse"]  # per-layer slots at the shared buffers' M: a quality ablation, over budget
+    config = {**base, "sigma": fit["sigma"], "M": fit["M"], "C": fit["C"], "reuse": reuse,
+              "io_align_bytes": limits.io_align_bytes, "max_kv_mem_mib": None if over else budget * max_batch / 2**20}
     return {**config, **dict(variant.overrides)}
+
+
+class RuleFit(policies.BudgetFit):
+    """A budget per sequence as KVSwap's rule fits it at G (M*G = 400, then the smallest sigma that fits:
+    ``tuned``), or as the largest (sigma, M, C) at a fixed G (``fixed``); no disk timing, quality only."""
+
+    def __init__(self, budget_bytes: float, dims: ModelDims, kv_dtype: torch.dtype, limits: Limits, max_context: int,
+                 G: int):
+        super().__init__()
+        self.args, self.G = (budget_bytes, dims, kv_dtype, limits, max_context), G
+
+    def tuned(self) -> dict | None:
+        return _geometry(quality_fit(*self.args, self.G))
+
+    def fixed(self, G: int, reuse: bool) -> dict | None:
+        return _geometry(fit_memory(*self.args, G, reuse=reuse))
+
+
+def _geometry(fit) -> dict | None:
+    return None if fit is None else {"sigma": fit.sigma, "M": fit.M, "C": fit.C, "reuse": fit.reuse}
 
 
 class QualityChooser:
@@ -111,7 +129,7 @@ class QualityChooser:
         from edgekv.install import quality, solver
         from .perplexity import ConfigScorer, calibration_windows
 
-        G = 1 if variant.policy == "token" else variant.G
+        G = policies.get(variant.policy).group_tokens or variant.G
         limits = Limits(io_align_bytes=512)
         bytes_of = lambda p: solver.smallest_bytes(self.model.dims, self.model.dtype, limits, context + 64, p)  # noqa: E731
         grid = (quality.frontier(quality.candidates(context, [G], solver.SIGMAS), bytes_of, budget_bytes)
@@ -213,7 +231,8 @@ def recorded_configs(eval_json: str | Path) -> dict[tuple[int, str], dict]:
     rows = data.get("ppl") or data.get("results") or []
     keys = ("G", "M", "C", "sigma", "reuse", "sink_tokens", "window_tokens", "score_reduce", "klr_dtype", "io_align_bytes")
     return {(r["context"], f"1/{round(1 / r['budget'])}"): {k: r["config"][k] for k in keys if k in r["config"]}
-            for r in rows if r["policy"] == "kvswap" and r["budget"] and r["variant"] == f"kvswap@1/{round(1 / r['budget'])}"}
+            for r in rows if r["budget"] and r["policy"] in policies.names() and policies.get(r["policy"]).tunable
+            and r["variant"] == f"{r['policy']}@1/{round(1 / r['budget'])}"}
 
 
 class RecordedChooser:
@@ -244,7 +263,7 @@ def quality_chooser(model: DecoderModel, model_dir, kv_path, adapters: "Adapters
 def engine_for(model: DecoderModel, kv_path, policy: str, config: dict, adapters: "Adapters") -> tuple[Engine, dict]:
     """An engine running ``config`` with the calibrated adapter of its sigma, and the config it runs."""
     adapter = None
-    if policy in ("kvswap", "token"):
+    if policies.get(policy).predicts:
         adapter = adapters(config["sigma"])
         if adapters.fixed is not None:
             config = {**config, "sigma": None}  # the file's rank replaces the fitted sigma
@@ -314,7 +333,7 @@ def evaluate(
 
 def relative_accuracy(results: list[Result]) -> dict[str, float]:
     """Mean over (task, context) of accuracy / full's accuracy, per variant (1.0 = no loss)."""
-    full = {(r.task, r.context): r.accuracy for r in results if r.policy == "full"}
+    full = {(r.task, r.context): r.accuracy for r in results if r.policy == policies.reference()}
     out = {}
     for label in dict.fromkeys(r.variant for r in results):
         ratios = [r.accuracy / full[(r.task, r.context)] for r in results
@@ -346,7 +365,7 @@ def table(results: list[Result]) -> str:
 
 def config_summary(c: dict) -> str:
     """One line of what a row ran with: arkv's budget and formats, or the disk policies' selection knobs."""
-    if c.get("policy") == "arkv":
+    if c.get("policy") in policies.names() and not policies.get(c["policy"]).on_disk:
         budget = c.get("max_kv_mem_mib")
         return (f"max_kv_mem_mib={budget:.2f} " if budget else "no budget ") + \
             f"quant={c.get('arkv_quant', 'auto')} W={c.get('arkv_window_tokens', 32)}"

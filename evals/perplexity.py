@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from edgekv.runtime import Engine, RuntimeConfig
+from edgekv.runtime import Engine, RuntimeConfig, policies
 from edgekv.runtime.checkpoints import load_tokenizer
 from edgekv.runtime.model import DecoderModel, load_model, read_model_config
 from edgekv.runtime.prompt_cache import PromptKVCache
@@ -154,7 +154,7 @@ class ConfigScorer:
         self.steps = engine_steps([continuation] * len(windows), max_batch)
         config = RuntimeConfig.load({"max_context": max(len(w) for w in windows) + 64, "max_batch": max_batch})
         with progress.cell(f"{label} full".strip(), self.steps) as on_event:
-            self.reference, _ = _run(Engine(model, config, "full", kv_path), self.cache, windows, continuation, on_event)
+            self.reference, _ = _run(Engine(model, config, policies.reference(), kv_path), self.cache, windows, continuation, on_event)
         self.full_ppl = compare(self.reference, self.reference, self.targets)[0]
 
     def __call__(self, policy: str, config: dict) -> dict:
@@ -190,7 +190,7 @@ def evaluate_ppl(model_dir: str | Path, kv_path: str | Path, variants: list[Vari
     model = load_model(model_dir, torch.device("cpu"), torch.float32, max(contexts) + 64)
     adapters = Adapters(model, [splits[min(contexts)].calibration])
     chooser = quality_chooser(model, model_dir, kv_path, adapters, variants, quiet, configs_from)
-    variants = [Variant("full")] + [v for v in variants if v.policy != "full"]
+    variants = [Variant(policies.reference())] + [v for v in variants if v.policy != policies.reference()]
     results = []
     with Progress(len(contexts) * len(variants), "ppl cells", quiet) as progress:
         for context in contexts:
@@ -207,7 +207,7 @@ def evaluate_ppl(model_dir: str | Path, kv_path: str | Path, variants: list[Vari
                 if reference is None:  # full runs first
                     reference = logp
                 ppl, agree, kl = compare(logp, reference, targets)
-                full_ppl = full_ppl if variant.policy != "full" else ppl
+                full_ppl = full_ppl if variant.policy != policies.reference() else ppl
                 results.append(PplResult(variant.policy, variant.budget, context, variant.label, ppl, ppl / full_ppl,
                                          agree, kl, targets.numel(), len(split.windows), config,
                                          round(time.perf_counter() - start, 1), read))
@@ -220,7 +220,7 @@ def table(results: list[PplResult]) -> str:
     head = f"{'context':>7} {'variant':24} {'ppl':>9} {'x full':>7} {'top-1':>6} {'KL':>8}  config"
     lines = [head]
     for r in results:
-        config = "" if r.policy == "full" else config_summary({**r.config, "policy": r.policy})
+        config = "" if r.policy == policies.reference() else config_summary({**r.config, "policy": r.policy})
         lines.append(f"{r.context:>7} {r.variant:24} {r.ppl:9.3f} {r.ratio_to_full:7.3f} {r.top1_agreement:6.3f} "
                      f"{r.kl_full_policy:8.4f}  {config}")
     return "\n".join(lines)

@@ -8,6 +8,7 @@ spending rank on it would not change any ranking.
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import torch
@@ -17,6 +18,9 @@ from safetensors.torch import save
 from .forward import prefill
 from .model import DecoderModel
 from .store.files import write_atomic
+
+log = logging.getLogger(__name__)
+KEYS_PER_RANK = 4  # a projection fitted on fewer than 4 x rank keys is coarse: the engine does not keep it
 
 
 class AdapterError(ValueError):
@@ -113,3 +117,40 @@ def build_adapter(model, texts, sigma: float, tokenizer=None) -> LowRankAdapter:
             text = tokenizer(text)["input_ids"]
         prompts.append(list(text))
     return LowRankAdapter.fit_sigma(collect_keys(model, prompts), model.dims.n_kv_heads, model.dims.head_dim, sigma)
+
+
+class AdapterSet:
+    """The low-rank K adapters an engine's batches predict with: the file a config names (loaded once), else the
+    one given or kept from an earlier batch when its rank matches the config's sigma, else none (the batch fits
+    its own on its prompts' keys).  ``predicts``: the policy uses them at all."""
+
+    def __init__(self, n_kv_heads: int, head_dim: int, predicts: bool, current: LowRankAdapter | None = None):
+        self.n_kv_heads, self.head_dim, self.predicts = n_kv_heads, head_dim, predicts
+        self.current = current
+        self._files: dict[str, LowRankAdapter] = {}
+
+    def for_config(self, cfg) -> LowRankAdapter | None:
+        if cfg.adapter_path and self.predicts:
+            if cfg.adapter_path not in self._files:
+                self._files[cfg.adapter_path] = LowRankAdapter.load(cfg.adapter_path)
+            return self._files[cfg.adapter_path]
+        if self.current is not None and self.current.rank == LowRankAdapter.rank_for(
+                self.n_kv_heads, self.head_dim, cfg.sigma or self.current.sigma):
+            return self.current
+        return None
+
+    def rank(self, cfg) -> int:
+        adapter = self.for_config(cfg)
+        return adapter.rank if adapter else LowRankAdapter.rank_for(self.n_kv_heads, self.head_dim, cfg.sigma)
+
+    def keep_fitted(self, fitted: LowRankAdapter | None, n_keys: int, cfg) -> None:
+        """A projection fitted on a batch's prompts is kept for later batches of the same rank when it saw
+        enough keys (KEYS_PER_RANK x rank per layer); a coarser one serves this batch only, and says so."""
+        if fitted is None or self.for_config(cfg) is not None:
+            return
+        if n_keys >= KEYS_PER_RANK * fitted.rank:
+            self.current = fitted
+            return
+        log.warning("the low-rank K adapter (rank %d) of this batch was fitted on %d keys per layer, fewer than the %d "
+                    "a stable fit needs: predictions are coarse, and the next batch fits its own; pass an adapter file "
+                    "from the install step to avoid this", fitted.rank, n_keys, KEYS_PER_RANK * fitted.rank)

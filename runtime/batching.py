@@ -1,27 +1,45 @@
-"""A decode batch whose rows sequences join between steps and leave when done (continuous batching).
+"""A decode batch: the one owner of the step pipeline (its policy, its prefills, its decode steps, its stats).
 
-The engine's ``generate`` fills every row, steps until all are done and closes; a server keeps one
-open and refills a row as soon as its sequence leaves.  The policy is built once for ``rows``
-sequences from one solution (its memory plan holds them all); a row's KV files live from its
-``join`` to its ``leave``.  Sampling stays with the caller: a step returns logits.
+Rows are sequences that join between steps and leave when done (continuous batching): the engine's
+``generate`` fills every row, steps until all are done and closes; a server keeps one open and refills a row
+as soon as its sequence leaves.  The policy is built once, from the registry (runtime/policies/), for ``rows``
+sequences of one solution (its memory plan holds them all); a row's KV files live from its ``join`` to its
+``leave``.  A prompt's KV comes through the ``PrefillChain`` (prompt cache -> context store -> compute).
+Sampling stays with the caller: a step returns logits.
 """
 from __future__ import annotations
 
 import contextlib
 import time
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from .config import RuntimeConfig
+from .prefill_chain import Prefilled, PrefillChain
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[int]
+    text: str
+    finish_reason: str  # "stop" (a stop token), "length" (max_new_tokens or max_context)
+    stats: dict = field(default_factory=dict)
+    logits: torch.Tensor | None = None  # [generated, vocab] float32, with output_logits=True
 
 
 class RunningBatch:
     def __init__(self, engine, rows: int, cfg: RuntimeConfig):
+        """``engine``: what the batch runs on (its model, policy spec and env, adapters, events, tokenizer and the
+        prefill sources it has attached: prompt cache, context store, TTFT options)."""
         self.engine = engine
+        self.model = engine.model
         self.rows = rows
         self.cfg = cfg
-        self.policy = engine._make_policy(rows, cfg)
+        self.policy = engine.spec.build(engine.policy_env, rows, cfg)
+        self.prefill = PrefillChain(engine.model, engine.prompt_cache, engine.context_store, engine.ttft,
+                                    engine.events.emit)
         self.active = np.zeros(rows, dtype=bool)
         self.prompts: list[list[int] | None] = [None] * rows
         self.prefill_s = np.zeros(rows)
@@ -44,10 +62,13 @@ class RunningBatch:
     def free_rows(self) -> list[int]:
         return [int(r) for r in np.flatnonzero(~self.active)]
 
+    # ---- prefill -----------------------------------------------------------------------------
+
     @torch.inference_mode()
-    def join(self, row: int, ids: list[int], owner: tuple[int, int] | None = None) -> torch.Tensor:
-        """Prefill ``ids`` into ``row`` (free); returns the last prompt token's logits [V].  ``owner``: (row, groups)
-        whose leading groups ``ids`` shares (``share_prefix``).  Call ``end_prefill`` before the next ``step``."""
+    def join(self, row: int, ids: list[int], owner: tuple[int, int] | None = None, keep_kv: bool = False) -> Prefilled:
+        """Prefill ``ids`` into ``row`` (free); returns how (the last prompt token's logits [V], its source and
+        stats, and its K/V per layer with ``keep_kv``).  ``owner``: (row, groups) whose leading groups ``ids``
+        shares (``share_prefix``).  Call ``end_prefill`` before the next ``step``."""
         if self.active[row]:
             raise ValueError(f"row {row} of the batch is taken: leave it first")
         events, policy = self.engine.events, self.policy
@@ -56,36 +77,68 @@ class RunningBatch:
         policy.start_sequence(row)
         if owner is not None:
             policy.share_prefix(row, *owner)
-        logits = self.engine._prefill(policy, row, ids)
+        filled = self.prefill(policy, row, ids, keep_kv)
         policy.end_prompt(row, len(ids))
         self.prefill_s[row] = time.perf_counter() - start
         self.prompts[row] = ids
         self.active[row] = True
         events.emit("prefill_end", seq=row, tokens=len(ids))
-        return logits
+        return filled
 
     def end_prefill(self) -> None:
         """The rows joined since the last step are stored: the selector may fit on them, decoding goes on."""
         self.policy.end_prefill()
-        self.engine._keep_fitted_adapter(self.policy, self.cfg)
+        self.engine.adapters.keep_fitted(*self.policy.fitted_adapter(), self.cfg)
+
+    # ---- decode ------------------------------------------------------------------------------
 
     @torch.inference_mode()
     def step(self, tokens: torch.Tensor, active: np.ndarray | None = None) -> torch.Tensor:
         """One decode step: ``tokens`` [rows] are the inputs (any value in a row not ``active``); logits [rows, V].
-        ``active`` defaults to the rows joined and not left."""
+        ``active`` defaults to the rows joined and not left.  Per layer, top to bottom: the policy selects and
+        fetches the next layer's KV (overlapping this layer), this layer attends, and after the last layer the
+        step's tokens are appended (and full groups flushed)."""
         active = self.active.copy() if active is None else active
-        events = self.engine.events
+        events, model, policy = self.engine.events, self.model, self.policy
         events.emit("decode_step_start", step=self.steps, active=int(active.sum()))
-        logits = self.engine._decode_step(self.policy, tokens, active)
-        self.policy.end_step(active)
+        x = model.embed(tokens[:, None].to(model.device))
+        cos, sin = model.rope(torch.from_numpy(policy.lengths).to(model.device)[:, None])
+        policy.prefetch(0, x, cos, sin, active)
+        for layer in range(model.dims.n_layers):
+            if layer + 1 < model.dims.n_layers:
+                policy.prefetch(layer + 1, x, cos, sin, active)
+            q, k, v = model.qkv(layer, x, cos, sin)
+            x = model.finish_layer(layer, x, policy.attend(layer, q, k, v))
+        logits = model.logits(x[:, 0])
+        policy.end_step(active)
         events.emit("decode_step_end", step=self.steps, active=int(active.sum()))
         self.steps += 1
         return logits
 
+    # ---- results and release -----------------------------------------------------------------
+
     def result(self, row: int, generated: list[int], stops: set[int], decode_s: float):
-        """The row's GenerationResult (its stats as of now)."""
-        return self.engine._result(self.policy, self.cfg, row, self.prompts[row], generated, stops,
-                                   float(self.prefill_s[row]), decode_s)
+        """The row's GenerationResult, its stats as of now (the policy's, and the batch's configuration)."""
+        engine, cfg = self.engine, self.cfg
+        prompt, decode_tokens = self.prompts[row], len(generated) - 1
+        policy_stats = self.policy.stats(row)
+        stats = {
+            "policy": engine.policy,
+            "prompt_tokens": len(prompt),
+            "generated_tokens": len(generated),
+            "prefill_s": float(self.prefill_s[row]),
+            "decode_s": float(decode_s),
+            "decode_tok_s": decode_tokens / decode_s if decode_s > 0 else 0.0,
+            **policy_stats,
+            "io_stall_share": policy_stats["io_stall_s"] / decode_s if decode_s > 0 else 0.0,
+            "batch_size": self.rows,
+            "reader": engine.reader.name if engine.reader else None,
+            "config": {k: getattr(cfg, k) for k in ("G", "M", "C", "sigma", "reuse", "rolling_buffer", "max_context",
+                                                    "kv_record_dtype")} | {"rank": engine.adapters.rank(cfg)},
+        }
+        text = engine.tokenizer.decode(generated, skip_special_tokens=True) if engine.tokenizer else ""
+        finish = "stop" if generated[-1] in stops else "length"
+        return GenerationResult(generated, text, finish, stats)
 
     def leave(self, row: int) -> None:
         """The row's sequence is done: its KV files are removed now, the row takes the next join."""

@@ -12,8 +12,6 @@ from pathlib import Path
 
 from .quant import QUANT_DTYPES, RECORD_DTYPES
 
-POLICIES = ("kvswap", "full", "flexgen", "token", "hillinfer", "arkv")
-IN_MEMORY_POLICIES = ("full", "arkv")  # no disk: no kv_offload_path, no reader
 READER_BACKENDS = ("auto", "io_uring", "pthread", "python")
 SELECTORS = ("lowrank", "random", "oracle")
 SCORE_REDUCES = ("sum", "softmax")
@@ -263,25 +261,7 @@ class RuntimeConfig:
         """Groups the predictor chooses per layer and step: M less the always-attended sink and window groups."""
         return picked_groups(self.M, self.G, self.sink_tokens, self.window_tokens)
 
-    def for_policy(self, policy: str) -> "RuntimeConfig":
-        """The effective parameters of a policy: ``token`` is G=1 with M*G kept (S and W too) and no reuse;
-        ``flexgen`` loads every group and ``hillinfer`` selects tokens its own way (no sinks, no window)."""
-        if policy not in POLICIES:
-            raise ConfigError(f"unknown policy {policy!r}; choose one of {POLICIES}")
-        if policy == "token":
-            return RuntimeConfig(**{**asdict(self), "G": 1, "M": self.M * self.G, "reuse": False})._within_context()
-        if policy == "hillinfer":
-            # the CPU KV pool: selected tokens stay resident in reuse slots, a pool of beta / (1 + beta) of the context
-            m = math.ceil(self.importance_rate * self.max_context)
-            pool = cpu_pool_tokens(self.beta, self.max_context)
-            return RuntimeConfig(**{**asdict(self), "G": 1, "M": m, "C": max(m, pool), "reuse": True,
-                                    "sink_tokens": 0, "window_tokens": 0})
-        if policy == "flexgen":
-            return RuntimeConfig(**{**asdict(self), "M": math.ceil(self.max_context / self.G), "reuse": False,
-                                    "sink_tokens": 0, "window_tokens": 0})
-        return self._within_context()
-
-    def _within_context(self) -> "RuntimeConfig":
+    def within_context(self) -> "RuntimeConfig":
         """M and C capped at the groups ``max_context`` tokens have: picks or slots beyond them would be memory
         allocated (and counted against the budget) that nothing can fill."""
         fixed = self.sink_groups + self.window_groups

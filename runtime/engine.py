@@ -1,8 +1,9 @@
-"""The engine: load a checkpoint, build the KV policy, prefill, and run the decode loop.
+"""The engine: load a checkpoint, tokenize, generate, and open decode batches.
 
-The whole offloading policy is visible in ``_make_policy``; a batch's prefill and decode steps go through
-``RunningBatch`` (runtime/batching.py: timings, step events), which ``_run_batch`` drives to the end and a
-server keeps open (``open_batch``: sequences join and leave between steps).
+A batch (``RunningBatch``, runtime/batching.py) owns the step pipeline: it builds the policy from the registry
+(runtime/policies/), fills prompts through the prefill chain (prompt cache -> context store -> compute) and
+runs the decode steps; ``generate`` drives one to the end, a server keeps one open (``open_batch``: sequences
+join and leave between steps).
 """
 from __future__ import annotations
 
@@ -12,48 +13,34 @@ import logging
 import operator
 import os
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from .adapter import LowRankAdapter
+from .adapter import AdapterSet, LowRankAdapter
+from .batching import GenerationResult, RunningBatch
 from .checkpoints import load_tokenizer, resolve_checkpoint
-from .arkv import ArkvGeometry, ArkvKV
-from .batching import RunningBatch
-from .cluster import CoactivationLayout
-from .config import IN_MEMORY_POLICIES, ConfigError, RuntimeConfig
-from .disk_store import CorruptRecord, DiskKVStore, RecordLayout, check_offload_path, kv_path_list
+from .config import ConfigError, RuntimeConfig
+from .disk_store import CorruptRecord, RecordLayout, check_offload_path, kv_path_list
 from .events import EventBus, JsonLinesLog
 from .forward import prefill
-from .hillinfer import HierarchicalSelector
-from .kv_policy import InMemoryKV, KVPolicy
 from .memory import MemoryPlan, plan_memory
 from .model import DecoderModel, ModelDims, load_model, read_model_config
-from .offload import OffloadedKV
-from .prompt_cache import PromptKV, PromptKVCache
+from .policies import PolicyEnv, get as get_policy
+from .policies.disk import record_layout as _record_layout
+from .prefill_chain import CONTEXT_STORE
+from .prompt_cache import PromptKVCache
 from .reader import KVReader, open_reader
 from .sampling import Sampler, SamplingParams
-from .scoring import InStorageScorer, NumpyScorer
-from .selector import KEYS_PER_RANK, AllGroupsSelector, LowRankSelector, RandomSelector
-from .slots import PreloadSlots, SlotTable
+from .scoring import InStorageScorer
 from .solutions import SolutionTable, load_deployed
-from .store.errors import ChunkUnavailable
 from .ttft.compute import PrefixKV
-from .ttft.prefill import TTFTOptions, run_prefill
+from .ttft.prefill import TTFTOptions
+
+__all__ = ["Engine", "GenerationResult"]
 
 log = logging.getLogger(__name__)
-
-
-
-@dataclass
-class GenerationResult:
-    token_ids: list[int]
-    text: str
-    finish_reason: str  # "stop" (a stop token), "length" (max_new_tokens or max_context)
-    stats: dict = field(default_factory=dict)
-    logits: torch.Tensor | None = None  # [generated, vocab] float32, with output_logits=True
 
 
 class Engine:
@@ -75,27 +62,26 @@ class Engine:
         self.model = model
         self.tokenizer = tokenizer
         self.policy = policy
-        self.config = config.for_policy(policy)
+        self.spec = get_policy(policy)  # the registered policy (runtime/policies/): traits, memory, how it is built
+        self.config = self.spec.effective_config(config)
         self.kv_paths = [Path(p) for p in kv_path_list(kv_offload_path)]
         self.kv_offload_path = self.kv_paths[0] if self.kv_paths else None
-        self.adapter = adapter
+        self.adapters = AdapterSet(model.dims.n_kv_heads, model.dims.head_dim, self.spec.predicts, adapter)
         self.solutions = solutions
         self.scorer = scorer  # hillinfer's in-storage scorer (a platform's backend); the numpy reference if None
+        # the prefill sources a batch uses (runtime/prefill_chain.py), ahead of computing the prompt
         self.prompt_cache: PromptKVCache | None = None  # set to share prompt KV across engines on this model
-        self.prompt_sink = None  # prompt_sink(ids, [(k, v)] per layer) after each prefill: a server saves turns with it
         self.context_store = None  # a runtime.store.ContextStore (open_context_store): stored prefixes skip compute
         self.ttft = TTFTOptions(compute_costs=_ttft_costs(self.config.ttft_costs_path))  # prefill with a stored prefix
-        self.prefill_stats: list[dict] = []  # per prompt of the last batch: how its prefill went
-        self._adapters: dict[str, LowRankAdapter] = {}
+        self.prefill_stats: list[dict] = []  # per prompt of the last generate loaded from the store: how it went
         self.events = EventBus()
         if os.environ.get("EDGEKV_EVENTS_FILE"):  # set by `edgekv energy` for the process it measures
             self.events.subscribe(JsonLinesLog(os.environ["EDGEKV_EVENTS_FILE"]))
-        self._warned_adapter = False
-        self.rank, self.memory_plan = _preflight(policy, self.config, model.dims, model.dtype, adapter, kv_offload_path)
+        _, self.memory_plan = _preflight(policy, self.config, model.dims, model.dtype, adapter, kv_offload_path)
         self.reader: KVReader | None = reader
-        if policy not in IN_MEMORY_POLICIES and reader is None:
+        if self.spec.on_disk and reader is None:
             self.reader = open_reader(self.config.reader_backend, self.config.io_queue_depth, n_paths=len(self.kv_paths))
-        if policy not in IN_MEMORY_POLICIES and self.config.verify_fraction < 1:
+        if self.spec.on_disk and self.config.verify_fraction < 1:
             log.warning("verify_fraction=%g: %s", self.config.verify_fraction,
                         "KV records read are not checked against their checksums" if self.config.verify_fraction == 0
                         else f"a damaged KV record is caught with probability {self.config.verify_fraction:g} per read")
@@ -124,11 +110,12 @@ class Engine:
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         dtype = dtype or _default_dtype(device)
         dims = ModelDims.from_config(hf_cfg)
+        spec = get_policy(policy)
         adapter = _load_adapter(cfg, policy)
         _ttft_costs(cfg.ttft_costs_path)  # a bad cost model file is named before the weights load
-        _preflight(policy, cfg.for_policy(policy), dims, dtype, adapter, kv_offload_path)
+        _preflight(policy, spec.effective_config(cfg), dims, dtype, adapter, kv_offload_path)
         for _, _, sol in solutions or []:
-            _preflight(policy, sol.for_policy(policy), dims, dtype, _load_adapter(sol, policy), kv_offload_path)
+            _preflight(policy, spec.effective_config(sol), dims, dtype, _load_adapter(sol, policy), kv_offload_path)
         max_context = max([cfg.max_context] + [s.max_context for _, _, s in solutions or []])
         decoder = load_model(model_dir, device, dtype, max_context)
         return cls(decoder, cfg, policy, kv_offload_path, load_tokenizer(model_dir), adapter, solutions, scorer)
@@ -310,11 +297,12 @@ class Engine:
     def _run_batch(self, prompts, forced, max_new_tokens: int, sampler: Sampler, stops: set[int], output_logits: bool):
         batch = len(prompts)
         needed = max(len(p) + (len(f) + 1 if f is not None else max_new_tokens) for p, f in zip(prompts, forced))
-        self.prefill_stats = []
-        with RunningBatch(self, batch, self.batch_config(batch, needed)) as run:
+        with self.open_batch(batch, needed) as run:
             cfg = run.cfg
             owners = _prefix_owners(prompts, cfg.G) if cfg.share_prefix else [None] * batch
-            logits = torch.stack([run.join(seq, ids, owners[seq]) for seq, ids in enumerate(prompts)])
+            filled = [run.join(seq, ids, owners[seq]) for seq, ids in enumerate(prompts)]
+            self.prefill_stats = [f.stats for f in filled if f.source == CONTEXT_STORE]
+            logits = torch.stack([f.logits for f in filled])
             run.end_prefill()
 
             chosen = sampler(logits)
@@ -344,196 +332,29 @@ class Engine:
                 result.logits = torch.stack(kept[seq]).cpu()
         return results
 
-    def _prefill(self, policy: KVPolicy, seq: int, ids: list[int]) -> torch.Tensor:
-        """Compute the prompt's KV into the policy, or replay it from ``prompt_cache`` when set and filled (with the
-        queries the policy asks for: an entry kept without them is computed again, and replaced).  A stored
-        context has no queries: the policy gets its KV alone."""
-        n_queries = policy.prompt_queries
-        cached = self.prompt_cache.get(ids) if self.prompt_cache is not None else None
-        if cached is not None and cached.has_queries(n_queries):
-            for layer, (k, v) in enumerate(cached.kv):
-                if n_queries:
-                    policy.observe_prompt(layer, seq, cached.queries[layer][:, -n_queries:])
-                policy.store_prompt(layer, seq, k, v)
-            return cached.logits
-        stored = self.context_store.match(ids) if self.context_store is not None else None
-        if stored is not None:
-            result = run_prefill(self.model, ids, self.context_store, stored, self.ttft)
-            self.prefill_stats.append(result.stats)
-            self.events.emit("prefill_from_store", seq=seq, stored_tokens=stored.n_tokens, method=result.method)
-            self._attach_stored(policy, seq, stored)
-            for layer in range(self.model.dims.n_layers):
-                policy.store_prompt(layer, seq, *result.kv.layer(layer))
-            if self.prompt_sink is not None:
-                self.prompt_sink(ids, [result.kv.layer(layer) for layer in range(self.model.dims.n_layers)])
-            return result.logits
-        kept, queries = [], []
-
-        def keep(layer, k, v):
-            policy.store_prompt(layer, seq, k, v)
-            if self.prompt_cache is not None or self.prompt_sink is not None:
-                kept.append((k, v))
-
-        def observe(layer, q):
-            policy.observe_prompt(layer, seq, q[:, -n_queries:])
-            if self.prompt_cache is not None:
-                queries.append(q[:, -n_queries:].clone())
-
-        logits = prefill(self.model, ids, keep, observe if n_queries else None)
-        if self.prompt_cache is not None:
-            self.prompt_cache.put(ids, PromptKV(kept, logits, queries or None))
-        if self.prompt_sink is not None:
-            self.prompt_sink(ids, kept)
-        return logits
-
-    def _attach_stored(self, policy: KVPolicy, seq: int, stored) -> None:
-        """A disk policy with the store's record layout reads the stored prefix from the store's blobs in place
-        (its own files get only the rest); a remote store or another layout (quantized records: the store keeps
-        model precision) is copied like any prompt."""
-        store = self.context_store
-        disk = getattr(policy, "store", None)
-        if not isinstance(policy, OffloadedKV) or store.root is None or disk.layout != store.layout:
-            return
-        G = store.layout.group_tokens
-        blobs = []
-        for ref in stored.chunks:  # up to the first chunk damaged or dropped meanwhile: the policy writes the rest
-            try:
-                blobs.append((store.backend.blob_path(ref.hash), ref.n_tokens // G, store.record_sums(ref)))
-            except ChunkUnavailable:
-                break
-        try:
-            disk.attach_prefix(seq, blobs)
-        except FileNotFoundError:  # a blob removed after its trailer was read (damage found by another reader)
-            pass
-
-    def _decode_step(self, policy: KVPolicy, tokens: torch.Tensor, active: np.ndarray) -> torch.Tensor:
-        """One token for every sequence: layer i+1's KV is fetched while layer i computes."""
-        model = self.model
-        x = model.embed(tokens[:, None].to(model.device))
-        cos, sin = model.rope(torch.from_numpy(policy.lengths).to(model.device)[:, None])
-        policy.prefetch(0, x, cos, sin, active)
-        for layer in range(model.dims.n_layers):
-            if layer + 1 < model.dims.n_layers:
-                policy.prefetch(layer + 1, x, cos, sin, active)
-            q, k, v = model.qkv(layer, x, cos, sin)
-            x = model.finish_layer(layer, x, policy.attend(layer, q, k, v))
-        return model.logits(x[:, 0])
-
-    def _result(self, policy, cfg, seq, prompt, generated, stops, prefill_s, decode_s) -> GenerationResult:
-        hits, lookups = policy.reuse_counts()
-        decode_tokens = len(generated) - 1
-        finish = "stop" if generated[-1] in stops else "length"
-        stats = {
-            "policy": self.policy,
-            "prompt_tokens": len(prompt),
-            "generated_tokens": len(generated),
-            "prefill_s": prefill_s,
-            "decode_s": float(decode_s),
-            "decode_tok_s": decode_tokens / decode_s if decode_s > 0 else 0.0,
-            "kv_bytes_read": int(policy.bytes_read[seq]),
-            "reuse_rate": float(hits[seq] / lookups[seq]) if lookups[seq] else 0.0,
-            "reuse_hits": int(hits[seq]),
-            "reuse_lookups": int(lookups[seq]),
-            "io_stall_s": policy.io_stall_s,
-            "io_read_s": policy.io_read_s,
-            "select_s": policy.select_s,
-            "io_stall_share": policy.io_stall_s / decode_s if decode_s > 0 else 0.0,
-            "kv_resident_bytes": policy.resident_bytes,
-            "batch_size": policy.batch,
-            "reader": self.reader.name if self.reader else None,
-            "o_direct": getattr(getattr(policy, "store", None), "o_direct", None),
-            **_store_stats(getattr(policy, "store", None)),
-            "scorer_fallback": getattr(getattr(policy, "selector", None), "fallback", None),  # hillinfer on the CPU: why
-            "config": {k: getattr(cfg, k) for k in ("G", "M", "C", "sigma", "reuse", "rolling_buffer", "max_context",
-                                                    "kv_record_dtype")}
-            | {"rank": self._rank(cfg)},
-        }
-        text = self.tokenizer.decode(generated, skip_special_tokens=True) if self.tokenizer else ""
-        return GenerationResult(generated, text, finish, stats)
-
-    # ---- the offloading policy, in one place ------------------------------------------------
-
     def batch_config(self, batch: int, context: int) -> RuntimeConfig:
         """The solution for this (batch, context) when the config has solutions, else the config."""
         if self.solutions is None:
             return self.config
-        return self.solutions.pick(batch, context).for_policy(self.policy)
+        return self.spec.effective_config(self.solutions.pick(batch, context))
 
-    def _adapter_for(self, cfg: RuntimeConfig) -> LowRankAdapter | None:
-        if cfg.adapter_path and self.policy in ("kvswap", "token"):
-            if cfg.adapter_path not in self._adapters:
-                self._adapters[cfg.adapter_path] = LowRankAdapter.load(cfg.adapter_path)
-            return self._adapters[cfg.adapter_path]
-        if self.adapter is not None and self.adapter.rank == LowRankAdapter.rank_for(
-                self.model.dims.n_kv_heads, self.model.dims.head_dim, cfg.sigma or self.adapter.sigma):
-            return self.adapter
-        return None
+    @property
+    def adapter(self) -> LowRankAdapter | None:
+        """The adapter batches predict with when their config names no file (given, or kept from a fit)."""
+        return self.adapters.current
 
-    def _rank(self, cfg: RuntimeConfig) -> int:
-        adapter = self._adapter_for(cfg)
-        return adapter.rank if adapter else LowRankAdapter.rank_for(self.model.dims.n_kv_heads, self.model.dims.head_dim, cfg.sigma)
+    @property
+    def rank(self) -> int:
+        return self.adapters.rank(self.config)
 
-    def _make_policy(self, batch: int, cfg: RuntimeConfig) -> KVPolicy:
-        model, dims = self.model, self.model.dims
-        if self.policy == "full":
-            return InMemoryKV(model, batch, cfg.max_context)
-        if self.policy == "arkv":  # a budget holding the whole cache: nothing to tailor, exactly `full`
-            fits = ArkvGeometry(cfg, dims, torch.empty(0, dtype=model.dtype).element_size()).fits_all
-            return InMemoryKV(model, batch, cfg.max_context) if fits else ArkvKV(model, batch, cfg)
-        layout = _record_layout(cfg, dims, model.dtype)
-        max_groups = -(-cfg.max_context // cfg.G)
-        store = DiskKVStore(self.kv_paths, dims.n_layers, layout, self.reader, max_groups, cfg.max_request_bytes,
-                            cfg.verify_fraction)
-        if self.policy == "flexgen":
-            selector = AllGroupsSelector(cfg.M, model.device)
-        elif self.policy == "hillinfer":
-            selector = HierarchicalSelector(
-                self.scorer or NumpyScorer(), store.dir, dims.n_layers, batch, cfg.max_context, dims.n_kv_heads,
-                dims.head_dim, cfg.importance_rate, cfg.beta, model.scaling, cfg.score_block_tokens,
-            )
-        elif cfg.selector == "random":
-            selector = RandomSelector(cfg.picked_groups)
-        else:
-            adapter, rank = self._adapter_for(cfg), self._rank(cfg)
-            if adapter is None and not self._warned_adapter:
-                log.warning(
-                    "no adapter file: fitting the low-rank K adapter (rank %d) on this batch's prompt keys, kept once a "
-                    "batch gives %d keys per layer; build a calibrated one with edgekv.install for better predictions",
-                    rank, KEYS_PER_RANK * rank,
-                )
-                self._warned_adapter = True
-            selector = LowRankSelector(
-                adapter, rank, dims.n_kv_heads, dims.head_dim, dims.n_layers, batch,
-                cfg.max_context, cfg.G, cfg.picked_groups, cfg.klr_dtype, model.device,
-                score_reduce=cfg.score_reduce, scaling=model.scaling,
-            )
-        slots = SlotTable(dims.n_layers, batch, cfg.C, max_groups, cfg.replacement) if cfg.reuse \
-            else PreloadSlots(batch, cfg.picked_groups)
-        return OffloadedKV(
-            model, batch, cfg.max_context, store, selector, slots, cfg.picked_groups,
-            rolling_buffer=cfg.rolling_buffer, sink_groups=cfg.sink_groups, window_groups=cfg.window_groups,
-            oracle=cfg.selector == "oracle", predict=self.policy != "flexgen",
-            on_select=lambda layer, groups, valid: self.events.emit("groups_selected", layer=layer, groups=groups, valid=valid),
-            placer=CoactivationLayout(cfg.cluster_queries, cfg.cluster_radius, cfg.replica_share, model.scaling,
-                                      layout.stride_bytes) if cfg.clustering and self.policy in ("kvswap", "token") else None,
-            recluster_steps=cfg.recluster_steps, read_deadline_s=cfg.read_deadline_s,
-        )
+    @property
+    def policy_env(self) -> PolicyEnv:
+        """What a batch builds its policy with: this engine's model, KV paths, reader, scorer and adapters."""
+        return PolicyEnv(self.model, self.kv_paths, self.reader, self.scorer, self.adapters.for_config,
+                         self.adapters.rank, self._picks_event)
 
-    def _keep_fitted_adapter(self, policy: KVPolicy, cfg: RuntimeConfig) -> None:
-        """A projection fitted on a batch's prompts is kept for later batches of the same rank when it saw
-        enough keys (KEYS_PER_RANK x rank per layer); a coarser one serves this batch only, and says so."""
-        if self._adapter_for(cfg) is not None or not isinstance(policy, OffloadedKV) \
-                or not isinstance(policy.selector, LowRankSelector):
-            return
-        fitted, n_keys = policy.selector.fitted_adapter()
-        if fitted is None:
-            return
-        if n_keys >= KEYS_PER_RANK * fitted.rank:
-            self.adapter = fitted
-            return
-        log.warning("the low-rank K adapter (rank %d) of this batch was fitted on %d keys per layer, fewer than the %d "
-                    "a stable fit needs: predictions are coarse, and the next batch fits its own; pass an adapter file "
-                    "from the install step to avoid this", fitted.rank, n_keys, KEYS_PER_RANK * fitted.rank)
+    def _picks_event(self, layer, groups, valid) -> None:
+        self.events.emit("groups_selected", layer=layer, groups=groups, valid=valid)
 
     def close(self) -> None:
         if self.reader is not None:
@@ -545,16 +366,6 @@ class Engine:
 
     def __exit__(self, *exc):
         self.close()
-
-
-def _store_stats(store) -> dict:
-    """The batch's read requests over its KV paths (every sequence's together: one step's reads are one batch)."""
-    if store is None:
-        return {"n_paths": 0, "kv_read_requests": 0, "kv_records_read": 0, "kv_records_by_path": [],
-                "kv_records_verified": 0, "kv_records_reread": 0}
-    return {"n_paths": store.n_paths, "kv_read_requests": store.requests, "kv_records_read": store.records_read,
-            "kv_records_by_path": store.records_by_path.tolist(), "kv_records_verified": store.records_verified,
-            "kv_records_reread": store.records_reread}
 
 
 def _prefix_owners(prompts: list[list[int]], group_tokens: int) -> list[tuple[int, int] | None]:
@@ -598,7 +409,7 @@ def _is_messages(prompt) -> bool:
 
 
 def _load_adapter(cfg: RuntimeConfig, policy: str) -> LowRankAdapter | None:
-    return LowRankAdapter.load(cfg.adapter_path) if cfg.adapter_path and policy in ("kvswap", "token") else None
+    return LowRankAdapter.load(cfg.adapter_path) if cfg.adapter_path and get_policy(policy).predicts else None
 
 
 def _preflight(policy, cfg: RuntimeConfig, dims: ModelDims, dtype, adapter, kv_offload_path) -> tuple[int, MemoryPlan]:
@@ -613,7 +424,7 @@ def _preflight(policy, cfg: RuntimeConfig, dims: ModelDims, dtype, adapter, kv_o
     rank = adapter.rank if adapter else LowRankAdapter.rank_for(dims.n_kv_heads, dims.head_dim, cfg.sigma)
     plan = _plan(policy, cfg, dims, dtype, rank)
     plan.check(cfg.max_kv_mem_mib, policy)
-    if policy not in IN_MEMORY_POLICIES:
+    if get_policy(policy).on_disk:
         for path in kv_path_list(kv_offload_path) or [None]:
             check_offload_path(path)
     return rank, plan
@@ -622,16 +433,6 @@ def _preflight(policy, cfg: RuntimeConfig, dims: ModelDims, dtype, adapter, kv_o
 def _plan(policy: str, cfg: RuntimeConfig, dims: ModelDims, dtype: torch.dtype, rank: int) -> MemoryPlan:
     itemsize = torch.empty(0, dtype=dtype).element_size()
     return plan_memory(policy, cfg, dims, itemsize, rank, _record_layout(cfg, dims, dtype).stride_bytes)
-
-
-def _record_layout(cfg: RuntimeConfig, dims: ModelDims, dtype: torch.dtype) -> RecordLayout:
-    """The disk policies' records in ``kv_record_dtype``; a format this model cannot take is named as the config field."""
-    layout = RecordLayout(cfg.G, dims.n_kv_heads, dims.head_dim, dtype, cfg.io_align_bytes, cfg.kv_record_dtype)
-    try:
-        layout.codec  # built now: a format the model cannot take fails before the weights load
-    except ValueError as exc:
-        raise ConfigError(f"config field 'kv_record_dtype' {cfg.kv_record_dtype!r}: {exc}; pick another format") from exc
-    return layout
 
 
 def _ttft_costs(path: str | None):

@@ -194,6 +194,9 @@ class HierarchicalSelector(Selector):
             keys = np.memmap(self._pool_path(layer, seq), dtype=np.float16, mode="r").reshape(-1, self.n_kv_heads, self.head_dim)
             self._admit(layer, seq, np.sort(promote), torch.from_numpy(np.ascontiguousarray(keys[np.sort(promote)])))
 
+    def stats(self) -> dict:
+        return {"scorer_fallback": self.fallback}  # on the CPU: why
+
     def release(self, seq: int) -> None:
         for layer in range(self.row_of.shape[0]):
             self._pool_path(layer, seq).unlink(missing_ok=True)

@@ -71,6 +71,30 @@ class KVPolicy:
         zeros = np.zeros(self.batch, dtype=np.int64)
         return zeros, zeros
 
+    def stats(self, seq: int) -> dict:
+        """What the policy did for ``seq`` (its reads and reuse) and the batch (stalls, resident bytes): every
+        policy reports the same keys, a disk policy's store adds its reads by path and checks."""
+        hits, lookups = self.reuse_counts()
+        return {"kv_bytes_read": int(self.bytes_read[seq]),
+                "reuse_rate": float(hits[seq] / lookups[seq]) if lookups[seq] else 0.0,
+                "reuse_hits": int(hits[seq]), "reuse_lookups": int(lookups[seq]),
+                "io_stall_s": self.io_stall_s, "io_read_s": self.io_read_s, "select_s": self.select_s,
+                "kv_resident_bytes": self.resident_bytes, "o_direct": None, "n_paths": 0, "kv_read_requests": 0,
+                "kv_records_read": 0, "kv_records_by_path": [], "kv_records_verified": 0, "kv_records_reread": 0,
+                "scorer_fallback": None}
+
+    def fitted_adapter(self) -> tuple[object | None, int]:
+        """A low-rank K adapter fitted on this batch's prompts, and the fewest keys a layer's fit saw: (None, 0)
+        when the policy fitted none (it predicts nothing, or has a calibrated adapter)."""
+        return None, 0
+
+    def reads_in_place(self, layout) -> bool:
+        """Whether the policy reads a stored context's blobs of record ``layout`` in place (``attach_prefix``)."""
+        return False
+
+    def attach_prefix(self, seq: int, layout, blobs: list) -> None:
+        """``seq``'s prompt starts with stored chunks: (blob path, groups, record checksums) each, in order."""
+
     def release_sequence(self, seq: int) -> None:
         pass
 

@@ -24,51 +24,43 @@ import torch
 from .disk_store import DiskKVStore, StoreError, aligned_zeros
 from .forward import decode_attention
 from .kv_policy import KVPolicy
+from .config import RuntimeConfig
 from .model import DecoderModel
 from .selector import Selector
-from .slots import record_owners
+from .slots import Slots, record_owners
 
 _ABANDONED: dict = {}  # id(future) -> (future, buffers) of reads past their deadline: their memory lives until they land
 _ABANDONED_LOCK = threading.Lock()
 
 
 class OffloadedKV(KVPolicy):
-    def __init__(
-        self,
-        model: DecoderModel,
-        batch: int,
-        max_context: int,
-        store: DiskKVStore,
-        selector: Selector,
-        slots,
-        groups_per_step: int,
-        rolling_buffer: bool = True,
-        sink_groups: int = 0,
-        window_groups: int = 0,
-        predict: bool = True,
-        oracle: bool = False,
-        on_select=None,
-        placer=None,
-        recluster_steps: int = 0,
-        read_deadline_s: float | None = None,
-    ):
-        super().__init__(model, batch, max_context)
+    """A decode step per layer, in order: select + fetch (``prefetch``, a layer ahead; at attention time for a
+    selector that does not read ahead) -> attend (``attend``: the step's own K/V into its ring slot, wait for
+    the reads, attention over the picks, the sinks and the window) -> append and flush (``end_step``: the
+    step's tokens join the window; a full group goes to disk and into K_lr; re-clustering when due)."""
+
+    def __init__(self, model: DecoderModel, batch: int, cfg: RuntimeConfig, store: DiskKVStore, selector: Selector,
+                 slots: Slots, predict: bool = True, placer=None, on_select=None):
+        """``cfg``: the policy's effective config (its G, M, S, W, window and recluster settings, read deadline).
+        ``predict``: the selector gets the next layer's predicted query (flexgen's picks need none).
+        ``placer``: a cluster.CoactivationLayout placing a prompt's groups on the KV paths (None: striped).
+        ``on_select(layer, groups [B, M], valid [B, M])``: the step's picks, for tuning and traces."""
+        super().__init__(model, batch, cfg.max_context)
         dims = model.dims
         self.store = store
         self.layout = store.layout
         self.G = self.layout.group_tokens
-        self.M = groups_per_step
+        self.M = cfg.picked_groups
         self.selector = selector
         self.slots = slots
-        self.use_rolling_buffer = rolling_buffer
+        self.use_rolling_buffer = cfg.rolling_buffer
         self.predict = predict
-        self.oracle = oracle  # an ablation: pick by the layer's true query at attention time (reads not overlapped)
         self._active = np.ones(batch, dtype=bool)
-        self.on_select = on_select  # on_select(layer, groups [B, M], valid [B, M]): the step's picks, for tuning
-        self.placer = placer  # a cluster.CoactivationLayout: where a prompt's groups go on the KV paths (None: striped)
+        self.on_select = on_select
+        self.placer = placer
         self.prompt_queries = placer.n_queries if placer is not None else 0
         self._observed: dict[int, torch.Tensor] = {}
-        self.recluster_steps = recluster_steps if placer is not None else 0
+        self.recluster_steps = cfg.recluster_steps if placer is not None else 0
         self.decode_steps = np.zeros(batch, dtype=np.int64)
         self._picks: dict[tuple[int, int], list[tuple[int, np.ndarray]]] = {}  # (owner, layer) -> (step, groups)
         self._slot_bytes = aligned_zeros((slots.n_buffers(dims.n_layers), batch, slots.capacity, self.layout.stride_bytes), self.layout.align_bytes)
@@ -76,18 +68,18 @@ class OffloadedKV(KVPolicy):
         self._slot_records = torch.from_numpy(self._slot_bytes).flatten(1, 2)[..., : self.layout.record_bytes]
         self.owner = np.arange(batch)  # whose records a sequence's shared leading groups are (share_prefix)
         self.shared_groups = np.zeros(batch, dtype=np.int64)
-        self.sink_groups = sink_groups
-        self.window_groups = window_groups
-        self.ring_groups = window_groups + 1
+        self.sink_groups = cfg.sink_groups
+        self.window_groups = cfg.window_groups
+        self.ring_groups = cfg.window_groups + 1
         self.rolling = torch.zeros(dims.n_layers, batch, 2, dims.n_kv_heads, self.ring_groups * self.G, dims.head_dim,
                                    dtype=model.dtype, device=model.device)
-        self.sinks = torch.zeros(dims.n_layers, batch, 2, dims.n_kv_heads, sink_groups * self.G, dims.head_dim,
+        self.sinks = torch.zeros(dims.n_layers, batch, 2, dims.n_kv_heads, self.sink_groups * self.G, dims.head_dim,
                                  dtype=model.dtype, device=model.device)
         self.n_groups = np.zeros(batch, dtype=np.int64)
         self.rb_len = np.zeros(batch, dtype=np.int64)
         self._pending: dict[int, tuple[torch.Tensor, torch.Tensor, Future]] = {}
         self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ekv-io")
-        self.read_deadline_s = read_deadline_s
+        self.read_deadline_s = cfg.read_deadline_s
         self._hung: list[Future] = []  # reads that missed the deadline: never waited for again
         self._batch_index = torch.arange(batch, device=model.device)
 
@@ -95,7 +87,7 @@ class OffloadedKV(KVPolicy):
     def resident_bytes(self) -> int:
         rolling = self.rolling.numel() * self.rolling.element_size() + self.sinks.numel() * self.sinks.element_size()
         return (self._slot_bytes.nbytes + rolling + self.selector.resident_bytes + self.store.table_bytes
-                + getattr(self.slots, "nbytes", 0))
+                + self.slots.nbytes)
 
     def start_sequence(self, seq):
         super().start_sequence(seq)
@@ -140,23 +132,24 @@ class OffloadedKV(KVPolicy):
         end = max(self.sink_groups, n_full - self.window_groups)
         per_path, activation, cost = self.placer(q, k, self.G, self.M, self.sink_groups, end, self.store.n_paths)
         self.store.place(seq, layer, per_path)
-        replacement = getattr(self.slots, "replacement", None)
-        if hasattr(replacement, "set_prior"):
-            groups = np.arange(n_full)
-            replacement.set_prior(layer, seq, groups, activation)
-            replacement.set_cost(layer, seq, groups, cost)
+        groups = np.arange(n_full)
+        self.slots.replacement.set_prior(layer, seq, groups, activation)
+        self.slots.replacement.set_cost(layer, seq, groups, cost)
 
     def end_prefill(self):
         self.selector.end_prefill()
 
-    def prefetch(self, layer, x, cos, sin, active):
-        if self.oracle:  # selects in attend, from the layer's own query
-            self._active = active
-            return
-        started = time.perf_counter()
-        self._select_and_read(layer, self.model.query(layer, x, cos, sin) if self.predict else None, active, started)
+    # ---- the decode step: select + fetch -> attend -> append -> flush ------------------------------
 
-    def _select_and_read(self, layer: int, q: torch.Tensor | None, active: np.ndarray, started: float) -> None:
+    def prefetch(self, layer, x, cos, sin, active):
+        """Select + fetch, a layer ahead: the picks from the layer's predicted query, their reads on the I/O
+        thread while the layer before computes (a selector needing the true query waits for ``attend``)."""
+        self._active = active
+        if self.selector.reads_ahead:
+            self._select_and_fetch(layer, self.model.query(layer, x, cos, sin) if self.predict else None, active,
+                                   time.perf_counter())
+
+    def _select_and_fetch(self, layer: int, q: torch.Tensor | None, active: np.ndarray, started: float) -> None:
         outside_window = np.maximum(self.n_groups - self.window_groups, 0)
         groups, valid = self.selector.select(layer, q, torch.from_numpy(outside_window), first=self.sink_groups)
         valid = valid.cpu().numpy() & active[:, None]
@@ -206,23 +199,15 @@ class OffloadedKV(KVPolicy):
         return torch.cat([sinks, ring.reshape(len(self.n_groups), -1)], dim=1)
 
     def attend(self, layer, q, k, v):
-        if self.oracle:
-            self._select_and_read(layer, q, self._active, time.perf_counter())
-        write_at = torch.from_numpy(self.n_groups % self.ring_groups * self.G + self.rb_len).to(q.device)
+        """Attention over the fetched picks, the sinks and the window; the step's own K/V sit in their ring slot
+        first (a token attends to itself) and join the window for good at ``end_step``."""
+        if not self.selector.reads_ahead:
+            self._select_and_fetch(layer, q, self._active, time.perf_counter())
         rolling = self.rolling[layer]
+        write_at = torch.from_numpy(self.n_groups % self.ring_groups * self.G + self.rb_len).to(q.device)
         rolling[self._batch_index, 0, :, write_at] = k[:, :, 0]
         rolling[self._batch_index, 1, :, write_at] = v[:, :, 0]
-
-        slots, valid, future = self._pending.pop(layer)
-        start = time.perf_counter()
-        try:
-            future.result(timeout=self.read_deadline_s)
-        except FutureTimeout:
-            self._hung.append(future)
-            raise StoreError(errno.ETIMEDOUT, f"the KV read of layer {layer} did not finish within read_deadline_s="
-                             f"{self.read_deadline_s:g} s: the KV device under {self.store.root} hangs or is far slower "
-                             "than profiled; check it, or raise read_deadline_s") from None
-        self.io_stall_s += time.perf_counter() - start
+        slots, valid = self._wait_fetch(layer)
 
         # only the selected records are gathered (one copy each) and decoded, on the compute device
         records = self._slot_records[self.slots.buffer_index(layer)].index_select(0, slots.flatten())
@@ -234,7 +219,23 @@ class OffloadedKV(KVPolicy):
         mask = torch.cat([valid.to(q.device).repeat_interleave(g, dim=1), self._resident_mask(q.device)], dim=1)
         return decode_attention(self.model, q, keys, values, mask[:, None, None, :])
 
+    def _wait_fetch(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(slots, valid) of the layer's picks once their reads landed; a read past ``read_deadline_s`` fails."""
+        slots, valid, future = self._pending.pop(layer)
+        start = time.perf_counter()
+        try:
+            future.result(timeout=self.read_deadline_s)
+        except FutureTimeout:
+            self._hung.append(future)
+            raise StoreError(errno.ETIMEDOUT, f"the KV read of layer {layer} did not finish within read_deadline_s="
+                             f"{self.read_deadline_s:g} s: the KV device under {self.store.root} hangs or is far slower "
+                             "than profiled; check it, or raise read_deadline_s") from None
+        self.io_stall_s += time.perf_counter() - start
+        return slots, valid
+
     def end_step(self, active):
+        """Append: the step's tokens join the window.  Flush: a window group now full goes to disk and into K_lr.
+        Then the sequences whose decode picks are due are clustered again."""
         super().end_step(active)
         self.rb_len[active] += 1
         for seq in np.flatnonzero(self.rb_len == self.G):
@@ -242,6 +243,8 @@ class OffloadedKV(KVPolicy):
         self.decode_steps[active] += 1
         for seq in np.flatnonzero(active & (self.decode_steps == self.recluster_steps)) if self.recluster_steps else ():
             self._recluster(int(seq))
+
+    # ---- re-clustering (several KV paths) ----------------------------------------------------------
 
     def _keep_picks(self, layer: int, groups: np.ndarray, valid: np.ndarray, owners: np.ndarray) -> None:
         """The step's picks per record owner, until that owner's layers are clustered again."""
@@ -253,10 +256,7 @@ class OffloadedKV(KVPolicy):
 
     def _resident_records(self, layer: int, owner: int, groups: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(held mask, records [held, stride]) of ``owner``'s groups that sit in this layer's reuse slots."""
-        slot_of = getattr(self.slots, "slot_of", None)
-        if slot_of is None:
-            return np.zeros(len(groups), dtype=bool), np.zeros((0, self.layout.stride_bytes), dtype=np.uint8)
-        slots = slot_of[layer, owner, groups]
+        slots = self.slots.held(layer, owner, groups)
         held = slots >= 0
         buffer = self._slot_bytes[self.slots.buffer_index(layer)].reshape(-1, self.layout.stride_bytes)
         return held, buffer[slots[held]]
@@ -266,7 +266,6 @@ class OffloadedKV(KVPolicy):
         KV paths (a stored context's groups too: its queries say how to lay them out).  With a reuse buffer only
         the groups it holds move (the picks that are still hot; no read), without one every picked group is read
         and moved.  Between steps: no read is in flight."""
-        replacement = getattr(self.slots, "replacement", None)
         for layer in range(self.model.dims.n_layers):
             kept = self._picks.pop((seq, layer), [])
             if not kept:
@@ -275,12 +274,11 @@ class OffloadedKV(KVPolicy):
             for step, groups in kept:
                 picks[step, groups] = True
             per_path, cost = self.placer.refine(picks, self.store.n_paths)
-            if hasattr(self.slots, "slot_of"):  # with reuse, move what the slots hold: written, never read again
-                per_path = [groups[self.slots.slot_of[layer, seq, groups] >= 0] for groups in per_path]
+            if self.slots.keeps_records:  # with reuse, move what the slots hold: written, never read again
+                per_path = [groups[self.slots.held(layer, seq, groups) >= 0] for groups in per_path]
             self.store.relocate(seq, layer, per_path, lambda groups: self._resident_records(layer, seq, groups))
-            if hasattr(replacement, "set_cost"):
-                moved = np.concatenate(per_path)
-                replacement.set_cost(layer, seq, moved, cost[moved])
+            moved = np.concatenate(per_path)
+            self.slots.replacement.set_cost(layer, seq, moved, cost[moved])
 
     def _flush_group(self, seq: int) -> None:
         """The rolling buffer of ``seq`` is one full group: write it to disk and add its keys to K_lr."""
@@ -295,8 +293,29 @@ class OffloadedKV(KVPolicy):
         self.n_groups[seq] += 1
         self.rb_len[seq] = 0
 
+    # ---- stats and release ------------------------------------------------------------------------
+
     def reuse_counts(self):
         return self.slots.hits.copy(), self.slots.lookups.copy()
+
+    def stats(self, seq):
+        store = self.store
+        return {**super().stats(seq), "o_direct": store.o_direct, "n_paths": store.n_paths,
+                "kv_read_requests": store.requests, "kv_records_read": store.records_read,
+                "kv_records_by_path": store.records_by_path.tolist(), "kv_records_verified": store.records_verified,
+                "kv_records_reread": store.records_reread, "scorer_fallback": None, **self.selector.stats()}
+
+    def fitted_adapter(self):
+        return self.selector.fitted_adapter()
+
+    def reads_in_place(self, layout):
+        return layout == self.layout
+
+    def attach_prefix(self, seq, layout, blobs):
+        try:
+            self.store.attach_prefix(seq, blobs)
+        except FileNotFoundError:  # a blob removed after its trailer was read (damage found by another reader)
+            pass
 
     def release_sequence(self, seq):
         self.store.release(seq)

@@ -14,9 +14,13 @@ from .adapter import LowRankAdapter
 
 
 class Selector:
-    """Interface: keep whatever metadata the choice needs, and choose up to M groups per sequence."""
+    """Interface: keep whatever metadata the choice needs, and choose up to M groups per sequence.
+
+    ``reads_ahead``: it picks from the next layer's predicted query, so the reads overlap the current layer;
+    a selector that needs the layer's own query (the oracle) picks at attention time and its reads stall."""
 
     resident_bytes = 0
+    reads_ahead = True
 
     def append(self, layer: int, seq: int, first_token: int, k: torch.Tensor) -> None:
         """New post-RoPE keys k [H_kv, T, d] of one sequence, starting at ``first_token``."""
@@ -35,6 +39,14 @@ class Selector:
 
     def end_prefill(self) -> None:
         """Every prompt of the batch is stored; decoding starts."""
+
+    def fitted_adapter(self) -> tuple[LowRankAdapter | None, int]:
+        """A projection fitted on the batch's own keys and the fewest keys a layer's fit saw; (None, 0): none."""
+        return None, 0
+
+    def stats(self) -> dict:
+        """What the selector reports beside the policy's stats (e.g. why scoring fell back to the CPU)."""
+        return {}
 
     def close(self) -> None:
         pass
@@ -69,7 +81,6 @@ class RandomSelector(Selector):
         return groups, valid
 
 
-KEYS_PER_RANK = 4  # a projection fitted on fewer than 4 x rank keys is coarse: the engine does not keep it
 # K_lr formats: torch dtype, bytes per element, bytes of per-token scale (int8 rows carry one bf16 absmax scale)
 KLR_FORMATS = {"bfloat16": (torch.bfloat16, 2, 0), "float16": (torch.float16, 2, 0), "float32": (torch.float32, 4, 0),
                "int8": (torch.int8, 1, 2)}
@@ -206,3 +217,11 @@ class LowRankSelector(Selector):
         groups[:, :k] = top.indices
         valid[:, :k] = top.values > float("-inf")
         return groups, valid
+
+
+class OracleSelector(LowRankSelector):
+    """Scores with the layer's own query at attention time instead of predicting it a layer ahead: a quality
+    ceiling for ablations (with sigma=1 and score_reduce "softmax" it is top-k by true attention); its reads
+    are not overlapped."""
+
+    reads_ahead = False

@@ -58,6 +58,12 @@ class Replacement:
     def forget(self, seq: int) -> None:
         """``seq`` starts a new sequence: whatever was learnt about its records no longer holds."""
 
+    def set_cost(self, layer: int, owner: int, groups, cost) -> None:
+        """The cost of reading ``owner``'s ``groups`` again (clustering knows it); a policy may weigh it."""
+
+    def set_prior(self, layer: int, owner: int, groups, counts) -> None:
+        """How often ``owner``'s ``groups`` were picked before decoding (the prompt's queries)."""
+
 
 class Fifo(Replacement):
     """KVSwap's reuse buffer: the oldest insertion goes, a hit does not refresh it."""
@@ -110,7 +116,46 @@ class CostAware(Replacement):
 REPLACEMENTS = {"fifo": Fifo, "lru": Lru, "cost": CostAware}
 
 
-class SlotTable:
+class Slots:
+    """Where a layer's selected records sit in memory, and which must be read (the protocol both tables keep).
+
+    ``assign`` places one step's picks of a layer; ``held`` says which records already sit in slots (read
+    again for free); ``replacement`` is told what clustering learns of records (cost, prior picks)."""
+
+    keeps_records = False  # records stay resident past their step (a reuse buffer)
+    capacity: int
+    hits: np.ndarray
+    lookups: np.ndarray
+    replacement: Replacement
+
+    def buffer_index(self, layer: int) -> int:
+        raise NotImplementedError
+
+    @staticmethod
+    def n_buffers(n_layers: int) -> int:
+        raise NotImplementedError
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the table's own bookkeeping (what the slots hold is counted apart)."""
+        return 0
+
+    def share(self, seqs: list[int]) -> None:
+        raise NotImplementedError
+
+    def assign(self, layer: int, groups: np.ndarray, valid: np.ndarray,
+               owners: np.ndarray | None = None) -> tuple[np.ndarray, Misses]:
+        raise NotImplementedError
+
+    def held(self, layer: int, owner: int, groups: np.ndarray) -> np.ndarray:
+        """The flat slot holding each of ``owner``'s ``groups`` in ``layer``, -1 where none does."""
+        return np.full(len(groups), -1, dtype=np.int64)
+
+    def reset(self, seq: int) -> None:
+        raise NotImplementedError
+
+
+class SlotTable(Slots):
     """The reuse buffer's bookkeeping: ``capacity`` slots per (layer, sequence), grouped into pools.
 
     A pool is a set of sequences whose slots hold any of their records, each at most once: alone (the
@@ -121,6 +166,8 @@ class SlotTable:
     (owner, group) -> flat slot or -1, dense so a lookup costs O(M), not O(C).  ``hits`` counts the picks
     that needed no read, a record read once for several rows included.
     """
+
+    keeps_records = True
 
     def __init__(self, n_layers: int, batch: int, capacity: int, max_groups: int, replacement: str = "fifo"):
         if replacement not in REPLACEMENTS:
@@ -159,6 +206,9 @@ class SlotTable:
         arrays = [self.group, self.owner, self.inserted, self.used, self.slot_of, self._seq_of_slot]
         arrays += [getattr(self.replacement, name) for name in ("frequency", "cost") if hasattr(self.replacement, name)]
         return sum(a.nbytes for a in arrays)
+
+    def held(self, layer, owner, groups):
+        return self.slot_of[layer, owner, groups]
 
     def key_at(self, layer: int, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(owner, group) of the records in flat ``slots`` of ``layer``."""
@@ -263,17 +313,19 @@ class SlotTable:
         self.replacement.forget(seq)
 
 
-class PreloadSlots:
+class PreloadSlots(Slots):
     """No reuse: row ``b``'s pick ``m`` is read into flat slot ``b * capacity + m`` of a buffer shared by
     alternate layers; a record several rows pick in a step is read once, into its first picker's slot.
 
-    Two buffers suffice because layer i+1's fetch overlaps layer i's attention only.
+    Two buffers suffice because layer i+1's fetch overlaps layer i's attention only.  Nothing stays resident
+    past its step, so nothing is ``held`` and the replacement has nothing to weigh.
     """
 
     def __init__(self, batch: int, capacity: int):
         self.capacity = capacity
         self.hits = np.zeros(batch, dtype=np.int64)
         self.lookups = np.zeros(batch, dtype=np.int64)
+        self.replacement = Replacement(self)
 
     def buffer_index(self, layer: int) -> int:
         return layer % 2

@@ -80,9 +80,6 @@ class Scheduler:
         self._recent_s: collections.deque[float] = collections.deque(maxlen=32)  # durations, for Retry-After
         self._saves = ThreadPoolExecutor(1, thread_name_prefix="edgekv-save") if save_prompts else None
         self._save_slots = threading.BoundedSemaphore(PENDING_SAVES_MAX)
-        self._saving = False  # whether the job being prefilled wants its prompt kept
-        if save_prompts:
-            engine.prompt_sink = self._save_prompt
         self._thread = threading.Thread(target=self._loop, name="edgekv-scheduler", daemon=True)
 
     # ---- the HTTP side -----------------------------------------------------------------------
@@ -211,9 +208,9 @@ class Scheduler:
         return self.engine.batch_config(self.rows, job.context_tokens) != self.batch.cfg
 
     def _join(self, row: int, job: Job) -> bool:
-        self._saving = job.save_prompt
+        keep = job.save_prompt and self._saves is not None
         try:
-            logits = self.batch.join(row, job.ids)
+            filled = self.batch.join(row, job.ids, keep_kv=keep)
         except Exception as exc:  # this prompt's prefill failed (its store chunk, its disk write): the others go on
             log.warning("prefill failed: %s", exc)
             self.batch.leave(row)
@@ -222,10 +219,10 @@ class Scheduler:
         self.jobs[row] = job
         self._rows_changed()
         self.metrics.prompt_tokens.inc(len(job.ids))
-        stored = self.engine.prefill_stats[-1].get("stored_tokens", 0) if self.engine.prefill_stats else 0
-        self.engine.prefill_stats.clear()
-        self.metrics.prompt_tokens_stored.inc(stored)
-        self._next_token(row, job, logits[None].float())
+        self.metrics.prompt_tokens_stored.inc(filled.stats.get("stored_tokens", 0))
+        if keep:
+            self._save_prompt(job.ids, filled.kv)
+        self._next_token(row, job, filled.logits[None].float())
         return True
 
     def _step(self) -> None:
@@ -346,8 +343,6 @@ class Scheduler:
     def _save_prompt(self, ids: list[int], kv: list) -> None:
         """Keep a prompt's KV in the context store (in the background): a chat's next turn starts with this
         prompt, so its prefill loads it and computes only what is new."""
-        if not self._saving:
-            return
         if not self._save_slots.acquire(blocking=False):
             log.info("context store writer busy: this prompt's KV is not saved")
             return

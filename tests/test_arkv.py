@@ -27,13 +27,14 @@ def generate(model_dir, policy, config, prompts=PROMPTS, new_tokens=14, on_polic
     with Engine.from_pretrained(model_dir, config=config, policy=policy) as engine:
         engine.prompt_cache = cache
         if on_policy is not None:  # see the policy the engine builds, and every decode step
-            make = engine._make_policy
+            open_batch = engine.open_batch
 
             def keep(*args):
-                on_policy["policy"] = make(*args)
-                return on_policy["policy"]
+                batch = open_batch(*args)
+                on_policy["policy"] = batch.policy
+                return batch
 
-            engine._make_policy = keep
+            engine.open_batch = keep
             engine.events.subscribe(lambda e: e.kind == "decode_step_end" and on_policy["check"](on_policy["policy"]))
         return engine, engine.generate(prompts, max_new_tokens=new_tokens, stop_token_ids=[], output_logits=True)
 

@@ -77,17 +77,17 @@ def test_sampled_verification_states_its_coverage_and_checks_about_that_share(mo
         with Engine.from_pretrained(model_dirs["llama"], kv_offload_path=kv_dir, config={**CFG, "verify_fraction": 0.5},
                                     policy="kvswap") as engine:
             stores = []
-            make = engine._make_policy
-            engine._make_policy = lambda *a: _keep_store(make(*a), stores)
+            open_batch = engine.open_batch
+            engine.open_batch = lambda *a: _keep_store(open_batch(*a), stores)
             engine.generate(PROMPTS, max_new_tokens=60, stop_token_ids=[])
     assert "caught with probability 0.5 per read" in caplog.text
     store = stores[0]
     assert store.records_read > 200 and 0.3 < store.records_verified / store.records_read < 0.7
 
 
-def _keep_store(policy, stores):
-    stores.append(policy.store)
-    return policy
+def _keep_store(batch, stores):
+    stores.append(batch.policy.store)
+    return batch
 
 
 @pytest.mark.parametrize("fault", ["eio", "short"])

@@ -13,6 +13,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E
 
 from edgekv.cli import UsageError, build_parser, parse_args  # noqa: E402
 from edgekv.install.profile import PROFILES_DIR, SCHEMA, Profile, ProfileError, load_profile  # noqa: E402
+from edgekv.runtime import policies  # noqa: E402
 from edgekv.runtime.config import ConfigError, RuntimeConfig  # noqa: E402
 from edgekv.runtime.solutions import SolutionTable, load_deployed  # noqa: E402
 
@@ -35,8 +36,8 @@ def test_any_json_config_is_valid_or_refused_naming_a_field(raw):
         assert not isinstance(value, float) or math.isfinite(value), (field, value)
         if field.endswith("_path"):
             assert value is None or isinstance(value, str), (field, value)
-    for policy in ("kvswap", "token", "flexgen", "hillinfer", "full", "arkv"):
-        effective = config.for_policy(policy)
+    for spec in policies.specs():
+        effective = spec.effective_config(config)
         assert effective.picked_groups >= 1 and (not effective.reuse or effective.C >= effective.picked_groups)
 
 

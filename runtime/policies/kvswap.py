@@ -1,0 +1,55 @@
+"""``kvswap``: KVSwap's policy.  The full KV on disk in groups of G tokens; a low-rank K cache in memory predicts
+the next layer's top-M groups from its query, read while the current layer computes; a reuse buffer of C slots
+per layer keeps recent picks; S sink and W window tokens are always attended (KVSwap §3-4)."""
+from __future__ import annotations
+
+import logging
+
+from ..cluster import CoactivationLayout
+from ..adapter import KEYS_PER_RANK
+from ..selector import LowRankSelector, OracleSelector, RandomSelector
+from .base import PolicySpec
+from .disk import disk_parts, offloaded, open_store
+
+log = logging.getLogger(__name__)
+
+
+class KVSwap(PolicySpec):
+    name = "kvswap"
+    summary = "KV on disk in groups, low-rank prediction of the next layer's top-M groups, reuse buffer"
+    predicts = True
+    selects = True
+    reuses = True
+
+    def memory_parts(self, cfg, dims, kv_itemsize, rank, stride_bytes):
+        return disk_parts(cfg, dims, kv_itemsize, rank, stride_bytes, predicts=True)
+
+    def build(self, env, batch, cfg):
+        dims, model = env.model.dims, env.model
+        store = open_store(env, cfg)
+        if cfg.selector == "random":
+            selector = RandomSelector(cfg.picked_groups)
+        else:
+            adapter, rank = env.adapter_for(cfg), env.rank_for(cfg)
+            if adapter is None:
+                _warn_fitting(rank)
+            kind = OracleSelector if cfg.selector == "oracle" else LowRankSelector
+            selector = kind(adapter, rank, dims.n_kv_heads, dims.head_dim, dims.n_layers, batch,
+                            cfg.max_context, cfg.G, cfg.picked_groups, cfg.klr_dtype, model.device,
+                            score_reduce=cfg.score_reduce, scaling=model.scaling)
+        placer = CoactivationLayout(cfg.cluster_queries, cfg.cluster_radius, cfg.replica_share, model.scaling,
+                                    store.layout.stride_bytes) if cfg.clustering else None
+        return offloaded(env, batch, cfg, store, selector, placer=placer)
+
+
+_warned = False
+
+
+def _warn_fitting(rank: int) -> None:
+    """Once per process: no adapter file, so the projection is fitted on the batch's own prompt keys."""
+    global _warned
+    if not _warned:
+        log.warning("no adapter file: fitting the low-rank K adapter (rank %d) on this batch's prompt keys, kept once a "
+                    "batch gives %d keys per layer; build a calibrated one with edgekv.install for better predictions",
+                    rank, KEYS_PER_RANK * rank)
+        _warned = True
