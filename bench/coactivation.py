@@ -111,7 +111,7 @@ def main(argv=None):
     from edgekv.runtime.engine import _record_layout
 
     stride = _record_layout(cfg, model.dims, model.dtype).stride_bytes
-    placer = CoactivationLayout(cfg.cluster_queries, cfg.cluster_radius, 0.0, model.scaling, stride)
+    placer = CoactivationLayout(cfg.placement.cluster_queries, cfg.placement.cluster_radius, 0.0, model.scaling, stride)
     rows = []
     for reuse, capacity in (("no reuse", None), (f"FIFO C={args.M}", args.M)):
         reads = reads_per_step(trace, model.dims.n_layers, args.batch, capacity, n_groups)

@@ -261,7 +261,7 @@ class RowRunner:
         reader = None
         if paths is not None:
             n, limit_mib_s, limit_iops = paths
-            reader = open_reader(config.reader_backend, config.io_queue_depth, n_paths=n, limit_mib_s=limit_mib_s,
+            reader = open_reader(config.io.reader_backend, config.io.io_queue_depth, n_paths=n, limit_mib_s=limit_mib_s,
                                  limit_iops=limit_iops)
         try:
             engine = Engine(self.model, config, row_policy(name), kv, reader=reader)
@@ -290,7 +290,7 @@ class RowRunner:
         spec = registry.get(row_policy(name))
         on_disk, predicts, selects = spec.on_disk, spec.predicts, spec.selects and spec.predicts
         stride = RecordLayout(config.G, dims.n_kv_heads, dims.head_dim, self.model.dtype, self.limits.io_align_bytes,
-                              config.kv_record_dtype).stride_bytes
+                              config.io.kv_record_dtype).stride_bytes
         profile_bw = self.disk_profile.read_mib_s(stride, QUEUE_DEPTH, source="fio") if on_disk else None
         per_layer = 1e3 / (len(timer.steps) * dims.n_layers)  # whole run (warm-up included), ms per layer-step
         parts = {"select": s[0]["select_s"] * per_layer, "io_stall": s[0]["io_stall_s"] * per_layer}
@@ -301,14 +301,14 @@ class RowRunner:
             parts, G=config.G if on_disk else None, M=config.M if selects else None, C=config.C if spec.tunable else None,
             sigma=config.sigma if selects else None, o_direct=s[0]["o_direct"],
             sink_tokens=config.sink_tokens if selects else None, window_tokens=config.window_tokens if selects else None,
-            klr_dtype=config.klr_dtype if predicts else None,
-            kv_record_dtype=config.kv_record_dtype if on_disk else None,
+            klr_dtype=config.predictor.klr_dtype if predicts else None,
+            kv_record_dtype=config.io.kv_record_dtype if on_disk else None,
             n_paths=s[0]["n_paths"] if on_disk else None, eff_bw_mib_s=eff,
             requests_per_step=requests / len(timer.steps) if on_disk else None,
             bytes_per_request=read / requests if requests else None,
-            clustering=("on" if config.clustering else "off") if on_disk else None,
+            clustering=("on" if config.placement.clustering else "off") if on_disk else None,
             replacement=config.replacement if selects and config.reuse else None,
-            share_prefix=config.share_prefix if on_disk else None, path_limit_mib_s=path_limit_mib_s,
+            share_prefix=config.placement.share_prefix if on_disk else None, path_limit_mib_s=path_limit_mib_s,
             records_by_path=s[0]["kv_records_by_path"] if on_disk else None, reader=s[0]["reader"], kv_bytes_read=read,
             verify_fraction=s[0]["kv_records_verified"] / max(1, s[0]["kv_records_read"]) if on_disk else None)
 
@@ -330,8 +330,8 @@ def fit_for_clustering(model: DecoderModel, kvswap: dict) -> dict:
     def need_mib(cfg: dict) -> float:
         config = RuntimeConfig.load({**cfg, "clustering": True})
         rank = LowRankAdapter.rank_for(dims.n_kv_heads, dims.head_dim, config.sigma)
-        stride = RecordLayout(config.G, dims.n_kv_heads, dims.head_dim, model.dtype, config.io_align_bytes,
-                              config.kv_record_dtype).stride_bytes
+        stride = RecordLayout(config.G, dims.n_kv_heads, dims.head_dim, model.dtype, config.io.io_align_bytes,
+                              config.io.kv_record_dtype).stride_bytes
         return plan_memory("kvswap", config, dims, itemsize, rank, stride).total_bytes / 2**20
 
     cfg = dict(kvswap)
@@ -619,7 +619,7 @@ def emulation(kv_paths: list[Path], limit_mib_s: float | None, limit_iops: float
     the largest N is capped by the disk, not by the emulated devices)."""
     devices = len({os.stat(p).st_dev for p in kv_paths})
     counts = path_counts(len(kv_paths))
-    largest_request = RuntimeConfig().max_request_bytes
+    largest_request = RuntimeConfig().io.max_request_bytes
     real_mib_s = disk_profile.read_mib_s(largest_request, QUEUE_DEPTH, source="disk")
     limits = " and ".join(f"{v:g} {unit}" for v, unit in ((limit_mib_s, "MiB/s"), (limit_iops, "IOPS")) if v is not None)
     shared = f"{len(kv_paths)} KV folder(s) on {devices} real device(s), each KV path its own read queue (MultiPathReader)"

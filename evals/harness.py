@@ -267,7 +267,7 @@ def engine_for(model: DecoderModel, kv_path, policy: str, config: dict, adapters
         adapter = adapters(config["sigma"])
         if adapters.fixed is not None:
             config = {**config, "sigma": None}  # the file's rank replaces the fitted sigma
-    known = set(RuntimeConfig.__dataclass_fields__)
+    known = set(RuntimeConfig.keys())
     return Engine(model, RuntimeConfig.load({k: v for k, v in config.items() if k in known}), policy, kv_path,
                   adapter=adapter), config
 

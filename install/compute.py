@@ -16,7 +16,8 @@ import numpy as np
 import torch
 
 from edgekv.runtime.forward import decode_attention
-from edgekv.runtime.model import DecoderModel
+from edgekv.runtime.config import PredictorConfig
+from edgekv.runtime.model import DecoderModel, ModelDims
 from edgekv.runtime.selector import LowRankSelector
 from edgekv.runtime.slots import SlotTable
 
@@ -101,8 +102,9 @@ def time_predictor(model: DecoderModel, batch: int, context: int, rank: int, gro
                    klr_dtype: str) -> float:
     """Layer-ahead prediction for one layer: q-proj of the next layer, scores over K_lr, top-M groups."""
     d = model.dims
-    selector = LowRankSelector(None, rank, d.n_kv_heads, d.head_dim, 1, batch, context, group_tokens, groups,
-                               klr_dtype, model.device, scaling=model.scaling)
+    one_layer = ModelDims(1, d.hidden, d.n_heads, d.n_kv_heads, d.head_dim, d.vocab)
+    selector = LowRankSelector(None, rank, one_layer, batch, context, group_tokens, groups,
+                               PredictorConfig(klr_dtype=klr_dtype), model.device, scaling=model.scaling)
     selector.adapter = [torch.randn(d.n_kv_heads * d.head_dim, rank, dtype=selector.dtype, device=model.device)]
     selector.k_lr.copy_(torch.randint(-127, 128, selector.k_lr.shape) if selector.quantized else torch.randn(selector.k_lr.shape))
     selector.k_scale.fill_(0.01)

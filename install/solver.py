@@ -91,9 +91,10 @@ def _sequence_bytes(dims: ModelDims, kv_dtype: torch.dtype, limits: Limits, cont
                     klr_dtype: str | None = None, record_dtype: str = "auto") -> tuple[int, int]:
     """(bytes, rank) of one sequence, from the runtime's own memory plan."""
     rank = LowRankAdapter.rank_for(dims.n_kv_heads, dims.head_dim, sigma)
-    cfg = RuntimeConfig(G=G, M=M, C=C, sigma=sigma, max_batch=1, max_context=context, reuse=reuse,
-                        io_align_bytes=limits.io_align_bytes, klr_dtype=klr_dtype or limits.klr_dtype,
-                        sink_tokens=sink_tokens, window_tokens=window_tokens, kv_record_dtype=record_dtype)
+    cfg = RuntimeConfig.from_flat({"G": G, "M": M, "C": C, "sigma": sigma, "max_batch": 1, "max_context": context,
+                                   "reuse": reuse, "io_align_bytes": limits.io_align_bytes,
+                                   "klr_dtype": klr_dtype or limits.klr_dtype, "sink_tokens": sink_tokens,
+                                   "window_tokens": window_tokens, "kv_record_dtype": record_dtype})
     itemsize = torch.empty(0, dtype=kv_dtype).element_size()
     stride = _stride(dims, kv_dtype, limits, G, record_dtype)
     return plan_memory("kvswap", cfg, dims, itemsize, rank, stride).total_bytes, rank

@@ -46,8 +46,8 @@ def reuse_table(model, kv_dir, prompts: list[list[int]], group_sizes, mg_const: 
     adapter = LowRankAdapter.load(adapter_path)
     for G in group_sizes:
         M = math.ceil(mg_const / G)
-        cfg = RuntimeConfig(G=G, M=M, C=M, sigma=None, adapter_path=adapter_path, max_context=max_context,
-                            max_batch=len(prompts), io_align_bytes=512).validated()
+        cfg = RuntimeConfig.load({"G": G, "M": M, "C": M, "sigma": None, "adapter_path": adapter_path,
+                                  "max_context": max_context, "max_batch": len(prompts), "io_align_bytes": 512})
         with Engine(model, cfg, "kvswap", kv_dir, adapter=adapter) as engine:
             picks = record_selections(engine, prompts, steps)
         out[G] = {r: replay_hit_rate(picks, model.dims.n_layers, len(prompts), max(M, round(r * M)), max_context // G + 1,

@@ -130,10 +130,10 @@ class AdapterSet:
         self._files: dict[str, LowRankAdapter] = {}
 
     def for_config(self, cfg) -> LowRankAdapter | None:
-        if cfg.adapter_path and self.predicts:
-            if cfg.adapter_path not in self._files:
-                self._files[cfg.adapter_path] = LowRankAdapter.load(cfg.adapter_path)
-            return self._files[cfg.adapter_path]
+        if cfg.predictor.adapter_path and self.predicts:
+            if cfg.predictor.adapter_path not in self._files:
+                self._files[cfg.predictor.adapter_path] = LowRankAdapter.load(cfg.predictor.adapter_path)
+            return self._files[cfg.predictor.adapter_path]
         if self.current is not None and self.current.rank == LowRankAdapter.rank_for(
                 self.n_kv_heads, self.head_dim, cfg.sigma or self.current.sigma):
             return self.current

@@ -46,7 +46,7 @@ class ArkvGeometry:
     """Sizes shared by the memory plan and the policy: the arena per layer and sequence and its split for a ρ."""
 
     def __init__(self, cfg: RuntimeConfig, dims: ModelDims, itemsize: int):
-        self.window, self.slack, self.max_context = cfg.arkv_window_tokens, cfg.arkv_slack, cfg.max_context
+        self.window, self.slack, self.max_context = cfg.arkv.arkv_window_tokens, cfg.arkv.arkv_slack, cfg.max_context
         self.kv_bytes = dims.n_kv_heads * dims.head_dim * itemsize  # one token's K (or V) of one layer
         self.meta_offset = align16(2 * self.kv_bytes)
         self.original_bytes = self.meta_offset + META_BYTES
@@ -56,10 +56,10 @@ class ArkvGeometry:
         self.arena_bytes = 0 if self.fits_all else int(budget) // 16 * 16
         self.window_bytes = (self.window + 1) * self.original_bytes
         try:
-            formats = ("int8", "int4") if cfg.arkv_quant == "auto" else (cfg.arkv_quant,)
+            formats = ("int8", "int4") if cfg.arkv.arkv_quant == "auto" else (cfg.arkv.arkv_quant,)
             layouts = [GroupLayout(dims.n_kv_heads, GROUP_TOKENS, dims.head_dim, quant_format(f)) for f in formats]
         except ValueError as exc:
-            raise ConfigError(f"config field 'arkv_quant' {cfg.arkv_quant!r}: {exc}; use int8") from exc
+            raise ConfigError(f"config field 'arkv_quant' {cfg.arkv.arkv_quant!r}: {exc}; use int8") from exc
         # auto: int8 while a copy of every token fits in it, else int4 (evicting costs more than 4 bits:
         # fixture at 1/4, int8 evicting 0.912 relative accuracy, int4 keeping every token 1.000)
         self.layout = next((lay for lay in layouts if self._holds_every_token(lay)), layouts[-1])
@@ -155,7 +155,7 @@ class ArkvKV(KVPolicy):
         self.geo = geo = ArkvGeometry(cfg, d, torch.empty(0, dtype=model.dtype).element_size())
         if geo.fits_all or geo.arena_bytes < geo.min_arena_bytes:
             raise ValueError("ArkvKV needs a budget between its minimum and the full cache; see runtime.memory.plan_memory")
-        self.window, self.gamma = cfg.arkv_window_tokens, cfg.arkv_gamma
+        self.window, self.gamma = cfg.arkv.arkv_window_tokens, cfg.arkv.arkv_gamma
         self.n_kv, self.rep, self.head_dim = d.n_kv_heads, d.n_heads // d.n_kv_heads, d.head_dim
         self.arena = torch.zeros(d.n_layers, batch, geo.arena_bytes, dtype=torch.uint8, device=model.device)
         shape = (d.n_layers, batch)

@@ -19,6 +19,8 @@ import torch
 from .config import RuntimeConfig
 from .prefill_chain import Prefilled, PrefillChain
 
+STATS_CONFIG_KEYS = ("G", "M", "C", "sigma", "reuse", "rolling_buffer", "max_context", "kv_record_dtype")  # per result
+
 
 @dataclass
 class GenerationResult:
@@ -133,8 +135,7 @@ class RunningBatch:
             "io_stall_share": policy_stats["io_stall_s"] / decode_s if decode_s > 0 else 0.0,
             "batch_size": self.rows,
             "reader": engine.reader.name if engine.reader else None,
-            "config": {k: getattr(cfg, k) for k in ("G", "M", "C", "sigma", "reuse", "rolling_buffer", "max_context",
-                                                    "kv_record_dtype")} | {"rank": engine.adapters.rank(cfg)},
+            "config": {k: v for k, v in cfg.to_dict().items() if k in STATS_CONFIG_KEYS} | {"rank": engine.adapters.rank(cfg)},
         }
         text = engine.tokenizer.decode(generated, skip_special_tokens=True) if engine.tokenizer else ""
         finish = "stop" if generated[-1] in stops else "length"

@@ -281,6 +281,11 @@ class CoactivationLayout:
         self.addr_cost_s = addr_cost_s
         self.entry_cost_s = record_bytes / read_bytes_s
 
+    @classmethod
+    def from_config(cls, placement, scaling: float, record_bytes: int) -> "CoactivationLayout":
+        """From the config's ``placement`` section (cluster_queries, cluster_radius, replica_share)."""
+        return cls(placement.cluster_queries, placement.cluster_radius, placement.replica_share, scaling, record_bytes)
+
     def __call__(self, q: torch.Tensor, k: torch.Tensor, group_tokens: int, n_pick: int, first_group: int,
                  end_group: int, n_paths: int) -> tuple[list[np.ndarray], np.ndarray, np.ndarray]:
         """(per-path record order, activation [n_groups], refetch cost [n_groups]) for one (sequence, layer)."""

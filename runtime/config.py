@@ -1,23 +1,27 @@
 """Runtime configuration: the parameters the install step solves for, validated at the edge.
 
-A config is data (a dict or a JSON file).  Every field is checked here once, with an
-error that names the field, so the engine can trust what it receives.
+A config is data: a dict or a JSON file of flat keys (``{"G": 4, "reader_backend": "auto", ...}``, what every
+deploy writes), or the same keys nested by section (``{"G": 4, "io": {"reader_backend": "auto"}}``).  In Python
+it is the core geometry and budget plus one section per consumer, each section owned by the code that reads
+it: ``io`` (the disk store and the KV reader), ``predictor`` (the selector), ``placement`` (several KV paths,
+shared prefixes), ``integrity`` (record checksums), ``hillinfer``, ``arkv`` and ``prefill``.  Every field
+declares its check beside it (``setting``); a bad value is a ConfigError naming the field, so the engine can
+trust what it receives.  A key's name is the same in the file, in its section and in every error.
 """
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 from .quant import QUANT_DTYPES, RECORD_DTYPES
+from .reader import BACKENDS
+from .selector import KLR_FORMATS, SCORE_REDUCES, SELECTORS
+from .slots import REPLACEMENTS as REPLACEMENT_POLICIES
 
-READER_BACKENDS = ("auto", "io_uring", "pthread", "python")
-SELECTORS = ("lowrank", "random", "oracle")
-SCORE_REDUCES = ("sum", "softmax")
-KLR_DTYPES = ("bfloat16", "float16", "float32", "int8")
-REPLACEMENTS = ("fifo", "lru", "cost")
-BOOL_FIELDS = ("reuse", "rolling_buffer", "clustering", "share_prefix")
+READER_BACKENDS = ("auto", *BACKENDS)
+REPLACEMENTS = tuple(REPLACEMENT_POLICIES)
 
 
 def picked_groups(M: int, G: int, sink_tokens: int, window_tokens: int) -> int:
@@ -27,16 +31,6 @@ def picked_groups(M: int, G: int, sink_tokens: int, window_tokens: int) -> int:
 
 class ConfigError(ValueError):
     """A config field is missing, unknown or out of range; the message names it."""
-
-
-def _finite_positive(value) -> bool:
-    """A number a float holds (an integer of 400 digits does not: the budget arithmetic would overflow), above 0."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return False
-    try:
-        return math.isfinite(float(value)) and value > 0
-    except OverflowError:
-        return False
 
 
 def utf8_text(raw: bytes, where: str, fix: str, error: type[Exception] = ValueError) -> str:
@@ -64,83 +58,263 @@ def read_config_file(source: str | Path) -> dict:
         raise ConfigError(f"config file {path} is not valid JSON text: {exc}") from exc
 
 
-@dataclass(frozen=True)
-class RuntimeConfig:
-    """What the runtime needs to know; units are in the names.
+# ---- the checks a field declares ----------------------------------------------------------------------------
 
-    ``G`` tokens per group (one disk record), ``M`` groups selected per layer and step,
-    ``sigma`` K compression ratio (H_kv*d / rank), ``C`` reuse-buffer slots per layer.
-    ``max_kv_mem_mib`` is the KV memory budget for ``max_batch`` sequences of
-    ``max_context`` tokens (None: no limit, resident bytes are still reported).
-    ``selector`` "random" replaces the predictor by uniform picks (a quality floor for ablations);
-    "oracle" scores with the layer's own query at attention time instead of predicting it a layer
-    ahead (a quality ceiling: with sigma=1 and score_reduce "softmax" it is top-k by true attention).
-    ``sink_tokens`` S (the first tokens) and ``window_tokens`` W (the newest) are always attended
-    and held in memory, rounded up to whole groups; they count in M, so the predictor picks
-    ``picked_groups`` = M - ceil(S/G) - ceil(W/G) groups among the rest (attention sinks and a
-    local window: what a sparse selection must never drop).
-    ``kv_record_dtype`` the disk records' format (runtime/quant.py): "auto" the model's dtype (exact),
-    "fp16", or "int8"/"int4" codes with float16 scales: smaller reads and reuse slots for a measured
-    loss; the sinks, the window and a context store keep model precision.
-    ``arkv_*``: the arkv policy (runtime/arkv.py) under ``max_kv_mem_mib``: ``arkv_quant`` the quantized
-    state's format ("auto": int8 while a copy of every token fits in it, else int4), ``arkv_gamma`` the weight of attention variance in a token's score (Eq. 9),
-    ``arkv_window_tokens`` W, both the observation window of prompt queries and the newest tokens always
-    kept original, ``arkv_slack`` alpha, the share of the cache a tailor keeps (the rest fills between tailors).
-    Several KV paths (Swarm; runtime/cluster.py, runtime/placement.py): ``clustering`` places each layer's groups
-    by co-activation (the picks of the prompt's last ``cluster_queries`` queries; Jaccard distance, clusters of
-    radius ``cluster_radius``) instead of striping them in token order; at most ``replica_share`` of a layer's
-    groups (the hottest) get a second copy on another path.  After ``recluster_steps`` decode steps (0: never)
-    each layer's picked groups are clustered again on the decode steps' own picks and written once more in
-    that order (what later steps repeat is what decoding picked, not what the prompt's window did).  ``replacement`` the reuse buffer's policy: "fifo"
-    (KVSwap), "lru", or "cost" (Swarm's cost-aware: activation frequency times the cost of reading again).
-    Adjacent records of one file are read as one request of at most ``max_request_bytes``.  ``share_prefix``:
-    sequences of a batch whose prompts share whole groups read (and write) those groups once.
-    ``verify_fraction`` the share of KV records read whose checksum is verified (runtime/checksum.py): 1 every
-    one, 0 none (both logged when below 1); a record that fails twice is never attended.  A KV read not done
-    within ``read_deadline_s`` fails its request (a hung device) instead of blocking it for good.
+
+def _refuse(name: str, wants: str, value) -> ConfigError:
+    return ConfigError(f"config field '{name}' must be {wants}, got {value!r:.60}")
+
+
+def _number(value) -> bool:
+    """A number a float holds (an integer of 400 digits does not: the budget arithmetic would overflow)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(float(value))
+    except OverflowError:
+        return False
+
+
+class Whole:
+    """An integer >= ``least`` (and <= ``most``)."""
+
+    def __init__(self, least: int = 1, most: int | None = None, note: str = ""):
+        self.least, self.most, self.note = least, most, note
+
+    def __call__(self, name, value):
+        if isinstance(value, bool) or not isinstance(value, int) or value < self.least or \
+                (self.most is not None and value > self.most):
+            wants = (f"in [{self.least}, {self.most}]" if self.most is not None else
+                     "a positive integer" if self.least == 1 else f"an integer >= {self.least}")
+            raise _refuse(name, wants + self.note, value)
+
+
+class Real:
+    """A finite number in an interval; ``wants`` says it in words."""
+
+    def __init__(self, low: float, high: float = math.inf, low_open: bool = True, high_open: bool = True,
+                 wants: str = ""):
+        self.low, self.high, self.low_open, self.high_open, self.wants = low, high, low_open, high_open, wants
+
+    def __call__(self, name, value):
+        if not _number(value) or not ((self.low < value or not self.low_open and value == self.low)
+                                      and (value < self.high or not self.high_open and value == self.high)):
+            raise _refuse(name, self.wants, value)
+
+
+class OneOf:
+    """One of the names a registry holds (``choices``: a tuple, or a function giving one)."""
+
+    def __init__(self, choices):
+        self.choices = choices
+
+    def __call__(self, name, value):
+        choices = tuple(self.choices() if callable(self.choices) else self.choices)
+        if not isinstance(value, str) or value not in choices:
+            raise _refuse(name, f"one of {choices}", value)
+
+
+class Flag:
+    def __call__(self, name, value):
+        if not isinstance(value, bool):
+            raise _refuse(name, "true or false", value)
+
+
+class Text:
+    """A string (a path), or null when ``optional``."""
+
+    def __init__(self, optional: bool = True):
+        self.optional = optional
+
+    def __call__(self, name, value):
+        if not (isinstance(value, str) or (value is None and self.optional)):
+            raise _refuse(name, "a string" + (" or null" if self.optional else ""), value)
+
+
+class PowerOfTwo:
+    def __init__(self, least: int):
+        self.least = least
+
+    def __call__(self, name, value):
+        if isinstance(value, bool) or not isinstance(value, int) or value < self.least or value & (value - 1):
+            raise _refuse(name, f"a power of two >= {self.least}", value)
+
+
+class Optional:
+    """None, or what ``check`` accepts."""
+
+    def __init__(self, check):
+        self.check = check
+
+    def __call__(self, name, value):
+        if value is not None:
+            self.check(name, value)
+
+
+def setting(default, check, doc: str = ""):
+    """A config field: its default, its check (run by ``RuntimeConfig.validated``) and what it means."""
+    return field(default=default, metadata={"check": check, "doc": doc})
+
+
+class Section:
+    """A group of fields one consumer reads; its checks run field by field, then ``check_together``."""
+
+    def check_together(self) -> None:
+        """Checks across the section's fields (override)."""
+
+    def validated(self):
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, float) and not math.isfinite(value):  # json.loads takes NaN and Infinity
+                raise ConfigError(f"config field '{f.name}' must be a finite number, got {value!r}")
+            f.metadata["check"](f.name, value)
+        self.check_together()
+        return self
+
+
+# ---- the sections, each beside the code that reads it -------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class IOConfig(Section):
+    """The disk store and the KV reader (runtime/disk_store.py, runtime/reader.py): how records are read."""
+
+    reader_backend: str = setting("auto", OneOf(READER_BACKENDS), "the KV reader: io_uring, a pthread pool, python")
+    io_align_bytes: int = setting(4096, PowerOfTwo(512), "records are padded to this (O_DIRECT's alignment)")
+    io_queue_depth: int = setting(64, Whole(1), "reads in flight per KV path")
+    max_request_bytes: int = setting(262144, Whole(1), "adjacent records of one file are read as one request")
+    read_deadline_s: float = setting(60.0, Real(0, wants="a number of seconds > 0"),
+                                     "a read not done by then fails its request (a hung device)")
+    kv_record_dtype: str = setting("auto", OneOf(RECORD_DTYPES), "the records' format (runtime/quant.py)")
+
+    def check_together(self):
+        if self.max_request_bytes < self.io_align_bytes:
+            raise _refuse("max_request_bytes", f"an integer >= io_align_bytes ({self.io_align_bytes})",
+                          self.max_request_bytes)
+
+
+@dataclass(frozen=True)
+class PredictorConfig(Section):
+    """The selector (runtime/selector.py): how the next layer's groups are picked."""
+
+    selector: str = setting("lowrank", OneOf(lambda: SELECTORS),
+                            "lowrank (KVSwap's predictor), random (a floor), oracle (a ceiling)")
+    score_reduce: str = setting("sum", OneOf(SCORE_REDUCES), "heads' scores: logits summed, or one softmax vote each")
+    adapter_path: str | None = setting(None, Text(), "a calibrated low-rank adapter (safetensors)")
+    klr_dtype: str = setting("bfloat16", OneOf(lambda: KLR_FORMATS), "K_lr rows' format (int8: half the bytes)")
+
+
+@dataclass(frozen=True)
+class PlacementConfig(Section):
+    """Several KV paths and shared prefixes (runtime/cluster.py, runtime/placement.py, runtime/disk_store.py)."""
+
+    clustering: bool = setting(False, Flag(), "lay groups out by co-activation instead of striping them")
+    cluster_queries: int = setting(32, Whole(1), "the prompt's last queries whose picks cluster the groups")
+    recluster_steps: int = setting(8, Whole(0, note=" (0: never)"), "decode steps before clustering again")
+    cluster_radius: float = setting(0.3, Real(0, 1, high_open=False, wants="in (0, 1] (a Jaccard distance)"),
+                                    "a cluster's radius (Jaccard distance)")
+    replica_share: float = setting(0.05, Real(0, 1, False, False, "in [0, 1]"),
+                                   "at most this share of a layer's groups (the hottest) get a second copy")
+    share_prefix: bool = setting(True, Flag(), "sequences sharing whole prompt groups read (and write) them once")
+
+
+@dataclass(frozen=True)
+class IntegrityConfig(Section):
+    """Record checksums (runtime/checksum.py, the disk store's verified reads)."""
+
+    verify_fraction: float = setting(1.0, Real(0, 1, False, False, "in [0, 1] (1: verify every KV record read, "
+                                                                    "0: none)"),
+                                     "the share of records read whose checksum is verified")
+
+
+@dataclass(frozen=True)
+class HillInferConfig(Section):
+    """The hillinfer policy (runtime/hillinfer.py)."""
+
+    importance_rate: float = setting(0.2, Real(0, 1, high_open=False, wants="in (0, 1]"),
+                                     "the share of tokens selected (and kept recent in the CPU pool)")
+    beta: float = setting(1.0, Real(0, wants="> 0"), "CPU / storage pool size ratio ~ f_cpu / f_ssd (Eq. 1)")
+    score_block_tokens: int = setting(1024, Whole(1, 1024, " (the kernel's block)"), "tokens per in-storage block")
+
+
+@dataclass(frozen=True)
+class ArkvConfig(Section):
+    """The arkv policy (runtime/arkv.py) under ``max_kv_mem_mib``."""
+
+    arkv_quant: str = setting("auto", OneOf(("auto", *QUANT_DTYPES)),
+                              "the quantized state's format (auto: int8 while a copy of every token fits, else int4)")
+    arkv_gamma: float = setting(263.81, Real(0, low_open=False, wants="a number >= 0"),
+                                "the weight of attention variance in a token's score (Eq. 9; the paper's tuned value)")
+    arkv_window_tokens: int = setting(32, Whole(1, note=""),
+                                      "the observation window of prompt queries, and the newest tokens kept original")
+    arkv_slack: float = setting(0.75, Real(0, 1, wants="in (0, 1) (the paper uses 0.75)"),
+                                "the share of the cache a tailor keeps (the rest fills between tailors)")
+
+
+@dataclass(frozen=True)
+class PrefillConfig(Section):
+    """Prefill with a stored context (runtime/ttft/)."""
+
+    ttft_costs_path: str | None = setting(None, Text(), "the install step's chunk compute predictor (JSON)")
+
+
+SECTIONS = {"io": IOConfig, "predictor": PredictorConfig, "placement": PlacementConfig, "integrity": IntegrityConfig,
+            "hillinfer": HillInferConfig, "arkv": ArkvConfig, "prefill": PrefillConfig}
+
+
+def _section(name: str):
+    return field(default_factory=SECTIONS[name], metadata={"section": True})
+
+
+@dataclass(frozen=True)
+class RuntimeConfig(Section):
+    """The core geometry and budget every policy shares, and one section per consumer; units are in the names.
+
+    ``G`` tokens per group (one disk record), ``M`` groups selected per layer and step, ``sigma`` K compression
+    ratio (H_kv*d / rank), ``C`` reuse-buffer slots per layer (``replacement``: fifo as KVSwap, lru, or cost as
+    Swarm).  ``max_kv_mem_mib`` is the KV memory budget for ``max_batch`` sequences of ``max_context`` tokens
+    (None: no limit, resident bytes are still reported).  ``sink_tokens`` S (the first tokens) and
+    ``window_tokens`` W (the newest) are always attended and held in memory, rounded up to whole groups; they
+    count in M, so the predictor picks ``picked_groups`` = M - ceil(S/G) - ceil(W/G) groups among the rest.
     """
 
-    G: int = 4
-    M: int = 100
-    sigma: float | None = 8.0
-    C: int = 200
-    max_kv_mem_mib: float | None = None
-    max_batch: int = 4
-    max_context: int = 32768
-    reuse: bool = True
-    rolling_buffer: bool = True
-    sink_tokens: int = 0
-    window_tokens: int = 0
-    selector: str = "lowrank"
-    score_reduce: str = "sum"
-    adapter_path: str | None = None
-    klr_dtype: str = "bfloat16"
-    reader_backend: str = "auto"
-    io_align_bytes: int = 4096
-    io_queue_depth: int = 64
-    kv_record_dtype: str = "auto"
-    importance_rate: float = 0.2  # hillinfer alpha: the share of tokens selected (and kept recent in the CPU pool)
-    beta: float = 1.0  # hillinfer: CPU / storage pool size ratio, ~ f_cpu / f_ssd (HillInfer Eq. 1)
-    score_block_tokens: int = 1024  # hillinfer: tokens per in-storage score block
-    arkv_quant: str = "auto"
-    arkv_gamma: float = 263.81  # the paper's tuned gamma
-    arkv_window_tokens: int = 32
-    arkv_slack: float = 0.75
-    ttft_costs_path: str | None = None  # the install step's chunk compute predictor (JSON) for load-or-compute plans
-    clustering: bool = False
-    cluster_queries: int = 32
-    recluster_steps: int = 8
-    cluster_radius: float = 0.3
-    replica_share: float = 0.05
-    replacement: str = "fifo"
-    max_request_bytes: int = 262144
-    share_prefix: bool = True
-    verify_fraction: float = 1.0
-    read_deadline_s: float = 60.0
+    G: int = setting(4, Whole(1), "tokens per group: one disk record")
+    M: int = setting(100, Whole(1), "groups attended per layer and step, sinks and window included")
+    sigma: float | None = setting(8.0, Optional(Real(1, low_open=False, wants="a number >= 1")),
+                                  "K compression ratio H_kv*d / rank (None: the adapter file's)")
+    C: int = setting(200, Whole(1), "reuse-buffer slots per layer")
+    max_kv_mem_mib: float | None = setting(None, Optional(Real(0, wants="a positive number")),
+                                           "the KV memory budget of max_batch sequences")
+    max_batch: int = setting(4, Whole(1), "sequences per batch")
+    max_context: int = setting(32768, Whole(1), "tokens per sequence, prompt and generated")
+    reuse: bool = setting(True, Flag(), "keep a reuse buffer of C slots per layer")
+    rolling_buffer: bool = setting(True, Flag(), "attend to the group being filled from memory")
+    sink_tokens: int = setting(0, Whole(0), "the first tokens, always attended")
+    window_tokens: int = setting(0, Whole(0), "the newest tokens, always attended")
+    replacement: str = setting("fifo", OneOf(REPLACEMENTS), "which resident a miss evicts from the reuse buffer")
+    io: IOConfig = _section("io")
+    predictor: PredictorConfig = _section("predictor")
+    placement: PlacementConfig = _section("placement")
+    integrity: IntegrityConfig = _section("integrity")
+    hillinfer: HillInferConfig = _section("hillinfer")
+    arkv: ArkvConfig = _section("arkv")
+    prefill: PrefillConfig = _section("prefill")
+
+    # ---- data in and out ------------------------------------------------------------------------------------
+
+    @classmethod
+    def keys(cls) -> list[str]:
+        """Every key a config file may hold (flat: the core's and every section's)."""
+        return [f.name for f in fields(cls) if "section" not in f.metadata] + \
+            [f.name for section in SECTIONS.values() for f in fields(section)]
+
+    @classmethod
+    def defaults(cls) -> dict:
+        return cls().to_dict()
 
     @classmethod
     def load(cls, source: "RuntimeConfig | dict | str | Path | None") -> "RuntimeConfig":
-        """Build a config from a dict, a JSON file path, an existing config or None (defaults)."""
+        """Build a config from a dict (flat or nested by section), a JSON file path, an existing config or None."""
         if source is None:
             return cls().validated()
         if isinstance(source, RuntimeConfig):
@@ -149,42 +323,51 @@ class RuntimeConfig:
             source = read_config_file(source)
         if not isinstance(source, dict):
             raise ConfigError(f"config must be a dict or a JSON path, got {type(source).__name__}")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(source) - known)
+        return cls.from_flat(_flatten(source)).validated()
+
+    @classmethod
+    def from_flat(cls, flat: dict) -> "RuntimeConfig":
+        """A config from flat keys, unchecked (``validated`` checks it); an unknown key is refused by name."""
+        known = cls.keys()
+        unknown = sorted(set(flat) - set(known))
         if unknown:
             raise ConfigError(f"unknown config key(s) {unknown}; known keys: {sorted(known)}")
-        return cls(**source).validated()
+        sections = {name: kind(**{f.name: flat[f.name] for f in fields(kind) if f.name in flat})
+                    for name, kind in SECTIONS.items()}
+        core = {f.name: flat[f.name] for f in fields(cls) if "section" not in f.metadata and f.name in flat}
+        return cls(**core, **sections)
+
+    def to_dict(self) -> dict:
+        """Flat keys, as config files hold them."""
+        out = {f.name: getattr(self, f.name) for f in fields(self) if "section" not in f.metadata}
+        for name in SECTIONS:
+            section = getattr(self, name)
+            out.update({f.name: getattr(section, f.name) for f in fields(section)})
+        return out
+
+    def with_fields(self, **flat) -> "RuntimeConfig":
+        """A copy with flat keys changed, whatever section each lives in (unchecked, like ``replace``)."""
+        return RuntimeConfig.from_flat({**self.to_dict(), **flat})
+
+    # ---- checks ---------------------------------------------------------------------------------------------
 
     def validated(self) -> "RuntimeConfig":
-        def positive_int(name):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"config field '{name}' must be a positive integer, got {value!r}")
-
-        for f in fields(self):  # json.loads takes NaN and Infinity; no field means anything by them
-            value = getattr(self, f.name)
-            if isinstance(value, float) and not math.isfinite(value):
-                raise ConfigError(f"config field '{f.name}' must be a finite number, got {value!r}")
-        for name in BOOL_FIELDS:
-            if not isinstance(getattr(self, name), bool):
-                raise ConfigError(f"config field '{name}' must be true or false, got {getattr(self, name)!r}")
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.type in ("str", "str | None") and not (isinstance(value, str) or (value is None and "None" in f.type)):
-                raise ConfigError(f"config field '{f.name}' must be a string{' or null' if 'None' in f.type else ''}, "
-                                  f"got {value!r}")
-        for name in ("G", "M", "C", "max_batch", "max_context", "io_queue_depth"):
-            positive_int(name)
-        if self.sigma is None and self.adapter_path is None:
+            if "section" in f.metadata:
+                if not isinstance(value, SECTIONS[f.name]):
+                    raise ConfigError(f"config section '{f.name}' must be a mapping of its fields, got {value!r:.60}")
+                value.validated()
+            elif isinstance(value, float) and not math.isfinite(value):
+                raise ConfigError(f"config field '{f.name}' must be a finite number, got {value!r}")
+            else:
+                f.metadata["check"](f.name, value)
+        self.check_together()
+        return self
+
+    def check_together(self) -> None:
+        if self.sigma is None and self.predictor.adapter_path is None:
             raise ConfigError("config field 'sigma' is required when no 'adapter_path' is given")
-        if self.sigma is not None and (not isinstance(self.sigma, (int, float)) or self.sigma < 1):
-            raise ConfigError(f"config field 'sigma' must be a number >= 1, got {self.sigma!r}")
-        if self.max_kv_mem_mib is not None and not _finite_positive(self.max_kv_mem_mib):
-            raise ConfigError(f"config field 'max_kv_mem_mib' must be a positive number, got {self.max_kv_mem_mib!r:.60}")
-        for name in ("sink_tokens", "window_tokens"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ConfigError(f"config field '{name}' must be an integer >= 0, got {value!r}")
         if self.picked_groups < 1:
             raise ConfigError(
                 f"config fields 'sink_tokens' ({self.sink_tokens}) and 'window_tokens' ({self.window_tokens}) take "
@@ -196,57 +379,8 @@ class RuntimeConfig:
                 f"config field 'C' ({self.C}) must be >= the groups picked per step ({self.picked_groups}: 'M' less the "
                 "sink and window groups): one step's picks must fit the reuse buffer together; raise C or set reuse=false"
             )
-        if self.reader_backend not in READER_BACKENDS:
-            raise ConfigError(f"config field 'reader_backend' must be one of {READER_BACKENDS}, got {self.reader_backend!r}")
-        if self.kv_record_dtype not in RECORD_DTYPES:
-            raise ConfigError(f"config field 'kv_record_dtype' must be one of {RECORD_DTYPES}, got {self.kv_record_dtype!r}")
-        if self.selector not in SELECTORS:
-            raise ConfigError(f"config field 'selector' must be one of {SELECTORS}, got {self.selector!r}")
-        if self.score_reduce not in SCORE_REDUCES:
-            raise ConfigError(f"config field 'score_reduce' must be one of {SCORE_REDUCES}, got {self.score_reduce!r}")
-        if self.klr_dtype not in KLR_DTYPES:
-            raise ConfigError(f"config field 'klr_dtype' must be one of {KLR_DTYPES}, got {self.klr_dtype!r}")
-        if not (isinstance(self.importance_rate, (int, float)) and 0 < self.importance_rate <= 1):
-            raise ConfigError(f"config field 'importance_rate' must be in (0, 1], got {self.importance_rate!r}")
-        if not (isinstance(self.beta, (int, float)) and self.beta > 0):
-            raise ConfigError(f"config field 'beta' must be > 0, got {self.beta!r}")
-        if not (isinstance(self.score_block_tokens, int) and 1 <= self.score_block_tokens <= 1024):
-            raise ConfigError(f"config field 'score_block_tokens' must be in [1, 1024] (the kernel's block), got {self.score_block_tokens!r}")
-        if self.arkv_quant not in ("auto", *QUANT_DTYPES):
-            raise ConfigError(f"config field 'arkv_quant' must be one of {('auto', *QUANT_DTYPES)}, got {self.arkv_quant!r}")
-        if isinstance(self.arkv_gamma, bool) or not isinstance(self.arkv_gamma, (int, float)) or not self.arkv_gamma >= 0:
-            raise ConfigError(f"config field 'arkv_gamma' must be a number >= 0, got {self.arkv_gamma!r}")
-        if isinstance(self.arkv_window_tokens, bool) or not isinstance(self.arkv_window_tokens, int) \
-                or self.arkv_window_tokens < 1:
-            raise ConfigError(f"config field 'arkv_window_tokens' must be an integer >= 1, got {self.arkv_window_tokens!r}")
-        if isinstance(self.arkv_slack, bool) or not isinstance(self.arkv_slack, (int, float)) or not 0 < self.arkv_slack < 1:
-            raise ConfigError(f"config field 'arkv_slack' must be in (0, 1) (the paper uses 0.75), got {self.arkv_slack!r}")
-        positive_int("cluster_queries")
-        if isinstance(self.recluster_steps, bool) or not isinstance(self.recluster_steps, int) or self.recluster_steps < 0:
-            raise ConfigError(f"config field 'recluster_steps' must be an integer >= 0 (0: never), got {self.recluster_steps!r}")
-        if isinstance(self.cluster_radius, bool) or not isinstance(self.cluster_radius, (int, float)) \
-                or not 0 < self.cluster_radius <= 1:
-            raise ConfigError(f"config field 'cluster_radius' must be in (0, 1] (a Jaccard distance), got {self.cluster_radius!r}")
-        if isinstance(self.replica_share, bool) or not isinstance(self.replica_share, (int, float)) \
-                or not 0 <= self.replica_share <= 1:
-            raise ConfigError(f"config field 'replica_share' must be in [0, 1], got {self.replica_share!r}")
-        if self.replacement not in REPLACEMENTS:
-            raise ConfigError(f"config field 'replacement' must be one of {REPLACEMENTS}, got {self.replacement!r}")
-        if isinstance(self.verify_fraction, bool) or not isinstance(self.verify_fraction, (int, float)) \
-                or not 0 <= self.verify_fraction <= 1:
-            raise ConfigError(f"config field 'verify_fraction' must be in [0, 1] (1: verify every KV record read, "
-                              f"0: none), got {self.verify_fraction!r}")
-        if isinstance(self.read_deadline_s, bool) or not isinstance(self.read_deadline_s, (int, float)) \
-                or not self.read_deadline_s > 0:
-            raise ConfigError(f"config field 'read_deadline_s' must be a number of seconds > 0, got {self.read_deadline_s!r}")
-        align = self.io_align_bytes
-        if not isinstance(align, int) or align < 512 or align & (align - 1):
-            raise ConfigError(f"config field 'io_align_bytes' must be a power of two >= 512, got {align!r}")
-        if isinstance(self.max_request_bytes, bool) or not isinstance(self.max_request_bytes, int) \
-                or self.max_request_bytes < align:
-            raise ConfigError(f"config field 'max_request_bytes' must be an integer >= io_align_bytes ({align}), "
-                              f"got {self.max_request_bytes!r}")
-        return self
+
+    # ---- derived ----------------------------------------------------------------------------------------------
 
     @property
     def sink_groups(self) -> int:
@@ -261,15 +395,39 @@ class RuntimeConfig:
         """Groups the predictor chooses per layer and step: M less the always-attended sink and window groups."""
         return picked_groups(self.M, self.G, self.sink_tokens, self.window_tokens)
 
+    @property
+    def max_groups(self) -> int:
+        """Groups ``max_context`` tokens have."""
+        return -(-self.max_context // self.G)
+
     def within_context(self) -> "RuntimeConfig":
         """M and C capped at the groups ``max_context`` tokens have: picks or slots beyond them would be memory
         allocated (and counted against the budget) that nothing can fill."""
         fixed = self.sink_groups + self.window_groups
-        picked = min(self.picked_groups, max(1, -(-self.max_context // self.G) - fixed))
-        C = min(self.C, max(picked, -(-self.max_context // self.G)))
+        picked = min(self.picked_groups, max(1, self.max_groups - fixed))
+        C = min(self.C, max(picked, self.max_groups))
         if (picked + fixed, C) == (self.M, self.C):
             return self
-        return RuntimeConfig(**{**asdict(self), "M": picked + fixed, "C": C})
+        return replace(self, M=picked + fixed, C=C)
 
-    def to_dict(self) -> dict:
-        return asdict(self)
+
+def _flatten(source: dict) -> dict:
+    """Flat keys from a dict whose sections may be nested (``{"io": {"reader_backend": ...}}``); a key given both
+    flat and in its section is refused by name."""
+    flat = {k: v for k, v in source.items() if k not in SECTIONS}
+    for name in SECTIONS:
+        if name not in source:
+            continue
+        nested = source[name]
+        if not isinstance(nested, dict):
+            raise ConfigError(f"config section '{name}' must be a mapping of its fields, got {nested!r:.60}")
+        own = {f.name for f in fields(SECTIONS[name])}
+        stray = sorted(set(nested) - own)
+        if stray:
+            raise ConfigError(f"config section '{name}' has no field(s) {stray}; its fields: {sorted(own)}")
+        twice = sorted(set(nested) & set(flat))
+        if twice:
+            raise ConfigError(f"config field(s) {twice} given both flat and in section '{name}'; give each once")
+        flat.update(nested)
+    return flat
+

@@ -58,7 +58,7 @@ class Engine:
     ):
         """``kv_offload_path``: the KV disk's folder, or a list of folders on several devices (records spread
         over them, read through one queue each).  ``reader``: a KV reader to use (and close) instead of opening
-        ``config.reader_backend`` (e.g. an emulated multi-device reader, runtime.reader.open_reader)."""
+        ``config.io.reader_backend`` (e.g. an emulated multi-device reader, runtime.reader.open_reader)."""
         self.model = model
         self.tokenizer = tokenizer
         self.policy = policy
@@ -72,7 +72,7 @@ class Engine:
         # the prefill sources a batch uses (runtime/prefill_chain.py), ahead of computing the prompt
         self.prompt_cache: PromptKVCache | None = None  # set to share prompt KV across engines on this model
         self.context_store = None  # a runtime.store.ContextStore (open_context_store): stored prefixes skip compute
-        self.ttft = TTFTOptions(compute_costs=_ttft_costs(self.config.ttft_costs_path))  # prefill with a stored prefix
+        self.ttft = TTFTOptions(compute_costs=_ttft_costs(self.config.prefill.ttft_costs_path))  # prefill with a stored prefix
         self.prefill_stats: list[dict] = []  # per prompt of the last generate loaded from the store: how it went
         self.events = EventBus()
         if os.environ.get("EDGEKV_EVENTS_FILE"):  # set by `edgekv energy` for the process it measures
@@ -80,11 +80,11 @@ class Engine:
         _, self.memory_plan = _preflight(policy, self.config, model.dims, model.dtype, adapter, kv_offload_path)
         self.reader: KVReader | None = reader
         if self.spec.on_disk and reader is None:
-            self.reader = open_reader(self.config.reader_backend, self.config.io_queue_depth, n_paths=len(self.kv_paths))
-        if self.spec.on_disk and self.config.verify_fraction < 1:
-            log.warning("verify_fraction=%g: %s", self.config.verify_fraction,
-                        "KV records read are not checked against their checksums" if self.config.verify_fraction == 0
-                        else f"a damaged KV record is caught with probability {self.config.verify_fraction:g} per read")
+            self.reader = open_reader(self.config.io.reader_backend, self.config.io.io_queue_depth, n_paths=len(self.kv_paths))
+        if self.spec.on_disk and self.config.integrity.verify_fraction < 1:
+            log.warning("verify_fraction=%g: %s", self.config.integrity.verify_fraction,
+                        "KV records read are not checked against their checksums" if self.config.integrity.verify_fraction == 0
+                        else f"a damaged KV record is caught with probability {self.config.integrity.verify_fraction:g} per read")
 
     @classmethod
     def from_pretrained(
@@ -112,7 +112,7 @@ class Engine:
         dims = ModelDims.from_config(hf_cfg)
         spec = get_policy(policy)
         adapter = _load_adapter(cfg, policy)
-        _ttft_costs(cfg.ttft_costs_path)  # a bad cost model file is named before the weights load
+        _ttft_costs(cfg.prefill.ttft_costs_path)  # a bad cost model file is named before the weights load
         _preflight(policy, spec.effective_config(cfg), dims, dtype, adapter, kv_offload_path)
         for _, _, sol in solutions or []:
             _preflight(policy, spec.effective_config(sol), dims, dtype, _load_adapter(sol, policy), kv_offload_path)
@@ -133,7 +133,7 @@ class Engine:
         found = ContextStore.geometry_at(location) or {}  # an existing store keeps its geometry
         G = found.get("group_tokens", self.config.G)
         layout = RecordLayout(G, dims.n_kv_heads, dims.head_dim, self.model.dtype,
-                              found.get("align_bytes", self.config.io_align_bytes))
+                              found.get("align_bytes", self.config.io.io_align_bytes))
         self.context_store = ContextStore.open(location, model_fingerprint(self.model), layout, dims.n_layers,
                                                chunk_tokens=found.get("chunk_tokens", chunk_tokens), max_bytes=max_bytes)
         return self.context_store
@@ -299,7 +299,7 @@ class Engine:
         needed = max(len(p) + (len(f) + 1 if f is not None else max_new_tokens) for p, f in zip(prompts, forced))
         with self.open_batch(batch, needed) as run:
             cfg = run.cfg
-            owners = _prefix_owners(prompts, cfg.G) if cfg.share_prefix else [None] * batch
+            owners = _prefix_owners(prompts, cfg.G) if cfg.placement.share_prefix else [None] * batch
             filled = [run.join(seq, ids, owners[seq]) for seq, ids in enumerate(prompts)]
             self.prefill_stats = [f.stats for f in filled if f.source == CONTEXT_STORE]
             logits = torch.stack([f.logits for f in filled])
@@ -409,7 +409,7 @@ def _is_messages(prompt) -> bool:
 
 
 def _load_adapter(cfg: RuntimeConfig, policy: str) -> LowRankAdapter | None:
-    return LowRankAdapter.load(cfg.adapter_path) if cfg.adapter_path and get_policy(policy).predicts else None
+    return LowRankAdapter.load(cfg.predictor.adapter_path) if cfg.predictor.adapter_path and get_policy(policy).predicts else None
 
 
 def _preflight(policy, cfg: RuntimeConfig, dims: ModelDims, dtype, adapter, kv_offload_path) -> tuple[int, MemoryPlan]:
@@ -418,7 +418,7 @@ def _preflight(policy, cfg: RuntimeConfig, dims: ModelDims, dtype, adapter, kv_o
         adapter.check(dims.n_layers, dims.n_kv_heads, dims.head_dim)
         if cfg.sigma is not None and abs(adapter.sigma - cfg.sigma) > 0.5:
             raise ConfigError(
-                f"config 'sigma' is {cfg.sigma:g} but the adapter file {cfg.adapter_path} has sigma {adapter.sigma:g}; "
+                f"config 'sigma' is {cfg.sigma:g} but the adapter file {cfg.predictor.adapter_path} has sigma {adapter.sigma:g}; "
                 "drop 'sigma' or point 'adapter_path' at a matching adapter"
             )
     rank = adapter.rank if adapter else LowRankAdapter.rank_for(dims.n_kv_heads, dims.head_dim, cfg.sigma)

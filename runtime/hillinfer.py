@@ -2,15 +2,15 @@
 
 Per layer and sequence every key is in the storage pool (a file of fp16 keys in position order,
 what the SmartSSD holds); the CPU pool keeps in host memory the keys of the most recent
-alpha*N tokens and of the tokens selected most often (the hit table).  Each step:
+importance_rate x N tokens and of the tokens selected most often (the hit table).  Each step:
 - the in-storage scorer scores the prefix up to the last token the CPU pool lacks (the recent
   window can outgrow the pool) on an I/O thread, emitting score blocks and per-block top-k,
   while the CPU scores its pool;
 - the two are merged, storage scores kept only for tokens outside the CPU pool (each token is
-  scored by exactly one pool), and the top alpha*N tokens selected; only their KV is fetched;
-- hits are counted; storage tokens among the top-alpha hit tokens are promoted into the CPU
+  scored by exactly one pool), and the top importance_rate x N tokens selected; only their KV is fetched;
+- hits are counted; storage tokens among the most-hit tokens are promoted into the CPU
   pool and the same number of the lowest-hit non-recent CPU tokens demoted (bidirectional pools).
-With alpha = 1 every token is selected and decoding equals full attention.
+With importance_rate = 1 every token is selected and decoding equals full attention.
 
 When the in-storage scorer fails (the card's run errors or throws, a buffer sync fails, the csim
 returns an error code, or its score blocks fail ``check_result``: short or garbled), its scores
@@ -30,7 +30,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .config import cpu_pool_tokens
+from .config import HillInferConfig, cpu_pool_tokens
+from .model import ModelDims
 from .scoring import InStorageScorer, KeyPool, NumpyScorer, ScoreBlockError, ScoreResult, check_result
 from .selector import Selector
 
@@ -51,14 +52,17 @@ class HierarchicalSelector(Selector):
         """Per sequence: the CPU pool's row of each token and its hit count (int64 each), and its token count."""
         return n_layers * (max_context * 2 * 8 + 8)
 
-    def __init__(self, scorer: InStorageScorer, pool_dir: Path, n_layers: int, batch: int, max_context: int,
-                 n_kv_heads: int, head_dim: int, alpha: float, beta: float, scaling: float, block_tokens: int = 1024):
+    def __init__(self, scorer: InStorageScorer, pool_dir: Path, dims: ModelDims, batch: int, max_context: int,
+                 hillinfer: HillInferConfig, scaling: float):
+        """``hillinfer``: the config section it reads (importance_rate, beta, score_block_tokens)."""
+        n_layers, n_kv_heads, head_dim = dims.n_layers, dims.n_kv_heads, dims.head_dim
         self.scorer = scorer
         self.pool_dir = Path(pool_dir)
-        self.alpha, self.scaling, self.block_tokens = alpha, scaling, block_tokens
+        self.importance_rate, self.scaling = hillinfer.importance_rate, scaling
+        self.block_tokens = hillinfer.score_block_tokens
         self.n_kv_heads, self.head_dim = n_kv_heads, head_dim
-        self.M = max(1, math.ceil(alpha * max_context))
-        self.cpu_capacity = cpu_pool_tokens(beta, max_context)
+        self.max_selected_tokens = max(1, math.ceil(self.importance_rate * max_context))
+        self.cpu_capacity = cpu_pool_tokens(hillinfer.beta, max_context)
         # the CPU pool: fp16 keys in `cpu_capacity` rows per (layer, sequence); row_of maps a position to its row
         self.cpu_keys = torch.zeros(n_layers, batch, self.cpu_capacity, n_kv_heads, head_dim, dtype=torch.float16)
         self.row_of = np.full((n_layers, batch, max_context), -1, dtype=np.int64)
@@ -89,7 +93,7 @@ class HierarchicalSelector(Selector):
         self._admit(layer, seq, np.arange(first_token, first_token + n), rows)
 
     def _recent(self, n: int) -> int:
-        return min(n, max(1, math.ceil(self.alpha * n)))
+        return min(n, max(1, math.ceil(self.importance_rate * n)))
 
     def _admit(self, layer: int, seq: int, positions: np.ndarray, keys: torch.Tensor) -> None:
         """Put ``positions`` into the CPU pool, demoting the lowest-hit tokens outside the recent window for room;
@@ -114,17 +118,17 @@ class HierarchicalSelector(Selector):
     def select(self, layer, q, n_groups, first=0):  # no sinks: the config gives hillinfer none
         batch = q.shape[0]
         query = q.reshape(batch, self.n_kv_heads, -1, self.head_dim).sum(dim=2).float().cpu().numpy()  # heads summed
-        groups = np.zeros((batch, self.M), dtype=np.int64)
-        valid = np.zeros((batch, self.M), dtype=bool)
+        groups = np.zeros((batch, self.max_selected_tokens), dtype=np.int64)
+        valid = np.zeros((batch, self.max_selected_tokens), dtype=bool)
         for seq in range(batch):
             n = int(n_groups[seq])
             if n == 0:
                 continue
             # storage scores the prefix up to the last token the CPU pool lacks: the prefix before the recent window,
-            # or more when the recent window (alpha * n) outgrows the pool and some recent tokens live in storage only
+            # or more when the recent window (importance_rate x n) outgrows the pool and some recent tokens live in storage only
             outside = np.flatnonzero(self.row_of[layer, seq, :n] < 0)
             storage_n = int(outside[-1]) + 1 if len(outside) else 0
-            k_sel = min(self.M, max(1, math.ceil(self.alpha * n)))
+            k_sel = min(self.max_selected_tokens, max(1, math.ceil(self.importance_rate * n)))
             # each block's top-k_sel holds every storage token of the global top-k_sel; past the backend's top-k bound
             # a block's top-k could drop some, so its full score block is merged instead (k = 0)
             block_k = k_sel if k_sel <= self.scorer.max_top_k else 0
@@ -185,10 +189,10 @@ class HierarchicalSelector(Selector):
                             "is missing or short, so the request is abandoned; check the KV disk and run it again")
 
     def _update_pools(self, layer: int, seq: int, n: int, selected: np.ndarray) -> None:
-        """Hit table; storage tokens among the top-alpha hit tokens are promoted, as many others demoted."""
+        """Hit table; storage tokens among the most-hit tokens are promoted, as many others demoted."""
         hits = self.hits[layer, seq]
         hits[selected] += 1
-        hot = np.argsort(-hits[:n], kind="stable")[: max(1, math.ceil(self.alpha * n))]
+        hot = np.argsort(-hits[:n], kind="stable")[: max(1, math.ceil(self.importance_rate * n))]
         promote = hot[(self.row_of[layer, seq, hot] < 0) & (hits[hot] > 0)]
         if len(promote):
             keys = np.memmap(self._pool_path(layer, seq), dtype=np.float16, mode="r").reshape(-1, self.n_kv_heads, self.head_dim)

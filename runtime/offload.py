@@ -60,7 +60,7 @@ class OffloadedKV(KVPolicy):
         self.placer = placer
         self.prompt_queries = placer.n_queries if placer is not None else 0
         self._observed: dict[int, torch.Tensor] = {}
-        self.recluster_steps = cfg.recluster_steps if placer is not None else 0
+        self.recluster_steps = cfg.placement.recluster_steps if placer is not None else 0
         self.decode_steps = np.zeros(batch, dtype=np.int64)
         self._picks: dict[tuple[int, int], list[tuple[int, np.ndarray]]] = {}  # (owner, layer) -> (step, groups)
         self._slot_bytes = aligned_zeros((slots.n_buffers(dims.n_layers), batch, slots.capacity, self.layout.stride_bytes), self.layout.align_bytes)
@@ -79,7 +79,7 @@ class OffloadedKV(KVPolicy):
         self.rb_len = np.zeros(batch, dtype=np.int64)
         self._pending: dict[int, tuple[torch.Tensor, torch.Tensor, Future]] = {}
         self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ekv-io")
-        self.read_deadline_s = cfg.read_deadline_s
+        self.read_deadline_s = cfg.io.read_deadline_s
         self._hung: list[Future] = []  # reads that missed the deadline: never waited for again
         self._batch_index = torch.arange(batch, device=model.device)
 

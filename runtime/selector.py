@@ -10,7 +10,13 @@ from __future__ import annotations
 
 import torch
 
+from typing import TYPE_CHECKING
+
 from .adapter import LowRankAdapter
+
+if TYPE_CHECKING:
+    from .config import PredictorConfig
+    from .model import ModelDims
 
 
 class Selector:
@@ -21,6 +27,7 @@ class Selector:
 
     resident_bytes = 0
     reads_ahead = True
+    uses_adapter = False  # predicts through a low-rank K adapter (a file, or one fitted on the batch)
 
     def append(self, layer: int, seq: int, first_token: int, k: torch.Tensor) -> None:
         """New post-RoPE keys k [H_kv, T, d] of one sequence, starting at ``first_token``."""
@@ -64,6 +71,10 @@ class AllGroupsSelector(Selector):
 class RandomSelector(Selector):
     """M groups drawn uniformly: the floor a real predictor must beat (quality ablations only)."""
 
+    @classmethod
+    def for_batch(cls, adapter, rank, dims, batch, cfg, device, scaling):
+        return cls(cfg.picked_groups)
+
     def __init__(self, groups_per_step: int, seed: int = 0):
         self.M = groups_per_step
         self.generator = torch.Generator().manual_seed(seed)
@@ -81,6 +92,7 @@ class RandomSelector(Selector):
         return groups, valid
 
 
+SCORE_REDUCES = ("sum", "softmax")  # how heads' scores make a token's: logits summed (KVSwap), or a softmax vote each
 # K_lr formats: torch dtype, bytes per element, bytes of per-token scale (int8 rows carry one bf16 absmax scale)
 KLR_FORMATS = {"bfloat16": (torch.bfloat16, 2, 0), "float16": (torch.float16, 2, 0), "float32": (torch.float32, 4, 0),
                "int8": (torch.int8, 1, 2)}
@@ -100,27 +112,16 @@ class LowRankSelector(Selector):
     ``klr_dtype`` "int8" stores each projected key as int8 with its own absmax scale (half of bf16's
     bytes, so a lower sigma in the same memory); scores are computed in bf16 and rescaled per token."""
 
-    def __init__(
-        self,
-        adapter: LowRankAdapter | None,
-        rank: int,
-        n_kv_heads: int,
-        head_dim: int,
-        n_layers: int,
-        batch: int,
-        max_context: int,
-        group_tokens: int,
-        groups_per_step: int,
-        klr_dtype: str,
-        device: torch.device,
-        score_reduce: str = "sum",
-        scaling: float = 1.0,
-    ):
-        self.score_reduce = score_reduce
+    def __init__(self, adapter: LowRankAdapter | None, rank: int, dims: ModelDims, batch: int, max_context: int,
+                 group_tokens: int, groups_per_step: int, predictor: PredictorConfig, device: torch.device,
+                 scaling: float = 1.0):
+        """``predictor``: the config section it reads (klr_dtype, score_reduce); ``scaling`` the model's 1/sqrt(d)."""
+        n_kv_heads, head_dim, n_layers = dims.n_kv_heads, dims.head_dim, dims.n_layers
+        self.score_reduce = predictor.score_reduce
         self.scaling = scaling
         self.G = group_tokens
         self.M = groups_per_step
-        stored, _, _ = KLR_FORMATS[klr_dtype]
+        stored, _, _ = KLR_FORMATS[predictor.klr_dtype]
         self.quantized = stored == torch.int8
         self.dtype = torch.bfloat16 if self.quantized else stored  # what projections and scores compute in
         self.device = device
@@ -133,6 +134,13 @@ class LowRankSelector(Selector):
         self.resident_bytes = self.k_lr.numel() * self.k_lr.element_size() + self.k_scale.numel() * self.k_scale.element_size()
         self.fitted_on = [0] * n_layers
         self._unfitted: list[list[tuple[int, int, torch.Tensor]]] = [[] for _ in range(n_layers)]
+
+    uses_adapter = True
+
+    @classmethod
+    def for_batch(cls, adapter, rank, dims, batch, cfg, device, scaling):
+        """The selector of a batch run with ``cfg`` (the policy's effective config)."""
+        return cls(adapter, rank, dims, batch, cfg.max_context, cfg.G, cfg.picked_groups, cfg.predictor, device, scaling)
 
     def fitted_adapter(self) -> tuple[LowRankAdapter | None, int]:
         """The projections fitted here (None if some layer had no keys) and the fewest keys a layer's fit saw."""
@@ -225,3 +233,6 @@ class OracleSelector(LowRankSelector):
     are not overlapped."""
 
     reads_ahead = False
+
+
+SELECTORS = {"lowrank": LowRankSelector, "oracle": OracleSelector, "random": RandomSelector}  # config 'selector'

@@ -8,10 +8,9 @@ own max_batch/max_context so its memory plan is the one the solver checked.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, fields
 from pathlib import Path
 
-from .config import ConfigError, RuntimeConfig, read_config_file
+from .config import SECTIONS, ConfigError, RuntimeConfig, read_config_file
 
 # written by the install step for people and tools; ignored here
 METADATA_KEYS = ("platform", "model", "alpha", "solutions", "measurements", "profile", "created",
@@ -50,7 +49,7 @@ def load_deployed(source) -> tuple[RuntimeConfig, SolutionTable | None]:
             raise ConfigError(f"config file {source} is not UTF-8 JSON ({exc}); point to the deployed config.json") from exc
     if not isinstance(source, dict) or "solutions" not in source:
         return RuntimeConfig.load(source), None
-    known = {f.name for f in fields(RuntimeConfig)}
+    known = set(RuntimeConfig.keys()) | set(SECTIONS)  # flat keys, or nested by section
     base = RuntimeConfig.load({k: v for k, v in source.items() if k in known})
     unknown = sorted(map(str, set(source) - known - set(METADATA_KEYS)))
     if unknown:
@@ -75,7 +74,7 @@ def load_deployed(source) -> tuple[RuntimeConfig, SolutionTable | None]:
         override = {k: row[k] for k in SOLUTION_KEYS if k in row}
         budget = base.max_kv_mem_mib and base.max_kv_mem_mib * row["batch"] / base.max_batch  # B_max / b_max each
         try:
-            cfg = RuntimeConfig.load({**asdict(base), **override, "max_batch": row["batch"], "max_context": row["context"],
+            cfg = RuntimeConfig.load({**base.to_dict(), **override, "max_batch": row["batch"], "max_context": row["context"],
                                       "max_kv_mem_mib": budget})
         except ConfigError as exc:
             raise ConfigError(f"{where}: {exc}") from exc

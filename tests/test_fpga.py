@@ -9,7 +9,9 @@ import torch
 from edgekv.platforms.hls_lint import lint, lint_file
 from edgekv.platforms.smartssd import FPGA_DIR, CsimScorer, selftest
 from edgekv.runtime import Engine
+from edgekv.runtime.config import HillInferConfig
 from edgekv.runtime.hillinfer import HierarchicalSelector
+from edgekv.runtime.model import ModelDims
 from edgekv.runtime.scoring import KeyPool, NumpyScorer, write_pool
 from tests.conftest import files_under
 from tests.test_exactness import EXACT, PROMPTS, run
@@ -72,7 +74,9 @@ def test_hillinfer_with_alpha_one_equals_full(model_dirs, kv_dir, scorer):
 
 
 def test_hierarchical_pools_keep_recent_tokens_and_swap_hot_ones_in_equal_numbers(tmp_path):
-    sel = HierarchicalSelector(NumpyScorer(), tmp_path, 1, 1, 200, 1, 4, alpha=0.1, beta=0.25, scaling=1.0, block_tokens=64)
+    dims = ModelDims(n_layers=1, hidden=4, n_heads=1, n_kv_heads=1, head_dim=4, vocab=10)
+    sel = HierarchicalSelector(NumpyScorer(), tmp_path, dims, 1, 200,
+                               HillInferConfig(importance_rate=0.1, beta=0.25, score_block_tokens=64), scaling=1.0)
     keys = torch.zeros(1, 200, 4)
     keys[0, 17] = 5.0  # an old token the query likes
     keys[0, :, 0] += torch.linspace(-1, 0, 200)  # otherwise ranked by recency

@@ -60,7 +60,7 @@ def test_stats_are_reported(engine):
     assert stats["decode_tok_s"] > 0 and stats["kv_bytes_read"] > 0 and 0 < stats["reuse_rate"] <= 1
     assert stats["generated_tokens"] == 20
     stride = RecordLayout(engine.config.G, engine.model.dims.n_kv_heads, engine.model.dims.head_dim, engine.model.dtype,
-                          engine.config.io_align_bytes).stride_bytes
+                          engine.config.io.io_align_bytes).stride_bytes
     assert stats["kv_bytes_read"] % stride == 0  # whole records
     assert stats["kv_resident_bytes"] == engine.memory_plan.total_bytes
     assert 0 < stats["kv_read_requests"] <= stats["kv_records_read"] and stats["n_paths"] == 1

@@ -11,11 +11,16 @@ import pytest
 import torch
 
 from edgekv.platforms.smartssd import CsimScorer
-from edgekv.runtime.config import cpu_pool_tokens
+from edgekv.runtime.config import HillInferConfig, cpu_pool_tokens
+from edgekv.runtime.model import ModelDims
 from edgekv.runtime.hillinfer import HierarchicalSelector
 from edgekv.runtime.scoring import NumpyScorer
 
 DIM, LAYERS, STEPS = 8, 2, 3
+
+
+def _dims() -> ModelDims:
+    return ModelDims(n_layers=LAYERS, hidden=DIM, n_heads=1, n_kv_heads=1, head_dim=DIM, vocab=10)
 U = np.ones(DIM, dtype=np.float32) / math.sqrt(DIM)
 QUERY = torch.from_numpy(U).reshape(1, 1, 1, DIM)
 COMBOS = [(0.5, 0.1, 200), (0.1, 0.25, 200), (0.3, 0.3, 130), (0.05, 1.0, 300), (0.1, 0.05, 500), (0.25, 2.0, 257)]
@@ -69,8 +74,8 @@ def _decode(sel, keys, context, alpha):
 
 @pytest.mark.parametrize("alpha, beta, context, region, plant", CASES, ids=[f"a{a}-b{b}-n{c}-{r}" for a, b, c, r, _ in CASES])
 def test_the_best_key_is_selected_in_every_region(tmp_path, alpha, beta, context, region, plant):
-    sel = HierarchicalSelector(NumpyScorer(), tmp_path, LAYERS, 1, context + STEPS, 1, DIM, alpha=alpha, beta=beta,
-                               scaling=1.0, block_tokens=64)
+    sel = HierarchicalSelector(NumpyScorer(), tmp_path, _dims(), 1, context + STEPS,
+                               HillInferConfig(importance_rate=alpha, beta=beta, score_block_tokens=64), scaling=1.0)
     start = context - min(context, max(1, math.ceil(alpha * context)))
     for i, (layer, in_cpu, picked, exact) in enumerate(_decode(sel, _keys(context, plant, seed=plant), context, alpha)):
         if i < LAYERS:  # the first step: the plant is where the region says
@@ -90,8 +95,8 @@ def test_the_exact_top_k_when_k_exceeds_the_kernels_block_top_k(tmp_path, scorer
     context, alpha = 1200, 0.5
     keys = _keys(context, None, seed=1)
     keys[:, :600] = np.linspace(30, 10, 600, dtype=np.float32)[:, None] * U
-    sel = HierarchicalSelector(scorer(), tmp_path, LAYERS, 1, context + STEPS, 1, DIM, alpha=alpha, beta=0.01,
-                               scaling=1.0, block_tokens=1024)
+    sel = HierarchicalSelector(scorer(), tmp_path, _dims(), 1, context + STEPS,
+                               HillInferConfig(importance_rate=alpha, beta=0.01, score_block_tokens=1024), scaling=1.0)
     for layer, _, picked, exact in _decode(sel, keys, context, alpha):
         assert len(picked) == len(exact) and set(picked.tolist()) == set(exact.tolist()), f"layer {layer}"
     sel.close()

@@ -79,8 +79,8 @@ def test_detect_platform_from_a_fake_tree(tmp_path, files, expected):
 # ---- memory fit and solver --------------------------------------------------------------------
 
 def _plan_bytes(fit, context):
-    cfg = RuntimeConfig(G=fit.G, M=fit.M, C=fit.C, sigma=fit.sigma, max_batch=1, max_context=context, reuse=fit.reuse,
-                        io_align_bytes=512)
+    cfg = RuntimeConfig.from_flat({"G": fit.G, "M": fit.M, "C": fit.C, "sigma": fit.sigma, "max_batch": 1,
+                                   "max_context": context, "reuse": fit.reuse, "io_align_bytes": 512})
     stride = RecordLayout(fit.G, 2, 64, torch.float32, 512).stride_bytes
     return plan_memory("kvswap", cfg, DIMS, 4, fit.rank, stride).total_bytes
 

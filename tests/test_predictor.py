@@ -4,13 +4,16 @@ import torch
 
 from edgekv.runtime import Engine, LowRankAdapter, build_adapter
 from edgekv.runtime.adapter import AdapterError
+from edgekv.runtime.config import PredictorConfig
+from edgekv.runtime.model import ModelDims
 from edgekv.runtime.selector import LowRankSelector
 from tests.conftest import save_model
 
 
 def make_selector(adapter, rank, G=4, M=2, max_context=64, klr_dtype="float32", score_reduce="sum"):
-    return LowRankSelector(adapter, rank, 2, 16, 1, 1, max_context, G, M, klr_dtype, torch.device("cpu"),
-                           score_reduce=score_reduce)
+    dims = ModelDims(n_layers=1, hidden=64, n_heads=4, n_kv_heads=2, head_dim=16, vocab=10)
+    return LowRankSelector(adapter, rank, dims, 1, max_context, G, M,
+                           PredictorConfig(klr_dtype=klr_dtype, score_reduce=score_reduce), torch.device("cpu"))
 
 
 def test_full_rank_scores_equal_true_attention_logits_summed_over_heads():

@@ -23,7 +23,7 @@ class Arkv(PolicySpec):
             need_mib = geo.min_arena_bytes * dims.n_layers * cfg.max_batch / MIB
             raise BudgetError(
                 f"policy 'arkv' needs at least {need_mib:.2f} MiB of KV memory for max_batch={cfg.max_batch} (per layer: "
-                f"arkv_window_tokens={cfg.arkv_window_tokens} + 1 + {GROUP_TOKENS} tokens in original precision and one "
+                f"arkv_window_tokens={cfg.arkv.arkv_window_tokens} + 1 + {GROUP_TOKENS} tokens in original precision and one "
                 f"quantized group) but max_kv_mem_mib is {cfg.max_kv_mem_mib:g} MiB; raise max_kv_mem_mib or lower "
                 "arkv_window_tokens or max_batch"
             )

@@ -20,16 +20,12 @@ from .base import PolicyEnv
 
 def record_layout(cfg: RuntimeConfig, dims: ModelDims, dtype: torch.dtype) -> RecordLayout:
     """The disk records in ``kv_record_dtype``; a format this model cannot take is named as the config field."""
-    layout = RecordLayout(cfg.G, dims.n_kv_heads, dims.head_dim, dtype, cfg.io_align_bytes, cfg.kv_record_dtype)
+    layout = RecordLayout(cfg.G, dims.n_kv_heads, dims.head_dim, dtype, cfg.io.io_align_bytes, cfg.io.kv_record_dtype)
     try:
         layout.codec  # built now: a format the model cannot take fails before the weights load
     except ValueError as exc:
-        raise ConfigError(f"config field 'kv_record_dtype' {cfg.kv_record_dtype!r}: {exc}; pick another format") from exc
+        raise ConfigError(f"config field 'kv_record_dtype' {cfg.io.kv_record_dtype!r}: {exc}; pick another format") from exc
     return layout
-
-
-def max_groups(cfg: RuntimeConfig) -> int:
-    return -(-cfg.max_context // cfg.G)
 
 
 def disk_parts(cfg: RuntimeConfig, dims: ModelDims, kv_itemsize: int, rank: int, stride_bytes: int,
@@ -39,29 +35,29 @@ def disk_parts(cfg: RuntimeConfig, dims: ModelDims, kv_itemsize: int, rank: int,
     token_bytes = 2 * dims.n_kv_heads * dims.head_dim * kv_itemsize
     picked = cfg.picked_groups
     slots = SlotTable.n_buffers(dims.n_layers) * cfg.C if cfg.reuse else PreloadSlots.n_buffers(dims.n_layers) * picked
-    groups = max_groups(cfg)
+    groups = cfg.max_groups
     return {
-        "k_lowrank": dims.n_layers * cfg.max_context * klr_token_bytes(rank, cfg.klr_dtype) if predicts else 0,
+        "k_lowrank": dims.n_layers * cfg.max_context * klr_token_bytes(rank, cfg.predictor.klr_dtype) if predicts else 0,
         "k_cpu_pool": 0,
         "slots": slots * stride_bytes,
         "slot_table": SlotTable.index_bytes(dims.n_layers, cfg.C, groups, cfg.replacement) if cfg.reuse else 0,
         "sinks": dims.n_layers * cfg.sink_groups * cfg.G * token_bytes,
         "rolling": dims.n_layers * (cfg.window_groups + 1) * cfg.G * token_bytes,
-        "placement": dims.n_layers * groups * PLACEMENT_BYTES_PER_GROUP if cfg.clustering else 0,
-        "checksums": dims.n_layers * groups * CHECKSUM_BYTES if cfg.verify_fraction > 0 else 0,
+        "placement": dims.n_layers * groups * PLACEMENT_BYTES_PER_GROUP if cfg.placement.clustering else 0,
+        "checksums": dims.n_layers * groups * CHECKSUM_BYTES if cfg.integrity.verify_fraction > 0 else 0,
     }
 
 
 def open_store(env: PolicyEnv, cfg: RuntimeConfig) -> DiskKVStore:
     dims = env.model.dims
     return DiskKVStore(env.kv_paths, dims.n_layers, record_layout(cfg, dims, env.model.dtype), env.reader,
-                       max_groups(cfg), cfg.max_request_bytes, cfg.verify_fraction)
+                       cfg.max_groups, cfg.io.max_request_bytes, cfg.integrity.verify_fraction)
 
 
 def offloaded(env: PolicyEnv, batch: int, cfg: RuntimeConfig, store: DiskKVStore, selector: Selector,
               predict: bool = True, placer=None) -> OffloadedKV:
     """The disk pipeline over ``selector``'s picks: a reuse buffer when the config has one, else preload slots."""
     dims = env.model.dims
-    slots = SlotTable(dims.n_layers, batch, cfg.C, max_groups(cfg), cfg.replacement) if cfg.reuse \
+    slots = SlotTable(dims.n_layers, batch, cfg.C, cfg.max_groups, cfg.replacement) if cfg.reuse \
         else PreloadSlots(batch, cfg.picked_groups)
     return OffloadedKV(env.model, batch, cfg, store, selector, slots, predict, placer, env.on_select)

@@ -22,22 +22,21 @@ class HillInfer(PolicySpec):
     group_tokens = 1
 
     def effective_config(self, cfg):
-        selected = math.ceil(cfg.importance_rate * cfg.max_context)
-        pool = cpu_pool_tokens(cfg.beta, cfg.max_context)
+        selected = math.ceil(cfg.hillinfer.importance_rate * cfg.max_context)
+        pool = cpu_pool_tokens(cfg.hillinfer.beta, cfg.max_context)
         return replace(cfg, G=1, M=selected, C=max(selected, pool), reuse=True, sink_tokens=0, window_tokens=0)
 
     def memory_parts(self, cfg, dims, kv_itemsize, rank, stride_bytes):
         parts = disk_parts(cfg, dims, kv_itemsize, rank, stride_bytes, predicts=False)
-        parts["k_cpu_pool"] = (dims.n_layers * cpu_pool_tokens(cfg.beta, cfg.max_context) * dims.n_kv_heads
+        parts["k_cpu_pool"] = (dims.n_layers * cpu_pool_tokens(cfg.hillinfer.beta, cfg.max_context) * dims.n_kv_heads
                                * dims.head_dim * 2 + HierarchicalSelector.index_bytes(dims.n_layers, cfg.max_context))
         return parts
 
     def build(self, env, batch, cfg):
         dims = env.model.dims
         store = open_store(env, cfg)
-        selector = HierarchicalSelector(env.scorer or NumpyScorer(), store.dir, dims.n_layers, batch, cfg.max_context,
-                                        dims.n_kv_heads, dims.head_dim, cfg.importance_rate, cfg.beta,
-                                        env.model.scaling, cfg.score_block_tokens)
+        selector = HierarchicalSelector(env.scorer or NumpyScorer(), store.dir, dims, batch, cfg.max_context,
+                                        cfg.hillinfer, env.model.scaling)
         return offloaded(env, batch, cfg, store, selector)
 
     def budget_geometry(self, fit):

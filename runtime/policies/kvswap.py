@@ -7,7 +7,7 @@ import logging
 
 from ..cluster import CoactivationLayout
 from ..adapter import KEYS_PER_RANK
-from ..selector import LowRankSelector, OracleSelector, RandomSelector
+from ..selector import SELECTORS
 from .base import PolicySpec
 from .disk import disk_parts, offloaded, open_store
 
@@ -25,20 +25,16 @@ class KVSwap(PolicySpec):
         return disk_parts(cfg, dims, kv_itemsize, rank, stride_bytes, predicts=True)
 
     def build(self, env, batch, cfg):
-        dims, model = env.model.dims, env.model
+        model = env.model
         store = open_store(env, cfg)
-        if cfg.selector == "random":
-            selector = RandomSelector(cfg.picked_groups)
-        else:
-            adapter, rank = env.adapter_for(cfg), env.rank_for(cfg)
-            if adapter is None:
-                _warn_fitting(rank)
-            kind = OracleSelector if cfg.selector == "oracle" else LowRankSelector
-            selector = kind(adapter, rank, dims.n_kv_heads, dims.head_dim, dims.n_layers, batch,
-                            cfg.max_context, cfg.G, cfg.picked_groups, cfg.klr_dtype, model.device,
-                            score_reduce=cfg.score_reduce, scaling=model.scaling)
-        placer = CoactivationLayout(cfg.cluster_queries, cfg.cluster_radius, cfg.replica_share, model.scaling,
-                                    store.layout.stride_bytes) if cfg.clustering else None
+        kind = SELECTORS[cfg.predictor.selector]
+        adapter, rank = (env.adapter_for(cfg), env.rank_for(cfg)) if kind.uses_adapter else (None, 0)
+        if kind.uses_adapter and adapter is None:
+            _warn_fitting(rank)
+        selector = kind.for_batch(adapter, rank, model.dims, batch, cfg, model.device, model.scaling)
+        placement = cfg.placement
+        placer = CoactivationLayout.from_config(placement, model.scaling, store.layout.stride_bytes) \
+            if placement.clustering else None
         return offloaded(env, batch, cfg, store, selector, placer=placer)
 
 

@@ -13,6 +13,8 @@ import torch
 
 from edgekv.runtime.disk_store import aligned_zeros
 from edgekv.runtime.reader import ReadBatch, open_reader
+from edgekv.runtime.config import PredictorConfig
+from edgekv.runtime.model import ModelDims
 from edgekv.runtime.selector import LowRankSelector
 
 B, H, H_KV, D, S, G, M, RANK = 4, 24, 8, 128, 16384, 4, 100, 128
@@ -24,7 +26,8 @@ class _Model:
 
 @pytest.fixture(scope="module")
 def selector():
-    sel = LowRankSelector(None, RANK, H_KV, D, 1, B, S, G, M, "bfloat16", torch.device("cpu"))
+    dims = ModelDims(n_layers=1, hidden=H_KV * D, n_heads=H_KV, n_kv_heads=H_KV, head_dim=D, vocab=10)
+    sel = LowRankSelector(None, RANK, dims, B, S, G, M, PredictorConfig(klr_dtype="bfloat16"), torch.device("cpu"))
     sel.adapter = [torch.randn(H_KV * D, RANK, dtype=torch.bfloat16)]
     sel.k_lr.normal_()
     return sel
