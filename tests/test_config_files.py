@@ -1,0 +1,76 @@
+"""Config files stay flat and keep loading: every config shipped in docs/results, a deploy's config.json, and the
+full flat key set earlier versions wrote; the same keys nested by section give the same config."""
+import json
+from pathlib import Path
+
+import pytest
+
+from edgekv.runtime.config import SECTIONS, ConfigError, RuntimeConfig
+from edgekv.runtime.solutions import load_deployed
+
+RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results"
+
+# every key (and default) the flat RuntimeConfig of earlier versions wrote into config.json
+FLAT_V1 = {"G": 4, "M": 100, "sigma": 8.0, "C": 200, "max_kv_mem_mib": None, "max_batch": 4, "max_context": 32768,
+           "reuse": True, "rolling_buffer": True, "sink_tokens": 0, "window_tokens": 0, "selector": "lowrank",
+           "score_reduce": "sum", "adapter_path": None, "klr_dtype": "bfloat16", "reader_backend": "auto",
+           "io_align_bytes": 4096, "io_queue_depth": 64, "kv_record_dtype": "auto", "importance_rate": 0.2,
+           "beta": 1.0, "score_block_tokens": 1024, "arkv_quant": "auto", "arkv_gamma": 263.81,
+           "arkv_window_tokens": 32, "arkv_slack": 0.75, "ttft_costs_path": None, "clustering": False,
+           "cluster_queries": 32, "recluster_steps": 8, "cluster_radius": 0.3, "replica_share": 0.05,
+           "replacement": "fifo", "max_request_bytes": 262144, "share_prefix": True, "verify_fraction": 1.0,
+           "read_deadline_s": 60.0}
+
+
+def test_the_flat_key_set_of_earlier_versions_loads_and_writes_back_unchanged():
+    config = RuntimeConfig.load(FLAT_V1)
+    assert config.to_dict() == FLAT_V1 and sorted(RuntimeConfig.keys()) == sorted(FLAT_V1)
+    assert (config.io.reader_backend, config.predictor.klr_dtype, config.arkv.arkv_slack) == ("auto", "bfloat16", 0.75)
+
+
+def test_every_config_shipped_in_docs_results_loads():
+    from edgekv.evals.harness import recorded_configs
+
+    loaded = [RuntimeConfig.load(RESULTS / "serve-smollm2-config.json")]
+    for path in sorted(RESULTS.glob("*.json")):
+        data = json.loads(path.read_text())
+        rows = (data.get("results") or data.get("ppl") or []) if isinstance(data, dict) else []
+        for row in rows:
+            if isinstance(row, dict) and isinstance(row.get("config"), dict):
+                flat = {k: v for k, v in row["config"].items() if k in RuntimeConfig.keys()}
+                loaded.append(RuntimeConfig.load(flat))
+        if path.name.startswith(("eval-", "ppl-", "chosen-")):
+            loaded += [RuntimeConfig.load(c) for c in recorded_configs(path).values()]
+    assert len(loaded) > 50
+
+
+def test_a_deployed_config_written_by_deploy_loads(tmp_path):
+    deployed = {**FLAT_V1, "platform": "local", "model": "fixture", "max_batch": 2, "max_context": 512,
+                "solutions": [{"batch": 2, "context": 512, "G": 4, "M": 8, "C": 16, "sigma": 4, "reuse": True}]}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(deployed))
+    base, solutions = load_deployed(str(path))
+    assert base.max_context == 512 and solutions.pick(2, 512).M == 8
+
+
+def test_nested_sections_give_the_same_config_as_flat_keys():
+    flat = {"G": 8, "reader_backend": "python", "klr_dtype": "int8", "clustering": True, "verify_fraction": 0.5,
+            "beta": 2.0, "arkv_window_tokens": 16, "ttft_costs_path": "x.json"}
+    nested = {"G": 8, "io": {"reader_backend": "python"}, "predictor": {"klr_dtype": "int8"},
+              "placement": {"clustering": True}, "integrity": {"verify_fraction": 0.5}, "hillinfer": {"beta": 2.0},
+              "arkv": {"arkv_window_tokens": 16}, "prefill": {"ttft_costs_path": "x.json"}}
+    assert RuntimeConfig.load(nested) == RuntimeConfig.load(flat)
+    assert set(SECTIONS) == {"io", "predictor", "placement", "integrity", "hillinfer", "arkv", "prefill"}
+
+
+@pytest.mark.parametrize("config, named", [
+    ({"io": {"klr_dtype": "int8"}}, r"section 'io' has no field\(s\) \['klr_dtype'\]"),
+    ({"reader_backend": "python", "io": {"reader_backend": "auto"}}, r"\['reader_backend'\] given both flat and in section 'io'"),
+    ({"io": 5}, r"section 'io' must be a mapping"),
+    ({"io": {"io_align_bytes": 1000}}, r"'io_align_bytes' must be a power of two >= 512"),
+    ({"io": {"max_request_bytes": 1024}}, r"'max_request_bytes' must be an integer >= io_align_bytes \(4096\)"),
+    ({"selector": "psychic"}, r"'selector' must be one of \('lowrank', 'oracle', 'random'\)"),
+])
+def test_a_bad_section_or_field_is_named(config, named):
+    with pytest.raises(ConfigError, match=named):
+        RuntimeConfig.load(config)
