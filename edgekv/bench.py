@@ -658,12 +658,9 @@ def llama_cpp_source(model_dir: Path, policies: list[str]) -> tuple[Path | None,
 
 def cached_reuse_table(model_dir: Path) -> tuple[dict | None, str]:
     """The install step's reuse lookup table for this model when `make deploy` has built it."""
-    import os
+    from edgekv.runtime.checkpoints import cache_root, checkpoint_fingerprint
 
-    from edgekv.deploy import model_fingerprint
-
-    root = Path(os.environ.get("EDGEKV_CACHE") or Path.home() / ".cache" / "edgekv")
-    path = root / "tables" / model_fingerprint(Path(model_dir)) / "tables.json"
+    path = cache_root() / "tables" / checkpoint_fingerprint(Path(model_dir)) / "tables.json"
     if not path.is_file():
         return None, "none cached (run make deploy for this model); the solver assumes no reuse"
     return tables.load_tables(path)[0], str(path)

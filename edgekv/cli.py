@@ -163,7 +163,7 @@ def _ttft(args) -> int:
 
 
 def _build_native(args) -> int:
-    from edgekv.runtime.reader import build_all
+    from edgekv.runtime.native_build import build_all
 
     for backend, where in build_all().items():
         print(f"{backend}: {where}")
@@ -185,9 +185,10 @@ def _serve(args) -> int:
 
     config = args.config
     if args.platform:
+        from edgekv.platforms.detect import detect_platform
         from edgekv.serve.server import deployed_config
 
-        config = str(deployed_config(args.platform))
+        config = str(deployed_config(detect_platform() if args.platform in ("", "auto") else args.platform))
     kv_paths = _kv_paths(args)
     logging.getLogger("edgekv").setLevel(logging.INFO)
     return run(ServeOptions(

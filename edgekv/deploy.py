@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import platform as host
 import sys
 import time
@@ -27,7 +26,8 @@ from edgekv.platforms.detect import detect_platform, jetson_module
 from edgekv.platforms.devices import platform_for
 from edgekv.runtime import Engine, RecordLayout
 from edgekv.runtime.adapter import LowRankAdapter
-from edgekv.runtime.checkpoints import load_tokenizer, resolve_checkpoint
+from edgekv.runtime.checkpoints import cache_root as default_cache_root
+from edgekv.runtime.checkpoints import checkpoint_fingerprint, load_tokenizer, resolve_checkpoint
 from edgekv.runtime.model import ModelDims, load_model, read_model_config
 from edgekv.runtime.store.files import write_atomic, write_json_atomic
 
@@ -38,15 +38,6 @@ def _progress(total: int, desc: str):
     from tqdm import tqdm
 
     return tqdm(total=total, desc=desc, file=sys.stderr, leave=True, ncols=80)
-
-
-def model_fingerprint(model_dir: Path) -> str:
-    """config.json contents plus the name, size and mtime of every weight file."""
-    h = hashlib.sha256((model_dir / "config.json").read_bytes())
-    for f in sorted(model_dir.glob("*.safetensors")) + sorted(model_dir.glob("*.bin")):
-        st = f.stat()
-        h.update(f"{f.name}:{st.st_size}:{int(st.st_mtime)}".encode())
-    return h.hexdigest()[:16]
 
 
 def _cpu_model() -> str:
@@ -83,7 +74,7 @@ def _save(path: Path, fingerprint: dict, payload: dict) -> None:
 def calibration_prompts(model_dir: Path, context: int, n: int, seed: int = 1234, text_file: str | None = None) -> list[list[int]]:
     """``n`` prompts of ``context`` tokens: the user's text (cut into windows) when given, else retrieval-task
     prompts in the model's own tokens (the shipped fixture corpus, or words for a tokenizer)."""
-    from edgekv.evals.harness import task_format
+    from edgekv.evals.scoring import task_format
     from edgekv.evals.tasks import TASKS, make_instance
     if text_file:
         tokenizer = load_tokenizer(model_dir)
@@ -139,7 +130,7 @@ class Deployment:
     @property
     def model_fp(self) -> str:
         if self._fp is None:
-            self._fp = model_fingerprint(self.model_dir)
+            self._fp = checkpoint_fingerprint(self.model_dir)
         return self._fp
 
     @property
@@ -250,9 +241,8 @@ def quality_table(d: Deployment, cache_root: Path, adapters: dict, calibration: 
     prof = d.prof
     if prof.quality_target is None:
         return []
-    from edgekv.evals.harness import Adapters
-    from edgekv.evals.perplexity import ConfigScorer, calibration_windows
     from edgekv.evals.progress import Progress
+    from edgekv.evals.scoring import Adapters, ConfigScorer, calibration_windows
 
     path = cache_root / "tables" / d.model_fp / "quality.json"
     groups = [g for g in quality.GROUP_SIZES if g <= prof.g_max] or [1]
@@ -284,9 +274,8 @@ def record_table(d: Deployment, cache_root: Path, adapters: dict, calibration: s
     prof = d.prof
     if not prof.record_dtypes:
         return {}
-    from edgekv.evals.harness import Adapters
-    from edgekv.evals.perplexity import ConfigScorer, calibration_windows
     from edgekv.evals.progress import Progress
+    from edgekv.evals.scoring import Adapters, ConfigScorer, calibration_windows
 
     path = cache_root / "tables" / d.model_fp / "records.json"
     context = min(4096, prof.max_context - 64)
@@ -382,7 +371,7 @@ def run(platform: str | None = None, model: str | None = None, kv_paths: str | P
     prof, out, dims = d.prof, d.out, d.dims
     batches, contexts = grid(prof)
     disk_profiles = measure_disk(d, disk_seconds or prof.disk_seconds)
-    cache_root = Path(cache_dir or os.environ.get("EDGEKV_CACHE") or Path.home() / ".cache" / "edgekv")
+    cache_root = Path(cache_dir) if cache_dir else default_cache_root()
     reuse, adapters = lookup_tables(d, cache_root, calibration)
     compute_profile = measure_compute(d, batches, contexts)
     ttft_costs, ttft_errors = measure_chunks(d, contexts)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -19,16 +18,18 @@ import numpy as np
 import torch
 
 from edgekv.install.solver import Limits, fit_memory, quality_fit
-from edgekv.runtime import Engine, RuntimeConfig, policies
+from edgekv.runtime import Engine, policies
 from edgekv.runtime.config import picked_groups
-from edgekv.runtime.adapter import LowRankAdapter, collect_keys
-from edgekv.runtime.checkpoints import load_tokenizer
-from edgekv.runtime.model import DecoderModel, ModelDims, load_model, read_model_config
+from edgekv.runtime.adapter import LowRankAdapter
+from edgekv.runtime.checkpoints import cache_root, checkpoint_fingerprint
+from edgekv.runtime.model import DecoderModel, ModelDims, load_model
 from edgekv.runtime.prompt_cache import PromptKVCache
 from edgekv.runtime.store.files import write_json_atomic
 
+from . import scoring
 from .progress import Progress
-from .tasks import TASKS, VOCAB_SIZE, FixtureFormat, TaskInstance, TextFormat, make_instance, make_set
+from .scoring import Adapters, engine_for, engine_steps, read_bytes_per_token, task_format
+from .tasks import TASKS, TaskInstance, make_instance, make_set
 
 
 
@@ -118,16 +119,13 @@ class QualityChooser:
 
     def __init__(self, model: DecoderModel, model_dir: str | Path, kv_path, adapters: "Adapters", quiet: bool = False,
                  cache_dir: str | Path | None = None):
-        from edgekv.deploy import model_fingerprint
-
         self.model, self.model_dir, self.kv_path, self.adapters, self.quiet = model, Path(model_dir), kv_path, adapters, quiet
-        root = Path(cache_dir or os.environ.get("EDGEKV_CACHE") or Path.home() / ".cache" / "edgekv")
-        self.path = root / "tables" / model_fingerprint(self.model_dir) / "eval-quality.json"
+        root = Path(cache_dir) if cache_dir else cache_root()
+        self.path = root / "tables" / checkpoint_fingerprint(self.model_dir) / "eval-quality.json"
         self.cache = json.loads(self.path.read_text()) if self.path.is_file() else {}
 
     def __call__(self, variant: Variant, context: int, budget_bytes: float, max_batch: int) -> dict:
         from edgekv.install import quality, solver
-        from .perplexity import ConfigScorer, calibration_windows
 
         G = policies.get(variant.policy).group_tokens or variant.G
         limits = Limits(io_align_bytes=512)
@@ -139,9 +137,9 @@ class QualityChooser:
         if key not in self.cache:
             if not grid:
                 raise ValueError(f"budget {budget_bytes / 2**20:.1f} MiB leaves no room for one group at context {context}")
-            windows, source = calibration_windows(self.model_dir, context, quality.WINDOWS)
+            windows, source = scoring.calibration_windows(self.model_dir, context, quality.WINDOWS)
             with Progress(len(grid) + 1, f"choosing by quality at {context}", self.quiet) as progress:
-                scorer = ConfigScorer(self.model, self.kv_path, self.adapters, windows, quality.continuation(context),
+                scorer = scoring.ConfigScorer(self.model, self.kv_path, self.adapters, windows, quality.continuation(context),
                                       progress, max_batch=quality.WINDOWS, label=f"{context}")
                 rows = [{**p, **{k: scorer(variant.policy, quality.run_config(p, context))[k]
                                  for k in ("ppl_ratio", "top1_agreement")}} for p in grid]
@@ -166,55 +164,6 @@ class Result:
     config: dict
     seconds: float
     kv_read_bytes_per_token: float = 0.0  # disk reads per decoded token (record format and reuse included)
-
-
-def read_bytes_per_token(outs) -> float:
-    """KV bytes read from disk per decoded token over a batch's results (0 for the in-memory policies)."""
-    return sum(o.stats["kv_bytes_read"] for o in outs) / max(1, sum(o.stats["generated_tokens"] - 1 for o in outs))
-
-
-def task_format(model_dir: str | Path):
-    """The fixture's token ids for a 256-token model without a tokenizer, else words from its tokenizer."""
-    tokenizer = load_tokenizer(model_dir)
-    if tokenizer is not None:
-        return TextFormat(tokenizer)
-    if read_model_config(model_dir).get("vocab_size") == VOCAB_SIZE:
-        return FixtureFormat()
-    raise ValueError(f"{model_dir} has no tokenizer; the harness needs one to build word tasks for it")
-
-
-class Adapters:
-    """Low-rank adapters per sigma, calibrated once on task prompts of another seed (never on the
-    evaluated prompts), or one fixed adapter file whose rank then replaces the fitted sigma."""
-
-    def __init__(self, model: DecoderModel, calibration: list[list[int]], fixed: LowRankAdapter | None = None,
-                 fitted: dict[float, LowRankAdapter] | None = None):
-        self.fixed = fixed
-        self._fitted: dict[float, LowRankAdapter] = dict(fitted or {})
-        self._keys = None if fixed or fitted else collect_keys(model, calibration)
-        self._dims = model.dims
-        what = "fixed" if fixed else "files" if fitted else json.dumps(calibration)
-        self.source = hashlib.sha256(what.encode()).hexdigest()[:12]  # what the adapters were fitted on
-
-    @classmethod
-    def from_files(cls, model: DecoderModel, paths: dict[float, str]) -> "Adapters":
-        """The install step's adapter files, one per sigma."""
-        return cls(model, [], fitted={float(s): LowRankAdapter.load(p) for s, p in paths.items()})
-
-    def __call__(self, sigma: float) -> LowRankAdapter:
-        if self.fixed is not None:
-            return self.fixed
-        if sigma not in self._fitted and self._keys is None:
-            raise ValueError(f"no adapter for sigma {sigma:g}; the install step built {sorted(self._fitted)}")
-        if sigma not in self._fitted:
-            self._fitted[sigma] = LowRankAdapter.fit_sigma(self._keys, self._dims.n_kv_heads, self._dims.head_dim, sigma)
-        return self._fitted[sigma]
-
-
-def engine_steps(forced_tokens: list[int], max_batch: int) -> int:
-    """Step events a teacher-forced run emits: a prefill per prompt, then per batch its longest forced span."""
-    chunks = [forced_tokens[i : i + max_batch] for i in range(0, len(forced_tokens), max_batch)]
-    return sum(len(c) + max(c) for c in chunks)
 
 
 def open_engine(model: DecoderModel, kv_path, variant: Variant, context: int, max_batch: int,
@@ -258,18 +207,6 @@ def quality_chooser(model: DecoderModel, model_dir, kv_path, adapters: "Adapters
     if not any(v.rule == "quality" for v in variants):
         return None
     return RecordedChooser(configs_from) if configs_from else QualityChooser(model, model_dir, kv_path, adapters, quiet)
-
-
-def engine_for(model: DecoderModel, kv_path, policy: str, config: dict, adapters: "Adapters") -> tuple[Engine, dict]:
-    """An engine running ``config`` with the calibrated adapter of its sigma, and the config it runs."""
-    adapter = None
-    if policies.get(policy).predicts:
-        adapter = adapters(config["sigma"])
-        if adapters.fixed is not None:
-            config = {**config, "sigma": None}  # the file's rank replaces the fitted sigma
-    known = set(RuntimeConfig.keys())
-    return Engine(model, RuntimeConfig.load({k: v for k, v in config.items() if k in known}), policy, kv_path,
-                  adapter=adapter), config
 
 
 def _score(model: DecoderModel, kv_path, variant: Variant, context: int, instances: list[TaskInstance],

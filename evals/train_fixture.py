@@ -1,6 +1,6 @@
 """Train the shipped fixture model: a small Llama that really retrieves from long contexts.
 
-    python -m edgekv.evals.train_fixture --out evals/fixture --max-context 2048 --seed 0
+    python -m edgekv.evals.train_fixture --out runtime/fixture --max-context 2048 --seed 0
 
 A 4-layer GQA Llama (4 query heads of 64 over 2 KV heads, RoPE) learns the tasks of
 edgekv.evals.tasks.  Two things make it learn on two CPU cores:
@@ -179,7 +179,7 @@ def _save(model, out: Path, log: dict) -> None:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default="evals/fixture")
+    ap.add_argument("--out", default="runtime/fixture")
     ap.add_argument("--max-context", type=int, default=2048, help="longest curriculum stage (tokens)")
     ap.add_argument("--max-positions", type=int, default=16384, help="position range seen through PoSE jumps")
     ap.add_argument("--seed", type=int, default=0)

@@ -27,7 +27,8 @@ from pathlib import Path
 
 import numpy as np
 
-from edgekv.runtime.reader import compile_library
+from edgekv.runtime.checkpoints import cache_root
+from edgekv.runtime.native_build import compile_library
 from edgekv.runtime.scoring import SCORE_ENTRY, UNWRITTEN, InStorageScorer, KeyPool, ScoreResult
 
 log = logging.getLogger(__name__)
@@ -58,7 +59,7 @@ def build_csim() -> Path:
     if missing:
         raise OSError(f"kernel sources missing ({missing}); the csim backend needs the fpga/ folder of the repository")
     digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES)).hexdigest()[:12]
-    root = Path(os.environ.get("EDGEKV_CACHE") or Path.home() / ".cache" / "edgekv") / "fpga"
+    root = cache_root() / "fpga"
     target = root / f"libekv_score_csim-{digest}.so"
     if target.exists():
         return target

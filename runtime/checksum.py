@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +20,7 @@ from pathlib import Path
 import crc32c as crc32c_package
 import numpy as np
 
-from .reader import _cache_dir, compile_library
+from . import native_build
 
 log = logging.getLogger(__name__)
 
@@ -30,24 +29,18 @@ CHECKSUM_BYTES = 4  # one uint32 per (layer, group)
 MAGIC = b"EKVSUMS\0"
 _HEADER = np.dtype([("magic", "S8"), ("version", "<u4"), ("n_layers", "<u4"), ("n_groups", "<u4"),
                     ("record_bytes", "<u4"), ("first_group", "<u8"), ("fingerprint", "S32")])
-_SOURCE = Path(__file__).with_name("native") / "ekv_crc32c.c"
 
 
 def build_crc32c() -> Path:
-    """Compile ekv_crc32c.c into the cache (named by source hash: an edited source is rebuilt)."""
-    digest = hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:12]
-    target = _cache_dir() / f"libekv_crc32c-{digest}.so"
-    if target.exists():
-        return target
-    return compile_library(lambda out: ["cc", "-O2", "-shared", "-fPIC", "-Wall", str(_SOURCE), "-o", out],
-                           target, "the CRC-32C library")
+    """The compiled CRC-32C library (runtime/native_build.py)."""
+    return native_build.build("crc32c")
 
 
 @functools.cache
 def native() -> ctypes.CDLL | None:
     """The C library, or None (logged once) when it cannot be built: the crc32c package serves instead."""
     try:
-        lib = ctypes.CDLL(str(build_crc32c()))
+        lib = native_build.load("crc32c")
     except OSError as exc:
         log.warning("CRC-32C library unavailable, checking KV records with the crc32c package (slower): %s", exc)
         return None

@@ -12,19 +12,16 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
-import platform
 from pathlib import Path
 
 import torch
 
 from .quant import SCALE_DTYPE, QuantFormat, unpack_codes
-from .reader import _cache_dir, compile_library
+from . import native_build
 
 log = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("native") / "ekv_qattn.c"
 KERNEL_FIELDS = ("k_codes", "v_codes", "k_scale", "k_zero", "v_scale", "v_zero", "pos")  # the C enum's order
 TORCH_BLOCK_GROUPS = 64  # groups dequantized together by the torch path
 
@@ -75,21 +72,15 @@ class GroupLayout:
 
 
 def build_qattn() -> Path:
-    """Compile the kernel into the cache (named by source hash and machine: -march=native code)."""
-    digest = hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:12]
-    target = _cache_dir() / f"libekv_qattn-{platform.machine()}-{digest}.so"
-    if target.exists():
-        return target
-    flags = ["-O3", "-march=native", "-fopenmp", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"]
-    return compile_library(lambda out: ["cc", *flags, "-shared", "-fPIC", "-Wall", str(_SOURCE), "-o", out, "-lm"],
-                           target, "the quantized attention kernel")
+    """The compiled kernel (runtime/native_build.py: named by source hash and machine, -march=native code)."""
+    return native_build.build("qattn")
 
 
 @functools.cache
 def native_kernel() -> ctypes.CDLL | None:
     """The loaded kernel, or None (logged once) when it cannot be built: the torch path serves instead."""
     try:
-        lib = ctypes.CDLL(str(build_qattn()))
+        lib = native_build.load("qattn")
     except OSError as exc:
         log.warning("quantized attention kernel unavailable, using the torch path: %s", exc)
         return None

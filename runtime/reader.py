@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import ctypes
 import errno
-import hashlib
 import logging
 import os
-import subprocess
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, wait
@@ -23,11 +21,11 @@ from pathlib import Path
 
 import numpy as np
 
+from . import native_build
 from .pacing import MIB, Link
 
 log = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("native") / "ekv_reader.c"
 _IOV_MAX = os.sysconf("SC_IOV_MAX") if "SC_IOV_MAX" in os.sysconf_names else 1024  # preadv's iovec limit per call
 BACKENDS = ("io_uring", "pthread", "python")
 
@@ -310,43 +308,13 @@ class MultiPathReader(KVReader):
             reader.close()
 
 
-def _cache_dir() -> Path:
-    root = os.environ.get("EDGEKV_CACHE") or Path.home() / ".cache" / "edgekv"
-    return Path(root) / "native"
-
-
 def build_native(backend: str) -> Path:
-    """Compile ekv_reader.c for ``backend`` ('io_uring' or 'pthread') into the cache; returns the .so path.
-
-    The file name carries the source hash, so an edited source is rebuilt and a stale
-    library is never loaded.
-    """
-    digest = hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:12]
-    target = _cache_dir() / f"libekv_reader-{backend}-{digest}.so"
-    if target.exists():
-        return target
-    flags = ["-DEKV_URING"] if backend == "io_uring" else []
-    libs = ["-luring"] if backend == "io_uring" else ["-lpthread"]
-    return compile_library(lambda out: ["cc", "-O2", "-shared", "-fPIC", "-Wall", *flags, str(_SOURCE), "-o", out, *libs],
-                           target, f"the {backend} reader")
-
-
-def compile_library(command, target: Path, what: str) -> Path:
-    """Run ``command(output_path)`` into a temporary file and move it to ``target``: a failed or
-    interrupted build never leaves a library that would be loaded."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_suffix(f".{os.getpid()}.tmp")
-    cmd = command(str(tmp))
-    result = subprocess.run(cmd, capture_output=True, text=True)
-    if result.returncode != 0:
-        tmp.unlink(missing_ok=True)
-        raise OSError(f"building {what} failed ({' '.join(cmd)}):\n{result.stderr.strip()}")
-    tmp.replace(target)
-    return target
+    """The compiled library of ``backend`` ('io_uring' or 'pthread'; runtime/native_build.py)."""
+    return native_build.build(backend)
 
 
 def _load_native(backend: str) -> ctypes.CDLL:
-    lib = ctypes.CDLL(str(build_native(backend)))
+    lib = native_build.load(backend)
     lib.ekv_backend.restype = ctypes.c_char_p
     lib.ekv_open.restype = ctypes.c_void_p
     lib.ekv_open.argtypes = [ctypes.c_int, ctypes.c_int]
@@ -401,21 +369,3 @@ def open_reader(backend: str = "auto", queue_depth: int = 64, n_paths: int = 1, 
             reader.close()
         raise
     return MultiPathReader(readers)
-
-
-def build_all() -> dict[str, str]:
-    """Build every native library this machine can (the reader backends, arkv's quantized attention kernel, the
-    records' CRC-32C); returns name -> library path or error."""
-    from .checksum import build_crc32c
-    from .qattn import build_qattn
-
-    builds = {"io_uring": lambda: build_native("io_uring"), "pthread": lambda: build_native("pthread"), "qattn": build_qattn,
-              "crc32c": build_crc32c}
-    out = {}
-    for name, build in builds.items():
-        try:
-            out[name] = str(build())
-        except OSError as exc:
-            out[name] = f"unavailable: {exc}"
-    return out
-

@@ -46,11 +46,7 @@ class ServeOptions:
 
 
 def deployed_config(platform: str, root: str | Path = "deploy") -> Path:
-    """``deploy/<platform>/config.json`` (``auto``: the platform this machine is detected as)."""
-    if platform in ("", "auto"):
-        from edgekv.platforms.detect import detect_platform
-
-        platform = detect_platform()
+    """``deploy/<platform>/config.json`` (the caller resolves ``auto`` to the platform this machine is)."""
     path = Path(root) / platform / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"no deployed config {path}: run `make deploy PLATFORM={platform}` first, or pass "

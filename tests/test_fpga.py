@@ -96,7 +96,7 @@ def test_the_synthesis_fp16_conversion_is_bit_exact(tmp_path):
     import ctypes
 
     from edgekv.platforms.smartssd import SOURCES
-    from edgekv.runtime.reader import compile_library
+    from edgekv.runtime.native_build import compile_library
 
     lib_path = compile_library(lambda out: ["g++", "-O2", "-fPIC", "-shared", "-Wno-unknown-pragmas", "-Wno-unused-label",
                                             "-o", out, str(SOURCES[1])], tmp_path / "nof16c.so", "the integer-fp16 csim")

@@ -69,7 +69,7 @@ def test_model_without_tokenizer_or_fixture_vocab_is_refused(model_dirs):
 
 
 def test_quality_rule_takes_the_lowest_measured_loss_under_the_budget_and_caches_it(model_dirs, tmp_path, monkeypatch):
-    from edgekv.evals import perplexity
+    from edgekv.evals import scoring
     from edgekv.install import quality
     from edgekv.runtime.model import load_model
 
@@ -77,7 +77,7 @@ def test_quality_rule_takes_the_lowest_measured_loss_under_the_budget_and_caches
     model = load_model(model_dirs["llama"], torch.device("cpu"), torch.float32, 512 + 64)
     adapters = harness.Adapters(model, [[1 + i % 150 for i in range(200)]])
     chooser = harness.QualityChooser(model, model_dirs["llama"], tmp_path, adapters, quiet=True, cache_dir=tmp_path)
-    monkeypatch.setattr(perplexity, "calibration_windows", lambda d, c, n: ([[3 + (7 * i) % 150 for i in range(c)]] * n, "ids"))
+    monkeypatch.setattr(scoring, "calibration_windows", lambda d, c, n: ([[3 + (7 * i) % 150 for i in range(c)]] * n, "ids"))
     variant = harness.Variant("kvswap", 1 / 4, rule="quality")
     budget = harness.budget_config(harness.Variant("kvswap", 1 / 4), 512, model.dims, torch.float32, 2)["max_kv_mem_mib"]
     config = harness.budget_config(variant, 512, model.dims, torch.float32, 2, chooser=chooser)
@@ -87,7 +87,7 @@ def test_quality_rule_takes_the_lowest_measured_loss_under_the_budget_and_caches
         best["mg_tokens"], best["sigma"], best["sink_tokens"])
     assert config["max_kv_mem_mib"] == pytest.approx(budget)  # the same budget as KVSwap's rule gets
     assert config["calibration_ppl_ratio"] == best["ppl_ratio"]
-    monkeypatch.setattr(perplexity, "ConfigScorer", None)  # a second choice is read from the cache, not measured
+    monkeypatch.setattr(scoring, "ConfigScorer", None)  # a second choice is read from the cache, not measured
     again = harness.QualityChooser(model, model_dirs["llama"], tmp_path, adapters, quiet=True, cache_dir=tmp_path)
     assert harness.budget_config(variant, 512, model.dims, torch.float32, 2, chooser=again) == config
     with pytest.raises(ValueError, match="QualityChooser"):

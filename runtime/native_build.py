@@ -1,0 +1,93 @@
+"""Every native library the runtime loads, compiled and loaded in one place (``edgekv build-native``, or on first
+use): the KV reader's io_uring and pthread backends, the records' CRC-32C, arkv's quantized attention kernel.
+
+A library is built into the cache under a name that carries its source's hash (and the machine, for code built
+with -march=native), so an edited source is rebuilt and a stale library is never loaded; a failed or interrupted
+build never leaves a file that would be.  Callers declare their own function signatures on what ``load`` gives.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+from .checkpoints import cache_root
+
+SOURCES = Path(__file__).with_name("native")
+
+
+@dataclass(frozen=True)
+class NativeLibrary:
+    stem: str  # the cached file's name before its hash: libekv_<stem>-<digest>.so
+    source: str  # a file in runtime/native/
+    flags: tuple[str, ...]
+    libs: tuple[str, ...]
+    what: str  # named when the build fails
+    per_machine: bool = False  # -march=native code: the machine is part of its name
+
+
+LIBRARIES = {
+    "io_uring": NativeLibrary("reader-io_uring", "ekv_reader.c", ("-O2", "-DEKV_URING"), ("-luring",),
+                              "the io_uring reader"),
+    "pthread": NativeLibrary("reader-pthread", "ekv_reader.c", ("-O2",), ("-lpthread",), "the pthread reader"),
+    "qattn": NativeLibrary("qattn", "ekv_qattn.c", ("-O3", "-march=native", "-fopenmp", "-fassociative-math",
+                                                    "-fno-signed-zeros", "-fno-trapping-math"), ("-lm",),
+                           "the quantized attention kernel", per_machine=True),
+    "crc32c": NativeLibrary("crc32c", "ekv_crc32c.c", ("-O2",), (), "the CRC-32C library"),
+}
+
+
+def cache_dir() -> Path:
+    return cache_root() / "native"
+
+
+def library_path(name: str) -> Path:
+    """Where ``name`` is (or will be) cached."""
+    lib = LIBRARIES[name]
+    digest = hashlib.sha256((SOURCES / lib.source).read_bytes()).hexdigest()[:12]
+    machine = f"-{platform.machine()}" if lib.per_machine else ""
+    return cache_dir() / f"libekv_{lib.stem}{machine}-{digest}.so"
+
+
+def build(name: str) -> Path:
+    """The library's path, compiled first when the cache lacks it (OSError naming it when that fails)."""
+    target = library_path(name)
+    if target.exists():
+        return target
+    lib = LIBRARIES[name]
+    source = str(SOURCES / lib.source)
+    return compile_library(lambda out: ["cc", *lib.flags, "-shared", "-fPIC", "-Wall", source, "-o", out, *lib.libs],
+                           target, lib.what)
+
+
+def load(name: str) -> ctypes.CDLL:
+    return ctypes.CDLL(str(build(name)))
+
+
+def compile_library(command, target: Path, what: str) -> Path:
+    """Run ``command(output_path)`` into a temporary file and move it to ``target``: a failed or
+    interrupted build never leaves a library that would be loaded."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_suffix(f".{os.getpid()}.tmp")
+    cmd = command(str(tmp))
+    result = subprocess.run(cmd, capture_output=True, text=True)
+    if result.returncode != 0:
+        tmp.unlink(missing_ok=True)
+        raise OSError(f"building {what} failed ({' '.join(cmd)}):\n{result.stderr.strip()}")
+    tmp.replace(target)
+    return target
+
+
+def build_all() -> dict[str, str]:
+    """Build every native library this machine can; returns name -> library path or why it is unavailable."""
+    out = {}
+    for name in LIBRARIES:
+        try:
+            out[name] = str(build(name))
+        except OSError as exc:
+            out[name] = f"unavailable: {exc}"
+    return out
