@@ -119,29 +119,16 @@ REPLACEMENTS = {"fifo": Fifo, "lru": Lru, "cost": CostAware}
 class Slots:
     """Where a layer's selected records sit in memory, and which must be read (the protocol both tables keep).
 
-    ``assign`` places one step's picks of a layer; ``held`` says which records already sit in slots (read
-    again for free); ``replacement`` is told what clustering learns of records (cost, prior picks)."""
+    ``assign`` places one step's picks of a layer and names the misses; ``held`` says which records already sit
+    in slots (read again for free); ``share`` pools sequences with a common prefix; ``reset`` starts a row
+    anew; records of layer l live in buffer ``buffer_index(l)`` of ``n_buffers(n_layers)``; ``replacement`` is
+    told what clustering learns of records (cost, prior picks)."""
 
     keeps_records = False  # records stay resident past their step (a reuse buffer)
     capacity: int
     hits: np.ndarray
     lookups: np.ndarray
     replacement: Replacement
-
-    def buffer_index(self, layer: int) -> int:
-        raise NotImplementedError
-
-    @staticmethod
-    def n_buffers(n_layers: int) -> int:
-        raise NotImplementedError
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the table's own bookkeeping (what the slots hold is counted apart)."""
-        return 0
-
-    def share(self, seqs: list[int]) -> None:
-        raise NotImplementedError
 
     def assign(self, layer: int, groups: np.ndarray, valid: np.ndarray,
                owners: np.ndarray | None = None) -> tuple[np.ndarray, Misses]:
@@ -151,8 +138,10 @@ class Slots:
         """The flat slot holding each of ``owner``'s ``groups`` in ``layer``, -1 where none does."""
         return np.full(len(groups), -1, dtype=np.int64)
 
-    def reset(self, seq: int) -> None:
-        raise NotImplementedError
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the table's own bookkeeping (what the slots hold is counted apart)."""
+        return 0
 
 
 class SlotTable(Slots):

@@ -47,11 +47,8 @@ class RecentKV(KVPolicy):
         return decode_attention(self.model, q, self.kv[layer, 0], self.kv[layer, 1], mask)
 
 
-class Recent(policies.PolicySpec):
+class Recent(policies.PolicySpec, name="toy-recent", on_disk=False):
     """In memory, sized by the budget: the newest tokens that fit it (StreamingLLM without sinks)."""
-
-    name = "toy-recent"
-    on_disk = False
 
     @staticmethod
     def capacity(cfg, dims) -> int:

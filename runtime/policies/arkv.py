@@ -10,10 +10,8 @@ from ..memory import BudgetError, MIB
 from .base import PolicySpec
 
 
-class Arkv(PolicySpec):
-    name = "arkv"
-    summary = "in memory under the budget: tokens original, quantized or evicted by attention statistics"
-    on_disk = False
+class Arkv(PolicySpec, name="arkv", on_disk=False):
+    """In memory under the budget: tokens original, quantized or evicted by attention statistics."""
 
     def memory_parts(self, cfg, dims, kv_itemsize, rank, stride_bytes):
         geo = ArkvGeometry(cfg, dims, kv_itemsize)

@@ -47,10 +47,11 @@ class BudgetFit:
 
 
 class PolicySpec:
-    """One KV policy.  Traits are class attributes; the three hooks have defaults most policies keep."""
+    """One KV policy.  Its name and traits are given on its class line
+    (``class Full(PolicySpec, name="full", on_disk=False, reference=True, budgeted=False)``), its summary is its
+    docstring's first line; the hooks below have defaults most policies keep."""
 
     name: ClassVar[str] = ""
-    summary: ClassVar[str] = ""  # one line for --help and the docs
     on_disk: ClassVar[bool] = True  # KV records on disk: needs KV folder(s) and a reader
     predicts: ClassVar[bool] = False  # a low-rank K cache predicts the next layer's picks (adapter files apply)
     selects: ClassVar[bool] = False  # attends to the groups it picks: M, sigma, S and W apply
@@ -58,6 +59,21 @@ class PolicySpec:
     budgeted: ClassVar[bool] = True  # sized by a KV budget (bench and eval budgets apply)
     reuses: ClassVar[bool] = False  # keeps a reuse buffer of C slots per layer when the config asks for one
     group_tokens: ClassVar[int | None] = None  # a fixed G (token: 1), None: the config's
+
+    def __init_subclass__(cls, name: str | None = None, **traits):
+        unknown = sorted(set(traits) - set(TRAITS))
+        if unknown:
+            raise TypeError(f"policy {name or cls.__name__}: unknown trait(s) {unknown}; traits: {TRAITS}")
+        super().__init_subclass__()
+        if name is not None:
+            cls.name = name
+        for trait, value in traits.items():
+            setattr(cls, trait, value)
+
+    @property
+    def summary(self) -> str:
+        """One line for --help and the docs: the docstring's first."""
+        return (type(self).__doc__ or "").strip().split("\n")[0]
 
     @property
     def tunable(self) -> bool:
@@ -87,3 +103,6 @@ class PolicySpec:
             return {"G": fit.largest_group_tokens, "reuse": False} if fit.largest_group_tokens else {"reuse": False}
         geometry = fit.tuned() if self.tunable else fit.fixed(self.group_tokens, reuse=self.reuses)
         return None if geometry is None else {**geometry, "max_kv_mem_mib": fit.budget_mib}
+
+
+TRAITS = ("on_disk", "predicts", "selects", "reference", "budgeted", "reuses", "group_tokens")

@@ -9,10 +9,8 @@ from .base import PolicySpec
 from .disk import disk_parts, offloaded, open_store
 
 
-class FlexGen(PolicySpec):
-    name = "flexgen"
-    summary = "every group of every layer read from disk each step (no selection)"
-    budgeted = False
+class FlexGen(PolicySpec, name="flexgen", budgeted=False):
+    """Every group of every layer read from disk each step (no selection)."""
 
     def effective_config(self, cfg):
         return replace(cfg, M=math.ceil(cfg.max_context / cfg.G), reuse=False, sink_tokens=0, window_tokens=0)

@@ -5,12 +5,8 @@ from ..kv_policy import InMemoryKV
 from .base import PolicySpec
 
 
-class Full(PolicySpec):
-    name = "full"
-    summary = "all KV in memory, exact attention (the reference)"
-    on_disk = False
-    reference = True
-    budgeted = False
+class Full(PolicySpec, name="full", on_disk=False, reference=True, budgeted=False):
+    """All KV in memory, exact attention (the reference)."""
 
     def memory_parts(self, cfg, dims, kv_itemsize, rank, stride_bytes):
         return {"kv": dims.n_layers * cfg.max_context * 2 * dims.n_kv_heads * dims.head_dim * kv_itemsize}

@@ -13,13 +13,9 @@ from .base import PolicySpec
 from .disk import disk_parts, offloaded, open_store
 
 
-class HillInfer(PolicySpec):
-    name = "hillinfer"
-    summary = "in-storage and CPU token scoring (SmartSSD), top importance_rate tokens fetched"
-    selects = True
-    reuses = True
-    budgeted = False  # sized by importance_rate and beta, not by a KV budget
-    group_tokens = 1
+class HillInfer(PolicySpec, name="hillinfer", selects=True, reuses=True, budgeted=False, group_tokens=1):
+    """In-storage and CPU token scoring (SmartSSD), the top importance_rate tokens fetched; sized by
+    importance_rate and beta, not by a KV budget."""
 
     def effective_config(self, cfg):
         selected = math.ceil(cfg.hillinfer.importance_rate * cfg.max_context)

@@ -14,12 +14,8 @@ from .disk import disk_parts, offloaded, open_store
 log = logging.getLogger(__name__)
 
 
-class KVSwap(PolicySpec):
-    name = "kvswap"
-    summary = "KV on disk in groups, low-rank prediction of the next layer's top-M groups, reuse buffer"
-    predicts = True
-    selects = True
-    reuses = True
+class KVSwap(PolicySpec, name="kvswap", predicts=True, selects=True, reuses=True):
+    """KV on disk in groups, low-rank prediction of the next layer's top-M groups, reuse buffer."""
 
     def memory_parts(self, cfg, dims, kv_itemsize, rank, stride_bytes):
         return disk_parts(cfg, dims, kv_itemsize, rank, stride_bytes, predicts=True)
