@@ -391,7 +391,7 @@ def run(platform: str | None = None, model: str | None = None, kv_paths: str | P
 
     records = record_table(d, cache_root, adapters, calibration)
     measurements["record_table"] = {str(g): rows for g, rows in records.items()}
-    limits = solver.Limits(prof.sigma_max, prof.g_max, prof.mg_const, prof.alpha, prof.reuse_step,
+    limits = solver.Limits(prof.sigma_max, prof.g_max, prof.mg_const, prof.exposed_io_share, prof.reuse_step,
                            quality_target=prof.quality_target, record_losses=records,
                            record_ppl_max=prof.record_ppl_max)
     quality_points = quality_table(d, cache_root, adapters, calibration, limits)
@@ -414,7 +414,8 @@ def run(platform: str | None = None, model: str | None = None, kv_paths: str | P
     config = {
         "platform": prof.platform, "model": str(d.model_dir), "kv_path": str(d.kv_dir),
         "kv_paths": [str(p) for p in d.kv_dirs],
-        "G": top.G, "M": top.M, "C": top.C, "sigma": top.sigma, "reuse": top.reuse, "alpha": prof.alpha,
+        "G": top.G, "M": top.M, "C": top.C, "sigma": top.sigma, "reuse": top.reuse,
+        "exposed_io_share": prof.exposed_io_share, "alpha": prof.exposed_io_share,  # alpha: its old name, still read
         "sink_tokens": top.sink_tokens, "window_tokens": top.window_tokens,
         "max_kv_mem_mib": prof.max_kv_mem_mib, "max_batch": prof.max_batch, "max_context": prof.max_context,
         "adapter_path": adapters[float(top.sigma)], "io_align_bytes": limits.io_align_bytes, "io_queue_depth": queue_depth,

@@ -5,6 +5,7 @@ never reaches the profilers or the runtime.
 """
 from __future__ import annotations
 
+import logging
 import math
 import os
 from dataclasses import dataclass
@@ -15,6 +16,8 @@ import yaml
 from edgekv.runtime.config import utf8_text
 
 from .quality import RECORD_DTYPES
+
+log = logging.getLogger(__name__)
 
 PROFILES_DIR = Path(__file__).resolve().parents[1] / "profiles"
 DEVICES = ("cpu", "cuda")
@@ -39,7 +42,7 @@ SCHEMA = {
     "model": (str, True, None),
     "solver": {
         "sigma_max": (float, True, None), "g_max": (int, True, None), "mg_const": (int, True, None),
-        "alpha": (float, True, None), "reuse_step": (float, True, None),
+        "exposed_io_share": (float, False, None), "alpha": (float, False, None), "reuse_step": (float, True, None),
         "context_min": (int, True, None), "context_step": (int, True, None),
         "record_dtypes": (list, False, None), "record_ppl_max": (float, False, None),
     },
@@ -69,7 +72,7 @@ class Profile:
     sigma_max: float
     g_max: int
     mg_const: int
-    alpha: float
+    exposed_io_share: float  # the share of the I/O time that may stay exposed, not hidden behind compute
     reuse_step: float
     context_min: int
     context_step: int
@@ -122,7 +125,7 @@ def load_profile(source: str | Path, profiles_dir: Path = PROFILES_DIR) -> Profi
         max_kv_mem_mib=float(flat["memory.max_kv_mem_mib"]), max_batch=flat["memory.max_batch"],
         max_context=flat["memory.max_context"], model=flat["model"],
         sigma_max=float(flat["solver.sigma_max"]), g_max=flat["solver.g_max"], mg_const=flat["solver.mg_const"],
-        alpha=float(flat["solver.alpha"]), reuse_step=float(flat["solver.reuse_step"]),
+        exposed_io_share=float(flat["solver.exposed_io_share"]), reuse_step=float(flat["solver.reuse_step"]),
         context_min=flat["solver.context_min"], context_step=flat["solver.context_step"],
         disk_seconds=float(flat["profiling.disk_seconds"]), disk_file_mib=flat["profiling.disk_file_mib"],
         power_meter=flat["power_meter"], scorers=tuple(flat["scorers"]),
@@ -187,9 +190,10 @@ def _check_ranges(path: Path, flat: dict) -> None:
                            f"context) points to solve, over {MAX_SOLVER_POINTS}; raise context_step or lower max_batch")
     if flat["solver.sigma_max"] < 1:
         raise ProfileError(f"{path}: field 'solver.sigma_max' must be >= 1 (1 = full-rank K), got {flat['solver.sigma_max']!r}")
-    for name in ("solver.alpha", "solver.reuse_step"):
-        if not 0 <= flat[name] < 1:
+    for name in ("solver.exposed_io_share", "solver.alpha", "solver.reuse_step"):
+        if name in flat and not 0 <= flat[name] < 1:
             raise ProfileError(f"{path}: field '{name}' must be in [0, 1), got {flat[name]!r}")
+    _renamed(path, flat, "solver.alpha", "solver.exposed_io_share")
     if ("kv.paths" in flat) == ("kv.path" in flat):
         raise ProfileError(f"{path}: give the KV folders as 'kv.paths' (a list, e.g. [/mnt/nvme0/kv, /mnt/nvme1/kv]) "
                            "or one as 'kv.path', not both or neither")
@@ -213,6 +217,18 @@ def _check_ranges(path: Path, flat: dict) -> None:
     bad = [s for s in flat["scorers"] if s not in SCORERS]
     if bad or not flat["scorers"]:
         raise ProfileError(f"{path}: field 'scorers' must list some of {list(SCORERS)}, got {flat['scorers']!r}")
+
+
+def _renamed(path: Path, flat: dict, old: str, new: str) -> None:
+    """A field under its old name is taken, with a warning naming the new one; the new name is required."""
+    if old in flat:
+        if new in flat and flat[new] != flat[old]:
+            raise ProfileError(f"{path}: fields '{old}' ({flat[old]!r}) and '{new}' ({flat[new]!r}) are one field under "
+                               f"its old and new name; keep '{new}'")
+        log.warning("%s: field '%s' is now '%s'; rename it (the old name is still read)", path, old, new)
+        flat.setdefault(new, flat.pop(old))
+    if new not in flat:
+        raise ProfileError(f"{path}: missing required field '{new}' (float); add it")
 
 
 def check_kv_paths(paths, where: str) -> tuple[str, ...]:

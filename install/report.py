@@ -30,7 +30,7 @@ def write(out: Path, prof, model_dir, measurements: dict, solutions, stats, tuni
                   for p in table]
     if solutions:
         lines += ["", f"budget {prof.max_kv_mem_mib:g} MiB for {prof.max_batch} x {prof.max_context} tokens "
-                  f"({prof.batch_budget_mib:.2f} MiB per sequence), alpha {prof.alpha}, MG const {prof.mg_const}",
+                  f"({prof.batch_budget_mib:.2f} MiB per sequence), exposed I/O share {prof.exposed_io_share}, MG const {prof.mg_const}",
                   f"{'batch':>5} {'context':>7} {'G':>3} {'M':>4} {'C':>4} {'sigma':>5} {'reuse':>5} {'hit':>5} "
                   f"{'T_io ms':>8} {'T_model ms':>10} {'hidden':>6} {'MG<const':>8} {'S':>3} {'W':>4} {'ppl x':>6} {'target':>6}"]
         for s in solutions:

@@ -8,7 +8,7 @@ tokens; ``quality_fit`` then takes the shared preload buffers instead (no reuse)
 reuse buffer comes back only when the time side needs it.
 
 Time side (``solve``): for G = 1, 2, 4, ... g_max take the first whose disk time is at least
-(1 - alpha) hidden behind compute; if none, move ``reuse_step`` of the budget into the
+(1 - exposed_io_share) hidden behind compute; if none, move ``reuse_step`` of the budget into the
 reuse buffer (more hits, fewer reads; sigma rises to pay for it) and start again from G = 1;
 stop at sigma_max / g_max with the configuration that left the least I/O exposed.
 
@@ -39,13 +39,18 @@ class Limits:
     sigma_max: float = 32
     g_max: int = 16
     mg_const: int = 400
-    alpha: float = 0.1
+    exposed_io_share: float = 0.1  # the share of the I/O time that may stay exposed (was ``alpha``)
     reuse_step: float = 0.05
     io_align_bytes: int = 4096
     klr_dtype: str = "bfloat16"
     quality_target: float | None = None  # ppl ratio to full the configuration must stay within (quality table needed)
     record_losses: dict = field(default_factory=dict)  # {G: {kv_record_dtype: ppl ratio to exact records}}; {}: exact only
     record_ppl_max: float = 1.01  # without a quality target: the most loss a record format may cost
+
+    @property
+    def alpha(self) -> float:
+        """The old name of ``exposed_io_share`` (KVSwap's alpha; HillInfer and ARKV use alpha for other things)."""
+        return self.exposed_io_share
 
 
 @dataclass(frozen=True)
@@ -71,7 +76,7 @@ class Solution:
     reuse_rate: float
     t_io_ms: float
     t_model_ms: float
-    hidden: bool  # (1 - alpha) of the I/O overlaps compute
+    hidden: bool  # (1 - exposed_io_share) of the I/O overlaps compute
     mg_scaled: bool
     bytes_per_sequence: int
     reuse: bool
@@ -186,7 +191,7 @@ def solve(batch: int, context: int, budget_bytes: float, dims: ModelDims, kv_dty
             hit = reuse_rate(G, fit.C, fit.M) if fit.reuse else 0.0
             io = t_io_ms(batch, fit.M, G, hit, record)
             model = t_model_ms(batch, context, fit.rank, fit.M, G, fit.reuse)
-            hidden = (1 - limits.alpha) * io <= model
+            hidden = (1 - limits.exposed_io_share) * io <= model
             sol = Solution(batch, context, G, fit.M, fit.C, fit.sigma, hit, io, model, hidden, fit.mg_scaled,
                            fit.bytes_per_sequence, fit.reuse, klr_dtype=limits.klr_dtype, kv_record_dtype=record)
             if best is None or _exposed(sol) < _exposed(best) - 1e-9:
@@ -240,7 +245,7 @@ def solve_for_quality(batch: int, context: int, budget_bytes: float, dims: Model
             model = t_model_ms(batch, context, rank, picked, p.G, reuse)
             ppl_ratio = p.ppl_ratio * loss
             met = None if target is None else ppl_ratio <= target
-            fitting.append(Solution(batch, context, p.G, M, C, p.sigma, hit, io, model, (1 - limits.alpha) * io <= model,
+            fitting.append(Solution(batch, context, p.G, M, C, p.sigma, hit, io, model, (1 - limits.exposed_io_share) * io <= model,
                                     False, total, reuse, p.sink_tokens, p.window_tokens, ppl_ratio, met, p.klr_dtype,
                                     record))
     if not fitting:

@@ -9,7 +9,7 @@ of its attention over KV heads (query heads averaged within their group) and que
 S = mean + gamma * variance.  When the original slots are full, the tailor ranks the tokens outside
 the protected window: the best ``keep_o`` originals stay original, the next ones are quantized (with
 the quantized tokens already held), the rest are evicted.  States only go down: a quantized token is
-never restored.  The slack (alpha) leaves free original slots so tailoring runs every few dozen steps.
+never restored.  The slack (``arkv_slack``) leaves free original slots so tailoring runs every few dozen steps.
 
 Memory: one preallocated byte arena per layer and sequence, max_kv_mem_mib / (max_batch * layers).
 Original slots grow from its start (K, V and the token's position and statistics per record) and

@@ -13,7 +13,7 @@ from pathlib import Path
 from .config import SECTIONS, ConfigError, RuntimeConfig, read_config_file
 
 # written by the install step for people and tools; ignored here
-METADATA_KEYS = ("platform", "model", "alpha", "solutions", "measurements", "profile", "created",
+METADATA_KEYS = ("platform", "model", "exposed_io_share", "alpha", "solutions", "measurements", "profile", "created",
                  "edgekv_version", "report", "kv_path", "kv_paths", "device", "dtype", "scorer_backend")
 SOLUTION_KEYS = ("G", "M", "C", "sigma", "reuse", "adapter_path", "sink_tokens", "window_tokens", "klr_dtype",
                  "kv_record_dtype")

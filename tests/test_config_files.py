@@ -74,3 +74,23 @@ def test_nested_sections_give_the_same_config_as_flat_keys():
 def test_a_bad_section_or_field_is_named(config, named):
     with pytest.raises(ConfigError, match=named):
         RuntimeConfig.load(config)
+
+
+def test_a_profile_with_the_old_solver_alpha_loads_with_a_warning_naming_the_new_key(tmp_path, caplog):
+    import logging
+
+    import yaml
+
+    from edgekv.install.profile import PROFILES_DIR, ProfileError, load_profile
+
+    data = yaml.safe_load((PROFILES_DIR / "local.yaml").read_text())
+    data["solver"]["alpha"] = data["solver"].pop("exposed_io_share") * 2
+    path = tmp_path / "old.yaml"
+    path.write_text(yaml.safe_dump(data))
+    with caplog.at_level(logging.WARNING, logger="edgekv"):
+        assert load_profile(path).exposed_io_share == data["solver"]["alpha"]
+    assert "'solver.alpha' is now 'solver.exposed_io_share'" in caplog.text
+    data["solver"]["exposed_io_share"] = 0.3
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(ProfileError, match="'solver.alpha' .* and 'solver.exposed_io_share' .* are one field"):
+        load_profile(path)

@@ -14,8 +14,9 @@ from .disk import disk_parts, offloaded, open_store
 
 
 class HillInfer(PolicySpec, name="hillinfer", selects=True, reuses=True, budgeted=False, group_tokens=1):
-    """In-storage and CPU token scoring (SmartSSD), the top importance_rate tokens fetched; sized by
-    importance_rate and beta, not by a KV budget."""
+    """In-storage and CPU token scoring (SmartSSD); the top importance_rate tokens are fetched.
+
+    Sized by importance_rate and beta, not by a KV budget."""
 
     def effective_config(self, cfg):
         selected = math.ceil(cfg.hillinfer.importance_rate * cfg.max_context)
