@@ -1,9 +1,17 @@
-"""The full KV cache on disk: bytes and offsets, nothing else.
+"""The full KV cache on disk: where each (sequence, layer, group) record is, and moving its bytes.
 
-One file per (sequence, layer).  Record g holds tokens [g*G, (g+1)*G) of that layer as
-K [H_kv, G, d] followed by V [H_kv, G, d], padded to the O_DIRECT alignment, so one
-selected group is one aligned read at offset g * stride_bytes (64-bit).  Each record's checksum
-(runtime/checksum.py) is kept in memory when it is written and checked when it is read back.
+One file per (sequence, layer) and KV path.  Record g holds tokens [g*G, (g+1)*G) of that layer as
+K [H_kv, G, d] followed by V [H_kv, G, d], padded to the O_DIRECT alignment, so one selected group is one
+aligned read at offset g * stride_bytes (64-bit).  What the store holds besides bytes and offsets, each
+because it decides where a record is read from:
+- placement over several KV paths (striped, or a clustered order and hot replicas: runtime/placement.py holds
+  the tables, ``place``/``relocate`` write them), adjacent records read as one request;
+- shared prefixes: a sequence whose leading groups are another's, or a stored context's blobs read in place
+  (``share_prefix``, ``attach_prefix``): one record, several readers;
+- integrity: each record's checksum (runtime/checksum.py) kept when written and checked when read back
+  (``verify_fraction`` of them), a record that fails twice raising ``CorruptRecord``;
+- ownership: files named by process, so a dead process's files are removed when a store opens on the folder.
+Which groups to read is the selector's; when to read them is the pipeline's (runtime/offload.py).
 """
 from __future__ import annotations
 
