@@ -18,10 +18,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .adapter import AdapterSet, LowRankAdapter
+from .adapter import AdapterSet, LowRankAdapter, build_adapter
 from .batching import GenerationResult, RunningBatch
 from .checkpoints import load_tokenizer, resolve_checkpoint
 from .config import ConfigError, RuntimeConfig
+from .devices import resolve_device, resolve_dtype
 from .disk_store import CorruptRecord, RecordLayout, check_offload_path, kv_path_list
 from .events import EventBus, JsonLinesLog
 from .forward import prefill
@@ -34,7 +35,7 @@ from .prompt_cache import PromptKVCache
 from .reader import KVReader, open_reader
 from .sampling import Sampler, SamplingParams
 from .scoring import InStorageScorer
-from .solutions import SolutionTable, load_deployed
+from .solutions import SolutionTable, deployed_compute, load_deployed
 from .ttft.compute import PrefixKV
 from .ttft.prefill import TTFTOptions
 
@@ -94,7 +95,7 @@ class Engine:
         config: RuntimeConfig | dict | str | Path | None = None,
         policy: str = "kvswap",
         device: str | torch.device | None = None,
-        dtype: torch.dtype | None = None,
+        dtype: str | torch.dtype | None = None,
         scorer: InStorageScorer | None = None,
     ) -> "Engine":
         """Everything that can be refused is checked before the weights are loaded.
@@ -102,13 +103,15 @@ class Engine:
         ``model``: a Hugging Face folder, a ``.gguf`` file (or a folder holding one), or a name
         (``fixture``, ``smollm2``), resolved by ``edgekv.runtime.checkpoints``.
         ``config`` may be a deployed config (with ``solutions``): each batch then runs with the
-        solution for its (batch size, context), each checked here against its memory budget.
+        solution for its (batch size, context), each checked here against its memory budget, on the device and
+        in the dtype it was deployed with unless ``device``/``dtype`` say otherwise (runtime/devices.py).
         """
         cfg, solutions = load_deployed(config)
         model_dir = resolve_checkpoint(model)
         hf_cfg = read_model_config(model_dir)
-        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        dtype = dtype or _default_dtype(device)
+        compute = deployed_compute(config)
+        device = resolve_device(device, compute.get("device"))
+        dtype = resolve_dtype(device, dtype, compute.get("dtype"), compute.get("device"))
         dims = ModelDims.from_config(hf_cfg)
         spec = get_policy(policy)
         adapter = _load_adapter(cfg, policy)
@@ -338,6 +341,17 @@ class Engine:
             return self.config
         return self.spec.effective_config(self.solutions.pick(batch, context))
 
+    def pin_adapter(self, n_tokens: int = 1024, seed: int = 0) -> None:
+        """Fit the low-rank K adapter now, on a fixed sequence of ``n_tokens`` seeded token ids, when the config
+        names no adapter file: every later batch then predicts with the same projection whatever prompts share it.
+        A server does this so one request's prompt never shapes another's picks (fitted on a batch's prompts, the
+        projection depends on which requests happened to prefill together)."""
+        if not self.spec.predicts or self.config.sigma is None or self.adapters.for_config(self.config) is not None:
+            return
+        n = max(1, min(n_tokens, self.config.max_context - 1))
+        ids = torch.randint(0, self.model.dims.vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+        self.adapters.current = build_adapter(self.model, [ids], self.config.sigma)
+
     @property
     def adapter(self) -> LowRankAdapter | None:
         """The adapter batches predict with when their config names no file (given, or kept from a fit)."""
@@ -449,8 +463,4 @@ def _ttft_costs(path: str | None):
     return cost_model_from_json(data.get("predictor", data))
 
 
-def _default_dtype(device: torch.device) -> torch.dtype:
-    if device.type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    return torch.float32
 

@@ -121,6 +121,7 @@ class LowRankSelector(Selector):
         self.scaling = scaling
         self.G = group_tokens
         self.M = groups_per_step
+        self.max_groups = -(-max_context // group_tokens)
         stored, _, _ = KLR_FORMATS[predictor.klr_dtype]
         self.quantized = stored == torch.int8
         self.dtype = torch.bfloat16 if self.quantized else stored  # what projections and scores compute in
@@ -217,10 +218,13 @@ class LowRankSelector(Selector):
         if max_groups == 0:
             return groups, valid
         scores = self.token_scores(layer, q, max_groups * self.G)
-        group_scores = scores.view(batch, max_groups, self.G).amax(dim=-1)
-        index = torch.arange(max_groups, device=q.device)
+        # top-k over every group a sequence can have, whatever the batch's longest: how topk breaks ties depends
+        # on the width, and a row's picks must depend on its own scores only, not on the rows beside it
+        group_scores = torch.full((batch, self.max_groups), float("-inf"), device=q.device)
+        group_scores[:, :max_groups] = scores.view(batch, max_groups, self.G).amax(dim=-1)
+        index = torch.arange(self.max_groups, device=q.device)
         present = (index >= first) & (index < n_groups.to(q.device)[:, None])
-        top = group_scores.masked_fill(~present, float("-inf")).topk(min(self.M, max_groups), dim=-1)
+        top = group_scores.masked_fill(~present, float("-inf")).topk(min(self.M, self.max_groups), dim=-1)
         k = top.indices.shape[1]
         groups[:, :k] = top.indices
         valid[:, :k] = top.values > float("-inf")

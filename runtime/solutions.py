@@ -40,6 +40,19 @@ class SolutionTable:
         return iter(self.entries)
 
 
+def deployed_compute(source) -> dict:
+    """{"device", "dtype"} the install step measured with, when ``source`` is a deployed config (a dict or its JSON
+    file) that records them; {} otherwise (a plain config, a RuntimeConfig, None, an unreadable file)."""
+    if isinstance(source, (str, Path)):
+        try:
+            source = read_config_file(source)
+        except (ConfigError, UnicodeDecodeError):
+            return {}  # load_deployed names the problem
+    if not isinstance(source, dict):
+        return {}
+    return {k: source[k] for k in ("device", "dtype") if isinstance(source.get(k), str)}
+
+
 def load_deployed(source) -> tuple[RuntimeConfig, SolutionTable | None]:
     """A config dict/path/RuntimeConfig -> (base config, solutions or None)."""
     if isinstance(source, (str, Path)):

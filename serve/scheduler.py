@@ -68,6 +68,7 @@ class Scheduler:
     def __init__(self, engine, metrics: ServerMetrics, max_queue: int, rows: int | None = None,
                  save_prompts: bool = False):
         self.engine = engine
+        engine.pin_adapter()  # one projection for every request: none's prompt shapes another's picks
         self.metrics = metrics
         self.max_queue = max_queue
         self.rows = rows or engine.config.max_batch

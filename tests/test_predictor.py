@@ -96,3 +96,20 @@ def test_int8_k_lowrank_scores_track_the_float_ones_at_half_the_bytes(score_redu
     assert (got - want).abs().max() <= 0.02 * want.abs().max()  # int8 rows with a bf16 scale: ~1 % of the range
     assert int8.resident_bytes == 64 * (8 + 2)  # one byte per element and a 2-byte scale per token
     assert exact.resident_bytes == 64 * 8 * 4
+
+
+def test_a_rows_picks_do_not_depend_on_the_rows_beside_it_even_in_ties():
+    """topk breaks ties by the width it sees; the width is every group a sequence can have, not the batch's
+    longest, so a request's picks never change with what else is batched (issue 28's isolation)."""
+    torch.manual_seed(0)
+    dims = ModelDims(n_layers=1, hidden=64, n_heads=4, n_kv_heads=2, head_dim=16, vocab=10)
+    adapter = LowRankAdapter([torch.zeros(32, 4)], 2, 16)  # every score 0: all ties
+    picks = []
+    for other_groups in (3, 40):
+        sel = LowRankSelector(adapter, 4, dims, 2, 256, 4, 6, PredictorConfig(klr_dtype="float32"),
+                              torch.device("cpu"))
+        sel.append(0, 0, 0, torch.randn(2, 80, 16))
+        sel.append(0, 1, 0, torch.randn(2, other_groups * 4, 16))
+        groups, valid = sel.select(0, torch.randn(2, 4, 1, 16), torch.tensor([20, other_groups]))
+        picks.append(groups[0][valid[0]].tolist())
+    assert picks[0] == picks[1] and len(picks[0]) == 6

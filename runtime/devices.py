@@ -1,0 +1,71 @@
+"""Which device and dtype a run computes in, decided once: what the caller names, else the deployed config's,
+else ``$EDGEKV_DEVICE``, else the GPU when torch sees one.
+
+The dtype: what the caller names, else the deployed config's (the dtype the install step measured) when the run
+is on that device, else float32 on the CPU and, on a GPU, bfloat16 where the GPU computes it natively (Ampere
+and newer; ``is_bf16_supported(including_emulation=False)``), float16 elsewhere: emulated bf16 is slow and has
+no flash attention.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .config import ConfigError
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DEVICE_ENV = "EDGEKV_DEVICE"  # e.g. cpu: what runs when nothing names a device (the tests set it)
+
+
+class DeviceUnavailable(OSError):
+    """The device a run or a profile needs is not usable here; the message names the fix."""
+
+
+def resolve_device(device: str | torch.device | None = None, deployed: str | None = None) -> torch.device:
+    """The device to run on; a CUDA device asked for on a torch without CUDA is refused naming the fix."""
+    chosen = device or os.environ.get(DEVICE_ENV) or deployed or ("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        resolved = torch.device(chosen)
+    except (RuntimeError, TypeError) as exc:
+        raise ConfigError(f"device {chosen!r} is not a torch device (cpu, cuda, cuda:1); pass one of those") from exc
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise DeviceUnavailable(f"device {chosen!r} asked for, but this torch ({torch.__version__}) sees no CUDA GPU: "
+                          f"{cuda_fix()}; or run on the CPU (--device cpu)")
+    return resolved
+
+
+def resolve_dtype(device: torch.device, dtype: str | torch.dtype | None = None, deployed: str | None = None,
+                  deployed_device: str | None = None) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype is not None:
+        if dtype not in DTYPES:
+            raise ConfigError(f"dtype {dtype!r} is not one of {sorted(DTYPES)}")
+        return DTYPES[dtype]
+    if deployed in DTYPES and (deployed_device or "cuda").split(":")[0] == device.type:
+        return DTYPES[deployed]
+    return default_dtype(device)
+
+
+def resolve_compute(device: str | torch.device | None = None, dtype: str | torch.dtype | None = None
+                    ) -> tuple[torch.device, torch.dtype]:
+    """(device, dtype) of a run given no deployed config: what is named, else $EDGEKV_DEVICE or the GPU, and
+    that device's default dtype."""
+    resolved = resolve_device(device)
+    return resolved, resolve_dtype(resolved, dtype)
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    if device.type != "cuda":
+        return torch.float32
+    return torch.bfloat16 if torch.cuda.is_bf16_supported(including_emulation=False) else torch.float16
+
+
+def cuda_fix() -> str:
+    """What to do about a torch without CUDA on this host (a Jetson needs JetPack's build, a PC a CUDA wheel)."""
+    if os.path.exists("/etc/nv_tegra_release"):
+        return ("install the PyTorch build for this JetPack/L4T release (NVIDIA's Jetson wheels) and create the venv "
+                "with --system-site-packages so it is used: make env JETSON=1")
+    return ("install a CUDA build of torch matching the driver (pip install torch --index-url "
+            "https://download.pytorch.org/whl/cu128, cu126 for older drivers: see nvidia-smi's CUDA Version)")
