@@ -148,13 +148,16 @@ class Deployment:
         self._model = None
 
 
-def prepare(platform, model, kv_paths, out_root, reprofile, log) -> Deployment:
-    """Detect, load the profile, check the model and create the KV folders (before anything is measured).
+def prepare(platform, model, kv_paths, out_root, reprofile, log, device: str | None = None) -> Deployment:
+    """Detect, load the profile, check the device, the model, and create the KV folders (before anything is
+    measured or written).
 
-    ``kv_paths``: a folder or a list of them instead of the profile's ``kv.paths``."""
+    ``kv_paths``: a folder or a list of them instead of the profile's ``kv.paths``; ``device``: instead of the
+    profile's (a GPU profile measured on the CPU only when asked for: never silently under the GPU's name)."""
     detected = detect_platform()
     prof = load_profile(platform if platform not in (None, "", "auto") else detected)
     log(f"platform {prof.platform} ({prof.description}); detected on this machine: {detected}; profile {prof.source}")
+    device = compute_device(prof, device)
     module = jetson_module()
     if module:
         log(f"Jetson module: {module}")
@@ -170,9 +173,8 @@ def prepare(platform, model, kv_paths, out_root, reprofile, log) -> Deployment:
     log(f"KV paths: {', '.join(given)}")
     out = Path(out_root) / prof.platform
     out.mkdir(parents=True, exist_ok=True)
-    device = torch.device(prof.device if prof.device == "cpu" or torch.cuda.is_available() else "cpu")
     if device.type != prof.device:
-        log(f"profile asks for {prof.device} but this machine has none: running on cpu")
+        log(f"profile {prof.platform} computes on {prof.device}; deploying on {device.type}, as asked (--device)")
     kv_dtype = getattr(torch, prof.dtype) if device.type == "cuda" else torch.float32
     return Deployment(prof, detected, model_dir, tuple(Path(p) for p in given), out, device, kv_dtype, reprofile, log)
 
@@ -364,10 +366,11 @@ def hillinfer_pools(d: Deployment, scorer, budget_bytes: float) -> tuple[float, 
 def run(platform: str | None = None, model: str | None = None, kv_paths: str | Path | list | None = None,
         reprofile: bool = False, profile_only: bool = False, out_root: str | Path = "deploy",
         disk_seconds: float | None = None, smoke: bool = True, cache_dir: str | Path | None = None,
-        calibration: str | None = None, log=print) -> dict:
-    """The whole install step; ``kv_paths`` (a folder or a list) replaces the profile's KV folders."""
+        calibration: str | None = None, log=print, device: str | None = None) -> dict:
+    """The whole install step; ``kv_paths`` (a folder or a list) replaces the profile's KV folders; ``device``
+    ("cpu") deploys a GPU profile on the CPU, by choice."""
     started = time.perf_counter()
-    d = prepare(platform, model, kv_paths, out_root, reprofile, log)
+    d = prepare(platform, model, kv_paths, out_root, reprofile, log, device)
     prof, out, dims = d.prof, d.out, d.dims
     batches, contexts = grid(prof)
     disk_profiles = measure_disk(d, disk_seconds or prof.disk_seconds)
@@ -413,6 +416,7 @@ def run(platform: str | None = None, model: str | None = None, kv_paths: str | P
     measurements["disk"]["at_record"] = rates_at(disk_profiles, record_bytes, queue_depth)
     config = {
         "platform": prof.platform, "model": str(d.model_dir), "kv_path": str(d.kv_dir),
+        "device": d.device.type, "dtype": str(d.kv_dtype).removeprefix("torch."),  # what serve, bench, eval run in
         "kv_paths": [str(p) for p in d.kv_dirs],
         "G": top.G, "M": top.M, "C": top.C, "sigma": top.sigma, "reuse": top.reuse,
         "exposed_io_share": prof.exposed_io_share, "alpha": prof.exposed_io_share,  # alpha: its old name, still read
@@ -438,6 +442,21 @@ def run(platform: str | None = None, model: str | None = None, kv_paths: str | P
     report.write(out, prof, d.model_dir, measurements, solutions, stats, tuning_s)
     log(f"report: {out / 'report.txt'}")
     return {"config": str(out / "config.json"), "stats": stats, "tuning_s": round(tuning_s, 1)}
+
+
+def compute_device(prof: Profile, device: str | None) -> torch.device:
+    """The profile's compute device, or ``device``; a CUDA profile on a torch without CUDA stops here, naming the
+    fix, before anything is measured or written (it would measure the CPU under the GPU profile's name)."""
+    from edgekv.runtime.devices import DeviceUnavailable, cuda_fix
+
+    if device is not None:
+        return torch.device(device)
+    if prof.device == "cuda" and not torch.cuda.is_available():
+        why = f"torch {torch.__version__} " + ("is a CPU build" if torch.version.cuda is None else
+                                                f"(CUDA {torch.version.cuda}) sees no GPU: check the driver (nvidia-smi)")
+        raise DeviceUnavailable(f"profile {prof.platform} ({prof.source}) computes on CUDA, but {why}. Fix: {cuda_fix()}. "
+                           "To deploy on the CPU instead, say so: --device cpu (the config then records cpu)")
+    return torch.device(prof.device)
 
 
 def write_service_unit(platform: str, out: Path) -> Path:

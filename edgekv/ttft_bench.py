@@ -86,7 +86,7 @@ def install_costs(model, chunk_tokens: int, contexts: list[int], progress) -> tu
 
 def run(model: str, contexts: list[int], link_rates: list[float], drop_at: float | None, kv_path: str | Path | None,
         chunk_tokens: int = 512, new_tokens: int = 8, costs=None, quiet: bool = False, text: str = "builtin",
-        meta: dict | None = None) -> list[TTFTRun]:
+        meta: dict | None = None, device: str | None = None, dtype: str | None = None) -> list[TTFTRun]:
     """Every method at every (context, link rate); ``meta`` (when given) receives the cost model's report."""
     meta = {} if meta is None else meta
     model_dir = resolve_checkpoint(model)
@@ -98,7 +98,7 @@ def run(model: str, contexts: list[int], link_rates: list[float], drop_at: float
     runs: list[TTFTRun] = []
     cells = len(contexts) * (1 + len(STORED_METHODS) * (len(link_rates) + 1))
     with tempfile.TemporaryDirectory(prefix="edgekv-ttft-", dir=kv_path) as store_dir, \
-            Engine.from_pretrained(model_dir, config=config, policy="full") as engine, \
+            Engine.from_pretrained(model_dir, config=config, policy="full", device=device, dtype=dtype) as engine, \
             Progress(cells, "ttft", quiet) as progress:
         meter = _meter(progress.write)
         if costs is None:

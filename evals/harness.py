@@ -22,6 +22,7 @@ from edgekv.runtime import Engine, policies
 from edgekv.runtime.config import picked_groups
 from edgekv.runtime.adapter import LowRankAdapter
 from edgekv.runtime.checkpoints import cache_root, checkpoint_fingerprint
+from edgekv.runtime.devices import resolve_compute
 from edgekv.runtime.model import DecoderModel, ModelDims, load_model
 from edgekv.runtime.prompt_cache import PromptKVCache
 from edgekv.runtime.store.files import write_json_atomic
@@ -222,9 +223,11 @@ def _score(model: DecoderModel, kv_path, variant: Variant, context: int, instanc
     return [x.score(o.token_ids) for x, o in zip(instances, outs)], config, read_bytes_per_token(outs)
 
 
-def _load(model_dir, contexts: list[int], tasks: list[str], seed: int, adapter_path) -> tuple[DecoderModel, Adapters]:
-    """The model once for every variant (weights are not reloaded per cell), on the CPU in fp32, and its adapters."""
-    model = load_model(model_dir, torch.device("cpu"), torch.float32, max(contexts) + 64)
+def _load(model_dir, contexts: list[int], tasks: list[str], seed: int, adapter_path, device=None, dtype=None
+          ) -> tuple[DecoderModel, Adapters]:
+    """The model once for every variant (weights are not reloaded per cell) on ``device`` in ``dtype``
+    (runtime/devices.py: default $EDGEKV_DEVICE or the GPU), and its adapters."""
+    model = load_model(model_dir, *resolve_compute(device, dtype), max(contexts) + 64)
     fixed = LowRankAdapter.load(adapter_path) if adapter_path else None
     calibration = [] if fixed else [x.context for x in make_set(tasks, min(contexts), 1, seed + 7919, task_format(model_dir))]
     return model, Adapters(model, calibration, fixed)
@@ -242,9 +245,11 @@ def evaluate(
     adapter_path: str | None = None,
     quiet: bool = False,
     configs_from: str | Path | None = None,
+    device: str | None = None,
+    dtype: str | None = None,
 ) -> list[Result]:
     """Every (task, context, variant) cell; the same instances for every variant."""
-    model, adapters = _load(model_dir, contexts, tasks, seed, adapter_path)
+    model, adapters = _load(model_dir, contexts, tasks, seed, adapter_path, device, dtype)
     chooser = quality_chooser(model, model_dir, kv_path, adapters, variants, quiet, configs_from)
     fmt = task_format(model_dir)
     results = []

@@ -54,7 +54,7 @@ class LowRankAdapter:
             _, _, vh = torch.linalg.svd(centred, full_matrices=False)
             top = vh[:rank].T
             if top.shape[1] < rank:
-                top = torch.cat([top, torch.zeros(top.shape[0], rank - top.shape[1])], dim=1)
+                top = torch.cat([top, top.new_zeros(top.shape[0], rank - top.shape[1])], dim=1)
             matrices.append(top)
         return cls(matrices, n_kv_heads, head_dim)
 

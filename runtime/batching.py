@@ -134,6 +134,7 @@ class RunningBatch:
             **policy_stats,
             "io_stall_share": policy_stats["io_stall_s"] / decode_s if decode_s > 0 else 0.0,
             "batch_size": self.rows,
+            "synthetic_weights": self.model.synthetic,  # random weights (synth:NAME): timings count, tokens do not
             "reader": engine.reader.name if engine.reader else None,
             "config": {k: v for k, v in cfg.to_dict().items() if k in STATS_CONFIG_KEYS} | {"rank": engine.adapters.rank(cfg)},
         }

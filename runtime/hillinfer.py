@@ -85,7 +85,7 @@ class HierarchicalSelector(Selector):
         n = k.shape[1]
         if n == 0:
             return
-        rows = k.transpose(0, 1).to(torch.float16).contiguous()  # [T, H_kv, d]
+        rows = k.transpose(0, 1).to("cpu", torch.float16).contiguous()  # [T, H_kv, d]: the pools live on the host
         with open(self._pool_path(layer, seq), "r+b" if first_token else "wb") as f:
             f.seek(first_token * self.n_kv_heads * self.head_dim * 2)
             f.write(rows.numpy().tobytes())

@@ -46,6 +46,7 @@ class ModelDims:
         )
 
 
+SYNTHETIC_MARKER = "edgekv-synthetic.json"  # a checkpoint folder of random weights (runtime/synth.py)
 REQUIRED_CONFIG_FIELDS = ("num_hidden_layers", "hidden_size", "num_attention_heads", "vocab_size")
 # bytes per element of the safetensors dtypes; a dtype not listed here is bounds-checked only
 SAFETENSORS_ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "I16": 2, "F16": 2, "BF16": 2,
@@ -193,8 +194,9 @@ def check_no_sliding_window(hf_config, max_context: int) -> None:
 class DecoderModel:
     """The embedding, decoder blocks, final norm and head of a causal LM, plus per-layer helpers."""
 
-    def __init__(self, hf_model: nn.Module):
+    def __init__(self, hf_model: nn.Module, synthetic: bool = False):
         self.hf = hf_model
+        self.synthetic = synthetic  # random weights in a real shape: its timings count, its tokens do not
         core = hf_model.model
         cfg = hf_model.config
         self.embed = core.embed_tokens
@@ -254,13 +256,38 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + rotated * sin
 
 
+def _random_model(auto, hf_config, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    """The architecture with random weights allocated on ``device`` directly (an 8B model never passes through host
+    memory): built on the meta device, then every tensor filled there (norms 1, biases 0, the rest N(0, 0.02));
+    RoPE's frequencies, which are buffers computed at construction, are built again on the device."""
+    with torch.device("meta"):
+        model = auto.from_config(hf_config, dtype=dtype)
+    model.to_empty(device=device)
+    model.tie_weights()  # to_empty gives every parameter its own storage: a tied head is tied again
+    generator = torch.Generator(device=device).manual_seed(0)
+    with torch.no_grad():
+        for name, tensor in model.named_parameters():
+            if "norm" in name:
+                tensor.fill_(1.0)
+            elif name.endswith(".bias"):
+                tensor.zero_()
+            else:
+                tensor.normal_(0.0, 0.02, generator=generator)
+    model.model.rotary_emb = type(model.model.rotary_emb)(hf_config).to(device)  # its float32 buffers, as loaded
+    return model.eval()
+
+
 def load_model(model_dir: str | Path, device: torch.device, dtype: torch.dtype, max_context: int) -> DecoderModel:
-    """Load a local checkpoint (never from a hub) after checking its architecture."""
+    """Load a local checkpoint (never from a hub) after checking its architecture; a synthetic one
+    (runtime/synth.py) gets random weights built on ``device``."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    check_weights(model_dir, read_model_config(model_dir))
+    cfg = read_model_config(model_dir)
     hf_config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
     check_no_sliding_window(hf_config, max_context)
+    if (Path(model_dir) / SYNTHETIC_MARKER).is_file():
+        return DecoderModel(_random_model(AutoModelForCausalLM, hf_config, device, dtype), synthetic=True)
+    check_weights(model_dir, cfg)
     hf_model, info = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, local_files_only=True,
                                                           output_loading_info=True, ignore_mismatched_sizes=True)
     # transformers fills a missing or misshapen tensor with random values and only logs it: refuse instead

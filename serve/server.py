@@ -25,6 +25,8 @@ class ServeOptions:
     config: str | None = None
     kv_paths: list[str] | None = None
     policy: str = "kvswap"
+    device: str | None = None  # default: the deployed config's, else $EDGEKV_DEVICE or the GPU (runtime/devices.py)
+    dtype: str | None = None  # default: the deployed config's on its device, else the device's
     host: str = "127.0.0.1"
     port: int = 8080
     api_key: str | None = None  # visible in the process list: api_key_file or $EDGEKV_API_KEY are not
@@ -128,7 +130,8 @@ def allowed_hosts(options: ServeOptions) -> tuple[str, ...]:
 def load_engine(options: ServeOptions, model: str, kv_paths: list[str]):
     from edgekv.runtime import Engine
 
-    engine = Engine.from_pretrained(model, kv_offload_path=kv_paths, config=options.config, policy=options.policy)
+    engine = Engine.from_pretrained(model, kv_offload_path=kv_paths, config=options.config, policy=options.policy,
+                                    device=options.device, dtype=options.dtype)
     if options.context_store:
         engine.open_context_store(Path(kv_paths[0]) / "contexts", chunk_tokens=options.chunk_tokens,
                                   max_bytes=int(options.store_max_mib * 2**20))

@@ -15,6 +15,18 @@ from tests import store_helpers
 # the tests' caches (native reader build, GGUF conversions, measured quality choices) never touch the user's
 _CACHE = tempfile.mkdtemp(prefix="edgekv-test-cache-")
 os.environ["EDGEKV_CACHE"] = _CACHE
+# every test computes on the CPU, whatever GPU the host has (the references are fp32 CPU runs), servers and CLI
+# children included; tests marked `cuda` ask for the GPU themselves (tests/test_cuda.py)
+os.environ["EDGEKV_DEVICE"] = "cpu"
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False here)")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -47,6 +47,7 @@ def add(sub) -> None:
                          "them (same configuration, other records), labelled e.g. kvswap,int8")
     be.add_argument("--json")
     be.add_argument("--png", help="throughput vs batch and kvswap step time vs context")
+    common.add_compute_flags(be)
     be.set_defaults(func=run)
 
 
@@ -79,9 +80,11 @@ def run(args) -> int:
                                chosen_from=args.quality_configs,
                                record_dtypes=common.record_dtypes(args.record_dtype),
                                kv_paths=kvs if args.kv_paths else None, path_limit_mib_s=args.path_limit_mib_s,
-                               prompt_source=args.prompts)
+                               prompt_source=args.prompts, device=args.device, dtype=args.dtype)
     meta.update(model=args.model, checkpoint=str(checkpoint), command=args.command_line)
     print(bench.table(runs))
+    if meta["synthetic_weights"]:
+        print(f"{args.model}: synthetic weights (random, in the architecture's shape): speed and memory only")
     if "paths" in meta:
         print(bench.notes(meta))
     print(f"reproduce: {meta['command']}  (decode only; {args.warmup} warm-up steps excluded; "

@@ -257,6 +257,16 @@ def _check_paths(args, command) -> None:
 _STAGES = {"numbers": _check_numbers, "names": _check_names, "paths": _check_paths}
 
 
+def add_compute_flags(parser) -> None:
+    """--device and --dtype: what a command computes in (default: the deployed config's, else $EDGEKV_DEVICE or
+    the GPU, and its dtype: bf16 where the GPU has it natively, else fp16; fp32 on the CPU)."""
+    parser.add_argument("--device", help="cpu, cuda or cuda:N (default: the deployed config's, else $EDGEKV_DEVICE, "
+                                         "else the GPU when there is one)")
+    parser.add_argument("--dtype", choices=("float32", "float16", "bfloat16"),
+                        help="the model's and the KV's dtype (default: the deployed config's on its device, else "
+                             "float32 on the CPU, bfloat16 on a GPU that has it natively, else float16)")
+
+
 def check_common(args, command) -> None:
     """The checks any command's flags get, in the order that decides which error wins when several are bad: the
     "numbers" (whole and real flags, the --contexts/--batches lists), the "names" (budgets, record formats, rates,

@@ -24,6 +24,8 @@ def add(sub) -> None:
                      help="time for the disk profile of each KV path (default: the profile's)")
     dep.add_argument("--calibration", metavar="TEXT_FILE",
                      help="text for the lookup tables (reuse rate, adapters); default: the retrieval-task corpus")
+    dep.add_argument("--device", choices=("cpu", "cuda"),
+                     help="compute on this device instead of the profile's (cpu: deploy a GPU profile on the CPU)")
     dep.set_defaults(func=run)
 
 
@@ -32,7 +34,7 @@ def run(args) -> int:
 
     result = deploy_impl.run(args.platform, args.model, common.kv_paths(args, must_exist=False),
                              reprofile=args.reprofile, profile_only=args.profile_only, disk_seconds=args.disk_seconds,
-                             calibration=args.calibration)
+                             calibration=args.calibration, device=args.device)
     if result.get("stats"):
         print(json.dumps(result["stats"]))  # the last line: the smoke generation's stats
     return 0

@@ -46,6 +46,7 @@ def add(sub) -> None:
                     help="disk record formats (fp16, int8, int4): each kvswap, token and flexgen row is run again with "
                          "them (same configuration, other records), labelled e.g. kvswap@1/13,int8")
     ev.add_argument("--json")
+    common.add_compute_flags(ev)
     ev.set_defaults(func=run)
 
 
@@ -70,7 +71,8 @@ def run(args) -> int:
         return _eval_ppl(args, model, variants, contexts, kv_paths)
     with common.scratch_kv(kv_paths) as kv:
         results = harness.evaluate(model, kv, variants, contexts, tasks, args.samples or 20, args.seed,
-                                   adapter_path=args.adapter, quiet=args.quiet, configs_from=args.configs_from)
+                                   adapter_path=args.adapter, quiet=args.quiet, configs_from=args.configs_from,
+                                   device=args.device, dtype=args.dtype)
     print(harness.table(results))
     meta = {"model": args.model, "checkpoint": str(model), "seed": args.seed, "samples": args.samples or 20,
             "command": args.command_line}
@@ -111,7 +113,8 @@ def _eval_ppl(args, model, variants, contexts, kv_paths: list[str] | None) -> in
     ids, tokens = perplexity.tokenize(model, text)
     with common.scratch_kv(kv_paths) as kv:
         results = perplexity.evaluate_ppl(model, kv, variants, contexts, ids, args.samples or 4, args.ppl_tokens,
-                                          quiet=args.quiet, configs_from=args.configs_from)
+                                          quiet=args.quiet, configs_from=args.configs_from, device=args.device,
+                                          dtype=args.dtype)
     print(perplexity.table(results))
     if args.json:
         meta = {"model": str(args.model), "checkpoint": str(model), "text": source,

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import sys
 
 from edgekv.commands import common
 from edgekv.commands.common import KV_PATHS_HELP, POLICY_HELP, PROMPT_HELP, UsageError
@@ -37,6 +38,7 @@ def add(sub) -> None:
                                        "or recomputed chunk by chunk, whichever is faster)")
     gen.add_argument("--store", help="the context store: a folder (or file:// URL) or an http(s):// URL of a published one (default: "
                                      "KV_PATH/contexts); prompts reuse their longest stored prefix")
+    common.add_compute_flags(gen)
     gen.set_defaults(func=run)
 
 
@@ -63,13 +65,17 @@ def run(args) -> int:
     with contextlib.ExitStack() as stack:
         kv = kv_paths or stack.enter_context(common.scratch_kv(None))
         engine = stack.enter_context(Engine.from_pretrained(args.model, kv_offload_path=kv, config=args.config,
-                                                            policy=args.policy))
+                                                            policy=args.policy, device=args.device,
+                                                            dtype=args.dtype))
         if args.context or args.store:
             engine.open_context_store(common.store_location(args))
         results = engine.generate(
             prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
             top_p=args.top_p, top_k=args.top_k, seed=args.seed, context=args.context,
         )
+    if results and results[0].stats.get("synthetic_weights"):
+        print(f"edgekv generate: {args.model} has synthetic weights (random): its text means nothing; time it, "
+              "do not read it", file=sys.stderr)
     for result in results:
         if args.json:
             print(json.dumps({"token_ids": result.token_ids, "text": result.text,

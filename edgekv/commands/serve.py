@@ -51,6 +51,7 @@ def add(sub) -> None:
                      help="Host header names answered, '*' for any (default: localhost, 127.0.0.1, ::1 on a loopback "
                           "--host, else any)")
     srv.add_argument("--openapi", action="store_true", help="serve the OpenAPI schema at /openapi.json (behind the key)")
+    common.add_compute_flags(srv)
     srv.set_defaults(func=run)
 
 
@@ -72,5 +73,5 @@ def run(args) -> int:
         context_store=not args.no_context_store, chunk_tokens=args.chunk_tokens, store_max_mib=args.store_max_mib,
         served_model_name=args.served_model_name, shutdown_grace_s=args.shutdown_grace_s,
         max_connections=args.max_connections, header_timeout_s=args.header_timeout_s,
-        body_timeout_s=args.body_timeout_s, openapi=args.openapi,
+        body_timeout_s=args.body_timeout_s, openapi=args.openapi, device=args.device, dtype=args.dtype,
         allowed_hosts=[h.strip() for h in args.allowed_hosts.split(",") if h.strip()] if args.allowed_hosts else None))

@@ -28,6 +28,7 @@ def add(sub) -> None:
     tt.add_argument("--json", help="write {runs: [...]} here")
     tt.add_argument("--png", help="TTFT vs link rate plot")
     tt.add_argument("--quiet", action="store_true")
+    common.add_compute_flags(tt)
     tt.set_defaults(func=run)
 
 
@@ -40,7 +41,8 @@ def run(args) -> int:
     meta = {"model": args.model, "contexts": contexts, "link_mib_s": rates, "drop_at": args.drop_at,
             "chunk_tokens": args.chunk_tokens, "costs": args.costs}
     runs = ttft_bench.run(args.model, contexts, rates, args.drop_at, args.kv_path, chunk_tokens=args.chunk_tokens,
-                          new_tokens=args.new_tokens, costs=costs, quiet=args.quiet, text=args.text, meta=meta)
+                          new_tokens=args.new_tokens, costs=costs, quiet=args.quiet, text=args.text, meta=meta,
+                          device=args.device, dtype=args.dtype)
     print(ttft_bench.table(runs))
     if args.json:
         ttft_bench.write_json(Path(args.json), runs, meta)

@@ -1,0 +1,145 @@
+"""The device suite (marker ``cuda``; skipped without a CUDA GPU, run by ``make gpu-check``): every policy and
+feature on the GPU gives the CPU's greedy tokens in float32, and Hugging Face's greedy tokens in float16/bfloat16
+on the same GPU.  The shipped fixture is a trained model, so its greedy choices have margins a change of device
+(another order of float additions) does not flip."""
+import pytest
+import torch
+
+from edgekv.runtime import Engine
+from edgekv.runtime.adapter import LowRankAdapter
+from edgekv.runtime.devices import resolve_device, resolve_dtype
+from edgekv.runtime.ttft.prefill import TTFTOptions
+
+pytestmark = pytest.mark.cuda
+
+NEW_TOKENS = 12
+BASE = {"G": 4, "M": 24, "C": 48, "max_context": 640, "max_batch": 2}
+PROMPTS = [[(i * 7) % 250 + 4 for i in range(400)], [(i * 13) % 250 + 4 for i in range(333)]]  # 333: not a multiple of G
+CASES = {
+    "full": ("full", {}),
+    "kvswap": ("kvswap", {}),
+    "kvswap-sinks-window": ("kvswap", {"sink_tokens": 4, "window_tokens": 16}),
+    "kvswap-int8-records": ("kvswap", {"kv_record_dtype": "int8"}),
+    "kvswap-int4-records": ("kvswap", {"kv_record_dtype": "int4"}),
+    "kvswap-int8-klr": ("kvswap", {"klr_dtype": "int8"}),
+    "kvswap-no-reuse": ("kvswap", {"reuse": False}),
+    "kvswap-oracle": ("kvswap", {"selector": "oracle", "sigma": 1, "score_reduce": "softmax"}),
+    "kvswap-2-paths-clustered": ("kvswap", {"clustering": True, "recluster_steps": 4}),
+    "token": ("token", {}),
+    "flexgen": ("flexgen", {}),
+    "hillinfer": ("hillinfer", {"importance_rate": 0.3, "score_block_tokens": 64}),
+    "arkv": ("arkv", {"max_kv_mem_mib": 3.0}),
+}
+
+
+@pytest.fixture(autouse=True)
+def on_the_gpu(monkeypatch):
+    monkeypatch.setenv("EDGEKV_DEVICE", "cuda")  # conftest pins every other test to the CPU
+
+
+def run(tmp_path, policy, extra, device, dtype=torch.float32, prompts=PROMPTS, context=None):
+    paths = [tmp_path / f"{device}-p{i}" for i in range(2 if extra.get("clustering") else 1)]
+    for p in paths:
+        p.mkdir(parents=True, exist_ok=True)
+    with Engine.from_pretrained("fixture", kv_offload_path=paths, config={**BASE, **extra}, policy=policy,
+                                device=device, dtype=dtype) as engine:
+        if context is not None:
+            engine.open_context_store(tmp_path / f"{device}-store", chunk_tokens=64)
+            engine.save_context(context, name="doc")
+            engine.ttft = TTFTOptions("load_only")
+        results = engine.generate(prompts, max_new_tokens=NEW_TOKENS, stop_token_ids=[],
+                                  context="doc" if context is not None else None)
+        assert str(engine.model.device).startswith(device) and engine.model.dtype == dtype
+    return [r.token_ids for r in results]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_every_policy_on_cuda_gives_the_cpu_tokens_in_fp32(tmp_path, case):
+    policy, extra = CASES[case]
+    assert run(tmp_path, policy, extra, "cuda") == run(tmp_path, policy, extra, "cpu")
+
+
+def test_a_stored_context_on_cuda_gives_the_cpu_tokens(tmp_path):
+    context = [(i * 5) % 250 + 4 for i in range(256)]
+    prompts = [[9, 10, 11], [12, 13]]
+    assert run(tmp_path, "kvswap", {}, "cuda", prompts=prompts, context=context) == \
+        run(tmp_path, "kvswap", {}, "cpu", prompts=prompts, context=context)
+
+
+def test_the_ttft_plan_on_cuda_gives_full_prefills_tokens(tmp_path):
+    """The load-or-compute plan (chunks loaded from the store and recomputed on the GPU, one KV) answers as a full
+    prefill does."""
+    context = [(i * 3) % 250 + 4 for i in range(384)]
+    got = {}
+    for method in ("full_prefill", "edgekv"):
+        with Engine.from_pretrained("fixture", kv_offload_path=tmp_path, config=BASE, policy="full",
+                                    device="cuda", dtype=torch.float32) as engine:
+            engine.open_context_store(tmp_path / f"store-{method}", chunk_tokens=64)
+            engine.save_context(context, name="doc")
+            engine.ttft = TTFTOptions(method, link_mib_s=200.0)
+            got[method] = engine.generate([[5, 6, 7]], max_new_tokens=NEW_TOKENS, stop_token_ids=[],
+                                          context="doc")[0].token_ids
+    assert got["edgekv"] == got["full_prefill"]
+
+
+def _half_dtypes():
+    return [torch.float16] + ([torch.bfloat16] if torch.cuda.is_available()
+                              and torch.cuda.is_bf16_supported(including_emulation=False) else [])
+
+
+@pytest.mark.parametrize("dtype", _half_dtypes(), ids=str)
+@pytest.mark.parametrize("policy, extra", [("full", {}), ("kvswap", {"M": 160, "C": 160, "sigma": 1}),
+                                           ("flexgen", {})], ids=["full", "kvswap-every-group", "flexgen"])
+def test_greedy_tokens_equal_hugging_faces_on_the_gpu_in_half_precision(tmp_path, dtype, policy, extra):
+    """The exact policies (every group attended) against transformers' own generate, same GPU, same dtype."""
+    from transformers import AutoModelForCausalLM
+
+    from edgekv.runtime.checkpoints import resolve_checkpoint
+
+    prompt = PROMPTS[0][:300]
+    hf = AutoModelForCausalLM.from_pretrained(resolve_checkpoint("fixture"), dtype=dtype).to("cuda").eval()
+    with torch.inference_mode():
+        out = hf.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=NEW_TOKENS, do_sample=False,
+                          min_new_tokens=NEW_TOKENS)
+    want = out[0, len(prompt):].tolist()
+    assert run(tmp_path, policy, extra, "cuda", dtype=dtype, prompts=[prompt]) == [want]
+
+
+def test_the_default_dtype_is_bf16_only_where_the_gpu_has_it_natively():
+    native = torch.cuda.is_bf16_supported(including_emulation=False)
+    assert resolve_dtype(torch.device("cuda")) == (torch.bfloat16 if native else torch.float16)
+    assert resolve_dtype(torch.device("cuda"), deployed="float16", deployed_device="cuda") == torch.float16
+    assert resolve_dtype(torch.device("cpu"), deployed="float16", deployed_device="cuda") == torch.float32
+    assert resolve_device(None).type == "cuda"
+
+
+def test_an_adapter_fitted_on_fewer_keys_than_its_rank_stays_on_the_gpu():
+    """adapter.fit padded a CUDA projection with CPU zeros (a prompt shorter than the rank, no adapter file)."""
+    keys = torch.randn(3, 64, device="cuda")
+    adapter = LowRankAdapter.fit([keys], n_kv_heads=2, head_dim=32, rank=16)
+    assert adapter.rank == 16 and adapter.matrices[0].device.type == "cuda"
+
+
+def test_a_short_prompt_fits_its_adapter_on_the_gpu(tmp_path):
+    short = [[5, 6, 7, 8, 9, 10]]  # 6 keys per layer, fewer than the rank: the fitted projection is padded
+    assert run(tmp_path, "kvswap", {"sigma": 2}, "cuda", prompts=short) == \
+        run(tmp_path, "kvswap", {"sigma": 2}, "cpu", prompts=short)
+
+
+def test_edgekv_serve_on_cuda_answers_as_the_cpu(tmp_path):
+    import httpx
+
+    from tests.serving import poll, post, serving
+
+    body = {"model": "tiny", "prompt": PROMPTS[1][:200], "max_tokens": NEW_TOKENS, "temperature": 0}
+    answers = {}
+    for device in ("cuda", "cpu"):
+        (tmp_path / device).mkdir()
+        engine_args = {"kv_offload_path": tmp_path / device, "config": BASE, "device": device, "dtype": torch.float32}
+        with serving("fixture", tmp_path / device, store=False,
+                     load=lambda: Engine.from_pretrained("fixture", **engine_args)) as (url, state):
+            poll(lambda: httpx.get(url + "/health").status_code == 200, "model loaded")
+            answer = post(url, "/v1/completions", body)
+            assert answer.status_code == 200, answer.text
+            answers[device] = answer.json()["choices"][0]["text"]
+    assert answers["cuda"] == answers["cpu"]
