@@ -12,14 +12,21 @@ DEPLOY_ARGS = --platform $(PLATFORM) $(if $(MODEL),--model $(MODEL)) $(if $(KV_P
               $(if $(KV_PATHS),--kv-paths $(KV_PATHS)) \
               $(if $(filter-out 0,$(REPROFILE)),--reprofile) $(if $(CALIBRATION),--calibration $(CALIBRATION))
 
-.PHONY: env native fio test deploy serve profile bench energy clean
+.PHONY: env native fio test deploy serve profile bench energy clean gpu-check
 
-$(VENV)/.installed: pyproject.toml
-	$(PY) -m venv $(VENV)
-	$(VENV)/bin/pip install -q --upgrade pip
-	# the CPU wheel on disk first; a CUDA build otherwise costs several GB
-	$(VENV)/bin/pip install -q torch==2.13.0 || $(VENV)/bin/pip install -q "torch>=2.4,<=2.14.1"
-	$(VENV)/bin/pip install -q -e '.[dev]'
+# install/host.py reads the host first: a Jetson keeps JetPack's CUDA torch (a venv with the system's packages, pip
+# constrained to that torch), an NVIDIA PC gets a CUDA build for its driver, else the CPU wheel on disk; it stops
+# naming the fix when no working GPU torch can be had, and checks the venv's torch sees the GPU at the end
+$(VENV)/.installed: pyproject.toml install/host.py
+	$(PY) install/host.py plan --out $(VENV).plan.sh
+	. $(abspath $(VENV).plan.sh) && $(PY) -m venv $$VENV_FLAGS $(VENV) && \
+	$(VENV)/bin/pip install -q --upgrade pip && \
+	if [ -n "$$TORCH_CONSTRAINT" ]; then echo "$$TORCH_CONSTRAINT" > $(VENV)/constraints.txt; \
+	else : > $(VENV)/constraints.txt; fi && \
+	if [ -n "$$TORCH_PIP" ]; then $(VENV)/bin/pip install -q $$TORCH_PIP || \
+	  $(VENV)/bin/pip install -q "torch>=2.4,<=2.14.1"; fi && \
+	$(VENV)/bin/pip install -q -c $(VENV)/constraints.txt -e ".[$$EXTRAS]" && \
+	$(VENV)/bin/python install/host.py check
 	touch $@
 
 env: $(VENV)/.installed
@@ -59,8 +66,13 @@ energy: native fio
 	$(PYTHON) -m edgekv.cli energy --platform $(PLATFORM) --json deploy/energy.json --csv deploy/energy.csv \
 	  --png deploy/energy.png -- $(PYTHON) -m edgekv.cli deploy $(DEPLOY_ARGS)
 
+# on an Orin or an RTX box first: the cuda test suite, then edgekv bench on synth:llama-3.1-8b at 16K and 32K
+# (batch 1/4/8, budget 1/13, full, flexgen, kvswap) -> deploy/gpu-check.json and .png naming GPU, driver, torch, disk
+gpu-check: native
+	$(PYTHON) -m edgekv.gpu_check --json deploy/gpu-check.json --png deploy/gpu-check.png $(if $(KV_PATH),--kv-path $(KV_PATH))
+
 profile: native fio
 	$(PYTHON) -m edgekv.cli deploy --profile-only $(DEPLOY_ARGS)
 
 clean:
-	rm -rf $(VENV) deploy .pytest_cache
+	rm -rf $(VENV) $(VENV).plan.sh deploy .pytest_cache

@@ -134,6 +134,11 @@ class Deployment:
         return self._fp
 
     @property
+    def accelerator(self) -> dict:
+        """The GPU, its driver and CUDA, a Jetson's L4T and power mode: part of every compute cache key."""
+        return platform_for(self.prof).cache_facts() if self.device.type == "cuda" else {}
+
+    @property
     def sigmas(self) -> list[float]:
         return [s for s in solver.SIGMAS if s <= self.prof.sigma_max]
 
@@ -299,7 +304,7 @@ def record_table(d: Deployment, cache_root: Path, adapters: dict, calibration: s
 
 
 def measure_compute(d: Deployment, batches: list[int], contexts: list[int]) -> compute.ComputeProfile:
-    fp = {"model": d.model_fp, "device": str(d.device), "dtype": str(d.kv_dtype),
+    fp = {"model": d.model_fp, "device": str(d.device), "dtype": str(d.kv_dtype), **d.accelerator,
           "torch": torch.__version__, "cpu": _cpu_model(), "threads": torch.get_num_threads(), "platform": d.prof.platform,
           "batches": batches, "contexts": contexts, "mg_const": d.prof.mg_const, "edgekv": VERSION}
     cached = _cached(d.out / "compute.json", fp, d.reprofile, "compute", d.log)
@@ -320,8 +325,8 @@ def measure_chunks(d: Deployment, contexts: list[int]) -> tuple[Path, dict]:
     from edgekv.install import chunk_profile
 
     lengths = tuple(n for n in (256, 512) if n < d.prof.max_context) or (d.prof.max_context // 2,)
-    fp = {"model": d.model_fp, "device": str(d.device), "dtype": str(d.kv_dtype), "torch": torch.__version__,
-          "cpu": _cpu_model(), "threads": torch.get_num_threads(), "chunks": lengths, "contexts": contexts,
+    fp = {"model": d.model_fp, "device": str(d.device), "dtype": str(d.kv_dtype), **d.accelerator,
+          "torch": torch.__version__, "cpu": _cpu_model(), "threads": torch.get_num_threads(), "chunks": lengths, "contexts": contexts,
           "edgekv": VERSION}
     path = d.out / "ttft_costs.json"
     cached = _cached(d.out / "chunks.json", fp, d.reprofile, "chunk compute", d.log)

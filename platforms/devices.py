@@ -54,6 +54,15 @@ class Platform:
         return {"platform": self.name, "kernel": host.release(), "machine": host.machine(), "cpus": os.cpu_count(),
                 "torch": torch.__version__, "cuda": torch.version.cuda, "device": self.device}
 
+    def cache_facts(self) -> dict:
+        """What a cached compute measurement must match to be reused: the GPU, its driver and CUDA, and on a
+        Jetson the power mode (a profile measured at one nvpmodel mode is not this mode's); nothing that drifts
+        between runs (clocks, temperatures)."""
+        import torch
+
+        gpu = torch.cuda.get_device_name(0) if self.device == "cuda" else None
+        return {"gpu": gpu, "cuda": torch.version.cuda, "driver": gpu_driver() if gpu else None}
+
 
 class LocalPlatform(Platform):
     name = "local"
@@ -62,6 +71,10 @@ class LocalPlatform(Platform):
 class OrinPlatform(Platform):
     name = "orin"
     unified_memory = True
+
+    def cache_facts(self) -> dict:
+        return {**super().cache_facts(), "l4t": read_text(Path("/etc/nv_tegra_release"), "unavailable").splitlines()[0],
+                "power_mode": power_mode(_run(["nvpmodel", "-q"]))}
 
     def facts(self) -> dict:
         return {**super().facts(), "l4t": read_text(Path("/etc/nv_tegra_release"), "unavailable").splitlines()[0],
@@ -95,6 +108,20 @@ class SmartSsdPlatform(Platform):
         tool = shutil.which("xrt-smi") or shutil.which("xbutil") or "xbutil"
         return {**super().facts(), "xrt": _run([tool, "--version"])[:400],
                 "shell": _run([tool, "examine"])[:400]}
+
+
+def gpu_driver() -> str:
+    """The NVIDIA driver's version (nvidia-smi's; a Jetson's is its L4T release, in the L4T fact instead)."""
+    out = _run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"])
+    return out.splitlines()[0].strip() if out != "unavailable" else out
+
+
+def power_mode(nvpmodel_q: str) -> str:
+    """``nvpmodel -q`` output -> the mode's name and id ("NV Power Mode: MAXN" then "0": "MAXN (0)")."""
+    lines = [line.strip() for line in nvpmodel_q.splitlines() if line.strip()]
+    name = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("NV Power Mode")), None)
+    mode = next((line for line in lines if line.isdigit()), None)
+    return f"{name} ({mode})" if name and mode else (name or nvpmodel_q)
 
 
 PLATFORMS = {p.name: p for p in (LocalPlatform, OrinPlatform, RtxPlatform, SmartSsdPlatform)}

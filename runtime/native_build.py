@@ -28,6 +28,10 @@ class NativeLibrary:
     libs: tuple[str, ...]
     what: str  # named when the build fails
     per_machine: bool = False  # -march=native code: the machine is part of its name
+    machine_flags: tuple[tuple[str, tuple[str, ...]], ...] = ()  # (platform.machine(), flags) added there
+
+    def flags_here(self) -> tuple[str, ...]:
+        return self.flags + dict(self.machine_flags).get(platform.machine(), ())
 
 
 LIBRARIES = {
@@ -37,7 +41,9 @@ LIBRARIES = {
     "qattn": NativeLibrary("qattn", "ekv_qattn.c", ("-O3", "-march=native", "-fopenmp", "-fassociative-math",
                                                     "-fno-signed-zeros", "-fno-trapping-math"), ("-lm",),
                            "the quantized attention kernel", per_machine=True),
-    "crc32c": NativeLibrary("crc32c", "ekv_crc32c.c", ("-O2",), (), "the CRC-32C library"),
+    # aarch64: the ARMv8 CRC32C instruction (every ARMv8.1+ core, Orin's A78AE included), not the table
+    "crc32c": NativeLibrary("crc32c", "ekv_crc32c.c", ("-O2",), (), "the CRC-32C library",
+                            machine_flags=(("aarch64", ("-march=armv8-a+crc",)),)),
 }
 
 
@@ -48,7 +54,7 @@ def cache_dir() -> Path:
 def library_path(name: str) -> Path:
     """Where ``name`` is (or will be) cached."""
     lib = LIBRARIES[name]
-    digest = hashlib.sha256((SOURCES / lib.source).read_bytes()).hexdigest()[:12]
+    digest = hashlib.sha256((SOURCES / lib.source).read_bytes() + " ".join(lib.flags_here()).encode()).hexdigest()[:12]
     machine = f"-{platform.machine()}" if lib.per_machine else ""
     return cache_dir() / f"libekv_{lib.stem}{machine}-{digest}.so"
 
@@ -60,7 +66,7 @@ def build(name: str) -> Path:
         return target
     lib = LIBRARIES[name]
     source = str(SOURCES / lib.source)
-    return compile_library(lambda out: ["cc", *lib.flags, "-shared", "-fPIC", "-Wall", source, "-o", out, *lib.libs],
+    return compile_library(lambda out: ["cc", *lib.flags_here(), "-shared", "-fPIC", "-Wall", source, "-o", out, *lib.libs],
                            target, lib.what)
 
 
