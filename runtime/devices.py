@@ -67,5 +67,6 @@ def cuda_fix() -> str:
     if os.path.exists("/etc/nv_tegra_release"):
         return ("install the PyTorch build for this JetPack/L4T release (NVIDIA's Jetson wheels) and create the venv "
                 "with --system-site-packages so it is used: make env JETSON=1")
-    return ("install a CUDA build of torch matching the driver (pip install torch --index-url "
-            "https://download.pytorch.org/whl/cu128, cu126 for older drivers: see nvidia-smi's CUDA Version)")
+    return ("install a CUDA build of torch for this driver: make clean && make env picks it (install/host.py), or "
+            "pip install torch --index-url https://download.pytorch.org/whl/cuXYZ with XYZ at most nvidia-smi's "
+            "CUDA Version (e.g. cu128 for 12.8)")
