@@ -207,7 +207,7 @@ def policy_configs(model: DecoderModel, batch: int, context: int, budgets: list[
            for r in rows() if not registry.get(r.policy).budgeted]
     itemsize = torch.empty(0, dtype=model.dtype).element_size()
     full_bytes = dims.n_layers * context * 2 * dims.n_kv_heads * dims.head_dim * itemsize
-    t_io = io_model(disk_profile, dims, model.dtype, limits.io_align_bytes, QUEUE_DEPTH)
+    t_io = io_model(disk_profile, dims, model.dtype, limits.io_align_bytes, QUEUE_DEPTH, compute_profile.h2d_gib_s)
     for label in budgets:
         num, _, den = label.partition("/")
         per_seq = float(num) / float(den) * full_bytes

@@ -406,7 +406,7 @@ def run(platform: str | None = None, model: str | None = None, kv_paths: str | P
     d.release_model()
     measurements["quality_table"] = [p.__dict__ for p in quality_points]
     queue_depth = 32
-    t_io = io_model(disk_profiles, dims, d.kv_dtype, limits.io_align_bytes, queue_depth)
+    t_io = io_model(disk_profiles, dims, d.kv_dtype, limits.io_align_bytes, queue_depth, compute_profile.h2d_gib_s)
     budget = prof.batch_budget_mib * 2**20
     rate = lambda G, C, M: tables.reuse_rate(reuse, G, C, M)  # noqa: E731
     solutions = [

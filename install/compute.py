@@ -30,6 +30,7 @@ class ComputeProfile:
     predict_ms: list = field(default_factory=list)  # [batch, context, rank, ms]
     reuse_ms: list = field(default_factory=list)  # [batch, groups_per_step, ms]
     seconds: float = 0.0
+    h2d_gib_s: float | None = None  # pinned host -> device copies (a GPU's missed records cross it); None: no bus
 
     def t_model_ms(self, batch: int, context: int, rank: int, groups_per_step: int, group_tokens: int, reuse: bool = True) -> float:
         """Per decode step, all layers: dense block + predictor + reuse bookkeeping."""
@@ -141,8 +142,20 @@ def profile_compute(model: DecoderModel, fingerprint: dict, batches, contexts, r
             for rank in ranks:
                 profile.predict_ms.append([b, context, rank, time_predictor(model, b, context, rank, 4, mg_const // 4, klr_dtype)])
                 tick()
+    profile.h2d_gib_s = time_h2d(model.device)
     profile.seconds = round(time.perf_counter() - start, 1)
     return profile
+
+
+def time_h2d(device: torch.device, mib: int = 64, repeats: int = 3) -> float | None:
+    """GiB/s of a pinned host -> device copy (how fast a GPU's missed records reach its slots); None on the CPU."""
+    if device.type != "cuda":
+        return None
+    host = torch.empty(mib * 2**20, dtype=torch.uint8).pin_memory()
+    dest = torch.empty_like(host, device=device)
+    dest.copy_(host, non_blocking=True)
+    seconds = min(_time_ms(lambda: dest.copy_(host, non_blocking=True), device) for _ in range(repeats)) / 1e3
+    return mib / 1024 / seconds
 
 
 def _block_tokens(mg_const: int) -> list[int]:

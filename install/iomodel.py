@@ -1,9 +1,11 @@
-"""T_io(b, M, G, reuse): disk time of one decode step, from the disk profile.
+"""T_io(b, M, G, reuse): the time one decode step's missed records take to reach the compute device.
 
 Each layer reads the missed groups of every sequence, b * M * (1 - reuse) records of
 ``stride_bytes`` (the on-disk record of one group, in its ``kv_record_dtype``), at the random-read bandwidth the
 profile measured for the runtime's reader at that block size and queue depth.  With several KV paths the
 records are spread over them and the rate is ``planned_mib_s`` (N x the slowest path, a shared device once).
+On a GPU the same bytes then cross the bus to the device slots (``h2d_gib_s``, the compute profile's), after
+their reads: hits never cross it, misses once.
 """
 from __future__ import annotations
 
@@ -16,16 +18,19 @@ from .disk import DiskProfile, planned_mib_s
 
 
 def io_model(disk: DiskProfile | list[DiskProfile], dims: ModelDims, kv_dtype: torch.dtype, io_align_bytes: int,
-             queue_depth: int):
-    """A function (batch, M, G, reuse_rate, record_dtype) -> ms of reads per decode step (all layers).
+             queue_depth: int, h2d_gib_s: float | None = None):
+    """A function (batch, M, G, reuse_rate, record_dtype) -> ms of reads (and, on a GPU, host -> device copies)
+    per decode step (all layers).
 
-    ``disk``: one path's profile, or one per KV path (one queue of ``queue_depth`` each)."""
+    ``disk``: one path's profile, or one per KV path (one queue of ``queue_depth`` each); ``h2d_gib_s``: the
+    bus's rate (None: the records are read where attention reads them, the CPU)."""
     profiles = list(disk) if isinstance(disk, (list, tuple)) else [disk]
 
     def t_io_ms(batch: int, M: int, G: int, reuse_rate: float, record_dtype: str = "auto") -> float:
         stride = RecordLayout(G, dims.n_kv_heads, dims.head_dim, kv_dtype, io_align_bytes, record_dtype).stride_bytes
         bytes_per_layer = batch * M * (1.0 - reuse_rate) * stride
         mib_s = planned_mib_s(profiles, stride, queue_depth)
-        return dims.n_layers * bytes_per_layer / (mib_s * 2**20) * 1e3
+        bus_s = bytes_per_layer / (h2d_gib_s * 2**30) if h2d_gib_s else 0.0
+        return dims.n_layers * (bytes_per_layer / (mib_s * 2**20) + bus_s) * 1e3
 
     return t_io_ms

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from .config import RuntimeConfig
+from .transfer import to_device
 from .prefill_chain import Prefilled, PrefillChain
 
 STATS_CONFIG_KEYS = ("G", "M", "C", "sigma", "reuse", "rolling_buffer", "max_context", "kv_record_dtype")  # per result
@@ -103,8 +104,8 @@ class RunningBatch:
         active = self.active.copy() if active is None else active
         events, model, policy = self.engine.events, self.model, self.policy
         events.emit("decode_step_start", step=self.steps, active=int(active.sum()))
-        x = model.embed(tokens[:, None].to(model.device))
-        cos, sin = model.rope(torch.from_numpy(policy.lengths).to(model.device)[:, None])
+        x = model.embed(to_device(tokens[:, None], model.device))
+        cos, sin = model.rope(to_device(policy.lengths, model.device)[:, None])
         policy.prefetch(0, x, cos, sin, active)
         for layer in range(model.dims.n_layers):
             if layer + 1 < model.dims.n_layers:

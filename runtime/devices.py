@@ -70,3 +70,4 @@ def cuda_fix() -> str:
     return ("install a CUDA build of torch for this driver: make clean && make env picks it (install/host.py), or "
             "pip install torch --index-url https://download.pytorch.org/whl/cuXYZ with XYZ at most nvidia-smi's "
             "CUDA Version (e.g. cu128 for 12.8)")
+

@@ -21,12 +21,14 @@ from concurrent.futures import Future, ThreadPoolExecutor, TimeoutError as Futur
 import numpy as np
 import torch
 
-from .disk_store import DiskKVStore, StoreError, aligned_zeros
+from .disk_store import DiskKVStore, StoreError
 from .forward import decode_attention
 from .kv_policy import KVPolicy
 from .config import RuntimeConfig
 from .model import DecoderModel
 from .selector import Selector
+from .transfer import to_device
+from .slot_memory import slot_memory
 from .slots import Slots, record_owners
 
 _ABANDONED: dict = {}  # id(future) -> (future, buffers) of reads past their deadline: their memory lives until they land
@@ -63,9 +65,10 @@ class OffloadedKV(KVPolicy):
         self.recluster_steps = cfg.placement.recluster_steps if placer is not None else 0
         self.decode_steps = np.zeros(batch, dtype=np.int64)
         self._picks: dict[tuple[int, int], list[tuple[int, np.ndarray]]] = {}  # (owner, layer) -> (step, groups)
-        self._slot_bytes = aligned_zeros((slots.n_buffers(dims.n_layers), batch, slots.capacity, self.layout.stride_bytes), self.layout.align_bytes)
-        # [buffer, seq * C + slot, record]: records stay in their disk format (quantized ones too) until attention
-        self._slot_records = torch.from_numpy(self._slot_bytes).flatten(1, 2)[..., : self.layout.record_bytes]
+        # records stay in their disk format (quantized ones too) until attention; on a GPU the slots are device
+        # memory and only misses cross the bus (runtime/slot_memory.py)
+        self.slot_memory = slot_memory(slots.n_buffers(dims.n_layers), batch, slots.capacity, self.layout,
+                                       model.device, batch * self.M)
         self.owner = np.arange(batch)  # whose records a sequence's shared leading groups are (share_prefix)
         self.shared_groups = np.zeros(batch, dtype=np.int64)
         self.sink_groups = cfg.sink_groups
@@ -82,15 +85,17 @@ class OffloadedKV(KVPolicy):
         self.read_deadline_s = cfg.io.read_deadline_s
         self._hung: list[Future] = []  # reads that missed the deadline: never waited for again
         self._batch_index = torch.arange(batch, device=model.device)
+        self._step = None  # the step's device tensors (_step_tensors), made again when lengths change
 
     @property
     def resident_bytes(self) -> int:
         rolling = self.rolling.numel() * self.rolling.element_size() + self.sinks.numel() * self.sinks.element_size()
-        return (self._slot_bytes.nbytes + rolling + self.selector.resident_bytes + self.store.table_bytes
+        return (self.slot_memory.nbytes + rolling + self.selector.resident_bytes + self.store.table_bytes
                 + self.slots.nbytes)
 
     def start_sequence(self, seq):
         super().start_sequence(seq)
+        self._step = None
         self.store.open_sequence(seq)
         self.slots.reset(seq)
         self.n_groups[seq] = 0
@@ -122,6 +127,7 @@ class OffloadedKV(KVPolicy):
             span = slice(group * self.G, min((group + 1) * self.G, k.shape[1]))
             self._keep_group(layer, seq, group, k[:, span], v[:, span], in_ring=group >= n_full - self.window_groups)
         rest = k.shape[1] - tokens
+        self._step = None
         if layer == self.model.dims.n_layers - 1:
             self.n_groups[seq] = n_full
             self.rb_len[seq] = rest
@@ -152,8 +158,9 @@ class OffloadedKV(KVPolicy):
     def _select_and_fetch(self, layer: int, q: torch.Tensor | None, active: np.ndarray, started: float) -> None:
         outside_window = np.maximum(self.n_groups - self.window_groups, 0)
         groups, valid = self.selector.select(layer, q, torch.from_numpy(outside_window), first=self.sink_groups)
-        valid = valid.cpu().numpy() & active[:, None]
-        groups = groups.cpu().numpy()
+        picks = torch.where(valid, groups, -1).cpu().numpy()  # one transfer (the layer's one sync on a GPU)
+        valid = (picks >= 0) & active[:, None]
+        groups = np.maximum(picks, 0)
         if self.on_select is not None:
             self.on_select(layer, groups, valid)
         owners = record_owners(groups, self.owner, self.shared_groups)
@@ -161,17 +168,20 @@ class OffloadedKV(KVPolicy):
             self._keep_picks(layer, groups, valid, owners)
         slots, misses = self.slots.assign(layer, groups, valid, owners)
         self.select_s += time.perf_counter() - started
-        buffer = self._slot_bytes[self.slots.buffer_index(layer)]
-        stride = self.layout.stride_bytes
-        addresses = buffer.ctypes.data + misses.slot * stride
-        self.bytes_read += np.bincount(misses.seq, minlength=self.batch) * stride
-        future = self._io.submit(self._timed_read, self.store.batch(layer, misses.seq, misses.group, addresses))
+        buffer = self.slots.buffer_index(layer)
+        addresses = self.slot_memory.read_addresses(layer, buffer, misses)
+        self.bytes_read += np.bincount(misses.seq, minlength=self.batch) * self.layout.stride_bytes
+        reads = self.store.batch(layer, misses.seq, misses.group, addresses)
+        future = self._io.submit(self._fetch, layer, buffer, misses, reads)
         self._pending[layer] = (torch.from_numpy(np.ascontiguousarray(slots)), torch.from_numpy(valid), future)
 
-    def _timed_read(self, batch) -> None:
+    def _fetch(self, layer: int, buffer: int, misses, reads) -> None:
+        """On the I/O thread: the misses read from disk, then moved where attention reads them."""
+        self.slot_memory.before_read(layer)
         start = time.perf_counter()
-        self.store.read(batch)
+        self.store.read(reads)
         self.io_read_s += time.perf_counter() - start
+        self.slot_memory.after_read(layer, buffer, misses)
 
     def _keep_group(self, layer: int, seq: int, group: int, k: torch.Tensor, v: torch.Tensor, in_ring: bool) -> None:
         """Hold (part of) ``group`` in memory: in the sinks if it is one, in its ring slot if ``in_ring``."""
@@ -184,15 +194,23 @@ class OffloadedKV(KVPolicy):
             self.rolling[layer, seq, 0, :, start : start + n] = k
             self.rolling[layer, seq, 1, :, start : start + n] = v
 
+    def _step_tensors(self, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the step's ring write position [B], the resident mask) on the compute device: the same for every layer
+        of a step, so made once a step (one transfer, none per layer)."""
+        if self._step is None:
+            write_at = self.n_groups % self.ring_groups * self.G + self.rb_len
+            self._step = (to_device(write_at, device), self._resident_mask(device))
+        return self._step
+
     def _resident_mask(self, device) -> torch.Tensor:
         """[B, S + (W + 1) * G]: which sink and ring positions hold tokens to attend (never one the picks hold)."""
-        n_groups = torch.from_numpy(self.n_groups).to(device)[:, None]
+        n_groups = to_device(self.n_groups, device)[:, None]
         sink_group = torch.arange(self.sink_groups * self.G, device=device) // self.G
         sinks = sink_group < n_groups
         ring_slot = torch.arange(self.ring_groups, device=device)
         group = n_groups - (n_groups - ring_slot) % self.ring_groups  # [B, R]: the newest group in each ring slot
         position = torch.arange(self.G, device=device)
-        rb_pos = torch.from_numpy(self.rb_len).to(device)[:, None, None]
+        rb_pos = to_device(self.rb_len, device)[:, None, None]
         filling = position <= rb_pos if self.use_rolling_buffer else position == rb_pos
         full = ((group >= 0) & (group >= self.sink_groups))[..., None].expand(-1, -1, self.G)
         ring = torch.where((group == n_groups)[..., None], filling, full)
@@ -204,19 +222,19 @@ class OffloadedKV(KVPolicy):
         if not self.selector.reads_ahead:
             self._select_and_fetch(layer, q, self._active, time.perf_counter())
         rolling = self.rolling[layer]
-        write_at = torch.from_numpy(self.n_groups % self.ring_groups * self.G + self.rb_len).to(q.device)
+        write_at, resident = self._step_tensors(q.device)
         rolling[self._batch_index, 0, :, write_at] = k[:, :, 0]
         rolling[self._batch_index, 1, :, write_at] = v[:, :, 0]
         slots, valid = self._wait_fetch(layer)
 
         # only the selected records are gathered (one copy each) and decoded, on the compute device
-        records = self._slot_records[self.slots.buffer_index(layer)].index_select(0, slots.flatten())
-        selected = self.layout.decode(records.unflatten(0, slots.shape).to(q.device, non_blocking=True), self.model.dtype)
+        records = self.slot_memory.gather(layer, self.slots.buffer_index(layer), slots)
+        selected = self.layout.decode(records, self.model.dtype)
         b, m, _, h_kv, g, d = selected.shape
         sinks = self.sinks[layer]
         keys = torch.cat([selected[:, :, 0].transpose(1, 2).reshape(b, h_kv, m * g, d), sinks[:, 0], rolling[:, 0]], dim=2)
         values = torch.cat([selected[:, :, 1].transpose(1, 2).reshape(b, h_kv, m * g, d), sinks[:, 1], rolling[:, 1]], dim=2)
-        mask = torch.cat([valid.to(q.device).repeat_interleave(g, dim=1), self._resident_mask(q.device)], dim=1)
+        mask = torch.cat([to_device(valid, q.device).repeat_interleave(g, dim=1), resident], dim=1)
         return decode_attention(self.model, q, keys, values, mask[:, None, None, :])
 
     def _wait_fetch(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -237,6 +255,7 @@ class OffloadedKV(KVPolicy):
         """Append: the step's tokens join the window.  Flush: a window group now full goes to disk and into K_lr.
         Then the sequences whose decode picks are due are clustered again."""
         super().end_step(active)
+        self._step = None
         self.rb_len[active] += 1
         for seq in np.flatnonzero(self.rb_len == self.G):
             self._flush_group(int(seq))
@@ -258,8 +277,7 @@ class OffloadedKV(KVPolicy):
         """(held mask, records [held, stride]) of ``owner``'s groups that sit in this layer's reuse slots."""
         slots = self.slots.held(layer, owner, groups)
         held = slots >= 0
-        buffer = self._slot_bytes[self.slots.buffer_index(layer)].reshape(-1, self.layout.stride_bytes)
-        return held, buffer[slots[held]]
+        return held, self.slot_memory.records(self.slots.buffer_index(layer), slots[held])
 
     def _recluster(self, seq: int) -> None:
         """Cluster each layer's decode picks of ``seq`` and write the picked groups once more in that order over the
@@ -341,7 +359,7 @@ class OffloadedKV(KVPolicy):
         hung = [f for f in self._hung if not f.done()]
         for future in hung:
             with _ABANDONED_LOCK:
-                _ABANDONED[id(future)] = (future, self._slot_bytes)
+                _ABANDONED[id(future)] = (future, self.slot_memory)
             future.add_done_callback(_forget_abandoned)
         self._io.shutdown(wait=not hung)
         self.selector.close()

@@ -13,6 +13,7 @@ import torch
 from typing import TYPE_CHECKING
 
 from .adapter import LowRankAdapter
+from .transfer import to_device
 
 if TYPE_CHECKING:
     from .config import PredictorConfig
@@ -223,7 +224,7 @@ class LowRankSelector(Selector):
         group_scores = torch.full((batch, self.max_groups), float("-inf"), device=q.device)
         group_scores[:, :max_groups] = scores.view(batch, max_groups, self.G).amax(dim=-1)
         index = torch.arange(self.max_groups, device=q.device)
-        present = (index >= first) & (index < n_groups.to(q.device)[:, None])
+        present = (index >= first) & (index < to_device(n_groups, q.device)[:, None])
         top = group_scores.masked_fill(~present, float("-inf")).topk(min(self.M, self.max_groups), dim=-1)
         k = top.indices.shape[1]
         groups[:, :k] = top.indices

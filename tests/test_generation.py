@@ -94,3 +94,18 @@ def test_teacher_forcing_feeds_the_given_tokens(engine):
     assert other[0].token_ids[0] == free[0].token_ids[0]  # the first prediction comes from the prompt alone
     with pytest.raises(ValueError, match="teacher_forcing has 1 entries for 2 prompts"):
         engine.generate(PROMPTS[:2], teacher_forcing=[[1]])
+
+
+def test_grouped_sdpa_equals_the_cpu_decode_attention():
+    """The CUDA decode path (SDPA over KV heads, query heads as rows) computes what the CPU path does."""
+    from types import SimpleNamespace
+
+    from edgekv.runtime.forward import decode_attention, grouped_sdpa
+
+    torch.manual_seed(0)
+    model = SimpleNamespace(scaling=0.125)
+    q, k, v = torch.randn(3, 8, 1, 16), torch.randn(3, 2, 40, 16), torch.randn(3, 2, 40, 16)
+    mask = torch.rand(3, 1, 1, 40) > 0.3
+    mask[..., 0] = True
+    torch.testing.assert_close(grouped_sdpa(model, q, k, v, mask), decode_attention(model, q, k, v, mask),
+                               rtol=1e-5, atol=1e-5)

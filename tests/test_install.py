@@ -360,3 +360,15 @@ def test_without_fio_the_disk_figure_for_a_ratio_is_missing_not_the_reader_itsel
     assert with_fio.read_mib_s(4096, 32, source="fio") == pytest.approx(120.0)
     assert without.read_mib_s(4096, 32, source="fio") is None
     assert without.read_mib_s(4096, 32, source="disk") == pytest.approx(100.0)  # the solver still plans with it
+
+
+def test_on_a_gpu_the_io_model_counts_the_missed_records_crossing_the_bus():
+    """The same misses, read then copied host -> device: the bus adds bytes / h2d rate per layer; hits never."""
+    disk = DiskProfile("/x", {}, "fio io_uring", "io_uring", True, 1.0,
+                       [DiskPoint(4096, 32, 100.0, 120.0), DiskPoint(16384, 32, 400.0, 500.0)])
+    cpu = io_model(disk, DIMS, torch.float32, 512, 32)
+    gpu = io_model(disk, DIMS, torch.float32, 512, 32, h2d_gib_s=1.0)
+    stride = RecordLayout(4, DIMS.n_kv_heads, DIMS.head_dim, torch.float32, 512).stride_bytes
+    bus_ms = DIMS.n_layers * 2 * 10 * 0.5 * stride / 2**30 * 1e3
+    assert gpu(2, 10, 4, 0.5) == pytest.approx(cpu(2, 10, 4, 0.5) + bus_ms)
+    assert gpu(2, 10, 4, 1.0) == cpu(2, 10, 4, 1.0) == 0.0  # every pick a hit: nothing read, nothing copied

@@ -22,11 +22,20 @@ class PrefixKV:
         shape = (d.n_layers, 2, d.n_kv_heads, n_tokens, d.head_dim)
         self.kv = torch.zeros(shape, dtype=model.dtype, device=model.device)
         self.n_tokens = n_tokens
+        self._loads = torch.cuda.Stream(model.device) if model.device.type == "cuda" else None
 
     @torch.inference_mode()  # also on the I/O thread: the buffer is an inference tensor when made in the engine
     def put(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """k, v [H_kv, n, d] become tokens [start, start + n) of ``layer``."""
+        """k, v [H_kv, n, d] become tokens [start, start + n) of ``layer``.  Host chunks loaded from the store go
+        to a GPU on their own stream from pinned memory, and are there when this returns (the wait is the
+        loading thread's): queued compute never delays a load, nor a load the compute."""
         stop = start + k.shape[1]
+        if self._loads is not None and k.device.type == "cpu":
+            with torch.cuda.stream(self._loads):
+                self.kv[layer, 0, :, start:stop].copy_(k.pin_memory(), non_blocking=True)
+                self.kv[layer, 1, :, start:stop].copy_(v.pin_memory(), non_blocking=True)
+            self._loads.synchronize()
+            return
         self.kv[layer, 0, :, start:stop] = k
         self.kv[layer, 1, :, start:stop] = v
 

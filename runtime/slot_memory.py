@@ -1,0 +1,129 @@
+"""Where the reuse slots' records live and how read bytes reach them: the code that moves bytes, apart from the
+slot table's bookkeeping (which slot holds what, what must be read: runtime/slots.py).
+
+``HostSlots`` (CPU): the slots are aligned host memory; the reader's O_DIRECT reads land in them and attention
+gathers from them.  ``DeviceSlots`` (CUDA): the slots live in device memory, so a hit never crosses the bus; the
+reader fills pinned, aligned staging rows (double-buffered by layer parity), and only the misses are copied to
+their device slots on a copy stream.  Compute waits for a layer's copy on an event, never on the host, and the
+copy for a buffer waits for the attention that last read it.  On a unified-memory device (a Jetson) the
+staging rows are pinned host memory the GPU can read, the same code path.
+"""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import torch
+
+from .disk_store import RecordLayout, aligned_zeros
+from .slots import Misses
+
+
+class HostSlots:
+    """The reuse slots in host memory: reads land where attention reads."""
+
+    def __init__(self, n_buffers: int, batch: int, capacity: int, layout: RecordLayout, device: torch.device):
+        self.layout, self.device = layout, device
+        self._bytes = aligned_zeros((n_buffers, batch * capacity, layout.stride_bytes), layout.align_bytes)
+        self._records = torch.from_numpy(self._bytes)[..., : layout.record_bytes]
+
+    @property
+    def nbytes(self) -> int:
+        return self._bytes.nbytes
+
+    def read_addresses(self, layer: int, buffer: int, misses: Misses) -> np.ndarray:
+        """Where the reader puts each missed record (in order)."""
+        return self._bytes[buffer].ctypes.data + misses.slot * self.layout.stride_bytes
+
+    def before_read(self, layer: int) -> None:
+        """On the I/O thread, before the layer's reads: the memory they land in is free (it always is here)."""
+
+    def after_read(self, layer: int, buffer: int, misses: Misses) -> None:
+        """The reads of ``misses`` landed (called on the I/O thread): nothing to move, they are in their slots."""
+
+    def gather(self, layer: int, buffer: int, slots: torch.Tensor) -> torch.Tensor:
+        """Records [*slots.shape, record_bytes] of flat ``slots``, on the compute device."""
+        rows = self._records[buffer].index_select(0, slots.flatten())
+        return rows.unflatten(0, slots.shape).to(self.device)
+
+    def records(self, buffer: int, slots: np.ndarray) -> np.ndarray:
+        """Whole records [n, stride] (host numpy) of flat ``slots``: what re-clustering writes elsewhere."""
+        return self._bytes[buffer][slots]
+
+
+class DeviceSlots:
+    """The reuse slots in device memory, filled from pinned staging rows by a copy stream."""
+
+    def __init__(self, n_buffers: int, batch: int, capacity: int, layout: RecordLayout, device: torch.device,
+                 max_misses: int):
+        self.layout, self.device = layout, device
+        stride = layout.stride_bytes
+        self._slots = torch.zeros(n_buffers, batch * capacity, stride, dtype=torch.uint8, device=device)
+        # pinned staging, one set per layer parity: layer l+1 reads while layer l's copy may still run
+        self._staging = [torch.empty(max(1, max_misses), stride, dtype=torch.uint8).pin_memory() for _ in range(2)]
+        assert all(s.data_ptr() % layout.align_bytes == 0 for s in self._staging), "pinned memory is page-aligned"
+        self._copy_stream = torch.cuda.Stream(device=device)
+        self._copied = {}  # buffer -> event: its last copy is done
+        self._staged = [torch.cuda.Event() for _ in range(2)]  # staging set -> its last copy has read it
+        self._read_done = {}  # buffer -> event: the attention that last read it is done
+        self._lock = threading.Lock()
+        self.bytes_copied = 0  # host -> device, records only (hits never cross)
+
+    @property
+    def nbytes(self) -> int:
+        return self._slots.numel()
+
+    def read_addresses(self, layer: int, buffer: int, misses: Misses) -> np.ndarray:
+        """Contiguous staging rows of this layer's parity for the misses."""
+        if len(misses.slot) > self._staging[0].shape[0]:
+            raise ValueError(f"{len(misses.slot)} misses in one layer but staging holds {self._staging[0].shape[0]}")
+        return self._staging[layer % 2].data_ptr() + np.arange(len(misses.slot)) * self.layout.stride_bytes
+
+    def before_read(self, layer: int) -> None:
+        """On the I/O thread: the staging set of this parity is free once the copy two layers back has read it."""
+        self._staged[layer % 2].synchronize()
+
+    def after_read(self, layer: int, buffer: int, misses: Misses) -> None:
+        """On the I/O thread, once the reads landed: the misses' rows go to their device slots on the copy stream,
+        after the attention that last read this buffer; an event says when they are there."""
+        n = len(misses.slot)
+        with self._lock:
+            done = self._read_done.get(buffer)
+        with torch.cuda.stream(self._copy_stream):
+            if done is not None:
+                self._copy_stream.wait_event(done)
+            if n:
+                rows = self._staging[layer % 2][:n].to(self.device, non_blocking=True)
+                index = torch.from_numpy(misses.slot).pin_memory().to(self.device, non_blocking=True)
+                self._slots[buffer].index_copy_(0, index, rows)
+                self.bytes_copied += n * self.layout.stride_bytes
+            self._staged[layer % 2].record(self._copy_stream)
+            copied = torch.cuda.Event()
+            copied.record(self._copy_stream)
+        with self._lock:
+            self._copied[buffer] = copied
+
+    def gather(self, layer: int, buffer: int, slots: torch.Tensor) -> torch.Tensor:
+        compute = torch.cuda.current_stream(self.device)
+        with self._lock:
+            copied = self._copied.get(buffer)
+        if copied is not None:
+            compute.wait_event(copied)
+        index = slots.flatten().pin_memory().to(self.device, non_blocking=True)
+        rows = self._slots[buffer].index_select(0, index)[:, : self.layout.record_bytes]
+        done = torch.cuda.Event()
+        done.record(compute)
+        with self._lock:
+            self._read_done[buffer] = done
+        return rows.unflatten(0, slots.shape)
+
+    def records(self, buffer: int, slots: np.ndarray) -> np.ndarray:
+        return self._slots[buffer][torch.from_numpy(slots).to(self.device)].cpu().numpy()
+
+
+def slot_memory(n_buffers: int, batch: int, capacity: int, layout: RecordLayout, device: torch.device,
+                max_misses: int):
+    """Device slots on a GPU, host slots otherwise."""
+    if device.type == "cuda":
+        return DeviceSlots(n_buffers, batch, capacity, layout, device, max_misses)
+    return HostSlots(n_buffers, batch, capacity, layout, device)
