@@ -179,16 +179,12 @@ class SolverFit(registry.BudgetFit):
             self._tuned = solver.solve(self.batch, self.context, self.per_seq, self.model.dims, self.model.dtype,
                                        self.limits, self.t_io, self.compute_profile.t_model_ms,
                                        lambda G, C, M: tables.reuse_rate(self.reuse_table or {}, G, C, M))
-        return _geometry(self._tuned, self._tuned.reuse)
+        return self.geometry(self._tuned)
 
     def fixed(self, G: int, reuse: bool) -> dict | None:
         fit = solver.fit_memory(self.per_seq, self.model.dims, self.model.dtype, self.limits, self.context, G,
                                 reuse=reuse)
-        return _geometry(fit, reuse)
-
-
-def _geometry(fit, reuse: bool) -> dict | None:
-    return None if fit is None else {"G": fit.G, "M": fit.M, "C": fit.C, "sigma": fit.sigma, "reuse": reuse}
+        return self.geometry(fit, reuse)
 
 
 def policy_configs(model: DecoderModel, batch: int, context: int, budgets: list[str], limits: solver.Limits,
@@ -580,7 +576,7 @@ def run(model_dir: Path, kv_dir: Path, batches: list[int], contexts: list[int], 
         raise ValueError("a per-path read limit paces the rows over several KV paths: give the folders too "
                          "(--kv-paths DIR1,DIR2,...)")
     kv_dir.mkdir(parents=True, exist_ok=True)
-    model = load_model(model_dir, *resolve_compute(device, dtype), max(contexts) + 64)
+    model = load_model(model_dir, *resolve_compute(device, dtype, model_dir), max(contexts) + 64)
     limits = solver.Limits()
     log(f"disk profile of {kv_dir} ({disk_seconds:g} s, fio beside our reader)")
     disk_profile = diskprof.profile_disk(kv_dir, disk_seconds, 256, block_sizes=(4096, 16384, 65536, 262144),

@@ -103,14 +103,10 @@ class RuleFit(policies.BudgetFit):
         self.args, self.G = (budget_bytes, dims, kv_dtype, limits, max_context), G
 
     def tuned(self) -> dict | None:
-        return _geometry(quality_fit(*self.args, self.G))
+        return self.geometry(quality_fit(*self.args, self.G))
 
     def fixed(self, G: int, reuse: bool) -> dict | None:
-        return _geometry(fit_memory(*self.args, G, reuse=reuse))
-
-
-def _geometry(fit) -> dict | None:
-    return None if fit is None else {"sigma": fit.sigma, "M": fit.M, "C": fit.C, "reuse": fit.reuse}
+        return self.geometry(fit_memory(*self.args, G, reuse=reuse))
 
 
 class QualityChooser:

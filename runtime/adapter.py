@@ -124,10 +124,12 @@ class AdapterSet:
     one given or kept from an earlier batch when its rank matches the config's sigma, else none (the batch fits
     its own on its prompts' keys).  ``predicts``: the policy uses them at all."""
 
-    def __init__(self, n_kv_heads: int, head_dim: int, predicts: bool, current: LowRankAdapter | None = None):
+    def __init__(self, n_kv_heads: int, head_dim: int, predicts: bool, current: LowRankAdapter | None = None,
+                 current_path: str | None = None):
+        """``current_path``: the file ``current`` was loaded from (not read again)."""
         self.n_kv_heads, self.head_dim, self.predicts = n_kv_heads, head_dim, predicts
         self.current = current
-        self._files: dict[str, LowRankAdapter] = {}
+        self._files: dict[str, LowRankAdapter] = {current_path: current} if current_path and current else {}
 
     def for_config(self, cfg) -> LowRankAdapter | None:
         if cfg.predictor.adapter_path and self.predicts:

@@ -163,8 +163,14 @@ class Section:
         """Checks across the section's fields (override)."""
 
     def validated(self):
+        """Every field's own check (a nested section checks its own), then the checks across fields."""
         for f in fields(self):
             value = getattr(self, f.name)
+            if "section" in f.metadata:
+                if not isinstance(value, SECTIONS[f.name]):
+                    raise ConfigError(f"config section '{f.name}' must be a mapping of its fields, got {value!r:.60}")
+                value.validated()
+                continue
             if isinstance(value, float) and not math.isfinite(value):  # json.loads takes NaN and Infinity
                 raise ConfigError(f"config field '{f.name}' must be a finite number, got {value!r}")
             f.metadata["check"](f.name, value)
@@ -350,20 +356,6 @@ class RuntimeConfig(Section):
         return RuntimeConfig.from_flat({**self.to_dict(), **flat})
 
     # ---- checks ---------------------------------------------------------------------------------------------
-
-    def validated(self) -> "RuntimeConfig":
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if "section" in f.metadata:
-                if not isinstance(value, SECTIONS[f.name]):
-                    raise ConfigError(f"config section '{f.name}' must be a mapping of its fields, got {value!r:.60}")
-                value.validated()
-            elif isinstance(value, float) and not math.isfinite(value):
-                raise ConfigError(f"config field '{f.name}' must be a finite number, got {value!r}")
-            else:
-                f.metadata["check"](f.name, value)
-        self.check_together()
-        return self
 
     def check_together(self) -> None:
         if self.sigma is None and self.predictor.adapter_path is None:

@@ -48,12 +48,14 @@ def resolve_dtype(device: torch.device, dtype: str | torch.dtype | None = None, 
     return default_dtype(device)
 
 
-def resolve_compute(device: str | torch.device | None = None, dtype: str | torch.dtype | None = None
-                    ) -> tuple[torch.device, torch.dtype]:
+def resolve_compute(device: str | torch.device | None = None, dtype: str | torch.dtype | None = None,
+                    model_dir=None) -> tuple[torch.device, torch.dtype]:
     """(device, dtype) of a run given no deployed config: what is named, else $EDGEKV_DEVICE or the GPU, and
-    that device's default dtype."""
+    that device's default dtype (bf16 for synthetic weights in ``model_dir``)."""
+    from .synth import synthetic_dtype
+
     resolved = resolve_device(device)
-    return resolved, resolve_dtype(resolved, dtype)
+    return resolved, resolve_dtype(resolved, dtype or (synthetic_dtype(model_dir) if model_dir else None))
 
 
 def default_dtype(device: torch.device) -> torch.dtype:

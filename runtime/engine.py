@@ -21,7 +21,7 @@ import torch
 from .adapter import AdapterSet, LowRankAdapter, build_adapter
 from .batching import GenerationResult, RunningBatch
 from .checkpoints import load_tokenizer, resolve_checkpoint
-from .config import ConfigError, RuntimeConfig
+from .config import ConfigError, RuntimeConfig, read_config_file
 from .devices import resolve_device, resolve_dtype
 from .disk_store import CorruptRecord, RecordLayout, check_offload_path, kv_path_list
 from .events import EventBus, JsonLinesLog
@@ -36,6 +36,7 @@ from .reader import KVReader, open_reader
 from .sampling import Sampler, SamplingParams
 from .scoring import InStorageScorer
 from .solutions import SolutionTable, deployed_compute, load_deployed
+from .synth import synthetic_dtype
 from .ttft.compute import PrefixKV
 from .ttft.prefill import TTFTOptions
 
@@ -67,7 +68,8 @@ class Engine:
         self.config = self.spec.effective_config(config)
         self.kv_paths = [Path(p) for p in kv_path_list(kv_offload_path)]
         self.kv_offload_path = self.kv_paths[0] if self.kv_paths else None
-        self.adapters = AdapterSet(model.dims.n_kv_heads, model.dims.head_dim, self.spec.predicts, adapter)
+        self.adapters = AdapterSet(model.dims.n_kv_heads, model.dims.head_dim, self.spec.predicts, adapter,
+                                   self.config.predictor.adapter_path)
         self.solutions = solutions
         self.scorer = scorer  # hillinfer's in-storage scorer (a platform's backend); the numpy reference if None
         # the prefill sources a batch uses (runtime/prefill_chain.py), ahead of computing the prompt
@@ -78,7 +80,7 @@ class Engine:
         self.events = EventBus()
         if os.environ.get("EDGEKV_EVENTS_FILE"):  # set by `edgekv energy` for the process it measures
             self.events.subscribe(JsonLinesLog(os.environ["EDGEKV_EVENTS_FILE"]))
-        _, self.memory_plan = _preflight(policy, self.config, model.dims, model.dtype, adapter, kv_offload_path)
+        self.memory_plan = _preflight(policy, self.config, model.dims, model.dtype, adapter, kv_offload_path)
         self.reader: KVReader | None = reader
         if self.spec.on_disk and reader is None:
             self.reader = open_reader(self.config.io.reader_backend, self.config.io.io_queue_depth, n_paths=len(self.kv_paths))
@@ -106,12 +108,15 @@ class Engine:
         solution for its (batch size, context), each checked here against its memory budget, on the device and
         in the dtype it was deployed with unless ``device``/``dtype`` say otherwise (runtime/devices.py).
         """
+        if isinstance(config, (str, Path)):
+            config = read_config_file(config)  # once: the solutions and the deployed device come from it
         cfg, solutions = load_deployed(config)
         model_dir = resolve_checkpoint(model)
         hf_cfg = read_model_config(model_dir)
         compute = deployed_compute(config)
         device = resolve_device(device, compute.get("device"))
-        dtype = resolve_dtype(device, dtype, compute.get("dtype"), compute.get("device"))
+        dtype = resolve_dtype(device, dtype or synthetic_dtype(model_dir), compute.get("dtype"),
+                              compute.get("device"))
         dims = ModelDims.from_config(hf_cfg)
         spec = get_policy(policy)
         adapter = _load_adapter(cfg, policy)
@@ -426,8 +431,8 @@ def _load_adapter(cfg: RuntimeConfig, policy: str) -> LowRankAdapter | None:
     return LowRankAdapter.load(cfg.predictor.adapter_path) if cfg.predictor.adapter_path and get_policy(policy).predicts else None
 
 
-def _preflight(policy, cfg: RuntimeConfig, dims: ModelDims, dtype, adapter, kv_offload_path) -> tuple[int, MemoryPlan]:
-    """Refuse what cannot run (adapter mismatch, over budget, bad offload path); returns (rank, plan)."""
+def _preflight(policy, cfg: RuntimeConfig, dims: ModelDims, dtype, adapter, kv_offload_path) -> MemoryPlan:
+    """Refuse what cannot run (adapter mismatch, over budget, bad offload path); returns the memory plan."""
     if adapter is not None:
         adapter.check(dims.n_layers, dims.n_kv_heads, dims.head_dim)
         if cfg.sigma is not None and abs(adapter.sigma - cfg.sigma) > 0.5:
@@ -441,7 +446,7 @@ def _preflight(policy, cfg: RuntimeConfig, dims: ModelDims, dtype, adapter, kv_o
     if get_policy(policy).on_disk:
         for path in kv_path_list(kv_offload_path) or [None]:
             check_offload_path(path)
-    return rank, plan
+    return plan
 
 
 def _plan(policy: str, cfg: RuntimeConfig, dims: ModelDims, dtype: torch.dtype, rank: int) -> MemoryPlan:

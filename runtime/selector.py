@@ -123,6 +123,8 @@ class LowRankSelector(Selector):
         self.G = group_tokens
         self.M = groups_per_step
         self.max_groups = -(-max_context // group_tokens)
+        self._group_scores = torch.empty(batch, self.max_groups, device=device)  # reused every select
+        self._group_index = torch.arange(self.max_groups, device=device)
         stored, _, _ = KLR_FORMATS[predictor.klr_dtype]
         self.quantized = stored == torch.int8
         self.dtype = torch.bfloat16 if self.quantized else stored  # what projections and scores compute in
@@ -221,11 +223,10 @@ class LowRankSelector(Selector):
         scores = self.token_scores(layer, q, max_groups * self.G)
         # top-k over every group a sequence can have, whatever the batch's longest: how topk breaks ties depends
         # on the width, and a row's picks must depend on its own scores only, not on the rows beside it
-        group_scores = torch.full((batch, self.max_groups), float("-inf"), device=q.device)
+        group_scores = self._group_scores[:batch].fill_(float("-inf"))
         group_scores[:, :max_groups] = scores.view(batch, max_groups, self.G).amax(dim=-1)
-        index = torch.arange(self.max_groups, device=q.device)
-        present = (index >= first) & (index < to_device(n_groups, q.device)[:, None])
-        top = group_scores.masked_fill(~present, float("-inf")).topk(min(self.M, self.max_groups), dim=-1)
+        present = (self._group_index >= first) & (self._group_index < to_device(n_groups, q.device)[:, None])
+        top = group_scores.masked_fill_(~present, float("-inf")).topk(min(self.M, self.max_groups), dim=-1)
         k = top.indices.shape[1]
         groups[:, :k] = top.indices
         valid[:, :k] = top.values > float("-inf")

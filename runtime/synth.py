@@ -55,3 +55,9 @@ def synth_checkpoint(name: str, cache: Path) -> Path:
 
 def is_synthetic(model_dir: str | Path) -> bool:
     return (Path(model_dir) / MARKER).is_file()
+
+
+def synthetic_dtype(model_dir: str | Path) -> str | None:
+    """bfloat16 for synthetic weights unless a dtype is named: the published checkpoints' own, on the CPU too
+    (an 8B model in float32 would need 32 GB to measure what its bf16 deployment does); None for real ones."""
+    return "bfloat16" if is_synthetic(model_dir) else None

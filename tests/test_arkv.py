@@ -24,7 +24,7 @@ def full_mib(dims: ModelDims, batch: int, context: int = CONTEXT) -> float:
 
 
 def generate(model_dir, policy, config, prompts=PROMPTS, new_tokens=14, on_policy=None, cache=None):
-    with Engine.from_pretrained(model_dir, config=config, policy=policy) as engine:
+    with Engine.from_pretrained(model_dir, config=config, policy=policy, device="cpu") as engine:
         engine.prompt_cache = cache
         if on_policy is not None:  # see the policy the engine builds, and every decode step
             open_batch = engine.open_batch
@@ -58,7 +58,7 @@ def test_bad_arkv_field_is_named(field, value):
 def test_budget_below_the_window_is_refused(model_dirs):
     with pytest.raises(BudgetError, match="arkv_window_tokens"):
         Engine.from_pretrained(model_dirs["llama"], config={"max_context": CONTEXT, "max_batch": 3,
-                                                            "max_kv_mem_mib": 0.01}, policy="arkv")
+                                                            "max_kv_mem_mib": 0.01}, policy="arkv", device="cpu")
 
 
 # ---- exactness --------------------------------------------------------------------------------

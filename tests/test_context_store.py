@@ -267,7 +267,7 @@ def test_layout_mismatch_is_refused(tmp_path):
 @pytest.fixture(scope="module")
 def fixture_model():
     from edgekv.runtime.engine import Engine
-    return Engine.from_pretrained("fixture", policy="full").model
+    return Engine.from_pretrained("fixture", policy="full", device="cpu").model
 
 
 def test_fixture_model_kv_round_trip_and_fingerprints(tmp_path, fixture_model):

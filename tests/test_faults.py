@@ -32,7 +32,8 @@ NEW_TOKENS = 9
 
 @pytest.fixture
 def engine(model_dirs, kv_dir):
-    with Engine.from_pretrained(model_dirs["llama"], kv_offload_path=kv_dir, config=CFG, policy="kvswap") as engine:
+    with Engine.from_pretrained(model_dirs["llama"], kv_offload_path=kv_dir, config=CFG, policy="kvswap",
+                                device="cpu") as engine:
         yield engine
 
 
@@ -65,7 +66,7 @@ def test_a_damaged_record_is_caught_and_the_answer_is_unchanged(engine, kv_dir, 
 def test_without_verification_damage_goes_through_and_a_warning_says_so(model_dirs, kv_dir, caplog):
     with caplog.at_level(logging.WARNING, logger="edgekv"):
         with Engine.from_pretrained(model_dirs["llama"], kv_offload_path=kv_dir, config={**CFG, "verify_fraction": 0},
-                                    policy="kvswap") as engine:
+                                    policy="kvswap", device="cpu") as engine:
             reader = inject(engine, "flip_disk", 2)
             run(engine)
     assert reader.injected is not None
@@ -75,7 +76,7 @@ def test_without_verification_damage_goes_through_and_a_warning_says_so(model_di
 def test_sampled_verification_states_its_coverage_and_checks_about_that_share(model_dirs, kv_dir, caplog):
     with caplog.at_level(logging.WARNING, logger="edgekv"):
         with Engine.from_pretrained(model_dirs["llama"], kv_offload_path=kv_dir, config={**CFG, "verify_fraction": 0.5},
-                                    policy="kvswap") as engine:
+                                    policy="kvswap", device="cpu") as engine:
             stores = []
             open_batch = engine.open_batch
             engine.open_batch = lambda *a: _keep_store(open_batch(*a), stores)
@@ -160,7 +161,8 @@ def small_fs(tmp_path):
 
 
 def test_a_real_full_filesystem_fails_the_request_cleanly(model_dirs, small_fs):
-    with Engine.from_pretrained(model_dirs["llama"], kv_offload_path=small_fs, config=CFG, policy="kvswap") as engine:
+    with Engine.from_pretrained(model_dirs["llama"], kv_offload_path=small_fs, config=CFG, policy="kvswap",
+                                device="cpu") as engine:
         with pytest.raises(StoreError) as err:
             engine.generate(PROMPTS, max_new_tokens=40, stop_token_ids=[])
         assert err.value.errno == errno.ENOSPC and str(small_fs) in str(err.value)
@@ -250,7 +252,7 @@ def stored(model_dirs, tmp_path):
     ids = torch.randint(1, 160, (100,), generator=torch.Generator().manual_seed(5)).tolist()
     kv = tmp_path / "kv"
     kv.mkdir()
-    engine = Engine.from_pretrained(model_dirs["llama"], kv_offload_path=kv, config=CFG, policy="kvswap")
+    engine = Engine.from_pretrained(model_dirs["llama"], kv_offload_path=kv, config=CFG, policy="kvswap", device="cpu")
     engine.open_context_store(tmp_path / "store", chunk_tokens=32)
     want = engine.generate([ids], max_new_tokens=6, stop_token_ids=[])[0].token_ids
     saved = engine.save_context(ids[:96], name="doc")

@@ -33,7 +33,7 @@ def hf_and_gguf(request, tmp_path_factory):
 
 
 def generate(model, kv_dir, policy):
-    with Engine.from_pretrained(model, kv_offload_path=kv_dir, config=CONFIG, policy=policy) as engine:
+    with Engine.from_pretrained(model, kv_offload_path=kv_dir, config=CONFIG, policy=policy, device="cpu") as engine:
         return engine.generate(PROMPTS, max_new_tokens=8, stop_token_ids=[], output_logits=True)
 
 
@@ -49,7 +49,8 @@ def test_gguf_serves_exactly_like_its_safetensors_checkpoint(hf_and_gguf, kv_dir
 
 def test_tokenizer_and_chat_template_come_from_the_file(hf_and_gguf, kv_dir):
     _, gguf_file = hf_and_gguf
-    with Engine.from_pretrained(gguf_file.parent, kv_offload_path=kv_dir, config=CONFIG, policy="full") as engine:
+    with Engine.from_pretrained(gguf_file.parent, kv_offload_path=kv_dir, config=CONFIG,
+                                policy="full", device="cpu") as engine:
         assert engine.tokenizer.chat_template == TEMPLATE
         out = engine.generate(["the value of bab"], chat=True, max_new_tokens=3, stop_token_ids=[])[0]
         assert engine.tokenizer.decode(out.token_ids) == out.text

@@ -183,7 +183,8 @@ def test_solution_table_takes_the_smallest_covering_pair_else_the_nearest(tmp_pa
 
 
 def test_engine_runs_each_batch_with_its_solution(model_dirs, kv_dir, tmp_path):
-    with Engine.from_pretrained(model_dirs["llama"], kv_offload_path=kv_dir, config=_deployed(tmp_path)) as engine:
+    with Engine.from_pretrained(model_dirs["llama"], kv_offload_path=kv_dir, config=_deployed(tmp_path),
+                                device="cpu") as engine:
         one = engine.generate([[t % 150 + 3 for t in range(150)]], max_new_tokens=4, stop_token_ids=[])[0]
         two = engine.generate([[t % 150 + 3 for t in range(300)], [t % 150 + 5 for t in range(200)]], max_new_tokens=4,
                               stop_token_ids=[])

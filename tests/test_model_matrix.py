@@ -63,7 +63,8 @@ def matrix(tmp_path_factory):
 def test_every_policy_matches_hf_greedy(matrix, kv_dir, model, policy):
     folder, expected = matrix[model]
     name, overrides = POLICIES[policy]
-    with Engine.from_pretrained(folder, kv_offload_path=kv_dir, config={**EXACT, **overrides}, policy=name) as engine:
+    with Engine.from_pretrained(folder, kv_offload_path=kv_dir, config={**EXACT, **overrides}, policy=name,
+                                device="cpu") as engine:
         result = engine.generate([PROMPT], max_new_tokens=NEW_TOKENS, stop_token_ids=[])[0]
         assert result.stats["kv_resident_bytes"] == engine.memory_plan.total_bytes  # the plan counts the buffers made
     assert result.token_ids == expected
@@ -140,7 +141,8 @@ def _fail_reads(monkeypatch):
 def test_a_failing_step_surfaces_its_own_error(matrix, kv_dir, monkeypatch, inject, policy):
     folder, expected = matrix["3-layers"]
     name, overrides = POLICIES[policy]
-    with Engine.from_pretrained(folder, kv_offload_path=kv_dir, config={**EXACT, **overrides}, policy=name) as engine:
+    with Engine.from_pretrained(folder, kv_offload_path=kv_dir, config={**EXACT, **overrides}, policy=name,
+                                device="cpu") as engine:
         with monkeypatch.context() as patch:
             _slow_reads(patch)
             inject(patch)

@@ -423,7 +423,8 @@ def test_energy_command_measures_a_child_and_aligns_its_events(sysfs, tmp_path, 
     _write(sysfs, {f"{zone}/name": "package-0", f"{zone}/energy_uj": 0, f"{zone}/max_energy_range_uj": 2**32})
     out = tmp_path / "e.json"
     child = [sys.executable, "-c", "from edgekv.runtime import Engine\n"
-             f"e = Engine.from_pretrained({model_dirs['llama']!r}, config={{'G': 4, 'M': 4, 'C': 4, 'sigma': 4}}, policy='full')\n"
+             f"e = Engine.from_pretrained({model_dirs['llama']!r}, config={{'G': 4, 'M': 4, 'C': 4, 'sigma': 4}}, policy='full',\n"
+             "                              device='cpu')\n"
              "e.generate([[5, 6, 7, 8, 9]], max_new_tokens=3, stop_token_ids=[])"]
     rc = main(["energy", "--meter", "rapl", "--rate-hz", "50", "--json", str(out), "--csv", str(tmp_path / "t.csv"),
                "--png", str(tmp_path / "p.png"), "--", *child])

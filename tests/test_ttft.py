@@ -27,12 +27,12 @@ def ids():
 
 @pytest.fixture(scope="module")
 def reference(ids):
-    with Engine.from_pretrained("fixture", policy="full") as engine:
+    with Engine.from_pretrained("fixture", policy="full", device="cpu") as engine:
         return engine.generate([ids], max_new_tokens=NEW_TOKENS)[0].token_ids
 
 
 def _engine(store_dir, policy="full", kv_path=None, dtype=None):
-    engine = Engine.from_pretrained("fixture", policy=policy, kv_offload_path=kv_path, dtype=dtype)
+    engine = Engine.from_pretrained("fixture", policy=policy, kv_offload_path=kv_path, dtype=dtype, device="cpu")
     engine.open_context_store(store_dir, chunk_tokens=128)
     return engine
 
@@ -55,7 +55,7 @@ def test_every_method_gives_full_prefills_tokens(tmp_path, ids, reference, metho
 def test_disk_policies_decode_from_a_stored_prefix(tmp_path, ids, policy):
     kv = tmp_path / "kv"
     kv.mkdir()
-    with Engine.from_pretrained("fixture", policy=policy, kv_offload_path=kv) as plain:
+    with Engine.from_pretrained("fixture", policy=policy, kv_offload_path=kv, device="cpu") as plain:
         expected = plain.generate([ids], max_new_tokens=NEW_TOKENS)[0].token_ids
     with _engine(tmp_path / "store", policy=policy, kv_path=kv) as engine:
         engine.save_context(ids[:CONTEXT_TOKENS])
@@ -127,7 +127,7 @@ def test_remote_store_over_http_ranges_and_a_server_dying_mid_transfer(tmp_path,
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         url = f"http://127.0.0.1:{server.server_address[1]}/"
-        with Engine.from_pretrained("fixture", policy="full") as engine:
+        with Engine.from_pretrained("fixture", policy="full", device="cpu") as engine:
             engine.open_context_store(url, chunk_tokens=128)
             engine.ttft = TTFTOptions("load_only")
             out = engine.generate([ids[CONTEXT_TOKENS:]], max_new_tokens=NEW_TOKENS, context="doc")[0]
@@ -244,7 +244,9 @@ def test_a_deployed_cost_model_is_used_and_a_bad_one_is_named(tmp_path):
     model = ComputeCostModel((1e-4, 1e-6), (1e-3, 5e-5, 2e-8, 0.0))
     path = tmp_path / "ttft_costs.json"
     path.write_text(json.dumps({"predictor": model.to_json()}))
-    with Engine.from_pretrained("fixture", policy="full", config={"ttft_costs_path": str(path)}) as engine:
+    with Engine.from_pretrained("fixture", policy="full", config={"ttft_costs_path": str(path)},
+                                device="cpu") as engine:
         assert engine.ttft.compute_costs == model
     with pytest.raises(ConfigError, match="ttft_costs_path"):
-        Engine.from_pretrained("fixture", policy="full", config={"ttft_costs_path": str(tmp_path / "missing.json")})
+        Engine.from_pretrained("fixture", policy="full", config={"ttft_costs_path": str(tmp_path / "missing.json")},
+                               device="cpu")

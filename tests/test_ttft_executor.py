@@ -23,7 +23,7 @@ PROMPT_TOKENS, STORED_TOKENS, CHUNK_TOKENS = 300, 272, 64  # 5 token chunks, the
 def model():
     from edgekv.runtime import Engine
 
-    return Engine.from_pretrained("fixture", policy="full").model
+    return Engine.from_pretrained("fixture", policy="full", device="cpu").model
 
 
 @pytest.fixture(scope="module")

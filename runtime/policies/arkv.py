@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 
 from ..arkv import GROUP_TOKENS, ArkvGeometry, ArkvKV
-from ..kv_policy import InMemoryKV
 from ..memory import BudgetError, MIB
 from .base import PolicySpec
+from .full import Full
 
 
 class Arkv(PolicySpec, name="arkv", on_disk=False):
@@ -15,8 +15,8 @@ class Arkv(PolicySpec, name="arkv", on_disk=False):
 
     def memory_parts(self, cfg, dims, kv_itemsize, rank, stride_bytes):
         geo = ArkvGeometry(cfg, dims, kv_itemsize)
-        if geo.fits_all:
-            return {"kv": dims.n_layers * cfg.max_context * 2 * dims.n_kv_heads * dims.head_dim * kv_itemsize}
+        if geo.fits_all:  # nothing to tailor: it runs `full`
+            return Full().memory_parts(cfg, dims, kv_itemsize, rank, stride_bytes)
         if geo.arena_bytes < geo.min_arena_bytes:
             need_mib = geo.min_arena_bytes * dims.n_layers * cfg.max_batch / MIB
             raise BudgetError(
@@ -31,5 +31,5 @@ class Arkv(PolicySpec, name="arkv", on_disk=False):
     def build(self, env, batch, cfg):
         model = env.model
         if ArkvGeometry(cfg, model.dims, torch.empty(0, dtype=model.dtype).element_size()).fits_all:
-            return InMemoryKV(model, batch, cfg.max_context)
+            return Full().build(env, batch, cfg)
         return ArkvKV(model, batch, cfg)

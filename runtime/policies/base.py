@@ -45,11 +45,18 @@ class BudgetFit:
     def fixed(self, G: int, reuse: bool) -> dict | None:
         raise NotImplementedError
 
+    @staticmethod
+    def geometry(fit, reuse: bool | None = None) -> dict | None:
+        """The config fields of a solver fit (install.solver's MemoryFit or Solution); None stays None."""
+        if fit is None:
+            return None
+        return {"G": fit.G, "M": fit.M, "C": fit.C, "sigma": fit.sigma, "reuse": fit.reuse if reuse is None else reuse}
+
 
 class PolicySpec:
     """One KV policy.  Its name and traits are given on its class line
-    (``class Full(PolicySpec, name="full", on_disk=False, reference=True, budgeted=False)``), its summary is its
-    docstring's first line; the hooks below have defaults most policies keep."""
+    (``class Full(PolicySpec, name="full", on_disk=False, reference=True, budgeted=False)``), what it is in its
+    docstring; the hooks below have defaults most policies keep."""
 
     name: ClassVar[str] = ""
     on_disk: ClassVar[bool] = True  # KV records on disk: needs KV folder(s) and a reader
@@ -69,11 +76,6 @@ class PolicySpec:
             cls.name = name
         for trait, value in traits.items():
             setattr(cls, trait, value)
-
-    @property
-    def summary(self) -> str:
-        """One line for --help and the docs: the docstring's first."""
-        return (type(self).__doc__ or "").strip().split("\n")[0]
 
     @property
     def tunable(self) -> bool:

@@ -8,6 +8,8 @@ smaller matmuls, so floating-point results agree to rounding.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ..forward import attention
@@ -22,7 +24,7 @@ class PrefixKV:
         shape = (d.n_layers, 2, d.n_kv_heads, n_tokens, d.head_dim)
         self.kv = torch.zeros(shape, dtype=model.dtype, device=model.device)
         self.n_tokens = n_tokens
-        self._loads = torch.cuda.Stream(model.device) if model.device.type == "cuda" else None
+        self._loads = _load_stream(model.device) if model.device.type == "cuda" else None
 
     @torch.inference_mode()  # also on the I/O thread: the buffer is an inference tensor when made in the engine
     def put(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -45,6 +47,12 @@ class PrefixKV:
 
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.kv[layer, 0], self.kv[layer, 1]
+
+
+@functools.cache
+def _load_stream(device: torch.device):
+    """One stream per GPU for stored chunks' loads (not one per prompt)."""
+    return torch.cuda.Stream(device)
 
 
 class ChunkCompute:
