@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from edgekv.runtime.adapter import LowRankAdapter, collect_keys
-from edgekv.runtime.forward import attention
+from edgekv.runtime.forward import prompt_attention
 from edgekv.runtime.model import DecoderModel
 
 from .tasks import TaskInstance
@@ -21,16 +21,18 @@ from .tasks import TaskInstance
 
 @torch.inference_mode()
 def _last_query_and_keys(model: DecoderModel, ids: list[int]):
-    """Per layer: post-RoPE q of the last token [H, d] and keys [H_kv, T, d] (one causal pass)."""
+    """Per global layer (the ones a policy selects in): post-RoPE q of the last token [H, d] and keys
+    [H_kv, T, d] (one causal pass)."""
     tokens = torch.tensor([ids])
     positions = torch.arange(len(ids))[None]
-    cos, sin = model.rope(positions)
+    rope = model.rope(positions)
     x = model.embed(tokens)
     out = []
     for layer in range(model.dims.n_layers):
-        q, k, v = model.qkv(layer, x, cos, sin)
-        out.append((q[0, :, -1].float(), k[0].float()))
-        x = model.finish_layer(layer, x, attention(model, q, k, v, causal=True))
+        q, k, v = model.qkv(layer, x, rope)
+        if not model.dims.window(layer):
+            out.append((q[0, :, -1].float(), k[0].float()))
+        x = model.finish_layer(layer, x, prompt_attention(model, layer, q, k, v))
     return out
 
 

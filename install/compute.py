@@ -87,12 +87,12 @@ def time_block(model: DecoderModel, batch: int, tokens: int) -> float:
     """One decode step of layer 0 over ``tokens`` attended KV entries."""
     d = model.dims
     x = torch.randn(batch, 1, d.hidden, dtype=model.dtype, device=model.device)
-    cos, sin = model.rope(torch.full((batch, 1), tokens, device=model.device))
+    rope = model.rope(torch.full((batch, 1), tokens, device=model.device))
     k = torch.randn(batch, d.n_kv_heads, tokens, d.head_dim, dtype=model.dtype, device=model.device)
     mask = torch.ones(batch, 1, 1, tokens, dtype=torch.bool, device=model.device)
 
     def step():
-        q, _, _ = model.qkv(0, x, cos, sin)
+        q, _, _ = model.qkv(0, x, rope)
         model.finish_layer(0, x, decode_attention(model, q, k, k, mask))
 
     return _time_ms(step, model.device)
@@ -110,9 +110,9 @@ def time_predictor(model: DecoderModel, batch: int, context: int, rank: int, gro
     selector.k_lr.copy_(torch.randint(-127, 128, selector.k_lr.shape) if selector.quantized else torch.randn(selector.k_lr.shape))
     selector.k_scale.fill_(0.01)
     x = torch.randn(batch, 1, d.hidden, dtype=model.dtype, device=model.device)
-    cos, sin = model.rope(torch.full((batch, 1), context, device=model.device))
+    rope = model.rope(torch.full((batch, 1), context, device=model.device))
     n_groups = torch.full((batch,), context // group_tokens)
-    return _time_ms(lambda: selector.select(0, model.query(0, x, cos, sin), n_groups), model.device)
+    return _time_ms(lambda: selector.select(0, model.query(0, x, rope), n_groups), model.device)
 
 
 def time_reuse(batch: int, groups_per_step: int, max_groups: int) -> float:

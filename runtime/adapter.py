@@ -91,11 +91,13 @@ class LowRankAdapter:
 
 
 def collect_keys(model: DecoderModel, prompts: list[list[int]]) -> list[torch.Tensor]:
-    """Post-RoPE keys [N, H_kv*d] per layer over the given token-id prompts."""
-    keys: list[list[torch.Tensor]] = [[] for _ in range(model.dims.n_layers)]
+    """Post-RoPE keys [N, H_kv*d] per global layer (the ones a policy predicts for) over the given prompts."""
+    index = {layer: i for i, layer in enumerate(model.dims.global_layers)}
+    keys: list[list[torch.Tensor]] = [[] for _ in index]
 
     def keep(layer, k, v):
-        keys[layer].append(k.transpose(0, 1).reshape(k.shape[1], -1).float().cpu())
+        if layer in index:
+            keys[index[layer]].append(k.transpose(0, 1).reshape(k.shape[1], -1).float().cpu())
 
     for ids in prompts:
         prefill(model, ids, keep)

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from .config import RuntimeConfig
+from .hybrid import build_policy
 from .transfer import to_device
 from .prefill_chain import Prefilled, PrefillChain
 
@@ -40,7 +41,7 @@ class RunningBatch:
         self.model = engine.model
         self.rows = rows
         self.cfg = cfg
-        self.policy = engine.spec.build(engine.policy_env, rows, cfg)
+        self.policy = build_policy(engine.spec, engine.policy_env, rows, cfg)
         self.prefill = PrefillChain(engine.model, engine.prompt_cache, engine.context_store, engine.ttft,
                                     engine.events.emit)
         self.active = np.zeros(rows, dtype=bool)
@@ -105,12 +106,12 @@ class RunningBatch:
         events, model, policy = self.engine.events, self.model, self.policy
         events.emit("decode_step_start", step=self.steps, active=int(active.sum()))
         x = model.embed(to_device(tokens[:, None], model.device))
-        cos, sin = model.rope(to_device(policy.lengths, model.device)[:, None])
-        policy.prefetch(0, x, cos, sin, active)
+        rope = model.rope(to_device(policy.lengths, model.device)[:, None])
+        policy.prefetch(0, x, rope, active)
         for layer in range(model.dims.n_layers):
             if layer + 1 < model.dims.n_layers:
-                policy.prefetch(layer + 1, x, cos, sin, active)
-            q, k, v = model.qkv(layer, x, cos, sin)
+                policy.prefetch(layer + 1, x, rope, active)
+            q, k, v = model.qkv(layer, x, rope)
             x = model.finish_layer(layer, x, policy.attend(layer, q, k, v))
         logits = model.logits(x[:, 0])
         policy.end_step(active)

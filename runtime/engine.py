@@ -434,7 +434,7 @@ def _load_adapter(cfg: RuntimeConfig, policy: str) -> LowRankAdapter | None:
 def _preflight(policy, cfg: RuntimeConfig, dims: ModelDims, dtype, adapter, kv_offload_path) -> MemoryPlan:
     """Refuse what cannot run (adapter mismatch, over budget, bad offload path); returns the memory plan."""
     if adapter is not None:
-        adapter.check(dims.n_layers, dims.n_kv_heads, dims.head_dim)
+        adapter.check(dims.global_view().n_layers, dims.n_kv_heads, dims.head_dim)
         if cfg.sigma is not None and abs(adapter.sigma - cfg.sigma) > 0.5:
             raise ConfigError(
                 f"config 'sigma' is {cfg.sigma:g} but the adapter file {cfg.predictor.adapter_path} has sigma {adapter.sigma:g}; "

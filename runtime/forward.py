@@ -16,11 +16,40 @@ KVCallback = Callable[[int, torch.Tensor, torch.Tensor], None]
 QueryCallback = Callable[[int, torch.Tensor], None]
 
 
+WINDOW_QUERY_BLOCK = 1024  # queries per block of a sliding-window prefill: its mask is block x (block + W)
+
+
 def attention(model: DecoderModel, q, k, v, mask=None, causal=False) -> torch.Tensor:
     """SDPA with GQA; q [B, H, T, d], k/v [B, H_kv, S, d]."""
     return F.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, is_causal=causal, scale=model.scaling, enable_gqa=True
     )
+
+
+def prompt_attention(model: DecoderModel, layer: int, q, k, v) -> torch.Tensor:
+    """Causal attention of a whole prompt (q, k, v over the same T tokens) at ``layer``: a sliding-window layer's
+    query at position p sees keys p-W+1..p, computed in query blocks over only the keys they can see (a
+    [T, T] mask at 32K tokens would take 1 GiB)."""
+    window = model.dims.window(layer)
+    n = q.shape[2]
+    if not window or window >= n:
+        return attention(model, q, k, v, causal=True)
+    out = torch.empty_like(q)
+    for start in range(0, n, WINDOW_QUERY_BLOCK):
+        stop = min(start + WINDOW_QUERY_BLOCK, n)
+        first = max(0, start - window + 1)
+        out[:, :, start:stop] = attention(model, q[:, :, start:stop], k[:, :, first:stop], v[:, :, first:stop],
+                                          mask=visible(start, stop, first, window, q.device)[None, None])
+    return out
+
+
+def visible(start: int, stop: int, first: int, window: int, device) -> torch.Tensor:
+    """[stop - start, stop - first] bool: query positions [start, stop) see key positions [first, stop) causally,
+    within ``window`` tokens when it is > 0."""
+    q_pos = torch.arange(start, stop, device=device)[:, None]
+    k_pos = torch.arange(first, stop, device=device)[None, :]
+    mask = k_pos <= q_pos
+    return mask & (k_pos > q_pos - window) if window else mask
 
 
 def decode_attention(model: DecoderModel, q, k, v, mask) -> torch.Tensor:
@@ -55,12 +84,12 @@ def prefill(model: DecoderModel, token_ids: list[int], on_kv: KVCallback, on_que
     (if given) the layer's post-RoPE queries [H, T, d] (a policy scoring tokens by attention). Returns last-token logits [V]."""
     ids = torch.tensor([token_ids], dtype=torch.long, device=model.device)
     positions = torch.arange(len(token_ids), device=model.device)[None]
-    cos, sin = model.rope(positions)
+    rope = model.rope(positions)
     x = model.embed(ids)
     for layer in range(model.dims.n_layers):
-        q, k, v = model.qkv(layer, x, cos, sin)
+        q, k, v = model.qkv(layer, x, rope)
         if on_queries is not None:
             on_queries(layer, q[0])
         on_kv(layer, k[0], v[0])
-        x = model.finish_layer(layer, x, attention(model, q, k, v, causal=True))
+        x = model.finish_layer(layer, x, prompt_attention(model, layer, q, k, v))
     return model.logits(x[:, -1])[0]

@@ -55,7 +55,7 @@ class KVPolicy:
     def end_prefill(self) -> None:
         """Every prompt of the batch is stored; decoding starts."""
 
-    def prefetch(self, layer: int, x: torch.Tensor, cos, sin, active: np.ndarray) -> None:
+    def prefetch(self, layer: int, x: torch.Tensor, rope, active: np.ndarray) -> None:
         """Start bringing ``layer``'s KV in, predicting from hidden states x (input of the layer before)."""
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -72,14 +72,15 @@ class KVPolicy:
         return zeros, zeros
 
     def stats(self, seq: int) -> dict:
-        """What the policy did for ``seq`` (its reads and reuse) and the batch (stalls, resident bytes): every
-        policy reports the same keys, a disk policy's store adds its reads by path and checks."""
+        """What the policy did for ``seq`` (its reads and reuse) and the batch (stalls, resident bytes, of which
+        ``kv_window_bytes`` in sliding-window rings, runtime/hybrid.py): every policy reports the same keys, a disk
+        policy's store adds its reads by path and checks."""
         hits, lookups = self.reuse_counts()
         return {"kv_bytes_read": int(self.bytes_read[seq]),
                 "reuse_rate": float(hits[seq] / lookups[seq]) if lookups[seq] else 0.0,
                 "reuse_hits": int(hits[seq]), "reuse_lookups": int(lookups[seq]),
                 "io_stall_s": self.io_stall_s, "io_read_s": self.io_read_s, "select_s": self.select_s,
-                "kv_resident_bytes": self.resident_bytes, "o_direct": None, "n_paths": 0, "kv_read_requests": 0,
+                "kv_resident_bytes": self.resident_bytes, "kv_window_bytes": 0, "o_direct": None, "n_paths": 0, "kv_read_requests": 0,
                 "kv_records_read": 0, "kv_records_by_path": [], "kv_records_verified": 0, "kv_records_reread": 0,
                 "scorer_fallback": None}
 

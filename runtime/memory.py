@@ -49,5 +49,24 @@ class MemoryPlan:
 
 def plan_memory(policy: str, cfg: RuntimeConfig, dims: ModelDims, kv_itemsize: int, rank: int,
                 stride_bytes: int) -> MemoryPlan:
-    """cfg must already be the policy's effective config (``effective_config``)."""
-    return MemoryPlan(get(policy).memory_parts(cfg, dims, kv_itemsize, rank, stride_bytes), cfg.max_batch)
+    """cfg must already be the policy's effective config (``effective_config``).  A model's sliding-window layers
+    take their rings first (runtime/hybrid.py); the policy sizes the global layers in what is left."""
+    view = dims.global_view()
+    cfg = global_config(cfg, dims, kv_itemsize)
+    parts = get(policy).memory_parts(cfg, view, kv_itemsize, rank, stride_bytes) if view.n_layers else {}
+    if dims.hybrid:
+        parts["window_ring"] = dims.window_ring_bytes(cfg.max_context, kv_itemsize)
+    return MemoryPlan(parts, cfg.max_batch)
+
+
+def global_config(cfg: RuntimeConfig, dims: ModelDims, kv_itemsize: int) -> RuntimeConfig:
+    """The config a hybrid model's policy runs its global layers with: the KV budget less the sliding-window rings
+    (a policy that fills its budget, arkv, sizes itself to the rest); the same config for other models."""
+    if not dims.hybrid or cfg.max_kv_mem_mib is None:
+        return cfg
+    ring_mib = dims.window_ring_bytes(cfg.max_context, kv_itemsize) * cfg.max_batch / MIB
+    if ring_mib >= cfg.max_kv_mem_mib:
+        raise BudgetError(f"the sliding-window layers' rings alone need {ring_mib:.1f} MiB of KV memory for "
+                          f"max_batch={cfg.max_batch} but max_kv_mem_mib is {cfg.max_kv_mem_mib:g} MiB; raise the budget "
+                          "or lower max_batch")
+    return cfg.with_fields(max_kv_mem_mib=cfg.max_kv_mem_mib - ring_mib)

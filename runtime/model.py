@@ -3,7 +3,12 @@
 The engine runs its own layer loop (prefill layer by layer, decode one token with the KV
 coming from wherever the policy keeps it), so it needs the model's modules, not its
 ``forward``.  Llama, Qwen2/2.5, Qwen3 and Mistral share one block structure; Qwen3 adds
-q/k RMS norms on the head dimension, Qwen2 adds q/k/v biases (inside the Linear layers).
+q/k RMS norms on the head dimension, Qwen2 adds q/k/v biases (inside the Linear layers).  Gemma 3 adds norms
+after attention and around the MLP, a RoPE base per layer type and a scaled embedding (inside its module).
+
+Layers may attend to a sliding window of their last W tokens (Gemma 3's local layers, Mistral's and Qwen2's
+``sliding_window``): ``ModelDims.layer_windows`` says which, and the policies see only the global layers
+(runtime/hybrid.py keeps the windowed ones in a ring in memory).
 """
 from __future__ import annotations
 
@@ -16,7 +21,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text")
+GLOBAL, SLIDING = "full_attention", "sliding_attention"  # transformers' layer_types
 
 
 class ModelError(ValueError):
@@ -31,6 +37,7 @@ class ModelDims:
     n_kv_heads: int
     head_dim: int
     vocab: int
+    layer_windows: tuple[int, ...] = ()  # per layer: W > 0 attends to its last W tokens, 0 to all; () all global
 
     @classmethod
     def from_config(cls, cfg: dict) -> "ModelDims":
@@ -43,7 +50,55 @@ class ModelDims:
             n_kv_heads=cfg.get("num_key_value_heads") or n_heads,
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // n_heads,
             vocab=cfg["vocab_size"],
+            layer_windows=layer_windows(cfg),
         )
+
+    def window(self, layer: int) -> int:
+        """The layer's sliding window in tokens, 0 for a global layer."""
+        return self.layer_windows[layer] if self.layer_windows else 0
+
+    @property
+    def global_layers(self) -> tuple[int, ...]:
+        """The layers whose KV grows with the context: the ones a KV policy keeps (and offloads)."""
+        return tuple(layer for layer in range(self.n_layers) if not self.window(layer))
+
+    @property
+    def hybrid(self) -> bool:
+        return any(self.layer_windows)
+
+    def global_view(self) -> "ModelDims":
+        """The dims a KV policy sees: only the global layers (the same dims for a model without windows)."""
+        if not self.hybrid:
+            return self
+        return ModelDims(len(self.global_layers), self.hidden, self.n_heads, self.n_kv_heads, self.head_dim, self.vocab)
+
+    def window_ring_bytes(self, max_context: int, kv_itemsize: int) -> int:
+        """Per sequence: K and V of each windowed layer's last min(W, max_context) tokens."""
+        tokens = sum(min(w, max_context) for w in self.layer_windows if w)
+        return 2 * tokens * self.n_kv_heads * self.head_dim * kv_itemsize
+
+
+def layer_windows(cfg: dict) -> tuple[int, ...]:
+    """Each layer's sliding window from config.json (0: global), () when every layer is global: ``layer_types``
+    where given (Gemma 3, Qwen2 as transformers writes it), else Gemma 3's ``sliding_window_pattern`` (every p-th
+    layer global), Qwen2's ``use_sliding_window`` (layers from ``max_window_layers`` on) or Mistral's window on
+    every layer."""
+    window, n = cfg.get("sliding_window"), cfg["num_hidden_layers"]
+    if not window or (cfg.get("model_type") == "qwen2" and not cfg.get("use_sliding_window")):
+        return ()
+    types = cfg.get("layer_types")
+    pattern = cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern")
+    if types:
+        sliding = [t == SLIDING for t in types]
+    elif cfg.get("model_type") == "gemma3_text" and pattern:
+        sliding = [(i + 1) % pattern != 0 for i in range(n)]
+    elif cfg.get("model_type") == "qwen2":
+        sliding = [i >= cfg.get("max_window_layers", n) for i in range(n)]
+    elif cfg.get("model_type") == "mistral":
+        sliding = [True] * n
+    else:
+        return ()
+    return tuple(window if s else 0 for s in sliding) if any(sliding) else ()
 
 
 SYNTHETIC_MARKER = "edgekv-synthetic.json"  # a checkpoint folder of random weights (runtime/synth.py)
@@ -68,6 +123,9 @@ def read_model_config(model_dir: str | Path) -> dict:
     if not isinstance(cfg, dict):
         raise ModelError(f"{cfg_path} holds a {type(cfg).__name__}, not a JSON object; the checkpoint is damaged")
     model_type = cfg.get("model_type")
+    if model_type == "gemma3" and isinstance(cfg.get("text_config"), dict):
+        raise ModelError(f"{cfg_path} is a multimodal Gemma 3 (model_type 'gemma3', a text_config inside); edgekv "
+                         "serves its text-only form (model_type 'gemma3_text', e.g. gemma-3-270m or a GGUF of it)")
     if model_type not in SUPPORTED_ARCHITECTURES:
         arch = cfg.get("architectures") or [model_type]
         raise ModelError(
@@ -83,6 +141,18 @@ def read_model_config(model_dir: str | Path) -> dict:
         value = cfg.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ModelError(f"{cfg_path}: field '{key}' must be a positive integer or absent, got {value!r}; {REDOWNLOAD}")
+    window, types = cfg.get("sliding_window"), cfg.get("layer_types")
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ModelError(f"{cfg_path}: field 'sliding_window' must be a positive integer or null, got {window!r}; {REDOWNLOAD}")
+    if types is not None and (not isinstance(types, list) or len(types) != cfg["num_hidden_layers"]
+                              or not set(types) <= {GLOBAL, SLIDING}):
+        raise ModelError(f"{cfg_path}: field 'layer_types' must list {cfg['num_hidden_layers']} (num_hidden_layers) "
+                         f"entries of {GLOBAL!r} or {SLIDING!r}, got {str(types)[:120]}; {REDOWNLOAD}")
+    if types and SLIDING in types and not window:
+        raise ModelError(f"{cfg_path}: layer_types names {SLIDING!r} layers but 'sliding_window' is {window!r}; {REDOWNLOAD}")
+    if cfg.get("attn_logit_softcapping"):
+        raise ModelError(f"{cfg_path}: attention logit soft-capping (attn_logit_softcapping="
+                         f"{cfg['attn_logit_softcapping']}) is not served (Gemma 2); use a checkpoint without it")
     heads, kv_heads = cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
     if heads % kv_heads:
         raise ModelError(f"{cfg_path}: num_attention_heads ({heads}) is not a multiple of num_key_value_heads "
@@ -178,19 +248,6 @@ def check_weights(model_dir: str | Path, cfg: dict) -> None:
                              "weights are of different models; download the checkpoint again")
 
 
-def check_no_sliding_window(hf_config, max_context: int) -> None:
-    """Sliding-window layers would need a different mask; refuse rather than compute wrong attention."""
-    layer_types = getattr(hf_config, "layer_types", None) or []
-    window = getattr(hf_config, "sliding_window", None)
-    if "sliding_attention" in layer_types or (
-        hf_config.model_type == "mistral" and window is not None and window < max_context
-    ):
-        raise ModelError(
-            f"{hf_config.model_type} checkpoint uses sliding-window attention (window={window}); "
-            f"edgekv serves full attention only: use max_context <= {window} or a checkpoint without sliding_window"
-        )
-
-
 class DecoderModel:
     """The embedding, decoder blocks, final norm and head of a causal LM, plus per-layer helpers."""
 
@@ -208,11 +265,17 @@ class DecoderModel:
         self.scaling = self.layers[0].self_attn.scaling
         self.dtype = self.embed.weight.dtype
         self.device = self.embed.weight.device
+        # Gemma 3: one RoPE base per layer type (its rotary module takes the type), else one for all layers
+        self._rope_types = getattr(self.rotary, "layer_types", None)
+        self.layer_types = list(getattr(cfg, "layer_types", None) or [GLOBAL] * self.dims.n_layers)
+        self.softcap = getattr(cfg, "final_logit_softcapping", None)
 
-    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin for integer positions of shape [B, T]."""
+    def rope(self, positions: torch.Tensor) -> "Rope":
+        """cos/sin for integer positions of shape [B, T], per layer type where the model has several bases."""
         probe = torch.empty(0, dtype=self.dtype, device=self.device)
-        return self.rotary(probe, positions)
+        if not self._rope_types:
+            return Rope({None: self.rotary(probe, positions)}, None)
+        return Rope({t: self.rotary(probe, positions, t) for t in self._rope_types}, self.layer_types)
 
     def _heads(self, proj: nn.Module, norm: nn.Module | None, h: torch.Tensor, cos, sin) -> torch.Tensor:
         """Project, split heads, optional per-head RMS norm (Qwen3), RoPE: [B, T, hidden] -> [B, heads, T, d]."""
@@ -221,16 +284,17 @@ class DecoderModel:
             x = norm(x)
         return _rotate(x.transpose(1, 2), cos, sin)
 
-    def query(self, layer: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def query(self, layer: int, x: torch.Tensor, rope: "Rope") -> torch.Tensor:
         """Post-RoPE queries [B, H, T, d] of ``layer`` for hidden states x [B, T, hidden] (before its norm)."""
         block = self.layers[layer]
         attn = block.self_attn
-        return self._heads(attn.q_proj, getattr(attn, "q_norm", None), block.input_layernorm(x), cos, sin)
+        return self._heads(attn.q_proj, getattr(attn, "q_norm", None), block.input_layernorm(x), *rope.at(layer))
 
-    def qkv(self, layer: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    def qkv(self, layer: int, x: torch.Tensor, rope: "Rope"):
         """Post-RoPE q [B, H, T, d], k and v [B, H_kv, T, d] of ``layer`` for x [B, T, hidden]."""
         block = self.layers[layer]
         attn = block.self_attn
+        cos, sin = rope.at(layer)
         h = block.input_layernorm(x)
         q = self._heads(attn.q_proj, getattr(attn, "q_norm", None), h, cos, sin)
         k = self._heads(attn.k_proj, getattr(attn, "k_norm", None), h, cos, sin)
@@ -241,11 +305,28 @@ class DecoderModel:
         """Residual + output projection + MLP; attn_out is [B, H, T, d]."""
         block = self.layers[layer]
         b, _, t, _ = attn_out.shape
-        x = x + block.self_attn.o_proj(attn_out.transpose(1, 2).reshape(b, t, -1))
+        out = block.self_attn.o_proj(attn_out.transpose(1, 2).reshape(b, t, -1))
+        if hasattr(block, "pre_feedforward_layernorm"):  # Gemma 3: normed attention and MLP outputs
+            x = x + block.post_attention_layernorm(out)
+            return x + block.post_feedforward_layernorm(block.mlp(block.pre_feedforward_layernorm(x)))
+        x = x + out
         return x + block.mlp(block.post_attention_layernorm(x))
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.norm(x)).float()
+        logits = self.lm_head(self.norm(x)).float()
+        if self.softcap:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+
+
+class Rope:
+    """cos/sin [B, T, d] at some positions for each layer type (one pair unless the model has a base per type)."""
+
+    def __init__(self, pairs: dict, layer_types: list[str] | None):
+        self.pairs, self.layer_types = pairs, layer_types
+
+    def at(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.pairs[self.layer_types[layer] if self.layer_types else None]
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -284,7 +365,6 @@ def load_model(model_dir: str | Path, device: torch.device, dtype: torch.dtype, 
 
     cfg = read_model_config(model_dir)
     hf_config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
-    check_no_sliding_window(hf_config, max_context)
     if (Path(model_dir) / SYNTHETIC_MARKER).is_file():
         return DecoderModel(_random_model(AutoModelForCausalLM, hf_config, device, dtype), synthetic=True)
     check_weights(model_dir, cfg)

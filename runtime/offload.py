@@ -147,12 +147,12 @@ class OffloadedKV(KVPolicy):
 
     # ---- the decode step: select + fetch -> attend -> append -> flush ------------------------------
 
-    def prefetch(self, layer, x, cos, sin, active):
+    def prefetch(self, layer, x, rope, active):
         """Select + fetch, a layer ahead: the picks from the layer's predicted query, their reads on the I/O
         thread while the layer before computes (a selector needing the true query waits for ``attend``)."""
         self._active = active
         if self.selector.reads_ahead:
-            self._select_and_fetch(layer, self.model.query(layer, x, cos, sin) if self.predict else None, active,
+            self._select_and_fetch(layer, self.model.query(layer, x, rope) if self.predict else None, active,
                                    time.perf_counter())
 
     def _select_and_fetch(self, layer: int, q: torch.Tensor | None, active: np.ndarray, started: float) -> None:

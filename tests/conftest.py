@@ -44,9 +44,11 @@ SMALL = dict(
 
 
 def save_model(path, arch: str, **overrides):
-    """Save a random model of ``arch`` (llama, qwen2, qwen3, mistral) into ``path``; returns the folder."""
+    """Save a random model of ``arch`` (llama, qwen2, qwen3, mistral, gemma3) into ``path``; returns the folder.
+    gemma3: Gemma 3's text model (model_type gemma3_text) with a window of 8 tokens and Gemma 3's layer pattern
+    (five local layers, then a global one) unless ``layer_types`` says otherwise."""
     from transformers import (
-        LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
+        Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
         Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM,
     )
 
@@ -55,10 +57,18 @@ def save_model(path, arch: str, **overrides):
         "qwen2": (Qwen2Config, Qwen2ForCausalLM, {}),
         "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"head_dim": 16}),
         "mistral": (MistralConfig, MistralForCausalLM, {"sliding_window": None}),
+        # the norms' weights random too (Gemma's are 1 + w, zero at init): a mistake in where they apply shows
+        "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM, {"head_dim": 16, "sliding_window": 8,
+                                                         "query_pre_attn_scalar": 256}),
     }
     config_cls, model_cls, extra = classes[arch]
     torch.manual_seed(1234)
     model = model_cls(config_cls(**{**SMALL, **extra, **overrides}))
+    if arch == "gemma3":
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.normal_(0.0, 0.3)
     model.save_pretrained(path)
     return str(path)
 

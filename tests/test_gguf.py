@@ -47,6 +47,25 @@ def test_gguf_serves_exactly_like_its_safetensors_checkpoint(hf_and_gguf, kv_dir
         torch.testing.assert_close(res.logits, ref.logits, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("policy", ["full", "kvswap", "token", "arkv"])
+def test_a_gemma3_gguf_serves_hybrid_attention_like_hf(tmp_path, kv_dir, policy):
+    """A Gemma 3 file (its extra norms stored as 1 + w, a window of 8 tokens, the default six-layer pattern over 7
+    layers: local x5, global, local) gives Hugging Face's greedy tokens from the folder it was written from."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.conftest import save_model
+
+    hf = save_model(tmp_path / "hf", "gemma3", num_hidden_layers=7)
+    gguf_file = write_gguf(hf, tmp_path / "gemma.gguf", tokenizer=False)
+    prompt = list(range(3, 40))
+    model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32)
+    expected = model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=None)
+    with Engine.from_pretrained(gguf_file, kv_offload_path=kv_dir, config=CONFIG, policy=policy, device="cpu") as engine:
+        assert engine.model.dims.global_layers == (5,)
+        got = engine.generate([prompt], max_new_tokens=8, stop_token_ids=[])[0]
+    assert got.token_ids == expected[0, len(prompt):].tolist()
+
+
 def test_tokenizer_and_chat_template_come_from_the_file(hf_and_gguf, kv_dir):
     _, gguf_file = hf_and_gguf
     with Engine.from_pretrained(gguf_file.parent, kv_offload_path=kv_dir, config=CONFIG,
@@ -79,7 +98,7 @@ def test_unsupported_gguf_architecture_is_refused_before_conversion(hf_and_gguf,
     hf, _ = hf_and_gguf
     odd = write_gguf(hf, tmp_path / "odd.gguf", arch="gpt2", tokenizer=False)
     monkeypatch.setattr(checkpoints, "_write_hf_folder", lambda *a: pytest.fail("converted an unsupported model"))
-    with pytest.raises(ModelError, match=r"'gpt2' model; edgekv serves \['llama', 'qwen2', 'qwen3', 'mistral'\]"):
+    with pytest.raises(ModelError, match=r"'gpt2' model; edgekv serves \['llama', 'qwen2', 'qwen3', 'mistral', 'gemma3'\]"):
         checkpoints.resolve_checkpoint(odd)
 
 

@@ -2,6 +2,7 @@
 prefill or decode step surfaces its own error, leaves no KV file open or on disk and leaves the engine usable."""
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 import time
@@ -40,6 +41,16 @@ MODELS = {  # name -> (arch, save_model overrides)
     "qwen2-bias": ("qwen2", {"num_hidden_layers": 3}),
     "head-dim-128": ("llama", {"num_hidden_layers": 3, "hidden_size": 256, "num_attention_heads": 2,
                                "num_key_value_heads": 1}),
+    # hybrid attention (window 8 tokens, so the 45-token sequences wrap each local layer's ring): Gemma 3's own
+    # pattern, odd layer counts, a global first layer, no global layer at all; Mistral's and Qwen2's windows
+    "gemma3-6": ("gemma3", {"num_hidden_layers": 6}),  # five local layers, then a global one
+    "gemma3-LLG": ("gemma3", {"num_hidden_layers": 3, "layer_types": ["sliding_attention"] * 2 + ["full_attention"]}),
+    "gemma3-GLLGL": ("gemma3", {"num_hidden_layers": 5, "layer_types": [
+        "full_attention", "sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]}),
+    "gemma3-L": ("gemma3", {"num_hidden_layers": 1, "layer_types": ["sliding_attention"]}),
+    "mistral-window": ("mistral", {"num_hidden_layers": 3, "sliding_window": 8}),
+    "qwen2-window": ("qwen2", {"num_hidden_layers": 3, "use_sliding_window": True, "sliding_window": 8,
+                               "max_window_layers": 1}),
 }
 
 
@@ -151,3 +162,23 @@ def test_a_failing_step_surfaces_its_own_error(matrix, kv_dir, monkeypatch, inje
         assert files_under(kv_dir) == [] and open_files_under(kv_dir) == []
         after = engine.generate([PROMPT], max_new_tokens=NEW_TOKENS, stop_token_ids=[])[0]  # still usable
     assert after.token_ids == expected
+
+
+@pytest.mark.parametrize("policy", ["kvswap", "token"])
+@pytest.mark.parametrize("pattern", ["".join(p) for p in itertools.product("LG", repeat=3)])
+def test_every_local_global_pattern_matches_hf_greedy(tmp_path, kv_dir, pattern, policy):
+    """Three Gemma 3 layers in each local (L) / global (G) arrangement: the policy holds exactly the global ones
+    (its KV files, its memory) and the tokens are Hugging Face's."""
+    from transformers import AutoModelForCausalLM
+
+    types = ["sliding_attention" if c == "L" else "full_attention" for c in pattern]
+    folder = save_model(tmp_path / pattern, "gemma3", num_hidden_layers=3, layer_types=types)
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    expected = hf.generate(torch.tensor([PROMPT]), max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None)
+    with Engine.from_pretrained(folder, kv_offload_path=kv_dir, config=EXACT, policy=policy, device="cpu") as engine:
+        result = engine.generate([PROMPT], max_new_tokens=NEW_TOKENS, stop_token_ids=[])[0]
+        window = engine.memory_plan.per_sequence_bytes.get("window_ring", 0)
+        assert window == 2 * pattern.count("L") * 8 * 2 * 16 * 4  # K+V x local layers x W x H_kv x d x fp32
+        assert result.stats["kv_window_bytes"] == window
+        assert result.stats["kv_resident_bytes"] == engine.memory_plan.total_bytes
+    assert result.token_ids == expected[0, len(PROMPT):].tolist()

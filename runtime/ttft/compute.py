@@ -12,7 +12,7 @@ import functools
 
 import torch
 
-from ..forward import attention
+from ..forward import attention, visible
 from ..model import DecoderModel
 
 
@@ -84,7 +84,7 @@ class ChunkCompute:
             if at != layer - 1:
                 raise RuntimeError(f"tokens {span} are at layer {at}, not {layer - 1}: chunks of one span compute in layer order")
             x = model.finish_layer(layer - 1, x, self._attend(layer - 1, q, start, stop))
-        q, k, v = model.qkv(layer, x, *rope)
+        q, k, v = model.qkv(layer, x, rope)
         self.kv.put(layer, start, k[0], v[0])
         if layer + 1 < model.dims.n_layers or span == self.final_span:
             self._state[span] = (layer, x, q, rope)
@@ -102,8 +102,7 @@ class ChunkCompute:
 
     def _attend(self, layer: int, q: torch.Tensor, start: int, stop: int) -> torch.Tensor:
         k, v = self.kv.layer(layer)
-        positions = torch.arange(start, stop, device=q.device)[:, None]
-        mask = torch.arange(stop, device=q.device)[None, :] <= positions
+        mask = visible(start, stop, 0, self.model.dims.window(layer), q.device)
         return attention(self.model, q, k[None, :, :stop], v[None, :, :stop], mask=mask[None, None])
 
     def drop(self, span: tuple[int, int]) -> None:
