@@ -28,23 +28,31 @@ BUILTIN_TEXTS = ("GPL-3", "LGPL-2.1", "GFDL-1.3", "MPL-2.0", "Apache-2.0", "GPL-
 
 
 def load_text(source: str) -> tuple[str, str]:
-    """(text, description) for ``builtin`` (evaluation text), ``calibration`` (Python's own documentation,
-    which every CPython carries and no evaluation scores) or a text file's path."""
+    """(text, description) for ``builtin`` (evaluation text: Debian's license texts, then, for contexts longer than
+    they hold twice, Python's documentation topics from the last one back), ``calibration`` (those topics from the
+    first one on: calibration windows start at the front, the evaluation's reach the topics only from the back, so
+    they never meet below ~50K tokens of each, e.g. 32K contexts of Gemma 3) or a text file's path."""
     if source == "calibration":
-        from pydoc_data.topics import topics
-
-        return "\n\n".join(topics[k] for k in sorted(topics)), "calibration: CPython's pydoc_data.topics"
+        return _pydoc_topics(), "calibration: CPython's pydoc_data.topics"
     if source == "builtin":
         missing = [n for n in BUILTIN_TEXTS if not (LICENSES / n).is_file()]
         if missing:
             raise FileNotFoundError(f"the built-in text needs {LICENSES}/{{{','.join(missing)}}} (Debian's base-files); "
                                     "pass --ppl TEXT_FILE with any long English text instead")
         text = "\n\n".join((LICENSES / n).read_text(encoding="utf-8", errors="replace") for n in BUILTIN_TEXTS)
-        return text, f"builtin: {LICENSES}/{{{','.join(BUILTIN_TEXTS)}}}"
+        # appended, so every split the licenses alone allowed (calibration first, then windows) is unchanged
+        return (text + "\n\n" + _pydoc_topics(reverse=True),
+                f"builtin: {LICENSES}/{{{','.join(BUILTIN_TEXTS)}}}, then pydoc topics from the last")
     path = Path(source)
     if not path.is_file():
         raise FileNotFoundError(f"--ppl {source}: no such file; pass a text file or 'builtin'")
     return path.read_text(encoding="utf-8", errors="replace"), str(path)
+
+
+def _pydoc_topics(reverse: bool = False) -> str:
+    from pydoc_data.topics import topics
+
+    return "\n\n".join(topics[k] for k in sorted(topics, reverse=reverse))
 
 
 def tokenize(model_dir: str | Path, text: str) -> tuple[list[int], str]:

@@ -109,6 +109,7 @@ def _assembled(name: str, package, extra: str) -> Path:
         return target
     log.warning("joining the %d chunks of %s into %s (first use)", len(chunks), package.MODEL_NAME, target)
     tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    target.parent.mkdir(parents=True, exist_ok=True)
     try:
         package.assemble(tmp, overwrite=True)
         tmp.rename(target)
