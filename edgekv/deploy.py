@@ -27,7 +27,7 @@ from edgekv.platforms.devices import platform_for
 from edgekv.runtime import Engine, RecordLayout
 from edgekv.runtime.adapter import LowRankAdapter
 from edgekv.runtime.checkpoints import cache_root as default_cache_root
-from edgekv.runtime.checkpoints import checkpoint_fingerprint, load_tokenizer, resolve_checkpoint
+from edgekv.runtime.checkpoints import checkpoint_fingerprint, gguf_sha256, load_tokenizer, resolve_checkpoint
 from edgekv.runtime.model import ModelDims, load_model, read_model_config
 from edgekv.runtime.store.files import write_atomic, write_json_atomic
 
@@ -259,6 +259,13 @@ def quality_table(d: Deployment, cache_root: Path, adapters: dict, calibration: 
     cached = _cached(path, fp, d.reprofile, "quality table", d.log)
     if cached:
         return quality.load(path)
+    found = None if d.reprofile else quality.shipped(gguf_sha256(d.model_dir), shipped_fingerprint(fp))
+    if found:
+        points, source, meta = found
+        d.log(f"quality table: the one measured for this model file with these settings ({source}: "
+              f"{meta.get('machine', 'another machine')}, {meta.get('seconds', '?')} s); REPROFILE=1 measures it here")
+        quality.save(path, fp, points, {**meta, "shipped": str(source)})
+        return points
     budget = prof.batch_budget_mib * 2**20
     dims = d.dims
     points, start = [], time.perf_counter()
@@ -273,6 +280,11 @@ def quality_table(d: Deployment, cache_root: Path, adapters: dict, calibration: 
             points += quality.measure(scorer, grid, context, prof.quality_target)
     quality.save(path, fp, points, {"seconds": round(time.perf_counter() - start, 1)})
     return points
+
+
+def shipped_fingerprint(fp: dict) -> dict:
+    """A quality table's cache key without the machine-local model key (the file's content names the model)."""
+    return {k: v for k, v in fp.items() if k != "model"}
 
 
 def record_table(d: Deployment, cache_root: Path, adapters: dict, calibration: str | None) -> dict:
@@ -391,6 +403,7 @@ def run(platform: str | None = None, model: str | None = None, kv_paths: str | P
                     "predict_ms": compute_profile.predict_ms, "reuse_ms": compute_profile.reuse_ms},
         "chunk_compute_errors": ttft_errors,
         "reuse_table": {str(g): rows for g, rows in reuse.items()},
+        **({"window_layers": window_layers(dims, prof, d.kv_dtype)} if dims.hybrid else {}),
     }
     if profile_only:
         report.write(out, prof, d.model_dir, measurements, None, None, time.perf_counter() - started)
@@ -443,10 +456,25 @@ def run(platform: str | None = None, model: str | None = None, kv_paths: str | P
     log(f"config: {out / 'config.json'}  (G={top.G} M={top.M} C={top.C} sigma={top.sigma:g} reuse={top.reuse} "
         f"S={top.sink_tokens} W={top.window_tokens} records {top.kv_record_dtype} ppl ratio {top.ppl_ratio} at batch {top.batch}, context {top.context}; {len(solutions)} solutions; tuning {tuning_s:.0f} s)")
 
-    stats = smoke_run(d.model_dir, d.kv_dirs, out / "config.json", prof, d.device, scorer) if smoke else None
+    stats, chat = smoke_run(d.model_dir, d.kv_dirs, out / "config.json", prof, d.device, scorer) if smoke else (None, None)
     report.write(out, prof, d.model_dir, measurements, solutions, stats, tuning_s)
     log(f"report: {out / 'report.txt'}")
-    return {"config": str(out / "config.json"), "stats": stats, "tuning_s": round(tuning_s, 1)}
+    if top.ppl_ratio is not None:
+        log(f"quality: the deployed configuration's measured ppl ratio to full is {top.ppl_ratio} at context "
+            f"{top.context} (target {prof.quality_target:g}: {'met' if top.quality_met else 'NOT met'})")
+    return {"config": str(out / "config.json"), "stats": stats, "chat": chat, "tuning_s": round(tuning_s, 1)}
+
+
+def window_layers(dims: ModelDims, prof: Profile, kv_dtype: torch.dtype) -> dict:
+    """What a hybrid model's sliding-window layers keep (a ring each, in memory) against what treating them as
+    global would store, for ``max_batch`` sequences of ``max_context`` tokens."""
+    itemsize = torch.empty(0, dtype=kv_dtype).element_size()
+    local = [w for w in dims.layer_windows if w]
+    per_token = 2 * dims.n_kv_heads * dims.head_dim * itemsize * prof.max_batch
+    return {"local_layers": len(local), "layers": dims.n_layers, "window_tokens": sorted(set(local)),
+            "ring_mib": round(dims.window_ring_bytes(prof.max_context, itemsize) * prof.max_batch / 2**20, 2),
+            "as_global_mib": round(len(local) * prof.max_context * per_token / 2**20, 2),
+            "global_layers_full_kv_mib": round(len(dims.global_layers) * prof.max_context * per_token / 2**20, 2)}
 
 
 def compute_device(prof: Profile, device: str | None) -> torch.device:
@@ -474,18 +502,26 @@ def write_service_unit(platform: str, out: Path) -> Path:
     return path
 
 
+CHAT_QUESTION = "What is the capital of France? Answer in one sentence."
+
+
 def smoke_run(model_dir: Path, kv_dirs: tuple[Path, ...], config: Path, prof: Profile, device: torch.device,
-              scorer=None) -> dict:
+              scorer=None) -> tuple[dict, dict | None]:
     """One generation with the solved config on every KV path: 2 prompts, 32 new tokens, stats as the runtime
-    reports them."""
+    reports them; then, for a chat model, one question through the same configuration: (stats, {question, answer,
+    tokens}) (None for a model without a chat template)."""
     context = min(4096, prof.max_context - 64)
     prompts = calibration_prompts(model_dir, context, min(2, prof.max_batch), seed=99)
     policy = "hillinfer" if scorer is not None else "kvswap"
     with Engine.from_pretrained(model_dir, kv_offload_path=list(kv_dirs), config=config, policy=policy, device=device,
                                 scorer=scorer) as engine:
         results = engine.generate(prompts, max_new_tokens=32, stop_token_ids=[])
+        chat = None
+        if engine.tokenizer is not None and getattr(engine.tokenizer, "chat_template", None):
+            answer = engine.generate([[{"role": "user", "content": CHAT_QUESTION}]], max_new_tokens=48)[0]
+            chat = {"question": CHAT_QUESTION, "answer": answer.text.strip(), "tokens": len(answer.token_ids)}
     s = [r.stats for r in results]
-    return {
+    stats = {
         "policy": policy, "batch": len(prompts), "context": context, "new_tokens": 32,
         "decode_tok_s": round(sum(x["generated_tokens"] - 1 for x in s) / max(x["decode_s"] for x in s), 2),
         "kv_resident_mib": round(s[0]["kv_resident_bytes"] / 2**20, 2),
@@ -496,4 +532,5 @@ def smoke_run(model_dir: Path, kv_dirs: tuple[Path, ...], config: Path, prof: Pr
         "reader": s[0]["reader"], "o_direct": s[0]["o_direct"], **{k: s[0]["config"][k] for k in ("G", "M", "C", "sigma", "reuse")},
         **({"scorer_backend": scorer.backend_label} if scorer is not None else {}),
     }
+    return stats, chat
 

@@ -19,6 +19,8 @@ from pathlib import Path
 
 from edgekv.runtime.store.files import write_json_atomic
 
+SHIPPED_DIR = Path(__file__).resolve().parents[1] / "profiles" / "quality"  # tables shipped as data (``shipped``)
+
 MG_SHARES = (0.05, 0.1, 0.2)  # M*G candidates as shares of the context (KVSwap's 400 tokens is 5 % at 8K)
 SINK_WINDOW = ((0, 0), (4, 64))  # (S, W): none (KVSwap as published), and one sink group with a 64-token window
 KLR_DTYPES = ("bfloat16", "int8")  # K_lr formats: int8 rows cost half, so a sigma half as large fits the same memory
@@ -150,3 +152,23 @@ def save(path: Path, fingerprint: dict, table: list[QualityPoint], meta: dict) -
 
 def load(path: Path) -> list[QualityPoint]:
     return [QualityPoint(**p) for p in json.loads(Path(path).read_text())["points"]]
+
+
+def shipped(model_sha256: str | None, fingerprint: dict, folder: Path = SHIPPED_DIR):
+    """(points, file, meta) of a table shipped for this model file (its GGUF's SHA-256) and measured with the same
+    settings (``fingerprint`` less the machine-local model key), else None.  A quality table is a property of the
+    model, the calibration text and the grid, not of the machine: a default deploy on a 2-core CPU takes it from
+    ``profiles/quality/`` instead of spending most of an hour measuring it (``bench/ship_quality.py`` writes one;
+    REPROFILE=1 measures it on the machine)."""
+    if model_sha256 is None:
+        return None
+    for path in sorted(Path(folder).glob("*.json")):
+        data = json.loads(path.read_text())
+        if data.get("gguf_sha256") == model_sha256 and data.get("fingerprint") == fingerprint:
+            return [QualityPoint(**p) for p in data["points"]], path, data.get("meta", {})
+    return None
+
+
+def ship(path: Path, model_sha256: str, fingerprint: dict, table: list[QualityPoint], meta: dict) -> None:
+    write_json_atomic(path, {"gguf_sha256": model_sha256, "fingerprint": fingerprint, "meta": meta,
+                             "points": [asdict(p) for p in table]})

@@ -13,6 +13,13 @@ def write(out: Path, prof, model_dir, measurements: dict, solutions, stats, tuni
               + ", ".join(f"b={b} {t} tokens {ms:.2f}" for b, t, ms in c["block_ms"][:6]), ""]
     lines.append("reuse rate vs C/M (lookup table): " + "; ".join(
         f"G={g}: " + " ".join(f"{float(r):g}->{v:.2f}" for r, v in rows.items()) for g, rows in measurements["reuse_table"].items()))
+    local = measurements.get("window_layers")
+    if local:
+        lines.append(f"hybrid attention: {local['local_layers']} of {local['layers']} layers attend to their last "
+                     f"{'/'.join(map(str, local['window_tokens']))} tokens: their KV is a ring in memory of "
+                     f"{local['ring_mib']:g} MiB for {prof.max_batch} x {prof.max_context} tokens, where treating them "
+                     f"as global would store {local['as_global_mib']:g} MiB; the policy and the solver size only the "
+                     f"global layers' KV ({local['global_layers_full_kv_mib']:g} MiB in full)")
     scoring = measurements.get("scoring")
     if scoring:
         lines += ["", f"HillInfer pools: in-storage scorer {scoring['scorer_backend']}, f_cpu {scoring['f_cpu_tok_s']:.3g} "

@@ -137,7 +137,8 @@ def save_chat_model(path):
 
 
 def tiny_deploy_profile(root, name: str, kv_paths: list, max_batch: int, context_min: int, disk_seconds: float):
-    """The local profile shrunk to a seconds-long deploy (2 MiB budget, 1K context), written to root/name.yaml."""
+    """The local profile shrunk to a seconds-long deploy (the fixture model, 2 MiB budget, 1K context, KVSwap's
+    M*G rule: no quality target), written to root/name.yaml."""
     import yaml
 
     from edgekv.install.profile import PROFILES_DIR
@@ -147,6 +148,8 @@ def tiny_deploy_profile(root, name: str, kv_paths: list, max_batch: int, context
     data["memory"] = {"max_kv_mem_mib": 2, "max_batch": max_batch, "max_context": 1024}
     data["solver"].update(g_max=8, mg_const=64, context_min=context_min, context_step=512)
     data["profiling"] = {"disk_seconds": disk_seconds, "disk_file_mib": 16}
+    data["model"] = "fixture"
+    data.pop("quality_target", None)
     path = root / f"{name}.yaml"
     path.write_text(yaml.safe_dump(data))
     return path

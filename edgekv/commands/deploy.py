@@ -35,6 +35,9 @@ def run(args) -> int:
     result = deploy_impl.run(args.platform, args.model, common.kv_paths(args, must_exist=False),
                              reprofile=args.reprofile, profile_only=args.profile_only, disk_seconds=args.disk_seconds,
                              calibration=args.calibration, device=args.device)
+    chat = result.get("chat")
+    if chat:
+        print(f"chat (the deployed configuration): {chat['question']}\n  -> {chat['answer']}")
     if result.get("stats"):
         print(json.dumps(result["stats"]))  # the last line: the smoke generation's stats
     return 0

@@ -1,0 +1,51 @@
+"""Measure a profile's quality table for a model file and write it as shipped data (``profiles/quality/``).
+
+A default deploy then takes the table from there when the model file (its GGUF's SHA-256) and the settings match,
+instead of measuring it (most of an hour for SmolLM2 at 8K on a 2-core CPU).  The table is measured exactly as a
+deploy measures it, on a fresh cache:
+
+    python -m bench.ship_quality --platform local --model smollm2 --out profiles/quality/smollm2-local.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import tempfile
+import time
+from pathlib import Path
+
+from edgekv import deploy
+from edgekv.install import quality, solver
+from edgekv.runtime.checkpoints import gguf_sha256
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--platform", default="local")
+    ap.add_argument("--model", default=None, help="default: the profile's")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args(argv)
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="edgekv-ship-") as scratch:
+        d = deploy.prepare(args.platform, args.model, [str(Path(scratch) / "kv")], Path(scratch) / "deploy", True, print)
+        sha = gguf_sha256(d.model_dir)
+        if sha is None:
+            raise SystemExit(f"{d.model_dir} was not converted from a GGUF file: a shipped table names its model by the file")
+        cache = Path(scratch) / "cache"
+        _, adapters = deploy.lookup_tables(d, cache, None)
+        prof = d.prof
+        limits = solver.Limits(prof.sigma_max, prof.g_max, prof.mg_const, prof.exposed_io_share, prof.reuse_step,
+                               quality_target=prof.quality_target, record_ppl_max=prof.record_ppl_max)
+        points = deploy.quality_table(d, cache, adapters, None, limits)
+        table_path = cache / "tables" / d.model_fp / "quality.json"
+        fp = deploy.shipped_fingerprint(json.loads(table_path.read_text())["fingerprint"])
+    meta = {"machine": f"{deploy._cpu_model()}, {platform.machine()}", "seconds": round(time.perf_counter() - started),
+            "command": f"python -m bench.ship_quality --platform {args.platform}"
+                       + (f" --model {args.model}" if args.model else "") + f" --out {args.out}"}
+    quality.ship(Path(args.out), sha, fp, points, meta)
+    print(f"{len(points)} points -> {args.out}")
+
+
+if __name__ == "__main__":
+    main()
