@@ -154,7 +154,7 @@ def load(path: Path) -> list[QualityPoint]:
     return [QualityPoint(**p) for p in json.loads(Path(path).read_text())["points"]]
 
 
-def shipped(model_sha256: str | None, fingerprint: dict, folder: Path = SHIPPED_DIR):
+def shipped(model_sha256: str | None, fingerprint: dict, folder: Path | None = None):
     """(points, file, meta) of a table shipped for this model file (its GGUF's SHA-256) and measured with the same
     settings (``fingerprint`` less the machine-local model key), else None.  A quality table is a property of the
     model, the calibration text and the grid, not of the machine: a default deploy on a 2-core CPU takes it from
@@ -162,7 +162,7 @@ def shipped(model_sha256: str | None, fingerprint: dict, folder: Path = SHIPPED_
     REPROFILE=1 measures it on the machine)."""
     if model_sha256 is None:
         return None
-    for path in sorted(Path(folder).glob("*.json")):
+    for path in sorted(Path(folder or SHIPPED_DIR).glob("*.json")):
         data = json.loads(path.read_text())
         if data.get("gguf_sha256") == model_sha256 and data.get("fingerprint") == fingerprint:
             return [QualityPoint(**p) for p in data["points"]], path, data.get("meta", {})
@@ -170,5 +170,6 @@ def shipped(model_sha256: str | None, fingerprint: dict, folder: Path = SHIPPED_
 
 
 def ship(path: Path, model_sha256: str, fingerprint: dict, table: list[QualityPoint], meta: dict) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     write_json_atomic(path, {"gguf_sha256": model_sha256, "fingerprint": fingerprint, "meta": meta,
                              "points": [asdict(p) for p in table]})

@@ -342,6 +342,45 @@ def test_deploy_with_a_quality_target_measures_the_table_and_says_whether_it_is_
             assert any("quality target ppl ratio <= 1.0001 not reachable" in line for line in logs)
 
 
+def test_deploy_of_a_chat_model_answers_through_the_deployed_configuration(tiny_profile, tmp_path, capsys, monkeypatch):
+    """A model with a chat template gets one question through the deployed kvswap configuration: deploy prints the
+    answer, then the stats JSON as its last line; a quality table shipped for the model file (by its GGUF's SHA-256
+    and the settings) is taken instead of measured."""
+    from edgekv import deploy
+    from edgekv.cli import main
+    from edgekv.install import quality
+    from tests.gguf_writer import save_bpe_text_model, write_gguf
+
+    monkeypatch.setattr(quality, "MG_SHARES", (0.2,))
+    monkeypatch.setattr(quality, "KLR_DTYPES", ("bfloat16",))
+    monkeypatch.setattr(quality, "SHIPPED_DIR", tmp_path / "shipped")
+    root, path = tiny_profile
+    data = yaml.safe_load(path.read_text())
+    data["solver"]["sigma_max"] = 8
+    data.update(quality_target=1.5, quality_contexts=[1024])
+    mine = tmp_path / "chat.yaml"
+    mine.write_text(yaml.safe_dump(data))
+    template = ("{% for m in messages %}<s>{{ m['role'] }} : {{ m['content'] }} .{% endfor %}"
+                "{% if add_generation_prompt %}<s>assistant :{% endif %}")
+    gguf = write_gguf(save_bpe_text_model(tmp_path / "hf", "llama"), tmp_path / "chat.gguf", chat_template=template)
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("EDGEKV_CACHE", str(cache))
+    points = [quality.QualityPoint(1024, 4, 208, 8.0, 0, 0, 1.01, 0.99)]  # one configuration, said to meet 1.5
+    d = deploy.prepare(str(mine), str(gguf), None, tmp_path / "scratch", False, lambda *a: None)
+    fp = {"contexts": [1024], "sigmas": d.sigmas, "groups": [4], "target": 1.5, "budget_mib_per_sequence": 1.0,
+          "calibration": "default", "edgekv": deploy.VERSION}
+    quality.ship(tmp_path / "shipped" / "tiny.json", deploy.gguf_sha256(d.model_dir), fp, points, {"machine": "test"})
+    capsys.readouterr()
+    assert main(["deploy", "--platform", str(mine), "--model", str(gguf), "--kv-path", str(root / "kv")]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert any("quality table: the one measured for this model file" in line for line in out)
+    assert any(line.startswith("quality: the deployed configuration's measured ppl ratio to full is 1.01") for line in out)
+    assert out[-3].startswith("chat (the deployed configuration): What is the capital of France?")
+    assert out[-2].startswith("  -> ")
+    stats = json.loads(out[-1])
+    assert stats["policy"] == "kvswap" and stats["G"] == 4
+
+
 @pytest.mark.parametrize("field, value, message", [("quality_target", 0.9, "perplexity ratio"),
                                                   ("quality_contexts", [0], "quality_contexts")])
 def test_bad_quality_fields_are_named(tmp_path, field, value, message):
