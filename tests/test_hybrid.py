@@ -160,3 +160,26 @@ def test_shipped_quality_tables_match_the_model_file_and_the_settings(tmp_path):
     assert quality.shipped("abd", fp, tmp_path) is None  # another model file
     assert quality.shipped("abc", {**fp, "target": 1.1}, tmp_path) is None  # other settings
     assert quality.shipped(None, fp, tmp_path) is None  # an HF folder: no file to name it by
+
+
+def test_the_quality_table_skips_a_family_whose_best_sigma_misses_the_target():
+    """Measured: each family's smallest sigma first (its best prediction); a miss ends the family, a hit sends the
+    table from the largest sigma down to the first that meets the target."""
+    from edgekv.install import quality
+
+    loss = {(4, 1.0): 1.2, (4, 8.0): 1.3, (4, 32.0): 1.5,  # M*G 4: misses at every sigma
+            (8, 1.0): 1.01, (8, 8.0): 1.04, (8, 32.0): 1.3}  # M*G 8: meets at sigma 8
+    asked = []
+
+    def scorer(policy, config):
+        asked.append((config["G"] * config["M"], config["sigma"]))
+        return {"ppl_ratio": loss[asked[-1]], "top1_agreement": 1.0}
+
+    grid = [{"G": 4, "mg_tokens": mg, "sigma": s, "sink_tokens": 0, "window_tokens": 0, "klr_dtype": "bfloat16"}
+            for mg in (4, 8) for s in (1.0, 8.0, 32.0)]
+    points = quality.measure(scorer, grid, 1024, 1.05)
+    assert asked == [(4, 1.0), (8, 1.0), (8, 32.0), (8, 8.0)]
+    assert [(p.mg_tokens, p.sigma, p.ppl_ratio) for p in points] == [(4, 1.0, 1.2), (8, 1.0, 1.01), (8, 32.0, 1.3),
+                                                                     (8, 8.0, 1.04)]
+    asked.clear()
+    assert len(quality.measure(scorer, grid, 1024, None)) == 6  # no target: every point
