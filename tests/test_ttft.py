@@ -250,3 +250,26 @@ def test_a_deployed_cost_model_is_used_and_a_bad_one_is_named(tmp_path):
     with pytest.raises(ConfigError, match="ttft_costs_path"):
         Engine.from_pretrained("fixture", policy="full", config={"ttft_costs_path": str(tmp_path / "missing.json")},
                                device="cpu")
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("policy", ["full", "kvswap"])
+def test_a_hybrid_model_from_a_stored_prefix_keeps_its_windows(tmp_path, policy, method):
+    """Gemma 3 layers with an 8-token window over a stored 400-token context: every chunk computed again attends
+    within its window, the local layers' rings are filled from the store, and the tokens are those of a prefill."""
+    from tests.conftest import save_model
+
+    folder = save_model(tmp_path / "gemma", "gemma3", num_hidden_layers=3, vocab_size=256,
+                        layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+    ids = torch.randint(0, 256, (CONTEXT_TOKENS + QUESTION_TOKENS,), generator=torch.Generator().manual_seed(3)).tolist()
+    kv = tmp_path / "kv"
+    kv.mkdir()
+    config = {"max_context": 512, "G": 4, "M": 128, "C": 128, "sigma": 4}  # every group selected: exact
+    with Engine.from_pretrained(folder, policy=policy, kv_offload_path=kv, config=config, device="cpu") as plain:
+        expected = plain.generate([ids], max_new_tokens=NEW_TOKENS)[0].token_ids
+    with Engine.from_pretrained(folder, policy=policy, kv_offload_path=kv, config=config, device="cpu") as engine:
+        engine.open_context_store(tmp_path / "store", chunk_tokens=128)
+        engine.save_context(ids[:CONTEXT_TOKENS])
+        engine.ttft = TTFTOptions(method, link_mib_s=200.0)
+        out = engine.generate([ids], max_new_tokens=NEW_TOKENS)[0]
+    assert out.token_ids == expected
