@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from edgekv import deploy
-from edgekv.install import quality, solver
+from edgekv.install import quality
 from edgekv.runtime.checkpoints import gguf_sha256
 
 
@@ -34,10 +34,7 @@ def main(argv=None) -> None:
             raise SystemExit(f"{d.model_dir} was not converted from a GGUF file: a shipped table names its model by the file")
         cache = Path(scratch) / "cache"
         _, adapters = deploy.lookup_tables(d, cache, None)
-        prof = d.prof
-        limits = solver.Limits(prof.sigma_max, prof.g_max, prof.mg_const, prof.exposed_io_share, prof.reuse_step,
-                               quality_target=prof.quality_target, record_ppl_max=prof.record_ppl_max)
-        points = deploy.quality_table(d, cache, adapters, None, limits)
+        points = deploy.quality_table(d, cache, adapters, None, deploy.solver_limits(d.prof))
         table_path = cache / "tables" / d.model_fp / "quality.json"
         fp = deploy.shipped_fingerprint(json.loads(table_path.read_text())["fingerprint"])
     meta = {"machine": f"{deploy._cpu_model()}, {platform.machine()}", "seconds": round(time.perf_counter() - started),

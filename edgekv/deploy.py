@@ -90,14 +90,23 @@ def calibration_prompts(model_dir: Path, context: int, n: int, seed: int = 1234,
     return [make_instance(TASKS[i % len(TASKS)], context, rng, fmt=fmt).context for i in range(n)]
 
 
-def adapter_prompts(model_dir: Path, context: int, n: int, text_file: str | None) -> tuple[list[list[int]], str]:
-    """(prompts, what they are) the adapters and the reuse table are fitted on: the user's text, else for a model with
-    a tokenizer the last ``n`` windows of CPython's documentation (the quality table scores its first ones, so the
+def adapter_source(model_dir: Path, context: int, n: int, text_file: str | None) -> str:
+    """What the adapters and the reuse table are fitted on (``adapter_prompts``), named without reading it: the
+    lookup tables' and the quality table's cache key."""
+    if text_file:
+        return _file_digest(text_file)
+    if load_tokenizer(model_dir) is None:
+        return f"task corpus {context} x {n}"
+    return f"calibration: CPython's pydoc_data.topics, last {n} x {context} tokens"
+
+
+def adapter_prompts(model_dir: Path, context: int, n: int, text_file: str | None) -> list[list[int]]:
+    """The prompts the adapters and the reuse table are fitted on: the user's text, else for a model with a
+    tokenizer the last ``n`` windows of CPython's documentation (the quality table scores its first ones, so the
     two never share a token), else the fixture's task corpus.  Natural text, not retrieval-task word lists: adapters
     fitted on those cost SmolLM2 1.7-3x full's perplexity at 8K under every configuration of a 1/13 budget."""
     if text_file or load_tokenizer(model_dir) is None:
-        return calibration_prompts(model_dir, context, n, text_file=text_file), \
-            _file_digest(text_file) if text_file else f"task corpus {context} x {n}"
+        return calibration_prompts(model_dir, context, n, text_file=text_file)
     from edgekv.evals.scoring import load_text, tokenize
 
     text, source = load_text("calibration")
@@ -105,8 +114,7 @@ def adapter_prompts(model_dir: Path, context: int, n: int, text_file: str | None
     if len(ids) < 2 * n * context:
         raise ValueError(f"{source} has {len(ids)} tokens of this model, fewer than the {2 * n * context} the adapters "
                          "and the quality table need apart; pass CALIBRATION=<a longer text file>")
-    return [ids[len(ids) - (i + 1) * context: len(ids) - i * context] for i in range(n)], \
-        f"{source}, last {n} x {context} tokens"
+    return [ids[len(ids) - (i + 1) * context: len(ids) - i * context] for i in range(n)]
 
 
 def _file_digest(path: str) -> str:
@@ -245,8 +253,7 @@ def lookup_tables(d: Deployment, cache_root: Path, calibration: str | None) -> t
     tables_dir = cache_root / "tables" / d.model_fp
     tables_dir.mkdir(parents=True, exist_ok=True)
     context = min(4096, d.prof.max_context - 64)
-    prompts, source = adapter_prompts(d.model_dir, context, 2, calibration)
-    d.adapter_source = source
+    d.adapter_source = source = adapter_source(d.model_dir, context, 2, calibration)
     fp = {"model": d.model_fp, "sigmas": d.sigmas, "g_max": d.prof.g_max, "mg_const": d.prof.mg_const,
           "calibration": source, "edgekv": VERSION}
     if _cached(tables_dir / "tables.json", fp, d.reprofile, "lookup tables", d.log):
@@ -255,6 +262,7 @@ def lookup_tables(d: Deployment, cache_root: Path, calibration: str | None) -> t
     groups = solver.group_sizes(d.prof.g_max)
     d.log(f"lookup tables: reuse rate vs C for G in {groups}, adapters for sigma in {d.sigmas}")
     start = time.perf_counter()
+    prompts = adapter_prompts(d.model_dir, context, 2, calibration)  # read only when the tables are measured
     adapters = tables.build_adapters(d.model(), prompts, d.sigmas, tables_dir)
     middle = min(adapters, key=lambda s: abs(s - 8))  # the reuse pattern barely depends on sigma
     reuse = tables.reuse_table(d.model(), d.kv_dir, prompts, groups, d.prof.mg_const, adapters[middle])
@@ -302,6 +310,13 @@ def quality_table(d: Deployment, cache_root: Path, adapters: dict, calibration: 
             points += quality.measure(scorer, grid, context, prof.quality_target)
     quality.save(path, fp, points, {"seconds": round(time.perf_counter() - start, 1)})
     return points
+
+
+def solver_limits(prof: Profile, record_losses: dict | None = None) -> solver.Limits:
+    """The solver's limits a profile sets (with the record table's losses once measured)."""
+    return solver.Limits(prof.sigma_max, prof.g_max, prof.mg_const, prof.exposed_io_share, prof.reuse_step,
+                         quality_target=prof.quality_target, record_losses=record_losses or {},
+                         record_ppl_max=prof.record_ppl_max)
 
 
 def shipped_fingerprint(fp: dict) -> dict:
@@ -434,9 +449,7 @@ def run(platform: str | None = None, model: str | None = None, kv_paths: str | P
 
     records = record_table(d, cache_root, adapters, calibration)
     measurements["record_table"] = {str(g): rows for g, rows in records.items()}
-    limits = solver.Limits(prof.sigma_max, prof.g_max, prof.mg_const, prof.exposed_io_share, prof.reuse_step,
-                           quality_target=prof.quality_target, record_losses=records,
-                           record_ppl_max=prof.record_ppl_max)
+    limits = solver_limits(prof, records)
     quality_points = quality_table(d, cache_root, adapters, calibration, limits)
     d.release_model()
     measurements["quality_table"] = [p.__dict__ for p in quality_points]

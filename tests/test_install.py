@@ -368,7 +368,7 @@ def test_deploy_of_a_chat_model_answers_through_the_deployed_configuration(tiny_
     points = [quality.QualityPoint(1024, 4, 208, 8.0, 0, 0, 1.01, 0.99)]  # one configuration, said to meet 1.5
     d = deploy.prepare(str(mine), str(gguf), None, tmp_path / "scratch", False, lambda *a: None)
     fp = {"contexts": [1024], "sigmas": d.sigmas, "groups": [4], "target": 1.5, "budget_mib_per_sequence": 1.0,
-          "calibration": "default", "adapters": deploy.adapter_prompts(d.model_dir, 1024 - 64, 2, None)[1],
+          "calibration": "default", "adapters": deploy.adapter_source(d.model_dir, 1024 - 64, 2, None),
           "edgekv": deploy.VERSION}
     quality.ship(tmp_path / "shipped" / "tiny.json", deploy.gguf_sha256(d.model_dir), fp, points, {"machine": "test"})
     capsys.readouterr()
