@@ -68,7 +68,7 @@ class Run:
     reuse_rate: float
     io_stall_share: float
     step_ms: float
-    layer_ms: dict | None = None  # per layer and decode step: select (predict + slots), io_stall, compute (the rest)
+    layer_ms: dict | None = None  # per layer and decode step: select (predict + slots), io_stall, correct, compute (the rest)
     G: int | None = None
     M: int | None = None
     C: int | None = None
@@ -90,6 +90,9 @@ class Run:
     reader: str | None = None  # the KV reader, emulation included
     kv_bytes_read: int | None = None  # every sequence's reads of the row together
     verify_fraction: float | None = None  # the share of records read whose checksum was checked (disk rows)
+    correction: str | None = None  # guess (the layer-ahead picks) or corrected (rescored with the layer's own query)
+    correction_records_per_step: float | None = None  # records a correction read per decode step, the whole batch
+    guess_recall: float | None = None  # the share of the corrected picks the layer-ahead guess had
 
 
 def ratio(value: float | None, reference: float | None) -> float | None:
@@ -143,7 +146,9 @@ class Row:
 ROWS = (Row("full", "full"), Row("flexgen", "flexgen"), Row("token", "token"),
         Row("kvswap-noreuse", "kvswap", reuse=False), Row("kvswap", "kvswap"),
         Row("kvswap-noverify", "kvswap", overrides=(("verify_fraction", 0.0),)), Row("arkv", "arkv"),
-        Row("kvswap-quality", "kvswap", chosen=True))
+        Row("kvswap-quality", "kvswap", chosen=True),
+        Row("kvswap-corrected", "kvswap", overrides=(("correction", "corrected"),)),
+        Row("kvswap-quality-corrected", "kvswap", overrides=(("correction", "corrected"),), chosen=True))
 TUNED_ROW = "kvswap"  # the solver's tuned row: the rows over several KV paths and the step-time plot follow it
 LLAMA_CPP_ROW = "llama.cpp"  # the GGUF file under llama.cpp (llama_cpp_run), not a policy
 
@@ -289,8 +294,9 @@ class RowRunner:
                               config.io.kv_record_dtype).stride_bytes
         profile_bw = self.disk_profile.read_mib_s(stride, QUEUE_DEPTH, source="fio") if on_disk else None
         per_layer = 1e3 / (len(timer.steps) * dims.n_layers)  # whole run (warm-up included), ms per layer-step
-        parts = {"select": s[0]["select_s"] * per_layer, "io_stall": s[0]["io_stall_s"] * per_layer}
-        parts["compute"] = max(0.0, s[0]["decode_s"] * per_layer - parts["select"] - parts["io_stall"])
+        parts = {"select": s[0]["select_s"] * per_layer, "io_stall": s[0]["io_stall_s"] * per_layer,
+                 "correct": s[0]["correction_s"] * per_layer}
+        parts["compute"] = max(0.0, s[0]["decode_s"] * per_layer - sum(parts.values()))
         return Run(
             label, budget, len(s), self.context, rate, None, s[0]["kv_resident_bytes"] / 2**20, read / decoded,
             eff, ratio(eff, profile_bw), float(np.mean([x["reuse_rate"] for x in s])), s[0]["io_stall_share"], step_ms,
@@ -306,7 +312,10 @@ class RowRunner:
             replacement=config.replacement if selects and config.reuse else None,
             share_prefix=config.placement.share_prefix if on_disk else None, path_limit_mib_s=path_limit_mib_s,
             records_by_path=s[0]["kv_records_by_path"] if on_disk else None, reader=s[0]["reader"], kv_bytes_read=read,
-            verify_fraction=s[0]["kv_records_verified"] / max(1, s[0]["kv_records_read"]) if on_disk else None)
+            verify_fraction=s[0]["kv_records_verified"] / max(1, s[0]["kv_records_read"]) if on_disk else None,
+            correction=config.predictor.correction if selects else None,
+            correction_records_per_step=sum(x["kv_correction_records"] for x in s) / len(timer.steps) if selects else None,
+            guess_recall=s[0]["guess_recall"])
 
 
 def path_counts(n_folders: int) -> list[int]:
@@ -484,7 +493,7 @@ def table(runs: list[Run]) -> str:
     width = max([20] + [len(r.policy) for r in runs])
     head = (f"{'batch':>5} {'ctx':>6} {'policy':{width}} {'budget':>6} {'tok/s':>8} {'x full':>7} {'KV MiB':>7} "
             f"{'KiB/tok':>8} {'eff MiB/s':>9} {'vs disk':>7} {'reuse':>5} {'stall':>5} {'G':>3} {'M':>4} {'C':>4} "
-            f"{'sigma':>5} {'paths':>5} {'req/step':>8} {'KiB/req':>7} {'clust':>5}")
+            f"{'sigma':>5} {'paths':>5} {'req/step':>8} {'KiB/req':>7} {'clust':>5} {'fix/step':>8} {'recall':>6}")
     lines = [head]
     for r in runs:
         f = lambda v, fmt: format(v, fmt) if v is not None else "-"  # noqa: E731
@@ -494,7 +503,8 @@ def table(runs: list[Run]) -> str:
                      f"{f(r.eff_read_bw_mib_s, '.0f'):>9} {f(r.eff_bw_vs_profile, '.2f'):>7} {r.reuse_rate:5.2f} "
                      f"{r.io_stall_share:5.2f} {f(r.G, 'd'):>3} {f(r.M, 'd'):>4} {f(r.C, 'd'):>4} {f(r.sigma, 'g'):>5} "
                      f"{f(r.n_paths, 'd'):>5} {f(r.requests_per_step, '.1f'):>8} {f(kib_per_request, '.1f'):>7} "
-                     f"{r.clustering or '-':>5}")
+                     f"{r.clustering or '-':>5} {f(r.correction_records_per_step, '.1f'):>8} "
+                     f"{f(r.guess_recall, '.3f'):>6}")
     return "\n".join(lines)
 
 
@@ -537,8 +547,8 @@ def plot(runs: list[Run], png: Path) -> None:
     batch = max(r.batch for r in runs if r.context == context)
     last = [r for r in runs if r.context == context and r.batch == batch and r.layer_ms]
     bottom = np.zeros(len(last))
-    for part, color in (("compute", "C0"), ("select", "C1"), ("io_stall", "C3")):
-        values = np.array([r.layer_ms[part] for r in last])
+    for part, color in (("compute", "C0"), ("select", "C1"), ("io_stall", "C3"), ("correct", "C2")):
+        values = np.array([r.layer_ms.get(part, 0.0) for r in last])
         ax3.bar(range(len(last)), values, bottom=bottom, color=color, label=part)
         bottom += values
     ax3.set_xticks(range(len(last)), [r.policy + (f"\n{r.budget}" if r.budget else "") for r in last], fontsize=7,

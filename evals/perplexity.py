@@ -44,6 +44,8 @@ class PplResult:
     config: dict
     seconds: float
     kv_read_bytes_per_token: float = 0.0  # disk reads per decoded token (record format and reuse included)
+    correction_records_per_token: float = 0.0  # records a correction read per decoded token, beyond the guess's
+    guess_recall: float | None = None  # the share of the corrected picks the layer-ahead guess had (corrected rows)
 
 
 def evaluate_ppl(model_dir: str | Path, kv_path: str | Path, variants: list[Variant], contexts: list[int],
@@ -78,10 +80,17 @@ def evaluate_ppl(model_dir: str | Path, kv_path: str | Path, variants: list[Vari
                 full_ppl = full_ppl if variant.policy != policies.reference() else ppl
                 results.append(PplResult(variant.policy, variant.budget, context, variant.label, ppl, ppl / full_ppl,
                                          agree, kl, targets.numel(), len(split.windows), config,
-                                         round(time.perf_counter() - start, 1), read))
+                                         round(time.perf_counter() - start, 1), **read))
                 progress.write(f"context {context:6d}  {variant.label:22s} ppl {ppl:8.3f}  x full {results[-1].ratio_to_full:6.3f}  "
-                               f"top-1 {agree:.3f}  KL {kl:.4f}  ({results[-1].seconds:.0f} s)")
+                               f"top-1 {agree:.3f}  KL {kl:.4f}  ({results[-1].seconds:.0f} s)" + _corrected(read))
     return results
+
+
+def _corrected(read: dict) -> str:
+    if read["guess_recall"] is None:
+        return ""
+    return (f"  corrected: {read['correction_records_per_token']:.1f} extra reads/token, "
+            f"guess recall {read['guess_recall']:.3f}")
 
 
 def table(results: list[PplResult]) -> str:

@@ -106,6 +106,15 @@ def read_bytes_per_token(outs) -> float:
     return sum(o.stats["kv_bytes_read"] for o in outs) / max(1, sum(o.stats["generated_tokens"] - 1 for o in outs))
 
 
+def read_stats(outs) -> dict:
+    """What a batch read per decoded token: KV bytes, and records a correction read on top of the guess's (with
+    the share of the corrected picks the guess had; None without correction)."""
+    decoded = max(1, sum(o.stats["generated_tokens"] - 1 for o in outs))
+    return {"kv_read_bytes_per_token": read_bytes_per_token(outs),
+            "correction_records_per_token": sum(o.stats["kv_correction_records"] for o in outs) / decoded,
+            "guess_recall": outs[0].stats["guess_recall"] if outs else None}
+
+
 def task_format(model_dir: str | Path):
     """The fixture's token ids for a 256-token model without a tokenizer, else words from its tokenizer."""
     tokenizer = load_tokenizer(model_dir)
@@ -162,20 +171,20 @@ def engine_for(model: DecoderModel, kv_path, policy: str, config: dict, adapters
                   adapter=adapter), config
 
 
-def _predictions(engine, windows: list[list[int]], continuation: int, on_event) -> tuple[torch.Tensor, float]:
+def _predictions(engine, windows: list[list[int]], continuation: int, on_event) -> tuple[torch.Tensor, dict]:
     """Log-probabilities [windows, continuation - 1, vocab] of the decode-path predictions of each window's tail,
-    and the KV bytes read per decoded token."""
+    and what was read per decoded token (``read_stats``)."""
     engine.events.subscribe(on_event)
     prompts = [w[:-continuation] for w in windows]
     forced = [w[-continuation:] for w in windows]
     outs = engine.generate(prompts, max_new_tokens=continuation + 1, stop_token_ids=[], output_logits=True,
                            teacher_forcing=forced)
     # row 0 is the prefill's prediction (the same for every policy); row j >= 1 predicts forced[j] after decoding forced[j-1]
-    return torch.stack([o.logits[1:continuation] for o in outs]).log_softmax(dim=-1), read_bytes_per_token(outs)
+    return torch.stack([o.logits[1:continuation] for o in outs]).log_softmax(dim=-1), read_stats(outs)
 
 
 def run_windows(engine, cache: PromptKVCache, windows: list[list[int]], continuation: int, on_event
-         ) -> tuple[torch.Tensor, float]:
+         ) -> tuple[torch.Tensor, dict]:
     with engine:
         engine.prompt_cache = cache
         return _predictions(engine, windows, continuation, on_event)
@@ -206,11 +215,12 @@ class ConfigScorer:
         ppl, agree, kl = compare(logp, self.reference, self.targets)
         self.progress.write(f"{self.label} {policy} {_short(config)}: ppl x full {ppl / self.full_ppl:.3f}  top-1 {agree:.3f}")
         return {"policy": policy, "config": ran, "ppl": ppl, "ppl_ratio": ppl / self.full_ppl, "top1_agreement": agree,
-                "kl": kl, "kv_read_bytes_per_token": read}
+                "kl": kl, **read}
 
 
 def _short(config: dict) -> str:
-    return " ".join(f"{k}={config[k]}" for k in ("G", "M", "sigma", "sink_tokens", "window_tokens") if k in config)
+    return " ".join(f"{k}={config[k]}" for k in ("G", "M", "sigma", "sink_tokens", "window_tokens", "correction")
+                    if k in config)
 
 
 def compare(logp: torch.Tensor, reference: torch.Tensor, targets: torch.Tensor) -> tuple[float, float, float]:

@@ -24,11 +24,12 @@ def policy_variants(policy: str, budgets: list[float], main: dict, rule: str, re
 def loss_stages(budget: float, main: dict, rule: str) -> list[Variant]:
     """The loss of kvswap's main row taken apart, each row changing one thing of the chosen configuration:
     top-k by the layer's true attention (oracle: exact query and keys), the layer-ahead prediction with exact
-    keys (sigma=1), head votes by softmax, no sinks or window, and KVSwap's own rule (M*G = 400)."""
+    keys (sigma=1), the guess corrected by the layer's own query over the same K_lr (what is left is the low-rank
+    keys'), head votes by softmax, no sinks or window, and KVSwap's own rule (M*G = 400)."""
     stage = lambda name, **over: Variant("kvswap", budget, **main, rule=rule, ablation=name,  # noqa: E731
                                          overrides=tuple(over.items()))
     rows = [stage("oracle", selector="oracle", score_reduce="softmax", sigma=1), stage("sigma=1", sigma=1),
-            stage("no-sinks-window", sink_tokens=0, window_tokens=0)]
+            stage("corrected", correction="corrected"), stage("no-sinks-window", sink_tokens=0, window_tokens=0)]
     if main["score_reduce"] == "sum":
         rows.append(stage("softmax-votes", score_reduce="softmax"))
     if rule == "quality":

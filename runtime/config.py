@@ -17,7 +17,7 @@ from pathlib import Path
 
 from .quant import QUANT_DTYPES, RECORD_DTYPES
 from .reader import BACKENDS
-from .selector import KLR_FORMATS, SCORE_REDUCES, SELECTORS
+from .selector import CORRECTIONS, KLR_FORMATS, SCORE_REDUCES, SELECTORS
 from .slots import REPLACEMENTS as REPLACEMENT_POLICIES
 
 READER_BACKENDS = ("auto", *BACKENDS)
@@ -208,6 +208,10 @@ class PredictorConfig(Section):
     score_reduce: str = setting("sum", OneOf(SCORE_REDUCES), "heads' scores: logits summed, or one softmax vote each")
     adapter_path: str | None = setting(None, Text(), "a calibrated low-rank adapter (safetensors)")
     klr_dtype: str = setting("bfloat16", OneOf(lambda: KLR_FORMATS), "K_lr rows' format (int8: half the bytes)")
+    correction: str = setting("guess", OneOf(CORRECTIONS), "guess: the layer-ahead picks as they are; corrected: "
+                              "rescored with the layer's own query, the groups the guess missed read before attention")
+    correction_reads: int | None = setting(None, Optional(Whole(1)), "corrected: at most this many extra reads per "
+                                           "sequence, layer and step (None: as many as the corrected picks need)")
 
 
 @dataclass(frozen=True)
@@ -386,6 +390,13 @@ class RuntimeConfig(Section):
     def picked_groups(self) -> int:
         """Groups the predictor chooses per layer and step: M less the always-attended sink and window groups."""
         return picked_groups(self.M, self.G, self.sink_tokens, self.window_tokens)
+
+    @property
+    def correction_slots(self) -> int:
+        """Extra reads a correction may make per sequence, layer and step (0: guess only)."""
+        if self.predictor.correction == "guess":
+            return 0
+        return min(self.picked_groups, self.predictor.correction_reads or self.picked_groups)
 
     @property
     def max_groups(self) -> int:

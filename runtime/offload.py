@@ -10,6 +10,11 @@ are the first ``sink_groups`` groups, copied into memory once written.  Neither 
 the selector, so its picks go to the groups in between.  Records keep the disk's format
 (``kv_record_dtype``) in the reuse slots too; attention decodes only the groups it selected,
 so quantized records shrink the reads and the slots while the sinks and window stay exact.
+
+Speculate, then correct (``correction: corrected``): the layer-ahead guess buys overlap, and once the layer's own
+query is known the groups are scored again over the same K_lr; the corrected picks the guess (or the reuse buffer)
+already holds are attended where they sit, and only the rest are read before attention, at most
+``correction_reads`` per sequence.  Uncapped, a step attends exactly the groups the oracle selector would pick.
 """
 from __future__ import annotations
 
@@ -38,8 +43,9 @@ _ABANDONED_LOCK = threading.Lock()
 class OffloadedKV(KVPolicy):
     """A decode step per layer, in order: select + fetch (``prefetch``, a layer ahead; at attention time for a
     selector that does not read ahead) -> attend (``attend``: the step's own K/V into its ring slot, wait for
-    the reads, attention over the picks, the sinks and the window) -> append and flush (``end_step``: the
-    step's tokens join the window; a full group goes to disk and into K_lr; re-clustering when due)."""
+    the reads, correct the picks with the layer's own query if configured, attention over the picks, the sinks and
+    the window) -> append and flush (``end_step``: the step's tokens join the window; a full group goes to disk
+    and into K_lr; re-clustering when due)."""
 
     def __init__(self, model: DecoderModel, batch: int, cfg: RuntimeConfig, store: DiskKVStore, selector: Selector,
                  slots: Slots, predict: bool = True, placer=None, on_select=None):
@@ -86,6 +92,14 @@ class OffloadedKV(KVPolicy):
         self._hung: list[Future] = []  # reads that missed the deadline: never waited for again
         self._batch_index = torch.arange(batch, device=model.device)
         self._step = None  # the step's device tensors (_step_tensors), made again when lengths change
+        # speculate, then correct: extra reads per sequence and step a correction may make (0: the guess stands)
+        self.correction_reads = cfg.correction_slots if predict and selector.reads_ahead else 0
+        self._correct_io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ekv-fix") if self.correction_reads \
+            else None
+        self._guess = np.zeros((batch, 0), dtype=np.int64)  # the attended layer's guessed picks, -1 where none
+        self.correction_records = np.zeros(batch, dtype=np.int64)
+        self.correction_s = 0.0  # rescoring and the reads it waited for, on the compute thread
+        self.guess_recall_counts = np.zeros(2, dtype=np.int64)  # corrected picks the guess had, corrected picks
 
     @property
     def resident_bytes(self) -> int:
@@ -156,11 +170,7 @@ class OffloadedKV(KVPolicy):
                                    time.perf_counter())
 
     def _select_and_fetch(self, layer: int, q: torch.Tensor | None, active: np.ndarray, started: float) -> None:
-        outside_window = np.maximum(self.n_groups - self.window_groups, 0)
-        groups, valid = self.selector.select(layer, q, torch.from_numpy(outside_window), first=self.sink_groups)
-        picks = torch.where(valid, groups, -1).cpu().numpy()  # one transfer (the layer's one sync on a GPU)
-        valid = (picks >= 0) & active[:, None]
-        groups = np.maximum(picks, 0)
+        groups, valid = self._pick(layer, q)
         if self.on_select is not None:
             self.on_select(layer, groups, valid)
         owners = record_owners(groups, self.owner, self.shared_groups)
@@ -168,12 +178,24 @@ class OffloadedKV(KVPolicy):
             self._keep_picks(layer, groups, valid, owners)
         slots, misses = self.slots.assign(layer, groups, valid, owners)
         self.select_s += time.perf_counter() - started
+        future = self._read_misses(layer, misses, self._io)
+        self._pending[layer] = (slots, valid, future, np.where(valid, groups, -1))
+
+    def _pick(self, layer: int, q: torch.Tensor | None) -> tuple[np.ndarray, np.ndarray]:
+        """The selector's picks for ``layer`` from query ``q``, on the host: groups [B, M], valid [B, M] (active
+        rows only)."""
+        outside_window = np.maximum(self.n_groups - self.window_groups, 0)
+        groups, valid = self.selector.select(layer, q, torch.from_numpy(outside_window), first=self.sink_groups)
+        picks = torch.where(valid, groups, -1).cpu().numpy()  # one transfer (the layer's one sync on a GPU)
+        return np.maximum(picks, 0), (picks >= 0) & self._active[:, None]
+
+    def _read_misses(self, layer: int, misses, executor: ThreadPoolExecutor) -> Future:
+        """The misses' reads, submitted to ``executor``; their bytes count as read."""
         buffer = self.slots.buffer_index(layer)
         addresses = self.slot_memory.read_addresses(layer, buffer, misses)
         self.bytes_read += np.bincount(misses.seq, minlength=self.batch) * self.layout.stride_bytes
         reads = self.store.batch(layer, misses.seq, misses.group, addresses)
-        future = self._io.submit(self._fetch, layer, buffer, misses, reads)
-        self._pending[layer] = (torch.from_numpy(np.ascontiguousarray(slots)), torch.from_numpy(valid), future)
+        return executor.submit(self._fetch, layer, buffer, misses, reads)
 
     def _fetch(self, layer: int, buffer: int, misses, reads) -> None:
         """On the I/O thread: the misses read from disk, then moved where attention reads them."""
@@ -226,6 +248,9 @@ class OffloadedKV(KVPolicy):
         rolling[self._batch_index, 0, :, write_at] = k[:, :, 0]
         rolling[self._batch_index, 1, :, write_at] = v[:, :, 0]
         slots, valid = self._wait_fetch(layer)
+        if self.correction_reads:
+            slots, valid = self._correct(layer, q)
+        slots, valid = torch.from_numpy(slots), torch.from_numpy(valid)
 
         # only the selected records are gathered (one copy each) and decoded, on the compute device
         records = self.slot_memory.gather(layer, self.slots.buffer_index(layer), slots)
@@ -237,10 +262,16 @@ class OffloadedKV(KVPolicy):
         mask = torch.cat([to_device(valid, q.device).repeat_interleave(g, dim=1), resident], dim=1)
         return decode_attention(self.model, q, keys, values, mask[:, None, None, :])
 
-    def _wait_fetch(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(slots, valid) of the layer's picks once their reads landed; a read past ``read_deadline_s`` fails."""
-        slots, valid, future = self._pending.pop(layer)
+    def _wait_fetch(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
+        """(slots, valid) of the layer's picks once their reads landed; the picks stay for ``_correct``."""
+        slots, valid, future, self._guess = self._pending.pop(layer)
         start = time.perf_counter()
+        self._wait(layer, future)
+        self.io_stall_s += time.perf_counter() - start
+        return slots, valid
+
+    def _wait(self, layer: int, future: Future) -> None:
+        """Wait for a read of ``layer``; one past ``read_deadline_s`` fails (and is never waited for again)."""
         try:
             future.result(timeout=self.read_deadline_s)
         except FutureTimeout:
@@ -248,7 +279,25 @@ class OffloadedKV(KVPolicy):
             raise StoreError(errno.ETIMEDOUT, f"the KV read of layer {layer} did not finish within read_deadline_s="
                              f"{self.read_deadline_s:g} s: the KV device under {self.store.root} hangs or is far slower "
                              "than profiled; check it, or raise read_deadline_s") from None
-        self.io_stall_s += time.perf_counter() - start
+
+    def _correct(self, layer: int, q: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+        """Speculate, then correct: the groups scored again with the layer's own query; the corrected picks in
+        memory (the guess's, or still in the reuse slots) are attended where they are and the rest read now, at
+        most ``correction_reads`` per sequence (past the cap, the guess's other picks stand in)."""
+        started = time.perf_counter()
+        groups, valid = self._pick(layer, q)
+        owners = record_owners(groups, self.owner, self.shared_groups)
+        missing = valid & ~self.slots.resident(layer, groups, owners)
+        over = missing & (np.cumsum(missing, axis=1) > self.correction_reads)
+        if over.any():
+            groups, valid = _fill_from_guess(groups, valid, over, self._guess)
+            owners = record_owners(groups, self.owner, self.shared_groups)
+        self.guess_recall_counts += [int((valid & _in_rows(groups, self._guess)).sum()), int(valid.sum())]
+        slots, misses = self.slots.correct(layer, groups, valid, owners)
+        if len(misses.seq):
+            self._wait(layer, self._read_misses(layer, misses, self._correct_io))
+            self.correction_records += np.bincount(misses.seq, minlength=self.batch)
+        self.correction_s += time.perf_counter() - started
         return slots, valid
 
     def end_step(self, active):
@@ -318,10 +367,13 @@ class OffloadedKV(KVPolicy):
 
     def stats(self, seq):
         store = self.store
+        recalled, corrected = self.guess_recall_counts
         return {**super().stats(seq), "o_direct": store.o_direct, "n_paths": store.n_paths,
                 "kv_read_requests": store.requests, "kv_records_read": store.records_read,
                 "kv_records_by_path": store.records_by_path.tolist(), "kv_records_verified": store.records_verified,
-                "kv_records_reread": store.records_reread, "scorer_fallback": None, **self.selector.stats()}
+                "kv_records_reread": store.records_reread, "scorer_fallback": None,
+                "kv_correction_records": int(self.correction_records[seq]), "correction_s": self.correction_s,
+                "guess_recall": float(recalled / corrected) if corrected else None, **self.selector.stats()}
 
     def fitted_adapter(self):
         return self.selector.fitted_adapter()
@@ -343,7 +395,7 @@ class OffloadedKV(KVPolicy):
         """Reads still in flight finish before any file is closed; the first one's error is raised after cleanup.
         A read past its deadline is not waited for: its buffers are kept alive until it lands, and the files
         close under it (the kernel holds them for a syscall in progress)."""
-        futures = [future for _, _, future in self._pending.values()]
+        futures = [future for _, _, future, _ in self._pending.values()]
         self._pending.clear()
         errors = []
         for future in futures:
@@ -362,10 +414,30 @@ class OffloadedKV(KVPolicy):
                 _ABANDONED[id(future)] = (future, self.slot_memory)
             future.add_done_callback(_forget_abandoned)
         self._io.shutdown(wait=not hung)
+        if self._correct_io is not None:
+            self._correct_io.shutdown(wait=not hung)
         self.selector.close()
         self.store.close()
         if errors:
             raise errors[0]
+
+
+def _in_rows(groups: np.ndarray, picks: np.ndarray) -> np.ndarray:
+    """[B, M] bool: which of ``groups`` row b's ``picks`` (-1: none) hold too."""
+    rows = np.arange(len(groups))[:, None]
+    return np.isin((rows << 32) | groups, ((rows << 32) | picks)[picks >= 0])
+
+
+def _fill_from_guess(groups: np.ndarray, valid: np.ndarray, over: np.ndarray, guess: np.ndarray
+                     ) -> tuple[np.ndarray, np.ndarray]:
+    """Corrected picks past the cap of extra reads (``over``) give way to the guess's picks the correction
+    dropped (in memory already), the guess's best first; with none left a pick is dropped."""
+    groups, valid = groups.copy(), valid & ~over
+    for b in np.flatnonzero(over.any(axis=1)):
+        spare = guess[b][(guess[b] >= 0) & ~np.isin(guess[b], groups[b][valid[b]])]
+        at = np.flatnonzero(over[b])[: len(spare)]
+        groups[b, at], valid[b, at] = spare[: len(at)], True
+    return groups, valid
 
 
 def _forget_abandoned(future) -> None:

@@ -120,8 +120,9 @@ class Slots:
     """Where a layer's selected records sit in memory, and which must be read (the protocol both tables keep).
 
     ``assign`` places one step's picks of a layer and names the misses; ``held`` says which records already sit
-    in slots (read again for free); ``share`` pools sequences with a common prefix; ``reset`` starts a row
-    anew; records of layer l live in buffer ``buffer_index(l)`` of ``n_buffers(n_layers)``; ``replacement`` is
+    in slots (read again for free); ``resident`` and ``correct`` serve a second look at the same layer and step
+    (the picks rescored with the layer's own query: which sit in memory now, and where the rest go);
+    ``share`` pools sequences with a common prefix; ``reset`` starts a row anew; records of layer l live in buffer ``buffer_index(l)`` of ``n_buffers(n_layers)``; ``replacement`` is
     told what clustering learns of records (cost, prior picks)."""
 
     keeps_records = False  # records stay resident past their step (a reuse buffer)
@@ -137,6 +138,16 @@ class Slots:
     def held(self, layer: int, owner: int, groups: np.ndarray) -> np.ndarray:
         """The flat slot holding each of ``owner``'s ``groups`` in ``layer``, -1 where none does."""
         return np.full(len(groups), -1, dtype=np.int64)
+
+    def resident(self, layer: int, groups: np.ndarray, owners: np.ndarray) -> np.ndarray:
+        """[B, M] bool: which records (``owners``' ``groups``) sit in ``layer``'s slots now, after its ``assign``."""
+        raise NotImplementedError
+
+    def correct(self, layer: int, groups: np.ndarray, valid: np.ndarray,
+                owners: np.ndarray) -> tuple[np.ndarray, Misses]:
+        """Flat slots [B, M] of corrected picks of ``layer`` after its ``assign`` and the reads it named landed,
+        and the misses to read now; the reuse counts are the first look's (a correction's reads are counted apart)."""
+        raise NotImplementedError
 
     @property
     def nbytes(self) -> int:
@@ -208,9 +219,16 @@ class SlotTable(Slots):
         members = np.isin(self.pool, self.pool[np.asarray(seqs)])
         self.pool[members] = np.flatnonzero(members)[0]
 
+    def resident(self, layer, groups, owners):
+        return self.slot_of[layer, owners, groups] >= 0
+
+    def correct(self, layer, groups, valid, owners):
+        return self.assign(layer, groups, valid, owners, count=False)
+
     def assign(self, layer: int, groups: np.ndarray, valid: np.ndarray,
-               owners: np.ndarray | None = None) -> tuple[np.ndarray, Misses]:
-        """groups, valid, owners: [B, M] (owners None: each row's own).  Returns flat slots [B, M] and the misses."""
+               owners: np.ndarray | None = None, count: bool = True) -> tuple[np.ndarray, Misses]:
+        """groups, valid, owners: [B, M] (owners None: each row's own).  Returns flat slots [B, M] and the misses;
+        ``count``: the picks count in ``hits`` and ``lookups``."""
         rows, cols = np.nonzero(valid)
         owner = rows if owners is None else np.asarray(owners)[rows, cols]
         pool = self.pool[rows]
@@ -230,8 +248,9 @@ class SlotTable(Slots):
         slots = np.zeros(groups.shape, dtype=np.int64)
         slots[rows, cols] = found
         self._observe(layer, found, pool)
-        self.lookups += np.bincount(rows, minlength=len(self.pool))
-        self.hits += np.bincount(rows, minlength=len(self.pool)) - np.bincount(rows[new], minlength=len(self.pool))
+        if count:
+            self.lookups += np.bincount(rows, minlength=len(self.pool))
+            self.hits += np.bincount(rows, minlength=len(self.pool)) - np.bincount(rows[new], minlength=len(self.pool))
         return slots, Misses(owner[new], found[new], group[new])
 
     def _victims(self, layer: int, protected: np.ndarray, pools: np.ndarray) -> np.ndarray:
@@ -307,7 +326,8 @@ class PreloadSlots(Slots):
     alternate layers; a record several rows pick in a step is read once, into its first picker's slot.
 
     Two buffers suffice because layer i+1's fetch overlaps layer i's attention only.  Nothing stays resident
-    past its step, so nothing is ``held`` and the replacement has nothing to weigh.
+    past its step, so nothing is ``held`` and the replacement has nothing to weigh.  A corrected pick the first
+    look did not read goes to row ``b``'s slots past the first look's M (``capacity`` - M of them).
     """
 
     def __init__(self, batch: int, capacity: int):
@@ -315,6 +335,7 @@ class PreloadSlots(Slots):
         self.hits = np.zeros(batch, dtype=np.int64)
         self.lookups = np.zeros(batch, dtype=np.int64)
         self.replacement = Replacement(self)
+        self._read: dict[int, tuple[np.ndarray, np.ndarray, int]] = {}  # buffer -> (record keys, slots, M) of its assign
 
     def buffer_index(self, layer: int) -> int:
         return layer % 2
@@ -336,13 +357,50 @@ class PreloadSlots(Slots):
         first, rank = _first_occurrences(owner * (int(group.max(initial=0)) + 1) + group)
         read = slots[rows[first], cols[first]]
         slots[rows, cols] = read[rank]
+        keys = _record_keys(owner[first], group[first])
+        order = np.argsort(keys)
+        self._read[self.buffer_index(layer)] = (keys[order], read[order], m)
         self.lookups += np.bincount(rows, minlength=batch)
         self.hits += np.bincount(rows, minlength=batch) - np.bincount(rows[first], minlength=batch)
         return slots, Misses(owner[first], read, group[first])
 
+    def _slots_of(self, layer: int, keys: np.ndarray) -> np.ndarray:
+        """The flat slot the layer's assign read each record key into, -1 where it read none."""
+        held, read, _ = self._read.get(self.buffer_index(layer), (None, None, 0))
+        if held is None or not len(held):
+            return np.full(np.shape(keys), -1, dtype=np.int64)
+        at = np.minimum(np.searchsorted(held, keys), len(held) - 1)
+        return np.where(held[at] == keys, read[at], -1)
+
+    def resident(self, layer, groups, owners):
+        return self._slots_of(layer, _record_keys(owners, groups)) >= 0
+
+    def correct(self, layer, groups, valid, owners):
+        rows, cols = np.nonzero(valid)
+        key = _record_keys(np.asarray(owners)[rows, cols], groups[rows, cols])
+        found = self._slots_of(layer, key)
+        miss = np.flatnonzero(found < 0)
+        first, rank = _first_occurrences(key[miss])
+        new = miss[first]  # rows ascend: each row's new records take its extra slots in order
+        row = rows[new]
+        extra = np.arange(len(new)) - np.searchsorted(row, row)
+        base = self._read.get(self.buffer_index(layer), (None, None, 0))[2]
+        if len(new) and (base + extra).max() >= self.capacity:
+            raise ValueError(f"a correction reads {extra.max() + 1} records for one row but the preload slots hold "
+                             f"{self.capacity - base} beyond the first look's picks: raise the correction's slots")
+        found[miss] = (row * self.capacity + base + extra)[rank]
+        slots = np.zeros(groups.shape, dtype=np.int64)
+        slots[rows, cols] = found
+        return slots, Misses(np.asarray(owners)[rows, cols][new], found[new], groups[rows, cols][new])
+
     def reset(self, seq: int) -> None:
         self.hits[seq] = 0
         self.lookups[seq] = 0
+
+
+def _record_keys(owners: np.ndarray, groups: np.ndarray) -> np.ndarray:
+    """One int64 per record (owner, group)."""
+    return (np.asarray(owners, dtype=np.int64) << 32) | np.asarray(groups, dtype=np.int64)
 
 
 def replay_hit_rate(trace: Iterable[tuple[int, np.ndarray, np.ndarray]], n_layers: int, batch: int, capacity: int,

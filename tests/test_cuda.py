@@ -24,6 +24,8 @@ CASES = {
     "kvswap-int8-klr": ("kvswap", {"klr_dtype": "int8"}),
     "kvswap-no-reuse": ("kvswap", {"reuse": False}),
     "kvswap-oracle": ("kvswap", {"selector": "oracle", "sigma": 1, "score_reduce": "softmax"}),
+    "kvswap-corrected": ("kvswap", {"correction": "corrected"}),
+    "kvswap-corrected-capped-no-reuse": ("kvswap", {"correction": "corrected", "correction_reads": 2, "reuse": False}),
     "kvswap-2-paths-clustered": ("kvswap", {"clustering": True, "recluster_steps": 4}),
     "token": ("token", {}),
     "flexgen": ("flexgen", {}),

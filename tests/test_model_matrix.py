@@ -25,6 +25,7 @@ POLICIES = {
     "kvswap-sinks-window": ("kvswap", {"sink_tokens": 4, "window_tokens": 8}),  # the ring wraps 3 times
     "kvswap-int8-klr": ("kvswap", {"klr_dtype": "int8", "window_tokens": 4}),
     "kvswap-oracle": ("kvswap", {"selector": "oracle", "score_reduce": "softmax", "sigma": 1, "window_tokens": 4}),
+    "kvswap-corrected": ("kvswap", {"correction": "corrected", "window_tokens": 4}),
     "token": ("token", {}),
     "token-sinks-window": ("token", {"sink_tokens": 3, "window_tokens": 5}),
     "kvswap-clustered-cost": ("kvswap", {"clustering": True, "replacement": "cost", "recluster_steps": 3,
