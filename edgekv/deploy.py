@@ -285,29 +285,34 @@ def quality_table(d: Deployment, cache_root: Path, adapters: dict, calibration: 
     fp = {"model": d.model_fp, "contexts": list(prof.quality_contexts), "sigmas": d.sigmas, "groups": groups,
           "target": prof.quality_target, "budget_mib_per_sequence": prof.batch_budget_mib,
           "calibration": _file_digest(calibration) if calibration else "default", "adapters": d.adapter_source,
-          "edgekv": VERSION}
+          "edgekv": VERSION, "corrections": list(prof.corrections)}
     cached = _cached(path, fp, d.reprofile, "quality table", d.log)
     if cached:
         return quality.load(path)
     found = None if d.reprofile else quality.shipped(gguf_sha256(d.model_dir), shipped_fingerprint(fp))
+    known = []
     if found:
-        points, source, meta = found
+        known, source, meta, measured = found
+        known = [p for p in known if p.correction in prof.corrections]
         d.log(f"quality table: the one measured for this model file with these settings ({source}: "
               f"{meta.get('machine', 'another machine')}, {meta.get('seconds', '?')} s); REPROFILE=1 measures it here")
-        quality.save(path, fp, points, {**meta, "shipped": str(source)})
-        return points
+        if set(prof.corrections) <= set(measured):
+            quality.save(path, fp, known, {**meta, "shipped": str(source)})
+            return known
+        d.log(f"quality table: it measured the selections {list(measured)}; measuring those of {list(prof.corrections)} "
+              "it lacks")
     budget = prof.batch_budget_mib * 2**20
     dims = d.dims
     points, start = [], time.perf_counter()
     for context in prof.quality_contexts:
-        grid = [p for p in quality.candidates(context, groups, d.sigmas) if solver.smallest_bytes(
+        grid = [p for p in quality.candidates(context, groups, d.sigmas, prof.corrections) if solver.smallest_bytes(
             dims, d.kv_dtype, limits, context, p) <= budget]
         windows, source = calibration_windows(d.model_dir, context, quality.WINDOWS, calibration)
         d.log(f"quality table at {context}: up to {len(grid)} configurations on {source}")
         with Progress(len(grid) + 1, f"quality table {context}") as progress:
             scorer = ConfigScorer(d.model(), d.kv_dir, Adapters.from_files(d.model(), adapters), windows,
                                   quality.continuation(context), progress, max_batch=quality.WINDOWS, label=str(context))
-            points += quality.measure(scorer, grid, context, prof.quality_target)
+            points += quality.measure(scorer, grid, context, prof.quality_target, known)
     quality.save(path, fp, points, {"seconds": round(time.perf_counter() - start, 1)})
     return points
 
@@ -477,6 +482,7 @@ def run(platform: str | None = None, model: str | None = None, kv_paths: str | P
         "max_kv_mem_mib": prof.max_kv_mem_mib, "max_batch": prof.max_batch, "max_context": prof.max_context,
         "adapter_path": adapters[float(top.sigma)], "io_align_bytes": limits.io_align_bytes, "io_queue_depth": queue_depth,
         "klr_dtype": top.klr_dtype, "kv_record_dtype": top.kv_record_dtype, "ttft_costs_path": str(ttft_costs),
+        "correction": top.correction, "correction_reads": top.correction_reads, "score_reduce": top.score_reduce,
         "solutions": [{**x.to_json(), "adapter_path": adapters[float(x.sigma)]} for x in solutions],
         "measurements": measurements, "edgekv_version": VERSION,
     }
@@ -489,7 +495,7 @@ def run(platform: str | None = None, model: str | None = None, kv_paths: str | P
     write_service_unit(prof.platform, out)
     tuning_s = time.perf_counter() - started
     log(f"config: {out / 'config.json'}  (G={top.G} M={top.M} C={top.C} sigma={top.sigma:g} reuse={top.reuse} "
-        f"S={top.sink_tokens} W={top.window_tokens} records {top.kv_record_dtype} ppl ratio {top.ppl_ratio} at batch {top.batch}, context {top.context}; {len(solutions)} solutions; tuning {tuning_s:.0f} s)")
+        f"S={top.sink_tokens} W={top.window_tokens} records {top.kv_record_dtype} {top.correction} ppl ratio {top.ppl_ratio} at batch {top.batch}, context {top.context}; {len(solutions)} solutions; tuning {tuning_s:.0f} s)")
 
     stats, chat = smoke_run(d.model_dir, d.kv_dirs, out / "config.json", prof, d.device, scorer) if smoke else (None, None)
     report.write(out, prof, d.model_dir, measurements, solutions, stats, tuning_s)

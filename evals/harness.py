@@ -127,8 +127,9 @@ class QualityChooser:
         G = policies.get(variant.policy).group_tokens or variant.G
         limits = Limits(io_align_bytes=512)
         bytes_of = lambda p: solver.smallest_bytes(self.model.dims, self.model.dtype, limits, context + 64, p)  # noqa: E731
-        grid = (quality.frontier(quality.candidates(context, [G], solver.SIGMAS), bytes_of, budget_bytes)
-                or quality.squeezed(context, G, solver.SIGMAS, bytes_of, budget_bytes))
+        grid = (quality.frontier(quality.candidates(context, [G], solver.SIGMAS, quality.CORRECTIONS), bytes_of,
+                                 budget_bytes)
+                or quality.squeezed(context, G, solver.SIGMAS, bytes_of, budget_bytes, quality.CORRECTIONS))
         points = hashlib.sha256(json.dumps(grid, sort_keys=True).encode()).hexdigest()[:12]
         key = f"{variant.policy} context={context} G={G} budget={budget_bytes:.0f} adapters={self.adapters.source} grid={points}"
         if key not in self.cache:
@@ -175,7 +176,8 @@ def recorded_configs(eval_json: str | Path) -> dict[tuple[int, str], dict]:
     perplexity): the configurations that eval ran, for another eval or the bench to run again."""
     data = json.loads(Path(eval_json).read_text())
     rows = data.get("ppl") or data.get("results") or []
-    keys = ("G", "M", "C", "sigma", "reuse", "sink_tokens", "window_tokens", "score_reduce", "klr_dtype", "io_align_bytes")
+    keys = ("G", "M", "C", "sigma", "reuse", "sink_tokens", "window_tokens", "score_reduce", "klr_dtype", "io_align_bytes",
+            "correction", "correction_reads")
     return {(r["context"], f"1/{round(1 / r['budget'])}"): {k: r["config"][k] for k in keys if k in r["config"]}
             for r in rows if r["budget"] and r["policy"] in policies.names() and policies.get(r["policy"]).tunable
             and r["variant"] == f"{r['policy']}@1/{round(1 / r['budget'])}"}

@@ -15,7 +15,7 @@ import yaml
 
 from edgekv.runtime.config import utf8_text
 
-from .quality import RECORD_DTYPES
+from .quality import CORRECTIONS, RECORD_DTYPES
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +45,7 @@ SCHEMA = {
         "exposed_io_share": (float, False, None), "alpha": (float, False, None), "reuse_step": (float, True, None),
         "context_min": (int, True, None), "context_step": (int, True, None),
         "record_dtypes": (list, False, None), "record_ppl_max": (float, False, None),
+        "corrections": (list, False, None),
     },
     "profiling": {"disk_seconds": (float, True, None), "disk_file_mib": (int, True, None)},
     "power_meter": (str, True, POWER_METERS),
@@ -84,6 +85,7 @@ class Profile:
     quality_contexts: tuple[int, ...] = ()  # where the quality table is measured (default: max_context)
     record_dtypes: tuple[str, ...] = ()  # disk record formats the solver may pick beside exact ones (measured first)
     record_ppl_max: float = 1.01  # without a quality target: the most loss a record format may cost
+    corrections: tuple[str, ...] = ("guess", "corrected")  # selections the quality table measures (runtime 'correction')
 
     @property
     def batch_budget_mib(self) -> float:
@@ -133,6 +135,7 @@ def load_profile(source: str | Path, profiles_dir: Path = PROFILES_DIR) -> Profi
         quality_contexts=tuple(flat.get("quality_contexts") or [flat["memory.max_context"]]),
         record_dtypes=tuple(flat.get("solver.record_dtypes") or ()),
         record_ppl_max=float(flat.get("solver.record_ppl_max", 1.01)),
+        corrections=tuple(flat.get("solver.corrections") or ("guess", "corrected")),
     )
 
 
@@ -211,6 +214,11 @@ def _check_ranges(path: Path, flat: dict) -> None:
     if any(r not in RECORD_DTYPES for r in records):
         raise ProfileError(f"{path}: field 'solver.record_dtypes' lists disk record formats beside exact ones, some of "
                            f"{list(RECORD_DTYPES)}; got {records!r}")
+    corrections = flat.get("solver.corrections")
+    if corrections is not None and (not corrections or any(c not in CORRECTIONS for c in corrections)):
+        raise ProfileError(f"{path}: field 'solver.corrections' lists the selections the quality table measures, some "
+                           f"of {list(CORRECTIONS)} (guess: the layer-ahead picks; corrected: rescored with the layer's "
+                           f"own query); got {corrections!r}")
     if flat.get("solver.record_ppl_max", 1.0) < 1:
         raise ProfileError(f"{path}: field 'solver.record_ppl_max' is a perplexity ratio to exact records (>= 1, "
                            f"e.g. 1.01), got {flat['solver.record_ppl_max']!r}")

@@ -1,6 +1,6 @@
 """The quality lookup table (hardware-independent, cached per model like the reuse table).
 
-Each point is one kvswap configuration (G, M*G, sigma, sinks S, window W) at one context, with
+Each point is one kvswap configuration (G, M*G, sigma, sinks S, window W, K_lr format, correction) at one context, with
 its measured loss against ``full``: the perplexity ratio and the top-1 agreement of the decode
 path, teacher-forced over calibration text that the evaluation never scores.  The solver reads
 it to meet a quality target before it spends memory on anything else; KVSwap's fixed
@@ -17,6 +17,8 @@ import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from edgekv.runtime.config import picked_groups
+from edgekv.runtime.selector import CORRECTIONS
 from edgekv.runtime.store.files import write_json_atomic
 
 SHIPPED_DIR = Path(__file__).resolve().parents[1] / "profiles" / "quality"  # tables shipped as data (``shipped``)
@@ -28,6 +30,9 @@ GROUP_SIZES = (4, 16)  # quality at a small and a large group; the solver picks 
 WINDOWS = 2  # calibration windows per context
 RECORD_DTYPES = ("fp16", "int8", "int4")  # record formats measured against exact records
 RECORD_GROUP_SIZES = (1, 4, 16)  # per-token keys (G < 4), per channel over a small and a large group
+# a corrected point may read this share of its picks again per step (the cap on a correction's reads): the guess
+# misses ~10 % of the picks on SmolLM2, and the extra preload slots a cap costs stay a small part of the budget
+CORRECTION_SHARE = 0.25
 
 
 def continuation(context: int) -> int:
@@ -46,10 +51,26 @@ class QualityPoint:
     ppl_ratio: float
     top1_agreement: float
     klr_dtype: str = "bfloat16"
+    correction: str = "guess"  # the runtime's 'correction': the layer-ahead picks, or rescored with the own query
+    guess_recall: float | None = None  # corrected: the share of the corrected picks the guess had (the rest are read)
 
     @property
     def M(self) -> int:
         return math.ceil(self.mg_tokens / self.G)
+
+
+def correction_fields(point: dict) -> dict:
+    """The runtime fields of a point's selection.  ``guess``: KVSwap's layer-ahead picks, heads' logits summed.
+    ``corrected``: rescored with the layer's own query, at most ``CORRECTION_SHARE`` of its picks read again per
+    step, each head's softmax one vote (with the true query every head's distribution is its own, and the votes
+    measured better than summed logits on SmolLM2: top-1 0.961 against 0.921 at 1/13)."""
+    correction = point.get("correction", "guess")
+    if correction == "guess":
+        return {"correction": "guess", "correction_reads": None}  # scores as the run sets them (default: summed)
+    G = point["G"]
+    picked = picked_groups(math.ceil(point["mg_tokens"] / G), G, point["sink_tokens"], point["window_tokens"])
+    return {"correction": correction, "correction_reads": max(1, math.ceil(CORRECTION_SHARE * picked)),
+            "score_reduce": "softmax"}
 
 
 def share_tokens(share: float, context: int, G: int) -> int:
@@ -57,8 +78,9 @@ def share_tokens(share: float, context: int, G: int) -> int:
     return max(G, round(share * context / G) * G)
 
 
-def candidates(context: int, group_sizes, sigmas) -> list[dict]:
-    """The grid measured at one context: every G, M*G share, sigma and (S, W) that leaves the predictor a pick."""
+def candidates(context: int, group_sizes, sigmas, corrections=("guess",)) -> list[dict]:
+    """The grid measured at one context: every G, M*G share, sigma, (S, W) that leaves the predictor a pick, K_lr
+    format and selection (``corrections``)."""
     out = []
     for G in group_sizes:
         for share in MG_SHARES:
@@ -66,35 +88,35 @@ def candidates(context: int, group_sizes, sigmas) -> list[dict]:
             for S, W in SINK_WINDOW:
                 if mg - S - W < G:
                     continue
-                out += [{"G": G, "mg_tokens": mg, "sigma": float(s), "sink_tokens": S, "window_tokens": W, "klr_dtype": k}
-                        for s in sigmas for k in KLR_DTYPES]
+                out += [{"G": G, "mg_tokens": mg, "sigma": float(s), "sink_tokens": S, "window_tokens": W, "klr_dtype": k,
+                         "correction": c} for s in sigmas for k in KLR_DTYPES for c in corrections]
     return out
 
 
 def frontier(grid: list[dict], bytes_of, budget_bytes: float) -> list[dict]:
-    """Per family (G, M*G, S, W), the smallest sigma whose leanest form fits ``budget_bytes``, in bf16 where
+    """Per family (G, M*G, S, W, selection), the smallest sigma whose leanest form fits ``budget_bytes``, in bf16 where
     that fits, else in int8: the best a family can do under the budget (a smaller sigma never predicts worse,
     and int8 rows of twice the rank beat bf16 rows in the same bytes)."""
     best: dict[tuple, dict] = {}
     order = lambda p: (p["sigma"], p["klr_dtype"] != "bfloat16")  # noqa: E731
     for p in grid:
-        key = (p["G"], p["mg_tokens"], p["sink_tokens"], p["window_tokens"])
+        key = (p["G"], p["mg_tokens"], p["sink_tokens"], p["window_tokens"], p.get("correction", "guess"))
         if bytes_of(p) <= budget_bytes and (key not in best or order(p) < order(best[key])):
             best[key] = p
     return list(best.values())
 
 
-def squeezed(context: int, G: int, sigmas, bytes_of, budget_bytes: float) -> list[dict]:
+def squeezed(context: int, G: int, sigmas, bytes_of, budget_bytes: float, corrections=("guess",)) -> list[dict]:
     """When no share of the grid fits the budget: per (S, W), the most tokens that fit at the largest sigma
     (in bf16 where that fits, else int8), as KVSwap's rule shrinks M·G under a tight budget, so a tight
     budget still gets a measured choice instead of none."""
     sigma = float(max(sigmas))
     top = share_tokens(MG_SHARES[0], context, G)
     out = []
-    for S, W in SINK_WINDOW:
+    for (S, W), c in ((sw, c) for sw in SINK_WINDOW for c in corrections):
         for mg in range(top, S + W + G - 1, -G):
             fits = [p for p in ({"G": G, "mg_tokens": mg, "sigma": sigma, "sink_tokens": S, "window_tokens": W,
-                                 "klr_dtype": k} for k in KLR_DTYPES) if bytes_of(p) <= budget_bytes]
+                                 "klr_dtype": k, "correction": c} for k in KLR_DTYPES) if bytes_of(p) <= budget_bytes]
             if fits:
                 out.append(fits[0])
                 break
@@ -105,24 +127,36 @@ def run_config(point: dict, context: int) -> dict:
     """The runtime config that measures ``point``: shared preload buffers, no reuse (quality does not depend on C)."""
     return {"G": point["G"], "M": math.ceil(point["mg_tokens"] / point["G"]), "C": 1, "reuse": False,
             "sigma": point["sigma"], "sink_tokens": point["sink_tokens"], "window_tokens": point["window_tokens"],
-            "klr_dtype": point.get("klr_dtype", "bfloat16"), "max_context": context + 64, "io_align_bytes": 512}
+            "klr_dtype": point.get("klr_dtype", "bfloat16"), "max_context": context + 64, "io_align_bytes": 512,
+            **correction_fields(point)}
 
 
-def measure(scorer, grid: list[dict], context: int, target: float | None) -> list[QualityPoint]:
+def measure(scorer, grid: list[dict], context: int, target: float | None, known=()) -> list[QualityPoint]:
     """Every grid point through ``scorer`` (an edgekv.evals.perplexity.ConfigScorer on calibration windows
     of ``context`` tokens).  With a ``target``, points that differ only in sigma are measured from the largest sigma
     down, stopping at the first that meets it (a smaller sigma costs more memory for a loss already met), after the
     family's smallest sigma, its best prediction: a family whose best misses the target is not measured further
-    (on SmolLM2 at 8K this halves the table's time; most families of a small M*G miss at every sigma)."""
+    (on SmolLM2 at 8K this halves the table's time; most families of a small M*G miss at every sigma).
+    ``known``: points measured before with the same model, calibration and adapters (a shipped table): given
+    again, not measured."""
     points = []
+    before = {_key(q): q for q in known if q.context == context}
     families: dict[tuple, list[dict]] = {}
     for p in grid:
-        families.setdefault((p["G"], p["mg_tokens"], p["sink_tokens"], p["window_tokens"], p["klr_dtype"]), []).append(p)
+        families.setdefault((p["G"], p["mg_tokens"], p["sink_tokens"], p["window_tokens"], p["klr_dtype"],
+                             p.get("correction", "guess")), []).append(p)
 
     def run(p: dict) -> QualityPoint:
+        point = QualityPoint(context, p["G"], p["mg_tokens"], p["sigma"], p["sink_tokens"], p["window_tokens"], 0, 0,
+                             p["klr_dtype"], p.get("correction", "guess"))
+        if _key(point) in before:
+            points.append(before[_key(point)])
+            return points[-1]
         row = scorer("kvswap", run_config(p, context))
         points.append(QualityPoint(context, p["G"], p["mg_tokens"], p["sigma"], p["sink_tokens"], p["window_tokens"],
-                                   round(row["ppl_ratio"], 4), round(row["top1_agreement"], 4), p["klr_dtype"]))
+                                   round(row["ppl_ratio"], 4), round(row["top1_agreement"], 4), p["klr_dtype"],
+                                   p.get("correction", "guess"),
+                                   None if row.get("guess_recall") is None else round(row["guess_recall"], 4)))
         return points[-1]
 
     for family in families.values():
@@ -133,6 +167,10 @@ def measure(scorer, grid: list[dict], context: int, target: float | None) -> lis
             if run(p).ppl_ratio <= (target if target is not None else -math.inf):
                 break
     return points
+
+
+def _key(p: QualityPoint) -> tuple:
+    return p.context, p.G, p.mg_tokens, p.sigma, p.sink_tokens, p.window_tokens, p.klr_dtype, p.correction
 
 
 def record_config(G: int, context: int) -> dict:
@@ -164,17 +202,22 @@ def load(path: Path) -> list[QualityPoint]:
 
 
 def shipped(model_sha256: str | None, fingerprint: dict, folder: Path | None = None):
-    """(points, file, meta) of a table shipped for this model file (its GGUF's SHA-256) and measured with the same
-    settings (``fingerprint`` less the machine-local model key), else None.  A quality table is a property of the
-    model, the calibration text and the grid, not of the machine: a default deploy on a 2-core CPU takes it from
-    ``profiles/quality/`` instead of spending most of an hour measuring it (``bench/ship_quality.py`` writes one;
-    REPROFILE=1 measures it on the machine)."""
+    """(points, file, meta, corrections) of a table shipped for this model file (its GGUF's SHA-256) and measured
+    with the same settings (``fingerprint`` less the machine-local model key) but perhaps fewer selections
+    (``corrections``: those it measured; a table from before corrections measured ``guess`` only), else None.
+    A quality table is a property of the model, the calibration text and the grid, not of the machine: a default
+    deploy on a 2-core CPU takes it from ``profiles/quality/`` instead of spending most of an hour measuring it
+    (``bench/ship_quality.py`` writes one; REPROFILE=1 measures it on the machine); points of selections it lacks
+    are measured and the rest taken from it."""
     if model_sha256 is None:
         return None
+    wanted = {k: v for k, v in fingerprint.items() if k != "corrections"}
     for path in sorted(Path(folder or SHIPPED_DIR).glob("*.json")):
         data = json.loads(path.read_text())
-        if data.get("gguf_sha256") == model_sha256 and data.get("fingerprint") == fingerprint:
-            return [QualityPoint(**p) for p in data["points"]], path, data.get("meta", {})
+        theirs = data.get("fingerprint") or {}
+        if data.get("gguf_sha256") == model_sha256 and {k: v for k, v in theirs.items() if k != "corrections"} == wanted:
+            return ([QualityPoint(**p) for p in data["points"]], path, data.get("meta", {}),
+                    tuple(theirs.get("corrections", ("guess",))))
     return None
 
 

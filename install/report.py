@@ -31,19 +31,21 @@ def write(out: Path, prof, model_dir, measurements: dict, solutions, stats, tuni
     if table:
         lines += ["", f"quality table (ppl ratio / top-1 agreement vs full on calibration text), target "
                   f"{prof.quality_target:g}:", f"{'context':>7} {'G':>3} {'M*G':>5} {'sigma':>5} {'S':>3} {'W':>4} "
-                  f"{'K_lr':>8} {'ppl x':>6} {'top-1':>6}"]
+                  f"{'K_lr':>8} {'select':>9} {'ppl x':>6} {'top-1':>6}"]
         lines += [f"{p['context']:>7} {p['G']:>3} {p['mg_tokens']:>5} {p['sigma']:>5g} {p['sink_tokens']:>3} "
-                  f"{p['window_tokens']:>4} {p.get('klr_dtype', 'bfloat16'):>8} {p['ppl_ratio']:6.3f} {p['top1_agreement']:6.3f}"
-                  for p in table]
+                  f"{p['window_tokens']:>4} {p.get('klr_dtype', 'bfloat16'):>8} {p.get('correction', 'guess'):>9} "
+                  f"{p['ppl_ratio']:6.3f} {p['top1_agreement']:6.3f}" for p in table]
     if solutions:
         lines += ["", f"budget {prof.max_kv_mem_mib:g} MiB for {prof.max_batch} x {prof.max_context} tokens "
                   f"({prof.batch_budget_mib:.2f} MiB per sequence), exposed I/O share {prof.exposed_io_share}, MG const {prof.mg_const}",
                   f"{'batch':>5} {'context':>7} {'G':>3} {'M':>4} {'C':>4} {'sigma':>5} {'reuse':>5} {'hit':>5} "
-                  f"{'T_io ms':>8} {'T_model ms':>10} {'hidden':>6} {'MG<const':>8} {'S':>3} {'W':>4} {'ppl x':>6} {'target':>6}"]
+                  f"{'T_io ms':>8} {'T_model ms':>10} {'hidden':>6} {'MG<const':>8} {'S':>3} {'W':>4} {'select':>9} {'fix ms':>6} "
+                  f"{'ppl x':>6} {'target':>6}"]
         for s in solutions:
             lines.append(f"{s.batch:>5} {s.context:>7} {s.G:>3} {s.M:>4} {s.C:>4} {s.sigma:>5g} {str(s.reuse):>5} "
                          f"{s.reuse_rate:5.2f} {s.t_io_ms:8.2f} {s.t_model_ms:10.2f} {str(s.hidden):>6} {str(s.mg_scaled):>8} "
-                         f"{s.sink_tokens:>3} {s.window_tokens:>4} {_opt(s.ppl_ratio):>6} {_met(s.quality_met):>6}")
+                         f"{s.sink_tokens:>3} {s.window_tokens:>4} {s.correction:>9} {s.t_correct_ms:6.2f} "
+                         f"{_opt(s.ppl_ratio):>6} {_met(s.quality_met):>6}")
         _plot_solutions(out / "solutions.png", solutions)
     if stats:
         lines += ["", "smoke generation: " + ", ".join(f"{k}={v}" for k, v in stats.items())]

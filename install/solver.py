@@ -31,6 +31,8 @@ from edgekv.runtime.memory import plan_memory
 from edgekv.runtime.model import ModelDims
 from edgekv.runtime.slots import SlotTable
 
+from .quality import correction_fields
+
 SIGMAS = (1, 2, 4, 8, 16, 32)
 
 
@@ -86,6 +88,10 @@ class Solution:
     quality_met: bool | None = None  # ppl_ratio within Limits.quality_target (None: no target)
     klr_dtype: str = "bfloat16"
     kv_record_dtype: str = "auto"
+    correction: str = "guess"  # the selection (runtime 'correction'), as the quality table measured it
+    correction_reads: int | None = None
+    score_reduce: str = "sum"  # how heads' scores combine (corrected points: a softmax vote per head)
+    t_correct_ms: float = 0.0  # the reads a correction makes per step (the picks the guess missed): never hidden
 
     def to_json(self) -> dict:
         return {k: round(v, 4) if isinstance(v, float) else v for k, v in asdict(self).items()}
@@ -93,13 +99,15 @@ class Solution:
 
 def _sequence_bytes(dims: ModelDims, kv_dtype: torch.dtype, limits: Limits, context: int, G: int, M: int, C: int,
                     sigma: float, reuse: bool, sink_tokens: int = 0, window_tokens: int = 0,
-                    klr_dtype: str | None = None, record_dtype: str = "auto") -> tuple[int, int]:
-    """(bytes, rank) of one sequence, from the runtime's own memory plan."""
+                    klr_dtype: str | None = None, record_dtype: str = "auto", correction: dict | None = None
+                    ) -> tuple[int, int]:
+    """(bytes, rank) of one sequence, from the runtime's own memory plan; ``correction``: its runtime fields
+    (install.quality.correction_fields; None: guess)."""
     rank = LowRankAdapter.rank_for(dims.n_kv_heads, dims.head_dim, sigma)
     cfg = RuntimeConfig.from_flat({"G": G, "M": M, "C": C, "sigma": sigma, "max_batch": 1, "max_context": context,
                                    "reuse": reuse, "io_align_bytes": limits.io_align_bytes,
                                    "klr_dtype": klr_dtype or limits.klr_dtype, "sink_tokens": sink_tokens,
-                                   "window_tokens": window_tokens, "kv_record_dtype": record_dtype})
+                                   "window_tokens": window_tokens, "kv_record_dtype": record_dtype, **(correction or {})})
     itemsize = torch.empty(0, dtype=kv_dtype).element_size()
     stride = _stride(dims, kv_dtype, limits, G, record_dtype)
     return plan_memory("kvswap", cfg, dims, itemsize, rank, stride).total_bytes, rank
@@ -214,7 +222,7 @@ def smallest_bytes(dims: ModelDims, kv_dtype: torch.dtype, limits: Limits, conte
     G = point["G"]
     M = math.ceil(point["mg_tokens"] / G)
     return _sequence_bytes(dims, kv_dtype, limits, context, G, M, 1, point["sigma"], False, point["sink_tokens"],
-                           point["window_tokens"], point.get("klr_dtype"))[0]
+                           point["window_tokens"], point.get("klr_dtype"), correction=correction_fields(point))[0]
 
 
 def solve_for_quality(batch: int, context: int, budget_bytes: float, dims: ModelDims, kv_dtype: torch.dtype,
@@ -234,20 +242,23 @@ def solve_for_quality(batch: int, context: int, budget_bytes: float, dims: Model
         picked = picked_groups(M, p.G, p.sink_tokens, p.window_tokens)
         options = [(reuse, ratio, record, loss) for reuse, ratio in [(False, 1.0)] + [(True, r) for r in C_RATIOS]
                    for record, loss in record_choices(limits, p.G, gated=target is None)]
+        correction = correction_fields(asdict(p))
         for reuse, ratio, record, loss in options:
             C = max(picked, round(ratio * picked))
             total, rank = _sequence_bytes(dims, kv_dtype, limits, context, p.G, M, C, p.sigma, reuse,
-                                          p.sink_tokens, p.window_tokens, p.klr_dtype, record)
+                                          p.sink_tokens, p.window_tokens, p.klr_dtype, record, correction)
             if total > budget_bytes:
                 continue
             hit = reuse_rate(p.G, C, picked) if reuse else 0.0
             io = t_io_ms(batch, picked, p.G, hit, record)
+            missed = 0.0 if p.guess_recall is None else min(correction["correction_reads"], (1 - p.guess_recall) * picked)
+            fix = t_io_ms(batch, missed, p.G, hit, record) if missed else 0.0
             model = t_model_ms(batch, context, rank, picked, p.G, reuse)
             ppl_ratio = p.ppl_ratio * loss
             met = None if target is None else ppl_ratio <= target
             fitting.append(Solution(batch, context, p.G, M, C, p.sigma, hit, io, model, (1 - limits.exposed_io_share) * io <= model,
                                     False, total, reuse, p.sink_tokens, p.window_tokens, ppl_ratio, met, p.klr_dtype,
-                                    record))
+                                    record, **correction, t_correct_ms=fix))
     if not fitting:
         raise ValueError(
             f"no configuration of the quality table fits {budget_bytes / 2**20:.2f} MiB per sequence at context {context}; "
@@ -266,4 +277,4 @@ def solve_for_quality(batch: int, context: int, budget_bytes: float, dims: Model
 
 
 def _exposed(sol: Solution) -> float:
-    return max(0.0, sol.t_io_ms - sol.t_model_ms)
+    return max(0.0, sol.t_io_ms - sol.t_model_ms) + sol.t_correct_ms

@@ -22,9 +22,13 @@ FLAT_V1 = {"G": 4, "M": 100, "sigma": 8.0, "C": 200, "max_kv_mem_mib": None, "ma
            "read_deadline_s": 60.0}
 
 
+ADDED_SINCE_V1 = {"correction": "guess", "correction_reads": None}  # issue 33: an earlier config runs as before
+
+
 def test_the_flat_key_set_of_earlier_versions_loads_and_writes_back_unchanged():
     config = RuntimeConfig.load(FLAT_V1)
-    assert config.to_dict() == FLAT_V1 and sorted(RuntimeConfig.keys()) == sorted(FLAT_V1)
+    assert config.to_dict() == {**FLAT_V1, **ADDED_SINCE_V1}
+    assert sorted(RuntimeConfig.keys()) == sorted([*FLAT_V1, *ADDED_SINCE_V1])
     assert (config.io.reader_backend, config.predictor.klr_dtype, config.arkv.arkv_slack) == ("auto", "bfloat16", 0.75)
 
 

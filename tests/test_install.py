@@ -356,7 +356,7 @@ def test_deploy_of_a_chat_model_answers_through_the_deployed_configuration(tiny_
     monkeypatch.setattr(quality, "SHIPPED_DIR", tmp_path / "shipped")
     root, path = tiny_profile
     data = yaml.safe_load(path.read_text())
-    data["solver"]["sigma_max"] = 8
+    data["solver"].update(sigma_max=8, corrections=["guess"])
     data.update(quality_target=1.5, quality_contexts=[1024])
     mine = tmp_path / "chat.yaml"
     mine.write_text(yaml.safe_dump(data))
@@ -369,7 +369,7 @@ def test_deploy_of_a_chat_model_answers_through_the_deployed_configuration(tiny_
     d = deploy.prepare(str(mine), str(gguf), None, tmp_path / "scratch", False, lambda *a: None)
     fp = {"contexts": [1024], "sigmas": d.sigmas, "groups": [4], "target": 1.5, "budget_mib_per_sequence": 1.0,
           "calibration": "default", "adapters": deploy.adapter_source(d.model_dir, 1024 - 64, 2, None),
-          "edgekv": deploy.VERSION}
+          "edgekv": deploy.VERSION, "corrections": ["guess"]}
     quality.ship(tmp_path / "shipped" / "tiny.json", deploy.gguf_sha256(d.model_dir), fp, points, {"machine": "test"})
     capsys.readouterr()
     assert main(["deploy", "--platform", str(mine), "--model", str(gguf), "--kv-path", str(root / "kv")]) == 0
@@ -382,11 +382,35 @@ def test_deploy_of_a_chat_model_answers_through_the_deployed_configuration(tiny_
     assert stats["policy"] == "kvswap" and stats["G"] == 4
 
 
+def test_a_table_of_fewer_selections_gives_its_points_and_only_the_rest_are_measured():
+    """A shipped table measured before corrections (guess only) serves a profile measuring both: its guess points
+    are taken as they are, the corrected ones measured (the scorer sees only those)."""
+    from edgekv.install import quality
+
+    grid = quality.candidates(1024, [4], [4.0, 8.0], quality.CORRECTIONS)
+    known = [quality.QualityPoint(1024, p["G"], p["mg_tokens"], p["sigma"], p["sink_tokens"], p["window_tokens"], 1.01,
+                                  0.99, p["klr_dtype"]) for p in grid if p["correction"] == "guess"]
+    asked = []
+
+    def scorer(policy, config):
+        asked.append(config)
+        return {"ppl_ratio": 1.2, "top1_agreement": 0.9, "guess_recall": 0.875}
+
+    points = quality.measure(scorer, grid, 1024, None, known)
+    assert asked and all(c["correction"] == "corrected" and c["score_reduce"] == "softmax" for c in asked)
+    assert all(c["correction_reads"] == max(1, -(-quality.picked_groups(c["M"], 4, c["sink_tokens"], c["window_tokens"])
+                                                  // 4)) for c in asked)
+    assert {(p.correction, p.ppl_ratio, p.guess_recall) for p in points} == {("guess", 1.01, None),
+                                                                              ("corrected", 1.2, 0.875)}
+    assert len(points) == len(grid)
+
+
 @pytest.mark.parametrize("field, value, message", [("quality_target", 0.9, "perplexity ratio"),
-                                                  ("quality_contexts", [0], "quality_contexts")])
+                                                  ("quality_contexts", [0], "quality_contexts"),
+                                                  ("corrections", ["oracle"], "solver.corrections")])
 def test_bad_quality_fields_are_named(tmp_path, field, value, message):
     data = yaml.safe_load((PROFILES_DIR / "local.yaml").read_text())
-    data[field] = value
+    (data["solver"] if field == "corrections" else data)[field] = value
     path = tmp_path / "mine.yaml"
     path.write_text(yaml.safe_dump(data))
     with pytest.raises(ProfileError, match=message):
