@@ -283,6 +283,21 @@ def test_solver_meets_the_quality_target_within_the_budget():
     assert sigma_1.sigma == 1 and sigma_1.quality_met
 
 
+def test_a_corrected_point_wins_on_quality_and_pays_for_its_extra_reads():
+    """At the same geometry the corrected point meets a target the guess misses; its deployed config says how it
+    selects, and the reads the guess missed (1 - recall of the picks, within the cap) count as exposed I/O."""
+    from dataclasses import replace
+
+    guess = _point(1600, 8, 1.04, 4, 64)
+    corrected = replace(guess, ppl_ratio=1.01, correction="corrected", guess_recall=0.9)
+    sol = _solve_quality(1 / 4, 1.02, points=[guess, corrected])
+    picked = 1600 // 4 - 1 - 16
+    assert (sol.correction, sol.score_reduce, sol.correction_reads) == ("corrected", "softmax", -(-picked // 4))
+    assert sol.quality_met and sol.t_correct_ms > 0
+    both_meet = _solve_quality(1 / 4, 1.05, points=[guess, corrected])
+    assert both_meet.correction == "guess"  # both meet 1.05: the one with no reads before attention
+
+
 def test_solver_says_when_no_configuration_meets_the_target():
     logs = []
     sol = _solve_quality(1 / 4, 1.001, logs)
