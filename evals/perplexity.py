@@ -103,5 +103,31 @@ def table(results: list[PplResult]) -> str:
     return "\n".join(lines)
 
 
+def oracle_gap(results: list[PplResult]) -> list[str]:
+    """Per (context, budget) with the loss stages measured (``--ablations``): what is left between the main row and
+    the oracle, and where: the layer-ahead guess (main - corrected; nothing when the main row is corrected) and the
+    low-rank keys (corrected - oracle), in ppl ratio and top-1 agreement."""
+    lines = []
+    for r in results:
+        if r.budget is None or r.variant != f"{r.policy}@1/{round(1 / r.budget)}":
+            continue
+        stage = {s.variant.split(",", 1)[1]: s for s in results if (s.context, s.policy, s.budget) ==
+                 (r.context, r.policy, r.budget) and s.variant.startswith(r.variant + ",")}
+        if "oracle" not in stage or "corrected" not in stage:
+            continue
+        oracle, corrected = stage["oracle"], stage["corrected"]
+        guess = r if r.config.get("correction", "guess") == "guess" else None
+        parts = [f"oracle {oracle.ratio_to_full:.3f} / {oracle.top1_agreement:.3f}",
+                 f"corrected {corrected.ratio_to_full:.3f} / {corrected.top1_agreement:.3f}"]
+        if guess is not None:
+            parts.append(f"guess {guess.ratio_to_full:.3f} / {guess.top1_agreement:.3f}: the layer-ahead guess costs "
+                         f"{guess.ratio_to_full - corrected.ratio_to_full:+.3f} ppl x, "
+                         f"{guess.top1_agreement - corrected.top1_agreement:+.3f} top-1")
+        parts.append(f"the low-rank keys {corrected.ratio_to_full - oracle.ratio_to_full:+.3f} ppl x, "
+                     f"{corrected.top1_agreement - oracle.top1_agreement:+.3f} top-1")
+        lines.append(f"gap to the oracle at {r.context}, {r.variant} (ppl x full / top-1): " + "; ".join(parts))
+    return lines
+
+
 def write_json(path: str | Path, results: list[PplResult], meta: dict) -> None:
     Path(path).write_text(json.dumps({"meta": meta, "ppl": [asdict(r) for r in results]}, indent=1))

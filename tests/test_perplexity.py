@@ -112,3 +112,17 @@ def test_a_model_without_tokenizer_reads_the_text_as_bytes(model_dirs, text_file
     assert "UTF-8 bytes" in data["meta"]["tokens"] and [r["variant"] for r in data["ppl"]] == ["full", "kvswap@1/4"]
     with pytest.raises(ValueError, match="no tokenizer and 160 < 256"):
         perplexity.tokenize(model_dirs["llama"], "text")
+
+
+def test_the_gap_to_the_oracle_is_split_into_the_guess_and_the_low_rank_keys():
+    def row(variant, ratio, top1, correction="guess"):
+        return perplexity.PplResult("kvswap", 1 / 13, 8192, variant, 15.0 * ratio, ratio, top1, 0.0, 100, 2,
+                                    {"correction": correction}, 1.0)
+
+    results = [perplexity.PplResult("full", None, 8192, "full", 15.0, 1.0, 1.0, 0.0, 100, 2, {}, 1.0),
+               row("kvswap@1/13", 1.03, 0.91), row("kvswap@1/13,oracle", 1.005, 0.98),
+               row("kvswap@1/13,corrected", 1.01, 0.95, "corrected"), row("kvswap@1/13,sigma=1", 1.02, 0.94)]
+    [line] = perplexity.oracle_gap(results)
+    assert "the layer-ahead guess costs +0.020 ppl x, -0.040 top-1" in line
+    assert "the low-rank keys +0.005 ppl x, -0.030 top-1" in line
+    assert perplexity.oracle_gap(results[:2]) == []  # no loss stages measured: nothing to say

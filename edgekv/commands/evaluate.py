@@ -116,6 +116,8 @@ def _eval_ppl(args, model, variants, contexts, kv_paths: list[str] | None) -> in
                                           quiet=args.quiet, configs_from=args.configs_from, device=args.device,
                                           dtype=args.dtype)
     print(perplexity.table(results))
+    for line in perplexity.oracle_gap(results):
+        print(line)
     if args.json:
         meta = {"model": str(args.model), "checkpoint": str(model), "text": source,
                 "tokens": tokens, "windows": args.samples or 4,
