@@ -208,10 +208,14 @@ class LowRankSelector(Selector):
                 raw = torch.bmm(self.k_lr[layer, :, :n_tokens].to(self.dtype), q_lr[:, :, None])[..., 0]
                 return raw.float() * self.k_scale[layer, :, :n_tokens].float()
             return torch.bmm(self.k_lr[layer, :, :n_tokens], q_lr[:, :, None])[..., 0].float()
-        keys = self._keys(layer, n_tokens).transpose(1, 2)
         q_lr = torch.einsum("bgnd,gdr->bgnr", grouped.to(self.dtype), adapter).reshape(b, h, -1)
-        logits = (q_lr @ keys).float() * self.scaling
-        return logits.softmax(dim=-1).sum(dim=1)
+        # [B, T, H]: K_lr in its stored order times the heads' queries, scaled first, in fp32 (on a CPU without bf16
+        # units this bf16 matmul of a few columns runs several times slower than converting); int8 scales per token
+        queries = (q_lr.float() * self.scaling).transpose(1, 2).contiguous()
+        logits = torch.bmm(self.k_lr[layer, :, :n_tokens].float(), queries)
+        if self.quantized:
+            logits.mul_(self.k_scale[layer, :, :n_tokens, None])
+        return logits.softmax(dim=1).sum(dim=2)
 
     def select(self, layer, q, n_groups, first=0):
         self._fit(layer)

@@ -27,6 +27,21 @@ def test_full_rank_scores_equal_true_attention_logits_summed_over_heads():
     torch.testing.assert_close(selector.token_scores(0, q, 40)[0], expected, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("klr_dtype", ["float32", "int8"])
+def test_full_rank_softmax_votes_equal_each_heads_attention_summed(klr_dtype):
+    torch.manual_seed(3)
+    k = torch.randn(2, 40, 16)
+    q = torch.randn(1, 4, 1, 16)
+    adapter = LowRankAdapter.fit([k.transpose(0, 1).reshape(40, -1)], 2, 16, rank=32)
+    selector = LowRankSelector(adapter, 32, ModelDims(n_layers=1, hidden=64, n_heads=4, n_kv_heads=2, head_dim=16,
+                                                      vocab=10), 1, 64, 4, 2,
+                               PredictorConfig(klr_dtype=klr_dtype, score_reduce="softmax"), torch.device("cpu"), 0.25)
+    selector.append(0, 0, 0, k)
+    expected = sum((q[0, h, 0] @ k[h // 2].T * 0.25).softmax(dim=-1) for h in range(4))
+    tolerance = 1e-4 if klr_dtype == "float32" else 0.05  # int8 rows: ~1 % of each logit's range
+    torch.testing.assert_close(selector.token_scores(0, q, 40)[0], expected, rtol=tolerance, atol=tolerance)
+
+
 def test_grouped_top_m_finds_the_planted_groups():
     torch.manual_seed(1)
     k = torch.randn(2, 64, 16) * 0.1
