@@ -247,9 +247,13 @@ class OffloadedKV(KVPolicy):
         write_at, resident = self._step_tensors(q.device)
         rolling[self._batch_index, 0, :, write_at] = k[:, :, 0]
         rolling[self._batch_index, 1, :, write_at] = v[:, :, 0]
+        if self.correction_reads:  # rescored while the guess's reads may still be landing
+            started = time.perf_counter()
+            corrected = self._pick(layer, q)
+            self.correction_s += time.perf_counter() - started
         slots, valid = self._wait_fetch(layer)
         if self.correction_reads:
-            slots, valid = self._correct(layer, q)
+            slots, valid = self._correct(layer, *corrected)
         slots, valid = torch.from_numpy(slots), torch.from_numpy(valid)
 
         # only the selected records are gathered (one copy each) and decoded, on the compute device
@@ -280,12 +284,11 @@ class OffloadedKV(KVPolicy):
                              f"{self.read_deadline_s:g} s: the KV device under {self.store.root} hangs or is far slower "
                              "than profiled; check it, or raise read_deadline_s") from None
 
-    def _correct(self, layer: int, q: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
-        """Speculate, then correct: the groups scored again with the layer's own query; the corrected picks in
-        memory (the guess's, or still in the reuse slots) are attended where they are and the rest read now, at
+    def _correct(self, layer: int, groups: np.ndarray, valid: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Speculate, then correct: ``groups``/``valid`` are the picks scored again with the layer's own query; those
+        in memory (the guess's, or still in the reuse slots) are attended where they are and the rest read now, at
         most ``correction_reads`` per sequence (past the cap, the guess's other picks stand in)."""
         started = time.perf_counter()
-        groups, valid = self._pick(layer, q)
         owners = record_owners(groups, self.owner, self.shared_groups)
         missing = valid & ~self.slots.resident(layer, groups, owners)
         over = missing & (np.cumsum(missing, axis=1) > self.correction_reads)
