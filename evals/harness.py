@@ -18,7 +18,8 @@ import numpy as np
 import torch
 
 from edgekv.install.solver import Limits, fit_memory, quality_fit
-from edgekv.runtime import Engine, policies
+from edgekv.runtime import Engine, RuntimeConfig, policies
+from edgekv.runtime.engine import preflight
 from edgekv.runtime.config import picked_groups
 from edgekv.runtime.adapter import LowRankAdapter
 from edgekv.runtime.checkpoints import cache_root, checkpoint_fingerprint
@@ -206,6 +207,26 @@ def quality_chooser(model: DecoderModel, model_dir, kv_path, adapters: "Adapters
     if not any(v.rule == "quality" for v in variants):
         return None
     return RecordedChooser(configs_from) if configs_from else QualityChooser(model, model_dir, kv_path, adapters, quiet)
+
+
+def check_budgets(model: DecoderModel, kv_path, variants: list[Variant], contexts: list[int], max_batch: int,
+                  adapters: "Adapters", chooser) -> None:
+    """Every row whose configuration is known without measuring (all but a quality choice still to be measured) is
+    checked against its memory budget before any row runs: an over-budget row is refused in seconds, not after
+    the rows before it ran (and their results lost with the run)."""
+    for context in contexts:
+        for variant in variants:
+            if variant.rule == "quality" and not isinstance(chooser, RecordedChooser):
+                continue
+            config = budget_config(variant, context, model.dims, model.dtype, max_batch, chooser=chooser)
+            adapter = adapters(config["sigma"]) if policies.get(variant.policy).predicts else None
+            if adapters.fixed is not None:
+                config = {**config, "sigma": None}  # the file's rank replaces the fitted sigma (engine_for)
+            cfg = RuntimeConfig.load({k: v for k, v in config.items() if k in RuntimeConfig.keys()})
+            try:
+                preflight(variant.policy, cfg, model.dims, model.dtype, adapter, kv_path)
+            except ValueError as exc:
+                raise ValueError(f"row {variant.label} at context {context}: {exc}") from exc
 
 
 def _score(model: DecoderModel, kv_path, variant: Variant, context: int, instances: list[TaskInstance],

@@ -24,7 +24,7 @@ from edgekv.runtime.devices import resolve_compute
 from edgekv.runtime.model import load_model
 from edgekv.runtime.prompt_cache import PromptKVCache
 
-from .harness import Variant, config_summary, open_engine, quality_chooser
+from .harness import Variant, check_budgets, config_summary, open_engine, quality_chooser
 from .progress import Progress
 from .scoring import (BUILTIN_TEXTS, LICENSES, Adapters, ConfigScorer, Split, calibration_windows, compare,  # noqa: F401
                       engine_steps, load_text, run_windows, split_text, tokenize)
@@ -61,6 +61,7 @@ def evaluate_ppl(model_dir: str | Path, kv_path: str | Path, variants: list[Vari
     adapters = Adapters(model, [splits[min(contexts)].calibration])
     chooser = quality_chooser(model, model_dir, kv_path, adapters, variants, quiet, configs_from)
     variants = [Variant(policies.reference())] + [v for v in variants if v.policy != policies.reference()]
+    check_budgets(model, kv_path, variants, contexts, max_batch, adapters, chooser)
     results = []
     with Progress(len(contexts) * len(variants), "ppl cells", quiet) as progress:
         for context in contexts:

@@ -80,7 +80,7 @@ class Engine:
         self.events = EventBus()
         if os.environ.get("EDGEKV_EVENTS_FILE"):  # set by `edgekv energy` for the process it measures
             self.events.subscribe(JsonLinesLog(os.environ["EDGEKV_EVENTS_FILE"]))
-        self.memory_plan = _preflight(policy, self.config, model.dims, model.dtype, adapter, kv_offload_path)
+        self.memory_plan = preflight(policy, self.config, model.dims, model.dtype, adapter, kv_offload_path)
         self.reader: KVReader | None = reader
         if self.spec.on_disk and reader is None:
             self.reader = open_reader(self.config.io.reader_backend, self.config.io.io_queue_depth, n_paths=len(self.kv_paths))
@@ -121,9 +121,9 @@ class Engine:
         spec = get_policy(policy)
         adapter = _load_adapter(cfg, policy)
         _ttft_costs(cfg.prefill.ttft_costs_path)  # a bad cost model file is named before the weights load
-        _preflight(policy, spec.effective_config(cfg), dims, dtype, adapter, kv_offload_path)
+        preflight(policy, spec.effective_config(cfg), dims, dtype, adapter, kv_offload_path)
         for _, _, sol in solutions or []:
-            _preflight(policy, spec.effective_config(sol), dims, dtype, _load_adapter(sol, policy), kv_offload_path)
+            preflight(policy, spec.effective_config(sol), dims, dtype, _load_adapter(sol, policy), kv_offload_path)
         max_context = max([cfg.max_context] + [s.max_context for _, _, s in solutions or []])
         decoder = load_model(model_dir, device, dtype, max_context)
         return cls(decoder, cfg, policy, kv_offload_path, load_tokenizer(model_dir), adapter, solutions, scorer)
@@ -431,7 +431,7 @@ def _load_adapter(cfg: RuntimeConfig, policy: str) -> LowRankAdapter | None:
     return LowRankAdapter.load(cfg.predictor.adapter_path) if cfg.predictor.adapter_path and get_policy(policy).predicts else None
 
 
-def _preflight(policy, cfg: RuntimeConfig, dims: ModelDims, dtype, adapter, kv_offload_path) -> MemoryPlan:
+def preflight(policy, cfg: RuntimeConfig, dims: ModelDims, dtype, adapter, kv_offload_path) -> MemoryPlan:
     """Refuse what cannot run (adapter mismatch, over budget, bad offload path); returns the memory plan."""
     if adapter is not None:
         adapter.check(dims.global_view().n_layers, dims.n_kv_heads, dims.head_dim)

@@ -126,3 +126,21 @@ def test_the_gap_to_the_oracle_is_split_into_the_guess_and_the_low_rank_keys():
     assert "the layer-ahead guess costs +0.020 ppl x, -0.040 top-1" in line
     assert "the low-rank keys +0.005 ppl x, -0.030 top-1" in line
     assert perplexity.oracle_gap(results[:2]) == []  # no loss stages measured: nothing to say
+
+
+def test_a_recorded_row_over_its_budget_is_refused_before_any_row_runs(text_model, text_file, tmp_path, capsys,
+                                                                        monkeypatch):
+    """An eval of rows read from an earlier run checks every row's memory first: a row over its budget fails at
+    once, named, instead of after the rows before it ran (their results lost with the run)."""
+    runs = []
+    monkeypatch.setattr(perplexity, "run_windows", lambda *a, **k: runs.append(a) or (_ for _ in ()).throw(AssertionError))
+    over = {"G": 4, "M": 40, "C": 40, "sigma": 1.0, "reuse": True, "sink_tokens": 0, "window_tokens": 0}
+    configs = tmp_path / "configs.json"
+    configs.write_text(json.dumps({"ppl": [{"policy": "kvswap", "budget": 1 / 8, "variant": "kvswap@1/8",
+                                            "context": CONTEXT, "config": over}]}))
+    rc = main(["eval", "--model", text_model, "--ppl", str(text_file), "--contexts", str(CONTEXT), "--budgets", "1/8",
+               "--policies", "full,kvswap", "--samples", "2", "--ppl-tokens", str(CONTINUATION), "--rule", "quality",
+               "--configs-from", str(configs), "--quiet"])
+    assert rc == 2 and not runs
+    err = capsys.readouterr().err
+    assert "row kvswap@1/8 at context 160" in err and "max_kv_mem_mib" in err
