@@ -42,6 +42,7 @@ from edgekv.runtime.adapter import LowRankAdapter
 from edgekv.runtime.checkpoints import gguf_source
 from edgekv.runtime import policies as registry
 from edgekv.runtime.config import REPLACEMENTS
+from edgekv.runtime.engine import preflight
 from edgekv.runtime.model import DecoderModel
 from edgekv.runtime.prompt_cache import PromptKVCache
 from edgekv.runtime.reader import open_reader
@@ -147,7 +148,6 @@ ROWS = (Row("full", "full"), Row("flexgen", "flexgen"), Row("token", "token"),
         Row("kvswap-noreuse", "kvswap", reuse=False), Row("kvswap", "kvswap"),
         Row("kvswap-noverify", "kvswap", overrides=(("verify_fraction", 0.0),)), Row("arkv", "arkv"),
         Row("kvswap-quality", "kvswap", chosen=True),
-        Row("kvswap-corrected", "kvswap", overrides=(("correction", "corrected"),)),
         Row("kvswap-quality-corrected", "kvswap", overrides=(("correction", "corrected"),), chosen=True))
 TUNED_ROW = "kvswap"  # the solver's tuned row: the rows over several KV paths and the step-time plot follow it
 LLAMA_CPP_ROW = "llama.cpp"  # the GGUF file under llama.cpp (llama_cpp_run), not a policy
@@ -417,6 +417,12 @@ def bench_point(model: DecoderModel, kv_dir: Path, batch: int, context: int, bud
     measure = RowRunner(model, context, steps, warmup, limits, disk_profile, on_event)
     configs = policy_configs(model, batch, context, budgets, limits, disk_profile, compute_profile, reuse_table, chosen,
                              record_dtypes)
+    for name, budget, cfg in configs:  # every row's memory first: an over-budget row fails now, not after the rest
+        if name in policies:
+            try:
+                preflight(row_policy(name), RuntimeConfig.load(cfg), model.dims, model.dtype, None, kv_dir)
+            except ValueError as exc:
+                raise ValueError(f"row {name} at budget {budget}, batch {batch}, context {context}: {exc}") from exc
     runs: list[Run] = []
 
     def keep(run: Run) -> Run:

@@ -63,6 +63,20 @@ def test_bench_end_to_end_writes_every_row(model_dirs, tmp_path, capsys):
     assert (tmp_path / "bench.png").is_file()
 
 
+def test_a_row_over_its_budget_fails_before_any_row_runs(model_dirs, tmp_path, capsys):
+    from edgekv.evals import harness
+
+    over = {"G": 4, "M": 120, "C": 120, "sigma": 1.0, "reuse": True, "max_context": 576}
+    harness.write_json(tmp_path / "eval.json", [harness.Result("single_needle", 512, "kvswap", 0.25, "kvswap@1/4", 1.0,
+                                                               4, over, 1.0)], {})
+    rc = main(["bench", "--model", model_dirs["llama"], "--batches", "2", "--contexts", "512", "--budgets", "1/4",
+               "--steps", "2", "--warmup", "1", "--disk-seconds", "0.5", "--kv-path", str(tmp_path),
+               "--policies", "full,kvswap-quality", "--quality-configs", str(tmp_path / "eval.json")])
+    out, err = capsys.readouterr()
+    assert rc == 2 and "row kvswap-quality at budget 1/4, batch 2, context 512" in err and "max_kv_mem_mib" in err
+    assert "tok/s" not in out  # not even full ran
+
+
 def test_llama_cpp_row_only_for_a_gguf_model_with_the_binding(model_dirs, tmp_path, monkeypatch):
     """The row needs the model's GGUF file and llama-cpp-python; otherwise the bench says why there is none."""
     import importlib.util
