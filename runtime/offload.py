@@ -100,6 +100,7 @@ class OffloadedKV(KVPolicy):
         self.correction_records = np.zeros(batch, dtype=np.int64)
         self.correction_s = 0.0  # rescoring and the reads it waited for, on the compute thread
         self.guess_recall_counts = np.zeros(2, dtype=np.int64)  # corrected picks the guess had, corrected picks
+        self._corrected: dict[int, threading.Event] = {}  # layer -> set once its correction read (the next may read)
 
     @property
     def resident_bytes(self) -> int:
@@ -178,7 +179,10 @@ class OffloadedKV(KVPolicy):
             self._keep_picks(layer, groups, valid, owners)
         slots, misses = self.slots.assign(layer, groups, valid, owners)
         self.select_s += time.perf_counter() - started
-        future = self._read_misses(layer, misses, self._io)
+        after = None
+        if self.correction_reads and (layer - 1) in self._pending:  # the layer before corrects first (see _fetch)
+            after = self._corrected[layer - 1] = threading.Event()
+        future = self._read_misses(layer, misses, self._io, after)
         self._pending[layer] = (slots, valid, future, np.where(valid, groups, -1))
 
     def _pick(self, layer: int, q: torch.Tensor | None) -> tuple[np.ndarray, np.ndarray]:
@@ -189,16 +193,22 @@ class OffloadedKV(KVPolicy):
         picks = torch.where(valid, groups, -1).cpu().numpy()  # one transfer (the layer's one sync on a GPU)
         return np.maximum(picks, 0), (picks >= 0) & self._active[:, None]
 
-    def _read_misses(self, layer: int, misses, executor: ThreadPoolExecutor) -> Future:
-        """The misses' reads, submitted to ``executor``; their bytes count as read."""
+    def _read_misses(self, layer: int, misses, executor: ThreadPoolExecutor, after: threading.Event | None = None
+                     ) -> Future:
+        """The misses' reads, submitted to ``executor`` (to start once ``after`` is set); their bytes count as read."""
         buffer = self.slots.buffer_index(layer)
         addresses = self.slot_memory.read_addresses(layer, buffer, misses)
         self.bytes_read += np.bincount(misses.seq, minlength=self.batch) * self.layout.stride_bytes
         reads = self.store.batch(layer, misses.seq, misses.group, addresses)
-        return executor.submit(self._fetch, layer, buffer, misses, reads)
+        return executor.submit(self._fetch, layer, buffer, misses, reads, after)
 
-    def _fetch(self, layer: int, buffer: int, misses, reads) -> None:
-        """On the I/O thread: the misses read from disk, then moved where attention reads them."""
+    def _fetch(self, layer: int, buffer: int, misses, reads, after: threading.Event | None = None) -> None:
+        """On the I/O thread: the misses read from disk, then moved where attention reads them.  ``after``: with
+        correction, the layer before's correction is done: its few reads wait before attention, so they go first
+        instead of queueing behind this whole layer's (the reader takes one batch at a time); this read then
+        overlaps that layer's attention and MLP."""
+        if after is not None:
+            after.wait(timeout=self.read_deadline_s)
         self.slot_memory.before_read(layer)
         start = time.perf_counter()
         self.store.read(reads)
@@ -251,9 +261,13 @@ class OffloadedKV(KVPolicy):
             started = time.perf_counter()
             corrected = self._pick(layer, q)
             self.correction_s += time.perf_counter() - started
-        slots, valid = self._wait_fetch(layer)
-        if self.correction_reads:
-            slots, valid = self._correct(layer, *corrected)
+        try:
+            slots, valid = self._wait_fetch(layer)
+            if self.correction_reads:
+                slots, valid = self._correct(layer, *corrected)
+        finally:
+            if layer in self._corrected:  # the next layer's read may start
+                self._corrected.pop(layer).set()
         slots, valid = torch.from_numpy(slots), torch.from_numpy(valid)
 
         # only the selected records are gathered (one copy each) and decoded, on the compute device
@@ -398,6 +412,8 @@ class OffloadedKV(KVPolicy):
         """Reads still in flight finish before any file is closed; the first one's error is raised after cleanup.
         A read past its deadline is not waited for: its buffers are kept alive until it lands, and the files
         close under it (the kernel holds them for a syscall in progress)."""
+        for gate in self._corrected.values():  # no correction is coming: queued reads may start (and finish)
+            gate.set()
         futures = [future for _, _, future, _ in self._pending.values()]
         self._pending.clear()
         errors = []
