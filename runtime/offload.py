@@ -203,10 +203,10 @@ class OffloadedKV(KVPolicy):
         return executor.submit(self._fetch, layer, buffer, misses, reads, after)
 
     def _fetch(self, layer: int, buffer: int, misses, reads, after: threading.Event | None = None) -> None:
-        """On the I/O thread: the misses read from disk, then moved where attention reads them.  ``after``: with
-        correction, the layer before's correction is done: its few reads wait before attention, so they go first
-        instead of queueing behind this whole layer's (the reader takes one batch at a time); this read then
-        overlaps that layer's attention and MLP."""
+        """On the I/O thread: the misses read from disk, then moved where attention reads them.  ``after`` (with
+        correction): set once the layer before has corrected; that layer's few reads hold up its attention, so they
+        go first instead of queueing behind this whole layer's (the reader takes one batch at a time), and this read
+        still overlaps that layer's attention and MLP."""
         if after is not None:
             after.wait(timeout=self.read_deadline_s)
         self.slot_memory.before_read(layer)

@@ -122,8 +122,9 @@ class Slots:
     ``assign`` places one step's picks of a layer and names the misses; ``held`` says which records already sit
     in slots (read again for free); ``resident`` and ``correct`` serve a second look at the same layer and step
     (the picks rescored with the layer's own query: which sit in memory now, and where the rest go);
-    ``share`` pools sequences with a common prefix; ``reset`` starts a row anew; records of layer l live in buffer ``buffer_index(l)`` of ``n_buffers(n_layers)``; ``replacement`` is
-    told what clustering learns of records (cost, prior picks)."""
+    ``share`` pools sequences with a common prefix; ``reset`` starts a row anew; records of layer l live in buffer
+    ``buffer_index(l)`` of ``n_buffers(n_layers)``; ``replacement`` is told what clustering learns of records (cost,
+    prior picks)."""
 
     keeps_records = False  # records stay resident past their step (a reuse buffer)
     capacity: int
