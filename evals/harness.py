@@ -270,6 +270,7 @@ def evaluate(
     """Every (task, context, variant) cell; the same instances for every variant."""
     model, adapters = _load(model_dir, contexts, tasks, seed, adapter_path, device, dtype)
     chooser = quality_chooser(model, model_dir, kv_path, adapters, variants, quiet, configs_from)
+    check_budgets(model, kv_path, variants, contexts, max_batch, adapters, chooser)
     fmt = task_format(model_dir)
     results = []
     with Progress(len(contexts) * len(variants), "eval cells", quiet) as progress:

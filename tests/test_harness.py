@@ -112,3 +112,19 @@ def test_configs_from_an_earlier_eval_are_run_as_recorded(model_dirs, tmp_path):
     assert config["max_batch"] == 2  # the run's own batch, not the recorded one
     with pytest.raises(ValueError, match="no kvswap row at context 1024, budget 1/4"):
         harness.budget_config(variant, 1024, model.dims, torch.float32, 2, chooser=chooser)
+
+
+def test_a_task_eval_refuses_a_recorded_row_over_its_budget_before_scoring_any(tmp_path, monkeypatch):
+    from edgekv.runtime.checkpoints import resolve_checkpoint
+
+    scored = []
+    monkeypatch.setattr(harness, "_score", lambda *a, **k: scored.append(a))
+    over = {"G": 4, "M": 120, "C": 120, "sigma": 1.0, "reuse": True, "sink_tokens": 0, "window_tokens": 0}
+    path = tmp_path / "eval.json"
+    path.write_text(json.dumps({"results": [{"task": "single_needle", "policy": "kvswap", "budget": 1 / 8,
+                                             "variant": "kvswap@1/8", "context": 512, "config": over}]}))
+    variants = [harness.Variant("full"), harness.Variant("kvswap", 1 / 8, rule="quality")]
+    with pytest.raises(ValueError, match="row kvswap@1/8 at context 512: .*max_kv_mem_mib"):
+        harness.evaluate(resolve_checkpoint("fixture"), tmp_path, variants, [512], ["single_needle"], 1, 0,
+                         max_batch=2, configs_from=path, quiet=True, device="cpu")
+    assert not scored
