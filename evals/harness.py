@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from edgekv.install.solver import Limits, fit_memory, quality_fit
-from edgekv.runtime import Engine, RuntimeConfig, policies
+from edgekv.runtime import Engine, policies
 from edgekv.runtime.engine import preflight
 from edgekv.runtime.config import picked_groups
 from edgekv.runtime.adapter import LowRankAdapter
@@ -219,10 +219,7 @@ def check_budgets(model: DecoderModel, kv_path, variants: list[Variant], context
             if variant.rule == "quality" and not isinstance(chooser, RecordedChooser):
                 continue
             config = budget_config(variant, context, model.dims, model.dtype, max_batch, chooser=chooser)
-            adapter = adapters(config["sigma"]) if policies.get(variant.policy).predicts else None
-            if adapters.fixed is not None:
-                config = {**config, "sigma": None}  # the file's rank replaces the fitted sigma (engine_for)
-            cfg = RuntimeConfig.load({k: v for k, v in config.items() if k in RuntimeConfig.keys()})
+            adapter, _, cfg = scoring.engine_inputs(variant.policy, config, adapters)
             try:
                 preflight(variant.policy, cfg, model.dims, model.dtype, adapter, kv_path)
             except ValueError as exc:

@@ -159,16 +159,21 @@ def engine_steps(forced_tokens: list[int], max_batch: int) -> int:
     return sum(len(c) + max(c) for c in chunks)
 
 
-def engine_for(model: DecoderModel, kv_path, policy: str, config: dict, adapters: Adapters) -> tuple[Engine, dict]:
-    """An engine running ``config`` with the calibrated adapter of its sigma, and the config it runs."""
+def engine_inputs(policy: str, config: dict, adapters: Adapters) -> tuple[LowRankAdapter | None, dict, RuntimeConfig]:
+    """(the calibrated adapter of ``config``'s sigma, the config it runs, that config's runtime fields, loaded)."""
     adapter = None
     if policies.get(policy).predicts:
         adapter = adapters(config["sigma"])
         if adapters.fixed is not None:
             config = {**config, "sigma": None}  # the file's rank replaces the fitted sigma
     known = set(RuntimeConfig.keys())
-    return Engine(model, RuntimeConfig.load({k: v for k, v in config.items() if k in known}), policy, kv_path,
-                  adapter=adapter), config
+    return adapter, config, RuntimeConfig.load({k: v for k, v in config.items() if k in known})
+
+
+def engine_for(model: DecoderModel, kv_path, policy: str, config: dict, adapters: Adapters) -> tuple[Engine, dict]:
+    """An engine running ``config`` with the calibrated adapter of its sigma, and the config it runs."""
+    adapter, config, runtime = engine_inputs(policy, config, adapters)
+    return Engine(model, runtime, policy, kv_path, adapter=adapter), config
 
 
 def _predictions(engine, windows: list[list[int]], continuation: int, on_event) -> tuple[torch.Tensor, dict]:

@@ -10,10 +10,10 @@ from edgekv.runtime.selector import LowRankSelector
 from tests.conftest import save_model
 
 
-def make_selector(adapter, rank, G=4, M=2, max_context=64, klr_dtype="float32", score_reduce="sum"):
+def make_selector(adapter, rank, G=4, M=2, max_context=64, klr_dtype="float32", score_reduce="sum", scaling=1.0):
     dims = ModelDims(n_layers=1, hidden=64, n_heads=4, n_kv_heads=2, head_dim=16, vocab=10)
     return LowRankSelector(adapter, rank, dims, 1, max_context, G, M,
-                           PredictorConfig(klr_dtype=klr_dtype, score_reduce=score_reduce), torch.device("cpu"))
+                           PredictorConfig(klr_dtype=klr_dtype, score_reduce=score_reduce), torch.device("cpu"), scaling)
 
 
 def test_full_rank_scores_equal_true_attention_logits_summed_over_heads():
@@ -30,12 +30,9 @@ def test_full_rank_scores_equal_true_attention_logits_summed_over_heads():
 @pytest.mark.parametrize("klr_dtype", ["float32", "int8"])
 def test_full_rank_softmax_votes_equal_each_heads_attention_summed(klr_dtype):
     torch.manual_seed(3)
-    k = torch.randn(2, 40, 16)
-    q = torch.randn(1, 4, 1, 16)
-    adapter = LowRankAdapter.fit([k.transpose(0, 1).reshape(40, -1)], 2, 16, rank=32)
-    selector = LowRankSelector(adapter, 32, ModelDims(n_layers=1, hidden=64, n_heads=4, n_kv_heads=2, head_dim=16,
-                                                      vocab=10), 1, 64, 4, 2,
-                               PredictorConfig(klr_dtype=klr_dtype, score_reduce="softmax"), torch.device("cpu"), 0.25)
+    k, q = torch.randn(2, 40, 16), torch.randn(1, 4, 1, 16)
+    selector = make_selector(LowRankAdapter.fit([k.transpose(0, 1).reshape(40, -1)], 2, 16, rank=32), 32,
+                             klr_dtype=klr_dtype, score_reduce="softmax", scaling=0.25)
     selector.append(0, 0, 0, k)
     expected = sum((q[0, h, 0] @ k[h // 2].T * 0.25).softmax(dim=-1) for h in range(4))
     tolerance = 1e-4 if klr_dtype == "float32" else 0.05  # int8 rows: ~1 % of each logit's range
