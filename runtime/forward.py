@@ -74,7 +74,7 @@ def grouped_sdpa(model: DecoderModel, q, k, v, mask) -> torch.Tensor:
     b, h, _, d = q.shape
     n_kv = k.shape[1]
     out = F.scaled_dot_product_attention(q.view(b, n_kv, h // n_kv, d), k, v, attn_mask=mask, scale=model.scaling)
-    return out.view(b, h, 1, d)
+    return out.reshape(b, h, 1, d)  # the fused kernels may return it in [B, g, H_kv, d] memory order
 
 
 @torch.inference_mode()

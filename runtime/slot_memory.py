@@ -60,8 +60,7 @@ class DeviceSlots:
         stride = layout.stride_bytes
         self._slots = torch.zeros(n_buffers, batch * capacity, stride, dtype=torch.uint8, device=device)
         # pinned staging, one set per layer parity: layer l+1 reads while layer l's copy may still run
-        self._staging = [torch.empty(max(1, max_misses), stride, dtype=torch.uint8).pin_memory() for _ in range(2)]
-        assert all(s.data_ptr() % layout.align_bytes == 0 for s in self._staging), "pinned memory is page-aligned"
+        self._staging = [pinned_aligned((max(1, max_misses), stride), layout.align_bytes) for _ in range(2)]
         self._copy_stream = torch.cuda.Stream(device=device)
         self._copied = {}  # buffer -> event: its last copy is done
         self._staged = [torch.cuda.Event() for _ in range(2)]  # staging set -> its last copy has read it
@@ -83,6 +82,8 @@ class DeviceSlots:
         """On the I/O thread: the staging set of this parity is free once the copy two layers back has read it."""
         self._staged[layer % 2].synchronize()
 
+    @torch.inference_mode()  # the slots are inference tensors (made under the engine's inference mode), and
+    # inference mode is per thread: without it here the I/O thread may not write them
     def after_read(self, layer: int, buffer: int, misses: Misses) -> None:
         """On the I/O thread, once the reads landed: the misses' rows go to their device slots on the copy stream,
         after the attention that last read this buffer; an event says when they are there."""
@@ -119,6 +120,15 @@ class DeviceSlots:
 
     def records(self, buffer: int, slots: np.ndarray) -> np.ndarray:
         return self._slots[buffer][torch.from_numpy(slots).to(self.device)].cpu().numpy()
+
+
+def pinned_aligned(shape: tuple[int, int], align: int) -> torch.Tensor:
+    """Pinned uint8 host memory of ``shape`` starting on an ``align`` boundary (O_DIRECT reads land in it): the
+    pinned allocator's blocks are not page-aligned, so the rows start inside a block ``align`` bytes larger."""
+    nbytes = shape[0] * shape[1]
+    raw = torch.empty(nbytes + align, dtype=torch.uint8, pin_memory=True)
+    start = (-raw.data_ptr()) % align
+    return raw[start : start + nbytes].view(shape)
 
 
 def slot_memory(n_buffers: int, batch: int, capacity: int, layout: RecordLayout, device: torch.device,
