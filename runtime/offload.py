@@ -323,8 +323,13 @@ class OffloadedKV(KVPolicy):
         super().end_step(active)
         self._step = None
         self.rb_len[active] += 1
-        for seq in np.flatnonzero(self.rb_len == self.G):
-            self._flush_group(int(seq))
+        full = np.flatnonzero(self.rb_len == self.G)
+        if len(full):
+            spans = [self._ring_span(int(seq)) for seq in full]
+            # one transfer for every full group of the step (on a GPU its one sync), not two per layer
+            on_host = torch.stack([self.rolling[:, seq, :, :, span] for seq, span in zip(full, spans)]).cpu()
+            for seq, span, kv in zip(full, spans, on_host):
+                self._flush_group(int(seq), span, kv)
         self.decode_steps[active] += 1
         for seq in np.flatnonzero(active & (self.decode_steps == self.recluster_steps)) if self.recluster_steps else ():
             self._recluster(int(seq))
@@ -364,13 +369,18 @@ class OffloadedKV(KVPolicy):
             moved = np.concatenate(per_path)
             self.slots.replacement.set_cost(layer, seq, moved, cost[moved])
 
-    def _flush_group(self, seq: int) -> None:
-        """The rolling buffer of ``seq`` is one full group: write it to disk and add its keys to K_lr."""
+    def _ring_span(self, seq: int) -> slice:
+        """The ring positions of the group ``seq`` is filling."""
+        slot = int(self.n_groups[seq]) % self.ring_groups
+        return slice(slot * self.G, (slot + 1) * self.G)
+
+    def _flush_group(self, seq: int, span: slice, on_host: torch.Tensor) -> None:
+        """The rolling buffer of ``seq`` is one full group (``on_host``: its K/V [L, 2, H_kv, G, d] on the host): write
+        it to disk and add its keys to K_lr."""
         group = int(self.n_groups[seq])
-        span = slice(group % self.ring_groups * self.G, (group % self.ring_groups + 1) * self.G)
         for layer in range(self.model.dims.n_layers):
             k, v = self.rolling[layer, seq, 0, :, span], self.rolling[layer, seq, 1, :, span]
-            self.store.write_groups(seq, layer, group, self.layout.pack(k, v))
+            self.store.write_groups(seq, layer, group, self.layout.pack(on_host[layer, 0], on_host[layer, 1]))
             self.selector.append(layer, seq, group * self.G, k)
             if group < self.sink_groups:
                 self._keep_group(layer, seq, group, k, v, in_ring=False)
