@@ -96,6 +96,7 @@ class RandomSelector(Selector):
 CORRECTIONS = ("guess", "corrected")  # config 'correction': the layer-ahead picks as they are, or rescored at attention
 SCORE_REDUCES = ("sum", "softmax")  # how heads' scores make a token's: logits summed (KVSwap), or a softmax vote each
 # K_lr formats: torch dtype, bytes per element, bytes of per-token scale (int8 rows carry one bf16 absmax scale)
+CPU_BLOCK_BYTES = 2 << 20  # float32 K_lr rows a CPU select converts at a time (LowRankSelector._rows_times)
 KLR_FORMATS = {"bfloat16": (torch.bfloat16, 2, 0), "float16": (torch.float16, 2, 0), "float32": (torch.float32, 4, 0),
                "int8": (torch.int8, 1, 2)}
 
@@ -112,7 +113,9 @@ class LowRankSelector(Selector):
     many keys each fit saw.  A calibrated adapter from the install step is better; the engine warns.
 
     ``klr_dtype`` "int8" stores each projected key as int8 with its own absmax scale (half of bf16's
-    bytes, so a lower sigma in the same memory); scores are computed in bf16 and rescaled per token."""
+    bytes, so a lower sigma in the same memory).  Projections and scores compute in float32 whatever the rows'
+    format: rounded once, to the stored format, the same keys give the same rows and picks on a CPU and a GPU
+    (a bf16 matmul rounds its output by device-specific rules, and bf16 scores tie at the top-M boundary)."""
 
     def __init__(self, adapter: LowRankAdapter | None, rank: int, dims: ModelDims, batch: int, max_context: int,
                  group_tokens: int, groups_per_step: int, predictor: PredictorConfig, device: torch.device,
@@ -128,7 +131,7 @@ class LowRankSelector(Selector):
         self._group_index = torch.arange(self.max_groups, device=device)
         stored, _, _ = KLR_FORMATS[predictor.klr_dtype]
         self.quantized = stored == torch.int8
-        self.dtype = torch.bfloat16 if self.quantized else stored  # what projections and scores compute in
+        self.dtype = torch.float32  # what projections and scores compute in
         self.device = device
         self.rank = rank
         self.n_kv_heads = n_kv_heads
@@ -172,13 +175,6 @@ class LowRankSelector(Selector):
         self.k_lr[layer, seq, rows] = (projected.float() / scale[:, None]).round().to(torch.int8)
         self.k_scale[layer, seq, rows] = scale.to(torch.bfloat16)
 
-    def _keys(self, layer: int, n_tokens: int) -> torch.Tensor:
-        """K_lr rows [B, n_tokens, r] in the compute dtype (int8 rows dequantised)."""
-        keys = self.k_lr[layer, :, :n_tokens]
-        if not self.quantized:
-            return keys
-        return keys.to(self.dtype) * self.k_scale[layer, :, :n_tokens, None]
-
     def end_prefill(self) -> None:
         for layer in range(len(self.adapter)):
             self._fit(layer)
@@ -203,19 +199,28 @@ class LowRankSelector(Selector):
         adapter = self.adapter[layer].view(self.n_kv_heads, d, -1)
         if self.score_reduce == "sum":
             q_lr = torch.einsum("bgd,gdr->br", grouped.sum(dim=2).to(self.dtype), adapter)
-            # K_lr rows times one vector: bmm over [B, S, r] reads K_lr in its stored order (~3x the transposed matmul on CPU)
-            if self.quantized:  # per-token scales factor out of the dot product
-                raw = torch.bmm(self.k_lr[layer, :, :n_tokens].to(self.dtype), q_lr[:, :, None])[..., 0]
-                return raw.float() * self.k_scale[layer, :, :n_tokens].float()
-            return torch.bmm(self.k_lr[layer, :, :n_tokens], q_lr[:, :, None])[..., 0].float()
+            return self._rows_times(layer, n_tokens, q_lr[:, :, None])[..., 0]
         q_lr = torch.einsum("bgnd,gdr->bgnr", grouped.to(self.dtype), adapter).reshape(b, h, -1)
-        # [B, T, H]: K_lr in its stored order times the heads' queries, scaled first, in fp32 (on a CPU without bf16
-        # units this bf16 matmul of a few columns runs several times slower than converting); int8 scales per token
-        queries = (q_lr.float() * self.scaling).transpose(1, 2).contiguous()
-        logits = torch.bmm(self.k_lr[layer, :, :n_tokens].float(), queries)
-        if self.quantized:
-            logits.mul_(self.k_scale[layer, :, :n_tokens, None])
-        return logits.softmax(dim=1).sum(dim=2)
+        queries = (q_lr * self.scaling).transpose(1, 2).contiguous()  # scaled first
+        return self._rows_times(layer, n_tokens, queries).softmax(dim=1).sum(dim=2)
+
+    def _rows_times(self, layer: int, n_tokens: int, rhs: torch.Tensor) -> torch.Tensor:
+        """K_lr rows [B, n_tokens, r] in float32 times ``rhs`` [B, r, c] -> [B, n_tokens, c], int8 rows scaled per
+        token.  bmm over the rows reads K_lr in its stored order (~3x the transposed matmul on a CPU); on a CPU the
+        rows are converted a block at a time (a whole float copy is fresh memory every select: at 4 x 32K its page
+        faults tripled the select's time), on a GPU at once (one kernel; its allocator reuses the memory)."""
+        rows = self.k_lr[layer, :, :n_tokens]
+        batch, _, rank = rows.shape
+        block = max(256, CPU_BLOCK_BYTES // (4 * batch * rank)) if rows.device.type == "cpu" else n_tokens
+        if block >= n_tokens:
+            out = torch.bmm(rows.to(self.dtype), rhs)
+        else:
+            out = torch.empty(batch, n_tokens, rhs.shape[2], dtype=self.dtype, device=rows.device)
+            for start in range(0, n_tokens, block):
+                out[:, start : start + block] = torch.bmm(rows[:, start : start + block].to(self.dtype), rhs)
+        if self.quantized:  # per-token scales factor out of the dot product
+            out.mul_(self.k_scale[layer, :, :n_tokens, None])
+        return out
 
     def select(self, layer, q, n_groups, first=0):
         self._fit(layer)

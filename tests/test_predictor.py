@@ -39,6 +39,24 @@ def test_full_rank_softmax_votes_equal_each_heads_attention_summed(klr_dtype):
     torch.testing.assert_close(selector.token_scores(0, q, 40)[0], expected, rtol=tolerance, atol=tolerance)
 
 
+@pytest.mark.parametrize("score_reduce", ["sum", "softmax"])
+def test_bf16_rows_are_rounded_once_and_scored_in_fp32(score_reduce):
+    """A bf16 matmul rounds by device-specific rules (a CPU's and a GPU's picks differed at the top-M boundary):
+    the rows are the float32 projection rounded once to bf16, and the scores the float32 product of those rows."""
+    torch.manual_seed(4)
+    k, q = torch.randn(2, 40, 16), torch.randn(1, 4, 1, 16)
+    adapter = LowRankAdapter.fit([k.transpose(0, 1).reshape(40, -1)], 2, 16, rank=8)
+    selector = make_selector(adapter, 8, max_context=40, klr_dtype="bfloat16", score_reduce=score_reduce, scaling=0.25)
+    selector.append(0, 0, 0, k)
+    rows = (k.transpose(0, 1).reshape(40, -1) @ adapter.matrices[0].float()).to(torch.bfloat16)
+    assert torch.equal(selector.k_lr[0, 0], rows)
+    basis = adapter.matrices[0].float().view(2, 16, 8)
+    per_head = torch.stack([q[0, h, 0] @ basis[h // 2] for h in range(4)])  # [H, r] in float32
+    logits = rows.float() @ per_head.T  # [T, H]
+    expected = logits.sum(-1) if score_reduce == "sum" else (logits * 0.25).softmax(dim=0).sum(-1)
+    torch.testing.assert_close(selector.token_scores(0, q, 40)[0], expected, rtol=1e-5, atol=1e-6)
+
+
 def test_grouped_top_m_finds_the_planted_groups():
     torch.manual_seed(1)
     k = torch.randn(2, 64, 16) * 0.1
