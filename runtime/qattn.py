@@ -23,7 +23,7 @@ from . import native_build
 log = logging.getLogger(__name__)
 
 KERNEL_FIELDS = ("k_codes", "v_codes", "k_scale", "k_zero", "v_scale", "v_zero", "pos")  # the C enum's order
-TORCH_BLOCK_GROUPS = 64  # groups dequantized together by the torch path
+TORCH_BLOCK_GROUPS = 64  # groups a CPU dequantizes together on the torch path (a GPU takes them all in one go)
 
 
 def align16(n: int) -> int:
@@ -131,11 +131,18 @@ def group_values(w: torch.Tensor, rows: torch.Tensor, layout: GroupLayout, use_n
     return out
 
 
+def _block_groups(rows: torch.Tensor) -> int:
+    """Groups dequantized per torch call: a bounded block on a CPU (the float codes stay in cache), every group at
+    once on a GPU (a loop of small blocks is a few kernel launches per 64 groups, ~10^5 a step at batch 8, 32K)."""
+    return TORCH_BLOCK_GROUPS if rows.device.type == "cpu" else max(1, rows.shape[0])
+
+
 def _scores_torch(q: torch.Tensor, rows: torch.Tensor, layout: GroupLayout, scaling: float) -> torch.Tensor:
     """The reference: scales folded into q as the kernel does, codes unpacked a block of groups at a time."""
     parts = []
-    for start in range(0, rows.shape[0], TORCH_BLOCK_GROUPS):
-        f = layout.fields(rows[start: start + TORCH_BLOCK_GROUPS])
+    block = _block_groups(rows)
+    for start in range(0, rows.shape[0], block):
+        f = layout.fields(rows[start: start + block])
         codes = unpack_codes(f["k_codes"], layout.fmt.bits).float()  # [n, H, g, d]
         scale, zero = f["k_scale"].float()[:, :, 0], f["k_zero"].float()[:, :, 0]  # [n, H, d]
         qs = q[None] * scale[:, :, None] * scaling  # [n, H, rep, d]
@@ -146,9 +153,9 @@ def _scores_torch(q: torch.Tensor, rows: torch.Tensor, layout: GroupLayout, scal
 
 def _values_torch(w: torch.Tensor, rows: torch.Tensor, layout: GroupLayout) -> torch.Tensor:
     out = w.new_zeros(*w.shape[:2], layout.d)
-    g = layout.g
-    for start in range(0, rows.shape[0], TORCH_BLOCK_GROUPS):
-        f = layout.fields(rows[start: start + TORCH_BLOCK_GROUPS])
+    g, block = layout.g, _block_groups(rows)
+    for start in range(0, rows.shape[0], block):
+        f = layout.fields(rows[start: start + block])
         n = f["pos"].shape[0]
         wb = w[..., start * g: (start + n) * g].unflatten(-1, (n, g))  # [H, rep, n, g]
         wb = wb.masked_fill(f["pos"][None, None] < 0, 0.0)

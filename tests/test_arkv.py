@@ -213,13 +213,9 @@ def test_tailor_scripted_tri_state(budget_mib, evicting):
 
 # ---- the kernel ---------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("fmt", ["int8", "int4"])
-@pytest.mark.parametrize("n_kv, rep, d, n_groups", [(2, 3, 10, 5), (4, 1, 128, 3), (1, 8, 64, 1)])
-def test_kernel_matches_torch(fmt, n_kv, rep, d, n_groups):
-    if shutil.which("cc") is None:
-        pytest.skip("no C compiler: the torch path serves")
-    assert native_kernel() is not None
-    torch.manual_seed(n_kv * 100 + d)
+def quantized_rows(fmt: str, n_kv: int, d: int, n_groups: int):
+    """(layout, rows uint8 [n_groups, record_bytes], quantized keys, quantized values) of random K/V, every
+    position filled in order (no holes)."""
     layout = GroupLayout(n_kv, GROUP_TOKENS, d, quant_format(fmt))
     rows = torch.zeros(n_groups, layout.record_bytes, dtype=torch.uint8)
     f = layout.fields(rows)
@@ -228,9 +224,20 @@ def test_kernel_matches_torch(fmt, n_kv, rep, d, n_groups):
     for name, t in (("k_codes", qk.codes), ("k_scale", qk.scale), ("k_zero", qk.zero),
                     ("v_codes", qv.codes), ("v_scale", qv.scale), ("v_zero", qv.zero)):
         f[name][:] = t
-    pos = torch.arange(n_groups * GROUP_TOKENS, dtype=torch.int32).view(n_groups, GROUP_TOKENS)
+    f["pos"][:] = torch.arange(n_groups * GROUP_TOKENS, dtype=torch.int32).view(n_groups, GROUP_TOKENS)
+    return layout, rows, qk, qv
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("n_kv, rep, d, n_groups", [(2, 3, 10, 5), (4, 1, 128, 3), (1, 8, 64, 1)])
+def test_kernel_matches_torch(fmt, n_kv, rep, d, n_groups):
+    if shutil.which("cc") is None:
+        pytest.skip("no C compiler: the torch path serves")
+    assert native_kernel() is not None
+    torch.manual_seed(n_kv * 100 + d)
+    layout, rows, qk, qv = quantized_rows(fmt, n_kv, d, n_groups)
+    pos = layout.fields(rows)["pos"]
     pos[0, 3] = pos[-1, 7:] = -1  # holes
-    f["pos"][:] = pos
     q = torch.randn(n_kv, rep, d)
     native, reference = group_scores(q, rows, layout, 0.3), group_scores(q, rows, layout, 0.3, use_native=False)
     exact = torch.einsum("hjd,nhtd->hjnt", q, qk.dequantize()).flatten(2) * 0.3
@@ -243,6 +250,25 @@ def test_kernel_matches_torch(fmt, n_kv, rep, d, n_groups):
     exact_out = torch.einsum("hjnt,nhtd->hjd", w.unflatten(-1, (n_groups, GROUP_TOKENS)), qv.dequantize())
     torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(out, exact_out, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_the_torch_path_gives_the_same_attention_in_blocks_or_all_groups_at_once(fmt, monkeypatch):
+    """A CPU dequantizes 64 groups at a time, a GPU every group in one call: the block is no part of the result."""
+    from edgekv.runtime import qattn
+
+    torch.manual_seed(7)
+    layout, rows, _, _ = quantized_rows(fmt, 2, 16, 150)
+    layout.fields(rows)["pos"][70, 2] = -1  # a hole inside the second block
+    q = torch.randn(2, 3, 16)
+    results = []
+    for block in (64, 1000):
+        monkeypatch.setattr(qattn, "TORCH_BLOCK_GROUPS", block)
+        scores = group_scores(q, rows, layout, 0.3, use_native=False)
+        results.append((scores, group_values(scores.softmax(-1), rows, layout, use_native=False)))
+    (blocked, blocked_out), (whole, whole_out) = results
+    assert torch.equal(blocked, whole) and blocked[..., 70 * GROUP_TOKENS + 2].eq(float("-inf")).all()
+    torch.testing.assert_close(blocked_out, whole_out, rtol=1e-5, atol=1e-5)  # sums in another order
 
 
 def test_geometry_quantizes_only_as_the_budget_requires_and_evicts_last():
