@@ -4,7 +4,9 @@ Rows per (batch, context): ``full`` (all KV in memory), ``flexgen`` (the whole l
 disk each step, unconstrained), and at each budget (a fraction of the full cache for the batch)
 ``token`` (G=1, no reuse), ``kvswap-noreuse`` and ``kvswap`` as the install step's solver tunes it
 for this machine (disk profile, block compute profile of this model), and ``arkv`` (in memory: the
-budget holds original and quantized tokens, the rest evicted).  Honesty rules:
+budget holds original and quantized tokens, the rest evicted).  ``kvswap-ram`` (asked for by name) is
+``kvswap``'s twin with its KV folder in RAM (tmpfs): the same step with every read already in memory, one of
+the two limits ``kvswap``'s overlap is measured against (the other: its bytes at the disk's rate).  Honesty rules:
 - every prompt is prefilled once and replayed into each policy (same K/V, same disk writes),
   so only decode is compared and only decode is timed;
 - decode time comes from the engine's step events; the first ``warmup`` steps are excluded;
@@ -94,6 +96,14 @@ class Run:
     correction: str | None = None  # guess (the layer-ahead picks) or corrected (rescored with the layer's own query)
     correction_records_per_step: float | None = None  # records a correction read per decode step, the whole batch
     guess_recall: float | None = None  # the share of the corrected picks the layer-ahead guess had
+    # kvswap beside its limits (with a kvswap-ram row): the step with every read in memory, its bytes per step at
+    # the disk's rate (fio's, else the reader's: meta's disk reference), and max(both) / step_ms (1: at the limit)
+    in_memory_step_ms: float | None = None
+    disk_bound_ms: float | None = None
+    overlap_efficiency: float | None = None
+    # full in the memory this row holds: the largest batch at this context, or else the longest context at batch 1
+    full_fit_batch: int | None = None
+    full_fit_context: int | None = None
 
 
 def ratio(value: float | None, reference: float | None) -> float | None:
@@ -141,15 +151,19 @@ class Row:
     reuse: bool | None = None  # False: the tuned G refitted without a reuse buffer (what reuse buys)
     overrides: tuple = ()  # (field, value) set on the fitted configuration (e.g. what checksums cost)
     chosen: bool = False  # the configurations an eval chose by measured quality (--quality-configs), when given
+    kv_in_memory: bool = False  # its KV folder in RAM (tmpfs): every read already in memory
 
 
+TUNED_ROW = "kvswap"  # the solver's tuned row: the rows over several KV paths and the step-time plot follow it
+IN_MEMORY_ROW = "kvswap-ram"  # the tuned row's twin with every read in memory
+RAM_FOLDER = Path("/dev/shm")  # tmpfs on Linux: a KV folder whose reads are memory copies
 # the table's rows in order; a registered policy no row names runs as a row of its own name
 ROWS = (Row("full", "full"), Row("flexgen", "flexgen"), Row("token", "token"),
         Row("kvswap-noreuse", "kvswap", reuse=False), Row("kvswap", "kvswap"),
+        Row(IN_MEMORY_ROW, "kvswap", kv_in_memory=True),
         Row("kvswap-noverify", "kvswap", overrides=(("verify_fraction", 0.0),)), Row("arkv", "arkv"),
         Row("kvswap-quality", "kvswap", chosen=True),
         Row("kvswap-quality-corrected", "kvswap", overrides=(("correction", "corrected"),), chosen=True))
-TUNED_ROW = "kvswap"  # the solver's tuned row: the rows over several KV paths and the step-time plot follow it
 LLAMA_CPP_ROW = "llama.cpp"  # the GGUF file under llama.cpp (llama_cpp_run), not a policy
 
 
@@ -162,10 +176,14 @@ def row_names() -> tuple[str, ...]:
     return tuple(r.name for r in rows()) + (LLAMA_CPP_ROW,)
 
 
+def row_named(name: str) -> Row | None:
+    return next((r for r in rows() if r.name == name.split("/")[0].split(",")[0]), None)
+
+
 def row_policy(name: str) -> str:
     """The registered policy behind a row (a row over several KV paths, e.g. kvswap/2p+cluster, runs kvswap)."""
-    base = name.split("/")[0].split(",")[0]
-    return next((r.policy for r in rows() if r.name == base), base)
+    row = row_named(name)
+    return row.policy if row is not None else name.split("/")[0].split(",")[0]
 
 
 class SolverFit(registry.BudgetFit):
@@ -206,8 +224,7 @@ def policy_configs(model: DecoderModel, batch: int, context: int, budgets: list[
     unbudgeted = registry.BudgetFit(largest_group_tokens=limits.g_max)
     out = [(r.name, None, {**base, **registry.get(r.policy).budget_geometry(unbudgeted), **dict(r.overrides)})
            for r in rows() if not registry.get(r.policy).budgeted]
-    itemsize = torch.empty(0, dtype=model.dtype).element_size()
-    full_bytes = dims.n_layers * context * 2 * dims.n_kv_heads * dims.head_dim * itemsize
+    full_bytes = kv_bytes(model, 1, context)
     t_io = io_model(disk_profile, dims, model.dtype, limits.io_align_bytes, QUEUE_DEPTH, compute_profile.h2d_gib_s)
     for label in budgets:
         num, _, den = label.partition("/")
@@ -292,7 +309,8 @@ class RowRunner:
         on_disk, predicts, selects = spec.on_disk, spec.predicts, spec.selects and spec.predicts
         stride = RecordLayout(config.G, dims.n_kv_heads, dims.head_dim, self.model.dtype, self.limits.io_align_bytes,
                               config.io.kv_record_dtype).stride_bytes
-        profile_bw = self.disk_profile.read_mib_s(stride, QUEUE_DEPTH, source="fio") if on_disk else None
+        from_disk = on_disk and not row_named(name).kv_in_memory
+        profile_bw = self.disk_profile.read_mib_s(stride, QUEUE_DEPTH, source="fio") if from_disk else None
         per_layer = 1e3 / (len(timer.steps) * dims.n_layers)  # whole run (warm-up included), ms per layer-step
         parts = {"select": s[0]["select_s"] * per_layer, "io_stall": s[0]["io_stall_s"] * per_layer,
                  "correct": s[0]["correction_s"] * per_layer}
@@ -419,6 +437,8 @@ def bench_point(model: DecoderModel, kv_dir: Path, batch: int, context: int, bud
                              record_dtypes)
     for name, budget, cfg in configs:  # every row's memory first: an over-budget row fails now, not after the rest
         if name in policies:
+            if row_named(name).kv_in_memory:
+                in_memory_folder(kv_bytes(model, batch, context)).cleanup()
             try:
                 preflight(row_policy(name), RuntimeConfig.load(cfg), model.dims, model.dtype, None, kv_dir)
             except ValueError as exc:
@@ -432,8 +452,12 @@ def bench_point(model: DecoderModel, kv_dir: Path, batch: int, context: int, bud
 
     for name, budget, cfg in configs:
         if name in policies:
-            keep(measure(name, name if cfg["kv_record_dtype"] == "auto" else f"{name},{cfg['kv_record_dtype']}",
-                         budget, cfg, kv_dir, prompts))
+            label = name if cfg["kv_record_dtype"] == "auto" else f"{name},{cfg['kv_record_dtype']}"
+            if row_named(name).kv_in_memory:
+                with in_memory_folder(kv_bytes(model, batch, context)) as ram:
+                    keep(measure(name, label, budget, cfg, ram, prompts))
+            else:
+                keep(measure(name, label, budget, cfg, kv_dir, prompts))
     found = {"paths_configs": {}, "replacement_replay": {}, "dedup": {}}
     questions = shared_doc_prompts(prompts[0], max(2, batch), vocab, g) if kv_paths else []
     for budget in budgets if kv_paths else []:
@@ -465,7 +489,55 @@ def bench_point(model: DecoderModel, kv_dir: Path, batch: int, context: int, bud
     full_rate = next((r.decode_tok_s for r in runs if r.policy in references), None)
     for run in runs:
         run.ratio_to_full = ratio(run.decode_tok_s, full_rate)
+    set_limits(runs, model, disk_profile, limits.io_align_bytes)
     return runs, found
+
+
+def kv_bytes(model: DecoderModel, batch: int, context: int) -> int:
+    """The whole KV cache of ``batch`` sequences of ``context`` tokens in the model's dtype (what full holds)."""
+    d = model.dims
+    return batch * context * d.n_layers * 2 * d.n_kv_heads * d.head_dim * model.dtype.itemsize
+
+
+def in_memory_folder(needed_bytes: int):
+    """A temporary KV folder in RAM (``RAM_FOLDER``) with room for ``needed_bytes``, or an error naming what lacks."""
+    import shutil
+    import tempfile
+
+    if not RAM_FOLDER.is_dir() or not os.access(RAM_FOLDER, os.W_OK):
+        raise ValueError(f"the {IN_MEMORY_ROW} row keeps its KV in {RAM_FOLDER} (tmpfs), which this machine lacks "
+                         f"or may not write: leave {IN_MEMORY_ROW} out of --policies")
+    free = shutil.disk_usage(RAM_FOLDER).free
+    if free < needed_bytes * 1.05:  # records are padded to the I/O alignment
+        raise ValueError(f"the {IN_MEMORY_ROW} row needs {needed_bytes * 1.05 / 2**30:.1f} GiB in {RAM_FOLDER} for its "
+                         f"KV, {free / 2**30:.1f} GiB are free: enlarge it (mount -o remount,size=...) or leave "
+                         f"{IN_MEMORY_ROW} out of --policies")
+    return tempfile.TemporaryDirectory(prefix="edgekv-ram-", dir=RAM_FOLDER)
+
+
+def set_limits(runs: list[Run], model: DecoderModel, disk_profile, align_bytes: int) -> None:
+    """Each budgeted kvswap row beside its limits: its ``kvswap-ram`` twin's step (every read in memory) and its
+    bytes per step at the disk's rate at its record size (the issue's overlap target: step <= 1.25 x the larger);
+    and how much batch or context full would hold in the memory the row holds."""
+    dims = model.dims
+    full_token_bytes = kv_bytes(model, 1, 1)
+    twins = {(r.budget, r.policy.replace(IN_MEMORY_ROW, TUNED_ROW, 1)): r for r in runs
+             if r.policy.split(",")[0] == IN_MEMORY_ROW}
+    for run in runs:
+        if run.budget is None or run.policy.split(",")[0] not in (TUNED_ROW, IN_MEMORY_ROW):
+            continue
+        resident = run.kv_resident_mib * 2**20
+        run.full_fit_batch = int(resident // (full_token_bytes * run.context))
+        run.full_fit_context = run.context if run.full_fit_batch else int(resident // full_token_bytes)
+        twin = twins.get((run.budget, run.policy))
+        if twin is None or run.G is None:
+            continue
+        stride = RecordLayout(run.G, dims.n_kv_heads, dims.head_dim, model.dtype, align_bytes,
+                              run.kv_record_dtype or "auto").stride_bytes
+        rate_mib_s = disk_profile.read_mib_s(stride, QUEUE_DEPTH, source="disk")
+        run.in_memory_step_ms = twin.step_ms
+        run.disk_bound_ms = run.read_bytes_per_token * run.batch / (rate_mib_s * 2**20) * 1e3
+        run.overlap_efficiency = max(run.in_memory_step_ms, run.disk_bound_ms) / run.step_ms
 
 
 def llama_cpp_run(gguf: Path, dims, prompt: list[int], context: int, steps: int, warmup: int) -> Run:
@@ -499,7 +571,8 @@ def table(runs: list[Run]) -> str:
     width = max([20] + [len(r.policy) for r in runs])
     head = (f"{'batch':>5} {'ctx':>6} {'policy':{width}} {'budget':>6} {'tok/s':>8} {'x full':>7} {'KV MiB':>7} "
             f"{'KiB/tok':>8} {'eff MiB/s':>9} {'vs disk':>7} {'reuse':>5} {'stall':>5} {'G':>3} {'M':>4} {'C':>4} "
-            f"{'sigma':>5} {'paths':>5} {'req/step':>8} {'KiB/req':>7} {'clust':>5} {'fix/step':>8} {'recall':>6}")
+            f"{'sigma':>5} {'paths':>5} {'req/step':>8} {'KiB/req':>7} {'clust':>5} {'fix/step':>8} {'recall':>6} "
+            f"{'overlap':>7}")
     lines = [head]
     for r in runs:
         f = lambda v, fmt: format(v, fmt) if v is not None else "-"  # noqa: E731
@@ -510,7 +583,7 @@ def table(runs: list[Run]) -> str:
                      f"{r.io_stall_share:5.2f} {f(r.G, 'd'):>3} {f(r.M, 'd'):>4} {f(r.C, 'd'):>4} {f(r.sigma, 'g'):>5} "
                      f"{f(r.n_paths, 'd'):>5} {f(r.requests_per_step, '.1f'):>8} {f(kib_per_request, '.1f'):>7} "
                      f"{r.clustering or '-':>5} {f(r.correction_records_per_step, '.1f'):>8} "
-                     f"{f(r.guess_recall, '.3f'):>6}")
+                     f"{f(r.guess_recall, '.3f'):>6} {f(r.overlap_efficiency, '.2f'):>7}")
     return "\n".join(lines)
 
 
@@ -577,12 +650,13 @@ def run(model_dir: Path, kv_dir: Path, batches: list[int], contexts: list[int], 
         warmup: int, disk_seconds: float, policies: list[str], log=print, quiet: bool = False,
         chosen_from: str | None = None, record_dtypes=("auto",), kv_paths: list[Path] | None = None,
         path_limit_mib_s: float | None = None, path_limit_iops: float | None = None,
-        prompt_source: str = "random", device: str | None = None, dtype: str | None = None
+        prompt_source: str = "random", device: str | None = None, dtype: str | None = None, on_point=None
         ) -> tuple[list[Run], dict]:
     """Every point's rows; ``kv_paths`` adds the kvswap/Np rows, each path paced to ``path_limit_mib_s`` and
     ``path_limit_iops`` (None: unlimited) to emulate that many devices, while ``kv_dir`` holds the other rows.
     ``prompt_source``: "random" tokens or the eval's "tasks" (``task_prompts``).  ``device``/``dtype``: what the
-    rows compute in (default: $EDGEKV_DEVICE or the GPU, and its dtype; runtime/devices.py)."""
+    rows compute in (default: $EDGEKV_DEVICE or the GPU, and its dtype; runtime/devices.py).  ``on_point(runs)``:
+    called with every row so far after each point (a caller keeps what finished if a later point is cut off)."""
     if prompt_source not in PROMPT_SOURCES:
         raise ValueError(f"prompt_source must be one of {PROMPT_SOURCES}, got {prompt_source!r}")
     from edgekv.runtime.devices import resolve_compute
@@ -616,6 +690,8 @@ def run(model_dir: Path, kv_dir: Path, batches: list[int], contexts: list[int], 
             runs += rows
             for name, by_key in point.items():
                 found[name].update(by_key)
+            if on_point is not None:
+                on_point(runs)
     meta = {"model": str(model_dir), "steps": steps, "warmup_steps": warmup, "queue_depth": QUEUE_DEPTH,
             "prompts": prompt_source,
             "disk": {"reference": disk_profile.reference, "reader": disk_profile.reader, "o_direct": disk_profile.o_direct,

@@ -3,7 +3,8 @@
 1. The ``cuda`` test suite (tests/test_cuda.py: every policy on the GPU against the CPU's fp32 tokens and
    Hugging Face's greedy tokens in fp16/bf16).
 2. ``edgekv bench`` on ``synth:llama-3.1-8b`` (random weights in Llama 3.1 8B's shapes: speed and memory only) at
-   16K and 32K, batch 1, 4 and 8, budget 1/13, policies full, flexgen and kvswap.
+   16K and 32K, batch 1, 4 and 8, budget 1/13, policies full, flexgen, kvswap and kvswap-ram (kvswap with its KV
+   in RAM: the step with every read in memory, which kvswap's overlap is measured against).
 
 Both land in one JSON (and the bench's plot) with the GPU, its driver and CUDA, torch and the KV disk named:
 
@@ -22,7 +23,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 MODEL = "synth:llama-3.1-8b"
-CONTEXTS, BATCHES, BUDGETS, POLICIES = (16384, 32768), (1, 4, 8), ("1/13",), ("full", "flexgen", "kvswap")
+CONTEXTS, BATCHES, BUDGETS, POLICIES = (16384, 32768), (1, 4, 8), ("1/13",), ("full", "flexgen", "kvswap", "kvswap-ram")
 
 
 def gpu_facts() -> dict:
@@ -61,6 +62,9 @@ def main(argv=None) -> int:
     ap.add_argument("--png", default="deploy/gpu-check.png")
     ap.add_argument("--kv-path", help="a folder on the KV disk (default: the system temp dir)")
     ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--warmup", type=int, default=4)
+    ap.add_argument("--contexts", default=",".join(map(str, CONTEXTS)), help="a subset where time is short")
+    ap.add_argument("--batches", default=",".join(map(str, BATCHES)))
     ap.add_argument("--skip-suite", action="store_true", help="the bench only")
     args = ap.parse_args(argv)
     import torch
@@ -79,13 +83,18 @@ def main(argv=None) -> int:
     if not args.skip_suite:
         result["cuda_suite"] = run_suite(out.with_suffix(".junit.xml"))
         print(f"cuda suite: {result['cuda_suite']['summary']}")
+    contexts, batches = (sorted(int(x) for x in arg.split(",")) for arg in (args.contexts, args.batches))
+
+    def keep(runs, meta=None):  # after every point: a run cut off at its time limit keeps the points it finished
+        result["bench"] = {"complete": meta is not None, "meta": meta, "runs": [asdict(r) for r in runs]}
+        out.write_text(json.dumps(result, indent=1, default=str))
+
     with tempfile.TemporaryDirectory(prefix="edgekv-gpu-check-", dir=args.kv_path) as kv:
         result["disk"] = disk_facts(Path(kv))
-        runs, meta = bench.run(resolve_checkpoint(MODEL), Path(kv), list(BATCHES), list(CONTEXTS), list(BUDGETS),
-                               args.steps, 4, 10.0, list(POLICIES), device="cuda")
-    result["bench"] = {"meta": meta, "runs": [asdict(r) for r in runs]}
+        runs, meta = bench.run(resolve_checkpoint(MODEL), Path(kv), batches, contexts, list(BUDGETS), args.steps,
+                               args.warmup, 10.0, list(POLICIES), device="cuda", on_point=keep)
+    keep(runs, meta)
     print(bench.table(runs))
-    out.write_text(json.dumps(result, indent=1, default=str))
     bench.plot(runs, args.png)
     print(f"gpu-check: {out} ({result['gpu']['gpu']}, driver {result['gpu']['driver']}, torch "
           f"{result['gpu']['torch']}, KV on {result['disk']['device']})")

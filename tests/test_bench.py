@@ -1,5 +1,6 @@
 """The bench command: ratio arithmetic, step timing without warm-up, and a CI-fast end-to-end run."""
 import json
+from pathlib import Path
 
 import pytest
 
@@ -95,3 +96,40 @@ def test_llama_cpp_row_only_for_a_gguf_model_with_the_binding(model_dirs, tmp_pa
     assert gguf is None and "pip install 'edgekv[llamacpp]'" in note
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: object() if name == "llama_cpp" else real(name))
     assert bench.llama_cpp_source(tmp_path, ["llama.cpp"])[0] == source
+
+
+def test_the_in_memory_twin_sets_kvswaps_overlap_against_its_limits(model_dirs, tmp_path):
+    out = tmp_path / "bench.json"
+    rc = main(["bench", "--model", model_dirs["llama"], "--batches", "2", "--contexts", "512", "--budgets", "1/4",
+               "--steps", "2", "--warmup", "1", "--disk-seconds", "0.5", "--kv-path", str(tmp_path),
+               "--policies", "full,kvswap,kvswap-ram", "--json", str(out)])
+    assert rc == 0
+    meta, runs = (json.loads(out.read_text())[k] for k in ("meta", "runs"))
+    full, kvswap, ram = runs
+    assert ram["policy"] == "kvswap-ram" and {k: ram[k] for k in "GMC"} == {k: kvswap[k] for k in "GMC"}
+    assert ram["eff_bw_vs_profile"] is None  # its reads are memory copies (tmpfs), not the disk
+    assert kvswap["in_memory_step_ms"] == ram["step_ms"] and kvswap["disk_bound_ms"] > 0
+    assert kvswap["overlap_efficiency"] == pytest.approx(
+        max(kvswap["in_memory_step_ms"], kvswap["disk_bound_ms"]) / kvswap["step_ms"])
+    assert ram["overlap_efficiency"] is None and full["overlap_efficiency"] is None
+    per_token = full["kv_resident_mib"] * 2**20 / (2 * 512)  # full holds the context for each of the 2 rows
+    assert kvswap["full_fit_batch"] == 0  # a quarter of a batch of 2 holds no whole sequence of 512
+    assert kvswap["full_fit_context"] == int(kvswap["kv_resident_mib"] * 2**20 // per_token)
+
+
+def test_the_in_memory_twin_needs_a_tmpfs_and_says_so_before_any_row(model_dirs, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(bench, "RAM_FOLDER", tmp_path / "no-shm")
+    rc = main(["bench", "--model", model_dirs["llama"], "--batches", "2", "--contexts", "512", "--budgets", "1/4",
+               "--steps", "2", "--warmup", "1", "--disk-seconds", "0.5", "--kv-path", str(tmp_path),
+               "--policies", "full,kvswap-ram"])
+    out, err = capsys.readouterr()
+    assert rc == 2 and "kvswap-ram" in err and "no-shm" in err and "tok/s" not in out
+
+
+def test_each_finished_point_reaches_the_caller_before_the_next_runs(model_dirs, tmp_path):
+    """make gpu-check writes its JSON after every point: a run cut off at a time limit keeps what finished."""
+    seen = []
+    runs, _ = bench.run(Path(model_dirs["llama"]), tmp_path, [1, 2], [256], ["1/4"], 2, 1, 0.5, ["full"],
+                        log=lambda *a: None, quiet=True, device="cpu",
+                        on_point=lambda so_far: seen.append([(r.batch, r.policy) for r in so_far]))
+    assert seen == [[(1, "full")], [(1, "full"), (2, "full")]] and len(runs) == 2
