@@ -328,7 +328,8 @@ class PreloadSlots(Slots):
 
     Two buffers suffice because layer i+1's fetch overlaps layer i's attention only.  Nothing stays resident
     past its step, so nothing is ``held`` and the replacement has nothing to weigh.  A corrected pick the first
-    look did not read goes to row ``b``'s slots past the first look's M (``capacity`` - M of them).
+    look did not read takes a slot no corrected pick refers to (a guess the correction dropped): with as many picks
+    as slots there is always one, so a correction needs no memory of its own.
     """
 
     def __init__(self, batch: int, capacity: int):
@@ -336,7 +337,7 @@ class PreloadSlots(Slots):
         self.hits = np.zeros(batch, dtype=np.int64)
         self.lookups = np.zeros(batch, dtype=np.int64)
         self.replacement = Replacement(self)
-        self._read: dict[int, tuple[np.ndarray, np.ndarray, int]] = {}  # buffer -> (record keys, slots, M) of its assign
+        self._read: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # buffer -> (sorted record keys, their slots)
 
     def buffer_index(self, layer: int) -> int:
         return layer % 2
@@ -360,14 +361,14 @@ class PreloadSlots(Slots):
         slots[rows, cols] = read[rank]
         keys = _record_keys(owner[first], group[first])
         order = np.argsort(keys)
-        self._read[self.buffer_index(layer)] = (keys[order], read[order], m)
+        self._read[self.buffer_index(layer)] = (keys[order], read[order])
         self.lookups += np.bincount(rows, minlength=batch)
         self.hits += np.bincount(rows, minlength=batch) - np.bincount(rows[first], minlength=batch)
         return slots, Misses(owner[first], read, group[first])
 
     def _slots_of(self, layer: int, keys: np.ndarray) -> np.ndarray:
         """The flat slot the layer's assign read each record key into, -1 where it read none."""
-        held, read, _ = self._read.get(self.buffer_index(layer), (None, None, 0))
+        held, read = self._read.get(self.buffer_index(layer), (None, None))
         if held is None or not len(held):
             return np.full(np.shape(keys), -1, dtype=np.int64)
         at = np.minimum(np.searchsorted(held, keys), len(held) - 1)
@@ -382,14 +383,16 @@ class PreloadSlots(Slots):
         found = self._slots_of(layer, key)
         miss = np.flatnonzero(found < 0)
         first, rank = _first_occurrences(key[miss])
-        new = miss[first]  # rows ascend: each row's new records take its extra slots in order
-        row = rows[new]
-        extra = np.arange(len(new)) - np.searchsorted(row, row)
-        base = self._read.get(self.buffer_index(layer), (None, None, 0))[2]
-        if len(new) and (base + extra).max() >= self.capacity:
-            raise ValueError(f"a correction reads {extra.max() + 1} records for one row but the preload slots hold "
-                             f"{self.capacity - base} beyond the first look's picks: raise the correction's slots")
-        found[miss] = (row * self.capacity + base + extra)[rank]
+        new = miss[first]
+        referred = np.zeros(len(self.hits) * self.capacity, dtype=bool)
+        referred[found[found >= 0]] = True
+        free = np.flatnonzero(~referred)  # the dropped guesses' slots (and any the first look left empty)
+        if len(new) > len(free):
+            raise ValueError(f"a correction reads {len(new)} records but {len(free)} preload slots are free: "
+                             f"the picks outnumber the slots ({groups.shape[1]} > {self.capacity})")
+        found[miss] = free[: len(new)][rank]
+        held, at = np.unique(key, return_index=True)
+        self._read[self.buffer_index(layer)] = (held, found[at])  # what the slots hold now
         slots = np.zeros(groups.shape, dtype=np.int64)
         slots[rows, cols] = found
         return slots, Misses(np.asarray(owners)[rows, cols][new], found[new], groups[rows, cols][new])

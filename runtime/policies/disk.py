@@ -30,12 +30,12 @@ def record_layout(cfg: RuntimeConfig, dims: ModelDims, dtype: torch.dtype) -> Re
 
 def disk_parts(cfg: RuntimeConfig, dims: ModelDims, kv_itemsize: int, rank: int, stride_bytes: int,
                predicts: bool) -> dict[str, int]:
-    """Per sequence: K_lr (``predicts``), the slot buffers (reuse: C per layer; none: the picks of two layers and
-    a correction's reads), the slot table, the sinks and rolling window in memory, the placement tables and the
+    """Per sequence: K_lr (``predicts``), the slot buffers (reuse: C per layer; none: the picks of two layers, a
+    correction's reads landing in the slots of the guesses it dropped), the slot table, the sinks and rolling window in memory, the placement tables and the
     records' checksums."""
     token_bytes = 2 * dims.n_kv_heads * dims.head_dim * kv_itemsize
-    preload = cfg.picked_groups + cfg.correction_slots  # a correction's reads land past the first look's picks
-    slots = SlotTable.n_buffers(dims.n_layers) * cfg.C if cfg.reuse else PreloadSlots.n_buffers(dims.n_layers) * preload
+    slots = SlotTable.n_buffers(dims.n_layers) * cfg.C if cfg.reuse else PreloadSlots.n_buffers(dims.n_layers) * \
+        cfg.picked_groups
     groups = cfg.max_groups
     return {
         "k_lowrank": dims.n_layers * cfg.max_context * klr_token_bytes(rank, cfg.predictor.klr_dtype) if predicts else 0,
@@ -60,5 +60,5 @@ def offloaded(env: PolicyEnv, batch: int, cfg: RuntimeConfig, store: DiskKVStore
     """The disk pipeline over ``selector``'s picks: a reuse buffer when the config has one, else preload slots."""
     dims = env.model.dims
     slots = SlotTable(dims.n_layers, batch, cfg.C, cfg.max_groups, cfg.replacement) if cfg.reuse \
-        else PreloadSlots(batch, cfg.picked_groups + cfg.correction_slots)
+        else PreloadSlots(batch, cfg.picked_groups)
     return OffloadedKV(env.model, batch, cfg, store, selector, slots, predict, placer, env.on_select)
