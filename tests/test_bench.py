@@ -133,3 +133,15 @@ def test_each_finished_point_reaches_the_caller_before_the_next_runs(model_dirs,
                         log=lambda *a: None, quiet=True, device="cpu",
                         on_point=lambda so_far: seen.append([(r.batch, r.policy) for r in so_far]))
     assert seen == [[(1, "full")], [(1, "full"), (2, "full")]] and len(runs) == 2
+
+
+def test_the_tuned_row_has_a_corrected_twin_in_the_same_memory(model_dirs, tmp_path):
+    out = tmp_path / "bench.json"
+    rc = main(["bench", "--model", model_dirs["llama"], "--batches", "2", "--contexts", "512", "--budgets", "1/4",
+               "--steps", "2", "--warmup", "1", "--disk-seconds", "0.5", "--kv-path", str(tmp_path),
+               "--policies", "kvswap,kvswap-corrected", "--json", str(out)])
+    assert rc == 0
+    guess, corrected = json.loads(out.read_text())["runs"]
+    assert (guess["correction"], corrected["correction"]) == ("guess", "corrected")
+    assert {k: corrected[k] for k in ("G", "M", "C", "sigma")} == {k: guess[k] for k in ("G", "M", "C", "sigma")}
+    assert corrected["kv_resident_mib"] == guess["kv_resident_mib"] and corrected["guess_recall"] is not None
