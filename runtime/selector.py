@@ -95,8 +95,8 @@ class RandomSelector(Selector):
 
 CORRECTIONS = ("guess", "corrected")  # config 'correction': the layer-ahead picks as they are, or rescored at attention
 SCORE_REDUCES = ("sum", "softmax")  # how heads' scores make a token's: logits summed (KVSwap), or a softmax vote each
-# K_lr formats: torch dtype, bytes per element, bytes of per-token scale (int8 rows carry one bf16 absmax scale)
 CPU_BLOCK_BYTES = 2 << 20  # float32 K_lr rows a CPU select converts at a time (LowRankSelector._rows_times)
+# K_lr formats: torch dtype, bytes per element, bytes of per-token scale (int8 rows carry one bf16 absmax scale)
 KLR_FORMATS = {"bfloat16": (torch.bfloat16, 2, 0), "float16": (torch.float16, 2, 0), "float32": (torch.float32, 4, 0),
                "int8": (torch.int8, 1, 2)}
 

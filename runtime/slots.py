@@ -367,7 +367,8 @@ class PreloadSlots(Slots):
         return slots, Misses(owner[first], read, group[first])
 
     def _slots_of(self, layer: int, keys: np.ndarray) -> np.ndarray:
-        """The flat slot the layer's assign read each record key into, -1 where it read none."""
+        """The flat slot holding each record key in the layer's buffer (its assign's reads, then its correction's),
+        -1 where none does."""
         held, read = self._read.get(self.buffer_index(layer), (None, None))
         if held is None or not len(held):
             return np.full(np.shape(keys), -1, dtype=np.int64)

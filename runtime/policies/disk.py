@@ -31,8 +31,8 @@ def record_layout(cfg: RuntimeConfig, dims: ModelDims, dtype: torch.dtype) -> Re
 def disk_parts(cfg: RuntimeConfig, dims: ModelDims, kv_itemsize: int, rank: int, stride_bytes: int,
                predicts: bool) -> dict[str, int]:
     """Per sequence: K_lr (``predicts``), the slot buffers (reuse: C per layer; none: the picks of two layers, a
-    correction's reads landing in the slots of the guesses it dropped), the slot table, the sinks and rolling window in memory, the placement tables and the
-    records' checksums."""
+    correction's reads landing in the slots of the guesses it dropped), the slot table, the sinks and rolling
+    window in memory, the placement tables and the records' checksums."""
     token_bytes = 2 * dims.n_kv_heads * dims.head_dim * kv_itemsize
     slots = SlotTable.n_buffers(dims.n_layers) * cfg.C if cfg.reuse else PreloadSlots.n_buffers(dims.n_layers) * \
         cfg.picked_groups
