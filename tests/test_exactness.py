@@ -57,3 +57,14 @@ def test_reuse_saves_reads_without_changing_tokens(model_dirs, kv_dir):
     for a, b in zip(with_reuse, without):
         assert a.stats["reuse_rate"] > 0
         assert a.stats["kv_bytes_read"] < b.stats["kv_bytes_read"]
+
+
+def test_full_attends_the_exact_span_on_a_cpu_and_a_few_shapes_on_a_gpu():
+    """On a GPU the span is rounded up (masked) so cuDNN meets a shape it has built a graph for; never past the
+    cache, never short of the newest token."""
+    from edgekv.runtime.kv_policy import CUDA_SPAN_TOKENS, attended_span
+
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    assert [attended_span(n, 640, cpu) for n in (0, 299, 639)] == [1, 300, 640]
+    assert [attended_span(n, 640, gpu) for n in (0, 255, 256, 299, 639)] == [256, 256, 512, 512, 640]
+    assert len({attended_span(n, 10**6, gpu) for n in range(1000, 1000 + CUDA_SPAN_TOKENS)}) <= 2
