@@ -1,0 +1,72 @@
+"""Where a decode step spends its time: torch.profiler over two steps of full and of kvswap at one context, batch 1,
+after a few unprofiled steps (their mean is printed too), on a GPU or the CPU.
+
+    python -m bench.step_profile --context 16384 --kv-path /tmp/ekv        # synth:llama-3.1-8b on the GPU
+    python -m bench.step_profile --model smollm2 --device cpu --context 8192 --kvswap G=4,M=100,C=100,sigma=32
+"""
+import argparse
+import gc
+import tempfile
+import time
+
+import torch
+from edgekv.runtime import Engine
+from torch.profiler import ProfilerActivity, profile
+
+KVSWAP = "G=8,M=50,C=50,sigma=16"  # the bench's fit for synth:llama-3.1-8b at 16K, 1/13 on the H100
+
+
+def fields(text: str) -> dict:
+    """``G=8,M=50,sigma=16`` -> {"G": 8, "M": 50, "sigma": 16.0}."""
+    out = {}
+    for item in filter(None, text.split(",")):
+        key, _, value = item.partition("=")
+        out[key] = float(value) if "." in value or key == "sigma" else int(value)
+    return out
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="synth:llama-3.1-8b")
+    ap.add_argument("--context", type=int, default=16384)
+    ap.add_argument("--kv-path", default=None, help="a folder on the KV disk (default: the system temp dir)")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--kvswap", default=KVSWAP, help="the kvswap row's geometry")
+    args = ap.parse_args(argv)
+    gpu = args.device.startswith("cuda")
+    sync = torch.cuda.synchronize if gpu else (lambda: None)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
+    prompt = [(i * 7919) % 30000 + 10 for i in range(args.context - 64)]  # ids every model here has
+    for policy, cfg in (("full", {}), ("kvswap", fields(args.kvswap))):
+        with tempfile.TemporaryDirectory(dir=args.kv_path) as kv, Engine.from_pretrained(
+                args.model, kv_offload_path=kv, config={"max_context": args.context, "max_batch": 1, **cfg},
+                policy=policy, device=args.device) as engine:
+            batch = engine.open_batch(1, args.context)
+            started = time.perf_counter()
+            batch.join(0, prompt)
+            batch.end_prefill()
+            sync()
+            print(f"== {policy}: prefill {time.perf_counter() - started:.1f} s")
+            token = torch.tensor([5])
+            with batch:
+                for _ in range(3):
+                    batch.step(token)
+                sync()
+                started = time.perf_counter()
+                for _ in range(4):
+                    batch.step(token)
+                sync()
+                print(f"  step {1e3 * (time.perf_counter() - started) / 4:.1f} ms (no profiler)")
+                with profile(activities=activities) as prof:
+                    for _ in range(2):
+                        batch.step(token)
+                    sync()
+        for key in ("self_cuda_time_total", "self_cpu_time_total") if gpu else ("self_cpu_time_total",):
+            print(prof.key_averages().table(sort_by=key, row_limit=14, max_name_column_width=60))
+        gc.collect()
+        if gpu:
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
