@@ -651,8 +651,8 @@ def run(model_dir: Path, kv_dir: Path, batches: list[int], contexts: list[int], 
         warmup: int, disk_seconds: float, policies: list[str], log=print, quiet: bool = False,
         chosen_from: str | None = None, record_dtypes=("auto",), kv_paths: list[Path] | None = None,
         path_limit_mib_s: float | None = None, path_limit_iops: float | None = None,
-        prompt_source: str = "random", device: str | None = None, dtype: str | None = None, on_point=None
-        ) -> tuple[list[Run], dict]:
+        prompt_source: str = "random", device: str | None = None, dtype: str | None = None, on_point=None,
+        weights: str = "native") -> tuple[list[Run], dict]:
     """Every point's rows; ``kv_paths`` adds the kvswap/Np rows, each path paced to ``path_limit_mib_s`` and
     ``path_limit_iops`` (None: unlimited) to emulate that many devices, while ``kv_dir`` holds the other rows.
     ``prompt_source``: "random" tokens or the eval's "tasks" (``task_prompts``).  ``device``/``dtype``: what the
@@ -667,7 +667,7 @@ def run(model_dir: Path, kv_dir: Path, batches: list[int], contexts: list[int], 
         raise ValueError("a per-path read limit paces the rows over several KV paths: give the folders too "
                          "(--kv-paths DIR1,DIR2,...)")
     kv_dir.mkdir(parents=True, exist_ok=True)
-    model = load_model(model_dir, *resolve_compute(device, dtype, model_dir), max(contexts) + 64)
+    model = load_model(model_dir, *resolve_compute(device, dtype, model_dir), max(contexts) + 64, weights)
     limits = solver.Limits()
     log(f"disk profile of {kv_dir} ({disk_seconds:g} s, fio beside our reader)")
     disk_profile = diskprof.profile_disk(kv_dir, disk_seconds, 256, block_sizes=(4096, 16384, 65536, 262144),
@@ -699,7 +699,7 @@ def run(model_dir: Path, kv_dir: Path, batches: list[int], contexts: list[int], 
                      "points": [asdict(p) for p in disk_profile.points]},
             "threads": torch.get_num_threads(), "reuse_table": source, "llama_cpp": llama_note,
             "quality_configs_from": chosen_from, "record_dtypes": list(record_dtypes),
-            "device": str(model.device), "dtype": str(model.dtype).removeprefix("torch."),
+            "device": str(model.device), "dtype": str(model.dtype).removeprefix("torch."), "weights": model.weights,
             "synthetic_weights": model.synthetic}  # random weights in a real shape: timings and memory only
     if kv_paths:
         meta["paths"] = emulation(kv_paths, path_limit_mib_s, path_limit_iops, disk_profile, runs)

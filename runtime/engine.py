@@ -27,7 +27,7 @@ from .disk_store import CorruptRecord, RecordLayout, check_offload_path, kv_path
 from .events import EventBus, JsonLinesLog
 from .forward import prefill
 from .memory import MemoryPlan, plan_memory
-from .model import DecoderModel, ModelDims, load_model, read_model_config
+from .model import DecoderModel, ModelDims, check_weight_format, load_model, read_model_config
 from .policies import PolicyEnv, get as get_policy
 from .policies.disk import record_layout as _record_layout
 from .prefill_chain import CONTEXT_STORE
@@ -99,6 +99,7 @@ class Engine:
         device: str | torch.device | None = None,
         dtype: str | torch.dtype | None = None,
         scorer: InStorageScorer | None = None,
+        weights: str = "native",
     ) -> "Engine":
         """Everything that can be refused is checked before the weights are loaded.
 
@@ -107,6 +108,7 @@ class Engine:
         ``config`` may be a deployed config (with ``solutions``): each batch then runs with the
         solution for its (batch size, context), each checked here against its memory budget, on the device and
         in the dtype it was deployed with unless ``device``/``dtype`` say otherwise (runtime/devices.py).
+        ``weights``: the linear layers' format (runtime/model.py WEIGHT_FORMATS).
         """
         if isinstance(config, (str, Path)):
             config = read_config_file(config)  # once: the solutions and the deployed device come from it
@@ -117,6 +119,7 @@ class Engine:
         device = resolve_device(device, compute.get("device"))
         dtype = resolve_dtype(device, dtype or synthetic_dtype(model_dir), compute.get("dtype"),
                               compute.get("device"))
+        check_weight_format(weights, device, dtype)
         dims = ModelDims.from_config(hf_cfg)
         spec = get_policy(policy)
         adapter = _load_adapter(cfg, policy)
@@ -125,7 +128,7 @@ class Engine:
         for _, _, sol in solutions or []:
             preflight(policy, spec.effective_config(sol), dims, dtype, _load_adapter(sol, policy), kv_offload_path)
         max_context = max([cfg.max_context] + [s.max_context for _, _, s in solutions or []])
-        decoder = load_model(model_dir, device, dtype, max_context)
+        decoder = load_model(model_dir, device, dtype, max_context, weights)
         return cls(decoder, cfg, policy, kv_offload_path, load_tokenizer(model_dir), adapter, solutions, scorer)
 
     # ---- the context store ----------------------------------------------------------------------

@@ -11,6 +11,7 @@ KV_FOLDERS = "existing"
 
 def add(sub) -> None:
     from edgekv.runtime.checkpoints import MODEL_HELP
+    from edgekv.runtime.model import WEIGHT_FORMATS
 
     ev = sub.add_parser("eval", help="RULER-style retrieval accuracy per policy and KV budget")
     ev.add_argument("--model", default="fixture", help=MODEL_HELP)
@@ -47,6 +48,8 @@ def add(sub) -> None:
                          "them (same configuration, other records), labelled e.g. kvswap@1/13,int8")
     ev.add_argument("--json")
     common.add_compute_flags(ev)
+    ev.add_argument("--weights", choices=WEIGHT_FORMATS, default="native",
+                    help="the linear layers' format (int8: PyTorch's dynamic int8 linear, CPU, float32; --ppl only)")
     ev.set_defaults(func=run)
 
 
@@ -65,6 +68,8 @@ def run(args) -> int:
     variants = eval_variants(args.policies.split(","), budgets, main, args.rule,
                              common.record_dtypes(args.record_dtype), args.ablations, tasks=not args.ppl)
     contexts = [int(c) for c in args.contexts.split(",")]
+    if args.weights != "native" and not args.ppl:
+        raise ValueError(f"--weights {args.weights} is measured by perplexity only: add --ppl builtin (or a text file)")
     if args.configs_from and args.rule != "quality":
         raise ValueError("--configs-from replays the quality rule's choices; drop it or use --rule quality")
     if args.ppl:
@@ -114,7 +119,7 @@ def _eval_ppl(args, model, variants, contexts, kv_paths: list[str] | None) -> in
     with common.scratch_kv(kv_paths) as kv:
         results = perplexity.evaluate_ppl(model, kv, variants, contexts, ids, args.samples or 4, args.ppl_tokens,
                                           quiet=args.quiet, configs_from=args.configs_from, device=args.device,
-                                          dtype=args.dtype)
+                                          dtype=args.dtype, weights=args.weights)
     print(perplexity.table(results))
     for line in perplexity.oracle_gap(results):
         print(line)

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import torch
 
+from ..model import linear_weight
+
 # config keys that name where or how a checkpoint was loaded, not what it computes
 _VOLATILE_KEYS = {"name_or_path", "transformers_version", "dtype", "torch_dtype", "use_cache", "return_dict",
                   "output_attentions", "output_hidden_states"}
@@ -28,15 +30,17 @@ def model_fingerprint(model) -> dict:
     dtype = str(model.dtype).removeprefix("torch.")
     digest = hashlib.sha256(json.dumps(stable, sort_keys=True, default=str).encode())
     digest.update(dtype.encode())
+    if model.weights != "native":  # other weights, other K/V: the stored KV of one is not the other's
+        digest.update(model.weights.encode())
     slices = [model.embed.weight[:4], model.norm.weight]
     for layer in (model.layers[0], model.layers[-1]):
-        slices += [layer.self_attn.k_proj.weight[:4], layer.self_attn.v_proj.weight[:4]]
+        slices += [linear_weight(layer.self_attn.k_proj)[:4], linear_weight(layer.self_attn.v_proj)[:4]]
     for t in slices:
         digest.update(_tensor_bytes(t))
     d = model.dims
     return {"id": digest.hexdigest(), "name": Path(str(getattr(cfg, "_name_or_path", "") or "")).name or cfg.model_type,
             "model_type": cfg.model_type, "n_layers": d.n_layers, "n_kv_heads": d.n_kv_heads,
-            "head_dim": d.head_dim, "dtype": dtype}
+            "head_dim": d.head_dim, "dtype": dtype, **({"weights": model.weights} if model.weights != "native" else {})}
 
 
 def describe(fp: dict) -> str:
