@@ -359,9 +359,7 @@ class PreloadSlots(Slots):
         first, rank = _first_occurrences(owner * (int(group.max(initial=0)) + 1) + group)
         read = slots[rows[first], cols[first]]
         slots[rows, cols] = read[rank]
-        keys = _record_keys(owner[first], group[first])
-        order = np.argsort(keys)
-        self._read[self.buffer_index(layer)] = (keys[order], read[order])
+        self._read[self.buffer_index(layer)] = _key_map(_record_keys(owner[first], group[first]), read)
         self.lookups += np.bincount(rows, minlength=batch)
         self.hits += np.bincount(rows, minlength=batch) - np.bincount(rows[first], minlength=batch)
         return slots, Misses(owner[first], read, group[first])
@@ -392,8 +390,7 @@ class PreloadSlots(Slots):
             raise ValueError(f"a correction reads {len(new)} records but {len(free)} preload slots are free: "
                              f"the picks outnumber the slots ({groups.shape[1]} > {self.capacity})")
         found[miss] = free[: len(new)][rank]
-        held, at = np.unique(key, return_index=True)
-        self._read[self.buffer_index(layer)] = (held, found[at])  # what the slots hold now
+        self._read[self.buffer_index(layer)] = _key_map(key, found)  # what the slots hold now
         slots = np.zeros(groups.shape, dtype=np.int64)
         slots[rows, cols] = found
         return slots, Misses(np.asarray(owners)[rows, cols][new], found[new], groups[rows, cols][new])
@@ -401,6 +398,12 @@ class PreloadSlots(Slots):
     def reset(self, seq: int) -> None:
         self.hits[seq] = 0
         self.lookups[seq] = 0
+
+
+def _key_map(keys: np.ndarray, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(sorted distinct record keys, the slot of each): what ``PreloadSlots._slots_of`` searches."""
+    held, at = np.unique(keys, return_index=True)
+    return held, slots[at]
 
 
 def _record_keys(owners: np.ndarray, groups: np.ndarray) -> np.ndarray:

@@ -8,6 +8,12 @@ from edgekv import bench
 from edgekv.cli import main
 
 
+def small_bench(model_dirs, tmp_path, *flags: str) -> int:
+    """``edgekv bench`` on the small llama at batch 2, 512 tokens, budget 1/4, two timed steps, plus ``flags``."""
+    return main(["bench", "--model", model_dirs["llama"], "--batches", "2", "--contexts", "512", "--budgets", "1/4",
+                 "--steps", "2", "--warmup", "1", "--disk-seconds", "0.5", "--kv-path", str(tmp_path), *flags])
+
+
 def test_ratio_and_effective_bandwidth():
     assert bench.ratio(50.0, 25.0) == 2.0
     assert bench.ratio(None, 25.0) is None and bench.ratio(5.0, 0.0) is None and bench.ratio(5.0, None) is None
@@ -42,9 +48,8 @@ def test_bench_end_to_end_writes_every_row(model_dirs, tmp_path, capsys):
               "klr_dtype": "int8", "max_context": 576}  # as `edgekv eval --json` records a kvswap row chosen by measured quality
     harness.write_json(tmp_path / "eval.json", [harness.Result("single_needle", 512, "kvswap", 0.25, "kvswap@1/4", 1.0,
                                                                4, chosen, 1.0)], {})
-    rc = main(["bench", "--model", model_dirs["llama"], "--batches", "2", "--contexts", "512", "--budgets", "1/4",
-               "--steps", "2", "--warmup", "1", "--disk-seconds", "0.5", "--kv-path", str(tmp_path),
-               "--json", str(out), "--png", str(tmp_path / "bench.png"), "--quality-configs", str(tmp_path / "eval.json")])
+    rc = small_bench(model_dirs, tmp_path, "--json", str(out), "--png", str(tmp_path / "bench.png"),
+                     "--quality-configs", str(tmp_path / "eval.json"))
     assert rc == 0
     runs = json.loads(out.read_text())["runs"]
     assert [r["policy"] for r in runs] == ["full", "flexgen", "token", "kvswap-noreuse", "kvswap", "kvswap-noverify",
@@ -70,9 +75,8 @@ def test_a_row_over_its_budget_fails_before_any_row_runs(model_dirs, tmp_path, c
     over = {"G": 4, "M": 120, "C": 120, "sigma": 1.0, "reuse": True, "max_context": 576}
     harness.write_json(tmp_path / "eval.json", [harness.Result("single_needle", 512, "kvswap", 0.25, "kvswap@1/4", 1.0,
                                                                4, over, 1.0)], {})
-    rc = main(["bench", "--model", model_dirs["llama"], "--batches", "2", "--contexts", "512", "--budgets", "1/4",
-               "--steps", "2", "--warmup", "1", "--disk-seconds", "0.5", "--kv-path", str(tmp_path),
-               "--policies", "full,kvswap-quality", "--quality-configs", str(tmp_path / "eval.json")])
+    rc = small_bench(model_dirs, tmp_path, "--policies", "full,kvswap-quality",
+                     "--quality-configs", str(tmp_path / "eval.json"))
     out, err = capsys.readouterr()
     assert rc == 2 and "row kvswap-quality at budget 1/4, batch 2, context 512" in err and "max_kv_mem_mib" in err
     assert "tok/s" not in out  # not even full ran
@@ -100,9 +104,7 @@ def test_llama_cpp_row_only_for_a_gguf_model_with_the_binding(model_dirs, tmp_pa
 
 def test_the_in_memory_twin_sets_kvswaps_overlap_against_its_limits(model_dirs, tmp_path):
     out = tmp_path / "bench.json"
-    rc = main(["bench", "--model", model_dirs["llama"], "--batches", "2", "--contexts", "512", "--budgets", "1/4",
-               "--steps", "2", "--warmup", "1", "--disk-seconds", "0.5", "--kv-path", str(tmp_path),
-               "--policies", "full,kvswap,kvswap-ram", "--json", str(out)])
+    rc = small_bench(model_dirs, tmp_path, "--policies", "full,kvswap,kvswap-ram", "--json", str(out))
     assert rc == 0
     meta, runs = (json.loads(out.read_text())[k] for k in ("meta", "runs"))
     full, kvswap, ram = runs
@@ -119,9 +121,7 @@ def test_the_in_memory_twin_sets_kvswaps_overlap_against_its_limits(model_dirs, 
 
 def test_the_in_memory_twin_needs_a_tmpfs_and_says_so_before_any_row(model_dirs, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(bench, "RAM_FOLDER", tmp_path / "no-shm")
-    rc = main(["bench", "--model", model_dirs["llama"], "--batches", "2", "--contexts", "512", "--budgets", "1/4",
-               "--steps", "2", "--warmup", "1", "--disk-seconds", "0.5", "--kv-path", str(tmp_path),
-               "--policies", "full,kvswap-ram"])
+    rc = small_bench(model_dirs, tmp_path, "--policies", "full,kvswap-ram")
     out, err = capsys.readouterr()
     assert rc == 2 and "kvswap-ram" in err and "no-shm" in err and "tok/s" not in out
 
@@ -137,9 +137,7 @@ def test_each_finished_point_reaches_the_caller_before_the_next_runs(model_dirs,
 
 def test_the_tuned_row_has_a_corrected_twin_in_the_same_memory(model_dirs, tmp_path):
     out = tmp_path / "bench.json"
-    rc = main(["bench", "--model", model_dirs["llama"], "--batches", "2", "--contexts", "512", "--budgets", "1/4",
-               "--steps", "2", "--warmup", "1", "--disk-seconds", "0.5", "--kv-path", str(tmp_path),
-               "--policies", "kvswap,kvswap-corrected", "--json", str(out)])
+    rc = small_bench(model_dirs, tmp_path, "--policies", "kvswap,kvswap-corrected", "--json", str(out))
     assert rc == 0
     guess, corrected = json.loads(out.read_text())["runs"]
     assert (guess["correction"], corrected["correction"]) == ("guess", "corrected")
