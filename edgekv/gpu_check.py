@@ -65,6 +65,8 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--contexts", default=",".join(map(str, CONTEXTS)), help="a subset where time is short")
     ap.add_argument("--batches", default=",".join(map(str, BATCHES)))
+    ap.add_argument("--policies", default=",".join(POLICIES), help="a subset (e.g. flexgen alone, with fewer steps)")
+    ap.add_argument("--disk-seconds", type=float, default=10.0, help="the disk profile's time (fio beside the reader)")
     ap.add_argument("--skip-suite", action="store_true", help="the bench only")
     args = ap.parse_args(argv)
     import torch
@@ -92,7 +94,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="edgekv-gpu-check-", dir=args.kv_path) as kv:
         result["disk"] = disk_facts(Path(kv))
         runs, meta = bench.run(resolve_checkpoint(MODEL), Path(kv), batches, contexts, list(BUDGETS), args.steps,
-                               args.warmup, 10.0, list(POLICIES), device="cuda", on_point=keep)
+                               args.warmup, args.disk_seconds, args.policies.split(","), device="cuda", on_point=keep)
     keep(runs, meta)
     print(bench.table(runs))
     bench.plot(runs, args.png)
