@@ -1,0 +1,24 @@
+"""The C library's record checksums against the crc32c package's (runtime/checksum.py's reference)."""
+import numpy as np
+import pytest
+
+from edgekv.runtime.checksum import native, sums_at
+from edgekv.runtime.disk_store import aligned_zeros
+
+
+@pytest.mark.parametrize("record_bytes", [8, 1000, 4099, 65536])
+@pytest.mark.parametrize("n", [1, 3, 4, 5, 9])
+def test_native_record_sums_equal_the_packages(n, record_bytes):
+    """Records four at a time (their chains interleaved), then the rest one by one, tails shorter than 8 bytes."""
+    if native() is None:
+        pytest.skip("no C compiler: the package is the only implementation here")
+    rng = np.random.default_rng(n * record_bytes)
+    records = aligned_zeros((n, record_bytes + 13), 4096)
+    records[:] = rng.integers(0, 256, records.shape, dtype=np.uint8)
+    addresses = records.ctypes.data + np.arange(n, dtype=np.int64) * records.shape[1]
+    groups = rng.integers(0, 1 << 20, n)
+    fast = sums_at(addresses, record_bytes, 7, groups)
+    assert fast.tolist() == sums_at(addresses, record_bytes, 7, groups, use_native=False).tolist()
+    records[n - 1, record_bytes - 1] ^= 1  # a flip in the last lane's last byte changes only its sum
+    flipped = sums_at(addresses, record_bytes, 7, groups)
+    assert flipped[n - 1] != fast[n - 1] and flipped[: n - 1].tolist() == fast[: n - 1].tolist()
