@@ -5,6 +5,9 @@ instead of measuring it (most of an hour for SmolLM2 at 8K on a 2-core CPU).  Th
 deploy measures it, on a fresh cache:
 
     python -m bench.ship_quality --platform local --model smollm2 --out profiles/quality/smollm2-local.json
+
+``--add-to-shipped`` keeps the points of the table already shipped for this model file and settings and measures
+only the selections it lacks (the profile's ``solver.corrections`` grew), as a deploy would.
 """
 from __future__ import annotations
 
@@ -25,10 +28,13 @@ def main(argv=None) -> None:
     ap.add_argument("--platform", default="local")
     ap.add_argument("--model", default=None, help="default: the profile's")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--add-to-shipped", action="store_true",
+                    help="keep the shipped table's points, measure only the selections it lacks")
     args = ap.parse_args(argv)
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="edgekv-ship-") as scratch:
-        d = deploy.prepare(args.platform, args.model, [str(Path(scratch) / "kv")], Path(scratch) / "deploy", True, print)
+        d = deploy.prepare(args.platform, args.model, [str(Path(scratch) / "kv")], Path(scratch) / "deploy",
+                           not args.add_to_shipped, print)
         sha = gguf_sha256(d.model_dir)
         if sha is None:
             raise SystemExit(f"{d.model_dir} was not converted from a GGUF file: a shipped table names its model by the file")
@@ -39,7 +45,13 @@ def main(argv=None) -> None:
         fp = deploy.shipped_fingerprint(json.loads(table_path.read_text())["fingerprint"])
     meta = {"machine": f"{deploy._cpu_model()}, {platform.machine()}", "seconds": round(time.perf_counter() - started),
             "command": f"python -m bench.ship_quality --platform {args.platform}"
-                       + (f" --model {args.model}" if args.model else "") + f" --out {args.out}"}
+                       + (f" --model {args.model}" if args.model else "") + f" --out {args.out}"
+                       + (" --add-to-shipped" if args.add_to_shipped else "")}
+    if args.add_to_shipped:
+        kept = quality.shipped(sha, fp)
+        if kept:
+            points_of, source, was = list(kept[3]), kept[1].name, kept[2]
+            meta["kept"] = f"the points of {points_of} from {source} ({was.get('command')}, {was.get('seconds')} s)"
     quality.ship(Path(args.out), sha, fp, points, meta)
     print(f"{len(points)} points -> {args.out}")
 
