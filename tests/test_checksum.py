@@ -19,6 +19,6 @@ def test_native_record_sums_equal_the_packages(n, record_bytes):
     groups = rng.integers(0, 1 << 20, n)
     fast = sums_at(addresses, record_bytes, 7, groups)
     assert fast.tolist() == sums_at(addresses, record_bytes, 7, groups, use_native=False).tolist()
-    records[n - 1, record_bytes - 1] ^= 1  # a flip in the last lane's last byte changes only its sum
+    records[n - 1, record_bytes - 1] ^= 1  # a flip in the last record's last byte changes only its sum
     flipped = sums_at(addresses, record_bytes, 7, groups)
     assert flipped[n - 1] != fast[n - 1] and flipped[: n - 1].tolist() == fast[: n - 1].tolist()
