@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from torch.overrides import TorchFunctionMode
 
-from bench.step_profile import fields
+from bench.step_profile import fields, prompt_ids
 from edgekv.runtime import Engine
 
 ROOT = str(Path(__file__).resolve().parents[1]) + "/"
@@ -39,9 +39,8 @@ def count(model: str, policy: str, cfg: dict, context: int, steps: int) -> tuple
     with tempfile.TemporaryDirectory() as kv, Engine.from_pretrained(
             model, kv_offload_path=kv, config={"max_context": context, "max_batch": 1, **cfg}, policy=policy,
             device="cpu") as engine:
-        ids = min(30000, engine.model.dims.vocab - 10)
         batch = engine.open_batch(1, context)
-        batch.join(0, [(i * 7919) % ids + 10 for i in range(context - 64)])
+        batch.join(0, prompt_ids(engine, context))
         batch.end_prefill()
         token = torch.tensor([5])
         with batch:

@@ -25,6 +25,12 @@ def fields(text: str) -> dict:
     return out
 
 
+def prompt_ids(engine: Engine, context: int) -> list[int]:
+    """A prompt leaving 64 positions to decode, of ids every model has (the fixture's vocabulary is small)."""
+    ids = min(30000, engine.model.dims.vocab - 10)
+    return [(i * 7919) % ids + 10 for i in range(context - 64)]
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="synth:llama-3.1-8b")
@@ -40,11 +46,9 @@ def main(argv=None) -> None:
         with tempfile.TemporaryDirectory(dir=args.kv_path) as kv, Engine.from_pretrained(
                 args.model, kv_offload_path=kv, config={"max_context": args.context, "max_batch": 1, **cfg},
                 policy=policy, device=args.device) as engine:
-            ids = min(30000, engine.model.dims.vocab - 10)  # ids every model has (the fixture's vocabulary is small)
-            prompt = [(i * 7919) % ids + 10 for i in range(args.context - 64)]
             batch = engine.open_batch(1, args.context)
             started = time.perf_counter()
-            batch.join(0, prompt)
+            batch.join(0, prompt_ids(engine, args.context))
             batch.end_prefill()
             sync()
             print(f"== {policy}: prefill {time.perf_counter() - started:.1f} s")

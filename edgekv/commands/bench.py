@@ -19,7 +19,6 @@ def policy_names() -> tuple[str, ...]:
 
 def add(sub) -> None:
     from edgekv.runtime.checkpoints import MODEL_HELP
-    from edgekv.runtime.model import WEIGHT_FORMATS
 
     be = sub.add_parser("bench", help="decode throughput of every policy side by side (same model, prompts, budget)")
     be.add_argument("--quick", action="store_true", help="fixture, 4K context, batch 2, 4 steps, budget 1/13 (< 1 min)")
@@ -49,9 +48,7 @@ def add(sub) -> None:
     be.add_argument("--json")
     be.add_argument("--png", help="throughput vs batch and kvswap step time vs context")
     common.add_compute_flags(be)
-    be.add_argument("--weights", choices=WEIGHT_FORMATS, default="native",
-                    help="the linear layers' format (int8: PyTorch's dynamic int8 linear, CPU, float32; "
-                         "SmolLM2 ppl 1.37x fp32's, docs/results)")
+    common.add_weights_flag(be, "SmolLM2 ppl 1.37x fp32's, docs/results")
     be.set_defaults(func=run)
 
 

@@ -267,6 +267,14 @@ def add_compute_flags(parser) -> None:
                              "float32 on the CPU, bfloat16 on a GPU that has it natively, else float16)")
 
 
+def add_weights_flag(parser, where: str) -> None:
+    """--weights: the linear layers' format (runtime/model.py WEIGHT_FORMATS); ``where``: the command's use of it."""
+    from edgekv.runtime.model import WEIGHT_FORMATS
+
+    parser.add_argument("--weights", choices=WEIGHT_FORMATS, default="native",
+                        help=f"the linear layers' format (int8: PyTorch's dynamic int8 linear, CPU, float32; {where})")
+
+
 def check_common(args, command) -> None:
     """The checks any command's flags get, in the order that decides which error wins when several are bad: the
     "numbers" (whole and real flags, the --contexts/--batches lists), the "names" (budgets, record formats, rates,

@@ -11,7 +11,6 @@ KV_FOLDERS = "existing"
 
 def add(sub) -> None:
     from edgekv.runtime.checkpoints import MODEL_HELP
-    from edgekv.runtime.model import WEIGHT_FORMATS
 
     ev = sub.add_parser("eval", help="RULER-style retrieval accuracy per policy and KV budget")
     ev.add_argument("--model", default="fixture", help=MODEL_HELP)
@@ -48,8 +47,7 @@ def add(sub) -> None:
                          "them (same configuration, other records), labelled e.g. kvswap@1/13,int8")
     ev.add_argument("--json")
     common.add_compute_flags(ev)
-    ev.add_argument("--weights", choices=WEIGHT_FORMATS, default="native",
-                    help="the linear layers' format (int8: PyTorch's dynamic int8 linear, CPU, float32; --ppl only)")
+    common.add_weights_flag(ev, "--ppl only")
     ev.set_defaults(func=run)
 
 
