@@ -33,7 +33,7 @@ from .config import RuntimeConfig
 from .model import DecoderModel
 from .selector import Selector
 from .transfer import to_device
-from .slot_memory import slot_memory
+from .slot_memory import LAYERS_IN_FLIGHT, slot_memory
 from .slots import Slots, record_owners
 
 _ABANDONED: dict = {}  # id(future) -> (future, buffers) of reads past their deadline: their memory lives until they land
@@ -87,7 +87,10 @@ class OffloadedKV(KVPolicy):
         self.n_groups = np.zeros(batch, dtype=np.int64)
         self.rb_len = np.zeros(batch, dtype=np.int64)
         self._pending: dict[int, tuple[torch.Tensor, torch.Tensor, Future]] = {}
-        self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ekv-io")
+        # a layer's reads start as soon as it is picked, beside the layer before's tail and checksums
+        self._io = ThreadPoolExecutor(max_workers=LAYERS_IN_FLIGHT, thread_name_prefix="ekv-io")
+        self._reads_lock = threading.Lock()
+        self._reads_running, self._reads_since = 0, 0.0
         self.read_deadline_s = cfg.io.read_deadline_s
         self._hung: list[Future] = []  # reads that missed the deadline: never waited for again
         self._batch_index = torch.arange(batch, device=model.device)
@@ -203,17 +206,30 @@ class OffloadedKV(KVPolicy):
         return executor.submit(self._fetch, layer, buffer, misses, reads, after)
 
     def _fetch(self, layer: int, buffer: int, misses, reads, after: threading.Event | None = None) -> None:
-        """On the I/O thread: the misses read from disk, then moved where attention reads them.  ``after`` (with
-        correction): set once the layer before has corrected; that layer's few reads hold up its attention, so they
-        go first instead of queueing behind this whole layer's (the reader takes one batch at a time), and this read
-        still overlaps that layer's attention and MLP."""
+        """On an I/O thread: the misses read from disk (checksums checked), then moved where attention reads them.
+        ``after`` (with correction): set once the layer before has corrected; that layer's few reads hold up its
+        attention, so they go first instead of sharing the disk with this whole layer's, and this read still
+        overlaps that layer's attention and MLP."""
         if after is not None:
             after.wait(timeout=self.read_deadline_s)
         self.slot_memory.before_read(layer)
-        start = time.perf_counter()
-        self.store.read(reads)
-        self.io_read_s += time.perf_counter() - start
+        self._count_reading(+1)
+        try:
+            self.store.read(reads)
+        finally:
+            self._count_reading(-1)
         self.slot_memory.after_read(layer, buffer, misses)
+
+    def _count_reading(self, change: int) -> None:
+        """``io_read_s`` is wall time with any read running: reads on several I/O threads overlap, and their summed
+        durations would count a second twice (bytes_read / io_read_s is the achieved disk rate)."""
+        with self._reads_lock:
+            now = time.perf_counter()
+            if not self._reads_running:
+                self._reads_since = now
+            self._reads_running += change
+            if not self._reads_running:
+                self.io_read_s += now - self._reads_since
 
     def _keep_group(self, layer: int, seq: int, group: int, k: torch.Tensor, v: torch.Tensor, in_ring: bool) -> None:
         """Hold (part of) ``group`` in memory: in the sinks if it is one, in its ring slot if ``in_ring``."""

@@ -137,16 +137,46 @@ class PythonPoolReader(KVReader):
 
 
 class NativeReader(KVReader):
-    """ctypes front of ekv_reader.c (io_uring or pthread pool): at most ``queue_depth`` reads in flight
-    (the pthread pool runs min(threads, queue_depth) threads)."""
+    """ctypes front of ekv_reader.c (io_uring or pthread pool): at most ``queue_depth`` reads in flight per batch
+    (the pthread pool runs min(threads, queue_depth) threads).
+
+    A C handle holds one batch at a time, so each concurrent caller gets its own (opened on first need, kept
+    after): two layers' batches read at once, and neither's queue runs down waiting for the other's tail."""
 
     def __init__(self, library: ctypes.CDLL, queue_depth: int = 64, threads: int = 16):
         self._lib = library
         self.name = library.ekv_backend().decode()
-        self._lock = threading.Lock()  # the C reader holds one batch at a time
-        self._handle = library.ekv_open(queue_depth, threads)
-        if not self._handle:
+        self._depth, self._threads = queue_depth, threads
+        self._cond = threading.Condition()
+        self._idle = [self._open()]  # the first opened here: a refused io_uring falls back when the reader opens
+        self._busy = 0
+        self._closed = False
+
+    def _open(self) -> int:
+        handle = self._lib.ekv_open(self._depth, self._threads)
+        if not handle:
             raise OSError(f"the {self.name} reader could not be opened (io_uring refused or out of memory)")
+        return handle
+
+    def _take(self) -> int:
+        with self._cond:
+            if self._closed:
+                raise ValueError(f"the {self.name} reader is closed: open another with open_reader")
+            self._busy += 1
+            if self._idle:
+                return self._idle.pop()
+        try:
+            return self._open()
+        except BaseException:
+            self._give(None)
+            raise
+
+    def _give(self, handle: int | None) -> None:
+        with self._cond:
+            self._busy -= 1
+            if handle is not None:
+                self._idle.append(handle)
+            self._cond.notify_all()
 
     def read(self, batch: ReadBatch) -> None:
         check_batch(batch)
@@ -156,24 +186,29 @@ class NativeReader(KVReader):
         fds = np.ascontiguousarray(batch.fds, dtype=np.int32)
         offsets = np.ascontiguousarray(batch.offsets, dtype=np.int64)
         addresses = np.ascontiguousarray(batch.addresses, dtype=np.int64)
-        with self._lock:
-            if not self._handle:
-                raise ValueError(f"the {self.name} reader is closed: open another with open_reader")
+        handle = self._take()
+        try:
             if batch.counts is None:
-                rc = self._lib.ekv_read(self._handle, n, fds.ctypes.data, offsets.ctypes.data, batch.nbytes,
+                rc = self._lib.ekv_read(handle, n, fds.ctypes.data, offsets.ctypes.data, batch.nbytes,
                                         addresses.ctypes.data)
             else:
                 counts = np.ascontiguousarray(batch.counts, dtype=np.int32)
-                rc = self._lib.ekv_readv(self._handle, n, fds.ctypes.data, offsets.ctypes.data, counts.ctypes.data,
+                rc = self._lib.ekv_readv(handle, n, fds.ctypes.data, offsets.ctypes.data, counts.ctypes.data,
                                          batch.nbytes, addresses.ctypes.data)
+        finally:
+            self._give(handle)
         if rc != 0:
             raise OSError(-rc, f"{self.name} read of {n} KV requests failed: {os.strerror(-rc)}")
 
     def close(self) -> None:
-        with self._lock:
-            if self._handle:
-                self._lib.ekv_close(self._handle)
-                self._handle = None
+        """Waits for the batches being read, then closes every handle (a second close does nothing)."""
+        with self._cond:
+            self._closed = True
+            while self._busy:
+                self._cond.wait()
+            handles, self._idle = self._idle, []
+        for handle in handles:
+            self._lib.ekv_close(handle)
 
 
 class PacedReader(KVReader):

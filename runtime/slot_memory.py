@@ -18,6 +18,8 @@ import torch
 from .disk_store import RecordLayout, aligned_zeros
 from .slots import Misses
 
+LAYERS_IN_FLIGHT = 2  # layers whose reads may run at once (the engine prefetches one layer ahead): staging sets
+
 
 class HostSlots:
     """The reuse slots in host memory: reads land where attention reads."""
@@ -59,11 +61,12 @@ class DeviceSlots:
         self.layout, self.device = layout, device
         stride = layout.stride_bytes
         self._slots = torch.zeros(n_buffers, batch * capacity, stride, dtype=torch.uint8, device=device)
-        # pinned staging, one set per layer parity: layer l+1 reads while layer l's copy may still run
-        self._staging = [pinned_aligned((max(1, max_misses), stride), layout.align_bytes) for _ in range(2)]
+        # pinned staging, one set per layer parity: layer l+1 reads while layer l's read or copy may still run
+        self._staging = [pinned_aligned((max(1, max_misses), stride), layout.align_bytes)
+                         for _ in range(LAYERS_IN_FLIGHT)]
         self._copy_stream = torch.cuda.Stream(device=device)
         self._copied = {}  # buffer -> event: its last copy is done
-        self._staged = [torch.cuda.Event() for _ in range(2)]  # staging set -> its last copy has read it
+        self._staged = [torch.cuda.Event() for _ in range(LAYERS_IN_FLIGHT)]  # staging set -> its last copy has read it
         self._read_done = {}  # buffer -> event: the attention that last read it is done
         self._lock = threading.Lock()
         self.bytes_copied = 0  # host -> device, records only (hits never cross)
@@ -76,11 +79,13 @@ class DeviceSlots:
         """Contiguous staging rows of this layer's parity for the misses."""
         if len(misses.slot) > self._staging[0].shape[0]:
             raise ValueError(f"{len(misses.slot)} misses in one layer but staging holds {self._staging[0].shape[0]}")
-        return self._staging[layer % 2].data_ptr() + np.arange(len(misses.slot)) * self.layout.stride_bytes
+        rows = np.arange(len(misses.slot)) * self.layout.stride_bytes
+        return self._staging[layer % LAYERS_IN_FLIGHT].data_ptr() + rows
 
     def before_read(self, layer: int) -> None:
-        """On the I/O thread: the staging set of this parity is free once the copy two layers back has read it."""
-        self._staged[layer % 2].synchronize()
+        """On an I/O thread: the staging set of this parity is free once the copy two layers back has read it (that
+        layer's reads were waited for before this one was picked, so its copy is already queued)."""
+        self._staged[layer % LAYERS_IN_FLIGHT].synchronize()
 
     @torch.inference_mode()  # the slots are inference tensors (made under the engine's inference mode), and
     # inference mode is per thread: without it here the I/O thread may not write them
@@ -94,11 +99,11 @@ class DeviceSlots:
             if done is not None:
                 self._copy_stream.wait_event(done)
             if n:
-                rows = self._staging[layer % 2][:n].to(self.device, non_blocking=True)
+                rows = self._staging[layer % LAYERS_IN_FLIGHT][:n].to(self.device, non_blocking=True)
                 index = torch.from_numpy(misses.slot).pin_memory().to(self.device, non_blocking=True)
                 self._slots[buffer].index_copy_(0, index, rows)
                 self.bytes_copied += n * self.layout.stride_bytes
-            self._staged[layer % 2].record(self._copy_stream)
+            self._staged[layer % LAYERS_IN_FLIGHT].record(self._copy_stream)
             copied = torch.cuda.Event()
             copied.record(self._copy_stream)
         with self._lock:

@@ -1,4 +1,6 @@
 """Sampling, stop tokens, batching beyond max_batch, stats and step events."""
+import threading
+
 import pytest
 import torch
 
@@ -109,3 +111,36 @@ def test_grouped_sdpa_equals_the_cpu_decode_attention():
     mask[..., 0] = True
     torch.testing.assert_close(grouped_sdpa(model, q, k, v, mask), decode_attention(model, q, k, v, mask),
                                rtol=1e-5, atol=1e-5)
+
+
+class MeetingReader:
+    """The engine's reader, whose first two batches meet at a barrier before they read: with one I/O thread the
+    second layer's batch would wait for the first's, and the barrier would time out."""
+
+    def __init__(self, inner):
+        self.inner, self.name = inner, inner.name
+        self.barrier = threading.Barrier(2, timeout=10)
+        self.met = False
+
+    def read(self, batch):
+        if not self.met and not self.barrier.broken:
+            try:
+                self.barrier.wait()
+                self.met = True
+            except threading.BrokenBarrierError:
+                pass
+        self.inner.read(batch)
+
+    def close(self):
+        self.inner.close()
+
+
+def test_two_layers_reads_run_at_once_and_the_tokens_are_unchanged(engine):
+    """The step picks layers 0 and 1 before layer 0 attends: both layers' batches are read at once, each into its
+    own staging set, and the tokens are those of a run whose reads never met."""
+    want = [r.token_ids for r in engine.generate(PROMPTS, max_new_tokens=6, stop_token_ids=[])]
+    engine.reader = MeetingReader(engine.reader)
+    got = engine.generate(PROMPTS, max_new_tokens=6, stop_token_ids=[])
+    assert engine.reader.met
+    assert [r.token_ids for r in got] == want
+    assert 0 < got[0].stats["io_read_s"] <= got[0].stats["decode_s"]

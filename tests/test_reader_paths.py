@@ -8,7 +8,7 @@ import pytest
 
 from edgekv.runtime.disk_store import aligned_zeros, open_maybe_direct
 from edgekv.runtime.pacing import MIB, Link
-from edgekv.runtime.reader import MultiPathReader, PacedReader, ReadBatch, open_reader
+from edgekv.runtime.reader import MultiPathReader, NativeReader, PacedReader, ReadBatch, open_reader
 
 BACKENDS = ["io_uring", "pthread", "python"]
 RECORD = 4096
@@ -145,6 +145,45 @@ def test_python_reader_keeps_at_most_queue_depth_reads_in_flight(kv_files, monke
     reader.close()
     assert state["max"] == depth
     assert np.array_equal(dest, contents[0][:n])
+
+
+class MeetingLibrary:
+    """The real C library, whose batch calls first meet at a barrier of two: a reader that let only one caller into
+    the C code at a time would leave the other waiting outside, and the barrier would time out."""
+
+    def __init__(self, library):
+        self._library = library
+        self.barrier = threading.Barrier(2, timeout=10)
+
+    def __getattr__(self, name):
+        return getattr(self._library, name)
+
+    def ekv_readv(self, *args):
+        self.barrier.wait()
+        return self._library.ekv_readv(*args)
+
+
+@pytest.mark.parametrize("backend", ["io_uring", "pthread"])
+def test_native_reader_reads_two_callers_batches_at_once(kv_files, backend):
+    """Each concurrent caller gets its own C handle (the engine's I/O threads read two layers at once); after close,
+    a read is refused by name."""
+    inner = reader_or_skip(backend, queue_depth=8)
+    library = MeetingLibrary(inner._lib)
+    inner.close()
+    reader = NativeReader(library, queue_depth=8)
+    rng = np.random.default_rng(5)
+    cases = [Scattered(*kv_files, rng) for _ in range(2)]
+    threads = [threading.Thread(target=reader.read, args=(case.batch,)) for case in cases]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not library.barrier.broken
+    assert all(np.array_equal(case.dest, case.expected) for case in cases)
+    reader.close()
+    reader.close()
+    with pytest.raises(ValueError, match="closed: open another"):
+        reader.read(cases[0].batch)
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="needs /proc to count threads")
