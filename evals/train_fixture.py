@@ -72,10 +72,10 @@ def init_previous_token_head(model, strength: float = 6.0, planes: int = 12) -> 
 
 def _distance_scores(model, q_bias, k_bias, span: int = 8) -> torch.Tensor:
     """Score of a query at position `span` against keys at distances 0..span-1 (RoPE applied)."""
-    from edgekv.runtime.model import _rotate
+    from edgekv.runtime.model import _rotate, rope_pair
 
     pos = torch.arange(span + 1)[None]
-    cos, sin = model.model.rotary_emb(torch.zeros(1), pos)
+    cos, sin = rope_pair(*model.model.rotary_emb(torch.zeros(1), pos))
     q = _rotate(q_bias.expand(1, 1, span + 1, -1), cos, sin)[0, 0, -1]
     k = _rotate(k_bias.expand(1, 1, span + 1, -1), cos, sin)[0, 0]
     return (k @ q).flip(0)[: span]

@@ -279,8 +279,8 @@ class DecoderModel:
         """cos/sin for integer positions of shape [B, T], per layer type where the model has several bases."""
         probe = torch.empty(0, dtype=self.dtype, device=self.device)
         if not self._rope_types:
-            return Rope({None: self.rotary(probe, positions)}, None)
-        return Rope({t: self.rotary(probe, positions, t) for t in self._rope_types}, self.layer_types)
+            return Rope({None: rope_pair(*self.rotary(probe, positions))}, None)
+        return Rope({t: rope_pair(*self.rotary(probe, positions, t)) for t in self._rope_types}, self.layer_types)
 
     def _heads(self, proj: nn.Module, norm: nn.Module | None, h: torch.Tensor, cos, sin) -> torch.Tensor:
         """Project, split heads, optional per-head RMS norm (Qwen3), RoPE: [B, T, hidden] -> [B, heads, T, d]."""
@@ -325,7 +325,8 @@ class DecoderModel:
 
 
 class Rope:
-    """cos/sin [B, T, d] at some positions for each layer type (one pair unless the model has a base per type)."""
+    """cos/sin at some positions for each layer type (one pair unless the model has a base per type), as
+    ``rope_pair`` prepares them."""
 
     def __init__(self, pairs: dict, layer_types: list[str] | None):
         self.pairs, self.layer_types = pairs, layer_types
@@ -334,12 +335,18 @@ class Rope:
         return self.pairs[self.layer_types[layer] if self.layer_types else None]
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE on [B, H, T, d] with cos/sin [B, T, d] (the HF rotate-half convention)."""
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+def rope_pair(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """HF's cos/sin [B, T, d] as ``_rotate`` takes them, once a step rather than once a rotation: a head axis, and
+    sin's first half negated (rotate-half's sign; a negation is exact, so the result is HF's to the bit)."""
+    sign = torch.ones(sin.shape[-1], dtype=sin.dtype, device=sin.device)
+    sign[: sin.shape[-1] // 2] = -1
+    return cos.unsqueeze(1), (sin * sign).unsqueeze(1)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on [B, H, T, d] (the HF rotate-half convention) with ``rope_pair``'s cos/sin: rotating half is a roll
+    by d/2 with the sign in sin, four calls where a cat of two negated halves took ten."""
+    return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * signed_sin
 
 
 def _random_model(auto, hf_config, device: torch.device, dtype: torch.dtype) -> nn.Module:
