@@ -16,16 +16,15 @@ from tests.test_cuda import BASE, CASES, NEW_TOKENS, PROMPTS
 
 
 def trace(case: str, device: str) -> tuple[list, list]:
-    """(every _pick call's (layer, picks [B, M], -1 = none), every step's logits [B, V] on the CPU)."""
+    """(every layer's fetched picks (layer, picks [B, M], -1 = none), every step's logits [B, V] on the CPU)."""
     policy, extra = CASES[case]
-    picks, pick = [], OffloadedKV._pick
+    picks, fetch = [], OffloadedKV._fetch_picks
 
-    def recorded(self, layer, q):
-        groups, valid = pick(self, layer, q)
+    def recorded(self, layer, groups, valid, *rest):
         picks.append((layer, np.where(valid, groups, -1)))
-        return groups, valid
+        return fetch(self, layer, groups, valid, *rest)
 
-    OffloadedKV._pick = recorded
+    OffloadedKV._fetch_picks = recorded
     try:
         with tempfile.TemporaryDirectory() as kv, Engine.from_pretrained(
                 "fixture", kv_offload_path=kv, config={**BASE, **extra}, policy=policy, device=device,
@@ -39,7 +38,7 @@ def trace(case: str, device: str) -> tuple[list, list]:
                     steps.append(logits)
                     logits = batch.step(logits.argmax(-1)).float().cpu()
     finally:
-        OffloadedKV._pick = pick
+        OffloadedKV._fetch_picks = fetch
     return picks, steps
 
 

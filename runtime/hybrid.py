@@ -151,6 +151,8 @@ class HybridKV(KVPolicy):
     def attend(self, layer, q, k, v):
         if layer in self._global:
             return self.inner.attend(self._global[layer], q, k, v)
+        if self.inner is not None:
+            self.inner.take_picks()  # the next global layer's picks, launched ahead
         return self.ring.attend(layer, q, k, v)
 
     def end_step(self, active):

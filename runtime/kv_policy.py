@@ -75,6 +75,10 @@ class KVPolicy:
         """Attention of the current tokens q [B, H, 1, d]; k/v [B, H_kv, 1, d] are their own KV."""
         raise NotImplementedError
 
+    def take_picks(self) -> None:
+        """A layer attends elsewhere (a hybrid model's windowed layer): what ``prefetch`` launched on the device may
+        reach the host and start its reads now."""
+
     def end_step(self, active: np.ndarray) -> None:
         """The current tokens of active sequences join the cache."""
         self.lengths[active] += 1

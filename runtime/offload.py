@@ -86,6 +86,7 @@ class OffloadedKV(KVPolicy):
                                  dtype=model.dtype, device=model.device)
         self.n_groups = np.zeros(batch, dtype=np.int64)
         self.rb_len = np.zeros(batch, dtype=np.int64)
+        self._picking: dict[int, tuple[HostPicks, np.ndarray]] = {}  # layer -> launched picks, the active rows
         self._pending: dict[int, tuple[torch.Tensor, torch.Tensor, Future]] = {}
         # a layer's reads start as soon as it is picked, beside the layer before's tail and checksums
         self._io = ThreadPoolExecutor(max_workers=LAYERS_IN_FLIGHT, thread_name_prefix="ekv-io")
@@ -166,15 +167,30 @@ class OffloadedKV(KVPolicy):
     # ---- the decode step: select + fetch -> attend -> append -> flush ------------------------------
 
     def prefetch(self, layer, x, rope, active):
-        """Select + fetch, a layer ahead: the picks from the layer's predicted query, their reads on the I/O
-        thread while the layer before computes (a selector needing the true query waits for ``attend``)."""
+        """Select + fetch, a layer ahead: the picks from the layer's predicted query, their reads on an I/O thread
+        while the layer before computes (a selector needing the true query waits for ``attend``).  On a GPU the
+        picks reach the host in one copy queued behind the selection, and the host takes them when the layer before
+        attends: its QKV is queued by then, so the device does not run dry while the host assigns slots."""
         self._active = active
         if self.selector.reads_ahead:
-            self._select_and_fetch(layer, self.model.query(layer, x, rope) if self.predict else None, active,
-                                   time.perf_counter())
+            started = time.perf_counter()
+            self._picking[layer] = (self._launch_pick(layer, self.model.query(layer, x, rope) if self.predict
+                                                      else None), active)
+            self.select_s += time.perf_counter() - started
+            if self.model.device.type != "cuda":  # no queue to keep fed: the reads start at once
+                self.take_picks()
 
-    def _select_and_fetch(self, layer: int, q: torch.Tensor | None, active: np.ndarray, started: float) -> None:
-        groups, valid = self._pick(layer, q)
+    def take_picks(self) -> None:
+        """The launched picks on the host, in layer order: slots assigned and the misses' reads submitted (at each
+        attention; a hybrid model's local layers call it too, so a global layer's reads start a layer ahead)."""
+        while self._picking:
+            layer = next(iter(self._picking))
+            picks, active = self._picking.pop(layer)
+            started = time.perf_counter()
+            self._fetch_picks(layer, *picks.result(), active, started)
+
+    def _fetch_picks(self, layer: int, groups: np.ndarray, valid: np.ndarray, active: np.ndarray, started: float
+                     ) -> None:
         if self.on_select is not None:
             self.on_select(layer, groups, valid)
         owners = record_owners(groups, self.owner, self.shared_groups)
@@ -188,13 +204,15 @@ class OffloadedKV(KVPolicy):
         future = self._read_misses(layer, misses, self._io, after)
         self._pending[layer] = (slots, valid, future, np.where(valid, groups, -1))
 
-    def _pick(self, layer: int, q: torch.Tensor | None) -> tuple[np.ndarray, np.ndarray]:
-        """The selector's picks for ``layer`` from query ``q``, on the host: groups [B, M], valid [B, M] (active
-        rows only)."""
+    def _launch_pick(self, layer: int, q: torch.Tensor | None) -> "HostPicks":
+        """The selector's picks for ``layer`` from query ``q``, on their way to the host."""
         outside_window = np.maximum(self.n_groups - self.window_groups, 0)
         groups, valid = self.selector.select(layer, q, torch.from_numpy(outside_window), first=self.sink_groups)
-        picks = torch.where(valid, groups, -1).cpu().numpy()  # one transfer (the layer's one sync on a GPU)
-        return np.maximum(picks, 0), (picks >= 0) & self._active[:, None]
+        return HostPicks(torch.where(valid, groups, -1), self._active)
+
+    def _pick(self, layer: int, q: torch.Tensor | None) -> tuple[np.ndarray, np.ndarray]:
+        """The picks for ``layer`` from ``q`` on the host now: groups [B, M], valid [B, M] (active rows only)."""
+        return self._launch_pick(layer, q).result()
 
     def _read_misses(self, layer: int, misses, executor: ThreadPoolExecutor, after: threading.Event | None = None
                      ) -> Future:
@@ -268,7 +286,9 @@ class OffloadedKV(KVPolicy):
         """Attention over the fetched picks, the sinks and the window; the step's own K/V sit in their ring slot
         first (a token attends to itself) and join the window for good at ``end_step``."""
         if not self.selector.reads_ahead:
-            self._select_and_fetch(layer, q, self._active, time.perf_counter())
+            started = time.perf_counter()
+            self._fetch_picks(layer, *self._pick(layer, q), self._active, started)
+        self.take_picks()  # this layer's (if not yet) and the next one's
         rolling = self.rolling[layer]
         write_at, resident = self._step_tensors(q.device)
         rolling[self._batch_index, 0, :, write_at] = k[:, :, 0]
@@ -442,6 +462,7 @@ class OffloadedKV(KVPolicy):
             gate.set()
         futures = [future for _, _, future, _ in self._pending.values()]
         self._pending.clear()
+        self._picking.clear()
         errors = []
         for future in futures:
             if self._hung and future.cancel():  # queued behind a hung read: never started
@@ -465,6 +486,28 @@ class OffloadedKV(KVPolicy):
         self.store.close()
         if errors:
             raise errors[0]
+
+
+class HostPicks:
+    """A layer's picks [B, M] (-1: none) on their way to the host: on a GPU one copy into pinned memory queued behind
+    the selection, with an event, so ``result`` waits for that copy and never for work queued after it."""
+
+    def __init__(self, picks: torch.Tensor, active: np.ndarray):
+        self._active, self._event = active, None
+        if picks.device.type == "cuda":
+            self._host = torch.empty(picks.shape, dtype=picks.dtype, pin_memory=True)
+            self._host.copy_(picks, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record(torch.cuda.current_stream(picks.device))
+        else:
+            self._host = picks
+
+    def result(self) -> tuple[np.ndarray, np.ndarray]:
+        """groups [B, M] (0 where none) and valid [B, M] (a pick, in an active row)."""
+        if self._event is not None:
+            self._event.synchronize()  # the layer's one wait for the device
+        picks = self._host.numpy()
+        return np.maximum(picks, 0), (picks >= 0) & self._active[:, None]
 
 
 def _in_rows(groups: np.ndarray, picks: np.ndarray) -> np.ndarray:

@@ -9,6 +9,7 @@ from edgekv.runtime import Engine
 from edgekv.runtime.adapter import LowRankAdapter
 from edgekv.runtime.devices import resolve_device, resolve_dtype
 from edgekv.runtime.ttft.prefill import TTFTOptions
+from tests.conftest import save_model
 
 pytestmark = pytest.mark.cuda
 
@@ -59,6 +60,23 @@ def run(tmp_path, policy, extra, device, dtype=torch.float32, prompts=PROMPTS, c
 def test_every_policy_on_cuda_gives_the_cpu_tokens_in_fp32(tmp_path, case):
     policy, extra = CASES[case]
     assert run(tmp_path, policy, extra, "cuda") == run(tmp_path, policy, extra, "cpu")
+
+
+def test_a_hybrid_model_on_cuda_gives_the_cpu_tokens(tmp_path):
+    """Gemma 3's windowed layers keep rings; the global layers' picks, launched a layer ahead on the device, are
+    taken (and their reads started) while a windowed layer attends."""
+    folder = save_model(tmp_path / "gemma3", "gemma3", num_hidden_layers=6, sliding_window=16,
+                        layer_types=["sliding_attention", "full_attention", "sliding_attention", "sliding_attention",
+                                     "full_attention", "full_attention"])
+    prompts = [[token % 150 + 4 for token in prompt] for prompt in PROMPTS]  # within its 160 ids
+    tokens = {}
+    for device in ("cuda", "cpu"):
+        (tmp_path / device).mkdir()
+        with Engine.from_pretrained(folder, kv_offload_path=tmp_path / device, config=BASE, policy="kvswap",
+                                    device=device, dtype=torch.float32) as engine:
+            tokens[device] = [r.token_ids for r in engine.generate(prompts, max_new_tokens=NEW_TOKENS,
+                                                                   stop_token_ids=[])]
+    assert tokens["cuda"] == tokens["cpu"]
 
 
 def test_a_stored_context_on_cuda_gives_the_cpu_tokens(tmp_path):
