@@ -12,12 +12,14 @@ import hashlib
 import os
 import platform
 import subprocess
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
 from .checkpoints import cache_root
 
 SOURCES = Path(__file__).with_name("native")
+_BUILDING = threading.Lock()  # a library's first users may be several threads at once (the I/O threads' checksums)
 
 
 @dataclass(frozen=True)
@@ -66,8 +68,11 @@ def build(name: str) -> Path:
         return target
     lib = LIBRARIES[name]
     source = str(SOURCES / lib.source)
-    return compile_library(lambda out: ["cc", *lib.flags_here(), "-shared", "-fPIC", "-Wall", source, "-o", out, *lib.libs],
-                           target, lib.what)
+    with _BUILDING:  # one build; the threads that waited find its library
+        if target.exists():
+            return target
+        return compile_library(lambda out: ["cc", *lib.flags_here(), "-shared", "-fPIC", "-Wall", source, "-o", out,
+                                            *lib.libs], target, lib.what)
 
 
 def load(name: str) -> ctypes.CDLL:
@@ -78,7 +83,7 @@ def compile_library(command, target: Path, what: str) -> Path:
     """Run ``command(output_path)`` into a temporary file and move it to ``target``: a failed or
     interrupted build never leaves a library that would be loaded."""
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_suffix(f".{os.getpid()}.tmp")
+    tmp = target.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")  # no two builders share a file
     cmd = command(str(tmp))
     result = subprocess.run(cmd, capture_output=True, text=True)
     if result.returncode != 0:

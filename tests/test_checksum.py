@@ -1,7 +1,11 @@
 """The C library's record checksums against the crc32c package's (runtime/checksum.py's reference)."""
+import shutil
+import threading
+
 import numpy as np
 import pytest
 
+from edgekv.runtime import native_build
 from edgekv.runtime.checksum import native, sums_at
 from edgekv.runtime.disk_store import aligned_zeros
 
@@ -22,3 +26,28 @@ def test_native_record_sums_equal_the_packages(n, record_bytes):
     records[n - 1, record_bytes - 1] ^= 1  # a flip in the last record's last byte changes only its sum
     flipped = sums_at(addresses, record_bytes, 7, groups)
     assert flipped[n - 1] != fast[n - 1] and flipped[: n - 1].tolist() == fast[: n - 1].tolist()
+
+
+def test_threads_that_first_need_a_library_at_once_all_get_it(tmp_path, monkeypatch):
+    """The engine's two I/O threads verify their first records at the same moment: each must find the library one
+    build made (two builds into one temporary file left one thread without it, and the checksums on the slow path)."""
+    if shutil.which("cc") is None:
+        pytest.skip("no C compiler here")
+    monkeypatch.setenv("EDGEKV_CACHE", str(tmp_path))
+    barrier = threading.Barrier(4, timeout=30)
+    found, errors = [], []
+
+    def build():
+        barrier.wait()
+        try:
+            found.append(native_build.build("crc32c"))
+        except OSError as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=build) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == [] and len(set(found)) == 1 and found[0].parent == tmp_path / "native"
+    assert sorted(p.name for p in (tmp_path / "native").iterdir()) == [found[0].name]  # no temporary left
