@@ -33,8 +33,9 @@ import torch
 from .config import ConfigError, RuntimeConfig
 from .kv_policy import KVPolicy
 from .model import DecoderModel, ModelDims
-from .qattn import GroupLayout, align16, group_scores, group_values
+from .qattn import GroupLayout, align16, batch_group_scores, batch_group_values, group_scores, group_values
 from .quant import Quantized, quant_format, quantize_keys, quantize_values
+from .transfer import to_device
 
 GROUP_TOKENS = 32  # tokens per quantized key group (scales per channel over the group)
 TAU = (7.774, 5.407, 5.528)  # the paper's tuned temperatures for entropy, variance, kurtosis (Eq. 6)
@@ -140,6 +141,12 @@ def prompt_statistics(q_obs: torch.Tensor, k: torch.Tensor, scaling: float, wind
     return stats, (oq_score(mass[:evictable]) if evictable >= 2 else None)
 
 
+def _flat_index(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(owner, index within it) of every item when owner i has ``counts[i]``: [0 0 1] [0 1 0] for counts [2, 1]."""
+    owners = np.repeat(np.arange(len(counts)), counts)
+    return owners, np.arange(len(owners)) - np.repeat(np.cumsum(counts) - counts, counts)
+
+
 def _rank(score: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     """Indices best first: highest score, ties to the most recent token."""
     recent = torch.argsort(pos, descending=True)
@@ -169,6 +176,12 @@ class ArkvKV(KVPolicy):
         self._rows = [[self.arena[l, s, geo.arena_bytes - geo.max_groups * geo.layout.record_bytes:]
                        .view(geo.max_groups, geo.layout.record_bytes) for s in range(batch)] for l in range(d.n_layers)]
         self._group_fields = [[geo.layout.fields(rows) for rows in layer] for layer in self._rows]
+        # every sequence of a layer at once (the same offsets in each arena): a GPU attends the batch in one pass
+        self.batched = model.device.type == "cuda"
+        self._batch_originals = [self._original_fields(self.arena[l]) for l in range(d.n_layers)]
+        self._batch_rows = [self.arena[l, :, geo.arena_bytes - geo.max_groups * geo.layout.record_bytes:]
+                            .view(batch, geo.max_groups, geo.layout.record_bytes) for l in range(d.n_layers)]
+        self._batch_index = torch.arange(batch, device=model.device)
 
     @property
     def prompt_queries(self) -> int:
@@ -179,12 +192,13 @@ class ArkvKV(KVPolicy):
         return self.arena.numel()
 
     def _original_fields(self, arena: torch.Tensor):
-        """K, V [n, H_kv, d] and position [n], statistics [n, 3] views of the original records."""
-        g, dtype = self.geo, self.model.dtype
-        rows = arena[: g.max_original * g.original_bytes].view(g.max_original, g.original_bytes)
-        kv = lambda a: rows[:, a: a + g.kv_bytes].view(dtype).view(-1, self.n_kv, self.head_dim)  # noqa: E731
-        meta = rows[:, g.meta_offset: g.meta_offset + META_BYTES]
-        return kv(0), kv(g.kv_bytes), meta[:, :4].view(torch.int32)[:, 0], meta[:, 4:].view(torch.float32)
+        """K, V [..., n, H_kv, d] and position [..., n], statistics [..., n, 3] views of the original records of
+        ``arena`` [..., arena_bytes] (one sequence's, or a layer's batch)."""
+        g, dtype, lead = self.geo, self.model.dtype, arena.shape[:-1]
+        rows = arena[..., : g.max_original * g.original_bytes].view(*lead, g.max_original, g.original_bytes)
+        kv = lambda a: rows[..., a: a + g.kv_bytes].view(dtype).view(*lead, -1, self.n_kv, self.head_dim)  # noqa: E731
+        meta = rows[..., g.meta_offset: g.meta_offset + META_BYTES]
+        return kv(0), kv(g.kv_bytes), meta[..., :4].view(torch.int32)[..., 0], meta[..., 4:].view(torch.float32)
 
     # ---- prefill ------------------------------------------------------------------------------
 
@@ -261,19 +275,29 @@ class ArkvKV(KVPolicy):
     # ---- decode -------------------------------------------------------------------------------
 
     def attend(self, layer, q, k, v):
+        """One sequence at a time on a CPU (the quantized groups through the C kernel); the batch in one pass on a
+        GPU, where a loop per sequence would be a few dozen launches each."""
+        for seq in range(q.shape[0]):
+            self._make_room(layer, seq)
+        if self.batched:
+            return self._attend_batch(layer, q, k[:, :, 0], v[:, :, 0])
         out = torch.empty_like(q)
         for seq in range(q.shape[0]):
             out[seq] = self._attend_one(layer, seq, q[seq], k[seq, :, 0], v[seq, :, 0])
         return out
 
-    def _attend_one(self, layer: int, seq: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def _make_room(self, layer: int, seq: int) -> None:
+        """A free original slot for the step's token: the split follows the length, else the tailor runs."""
         pos = int(self.lengths[seq])
         n = int(self.n_original[layer, seq])
         if n >= self.slots[layer, seq]:
             self._resize(layer, seq, self.rho[layer, seq], pos + 1)
         if n >= self.slots[layer, seq]:
             self._tailor(layer, seq, pos, self._live_originals(layer, seq, n))
-            n = int(self.n_original[layer, seq])
+
+    def _attend_one(self, layer: int, seq: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        pos = int(self.lengths[seq])
+        n = int(self.n_original[layer, seq])
         K, V, P, S = self._originals[layer][seq]
         K[n], V[n], P[n], S[n] = k, v, pos, 0.0  # committed by end_step (an inactive sequence rewrites it)
         qg = q.view(self.n_kv, self.rep, self.head_dim)
@@ -292,6 +316,49 @@ class ArkvKV(KVPolicy):
             stats = self._group_fields[layer][seq]["stats"][self.geo.max_groups - ready:]
             self._observe(stats, quantized.unflatten(-1, (ready, GROUP_TOKENS)))
         return out.view(-1, 1, self.head_dim)
+
+    def _attend_batch(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """``_attend_one`` for every sequence at once: originals padded to the longest (a shorter sequence's
+        padding reads its own last record, masked), quantized rows to the most groups (rows that are not a
+        sequence's groups masked, their bytes never used); statistics written back only where a sequence has
+        them.  Sizes and indices come from the host's counts: no host sync."""
+        dev, b = q.device, q.shape[0]
+        n = self.n_original[layer]
+        n_dev = to_device(n, dev)
+        K, V, P, S = self._batch_originals[layer]
+        rows_b = self._batch_index
+        K[rows_b, n_dev], V[rows_b, n_dev] = k, v  # committed by end_step (an inactive sequence rewrites it)
+        P[rows_b, n_dev] = to_device(self.lengths.astype(np.int32), dev)
+        S[rows_b, n_dev] = 0.0
+        width = int(n.max()) + 1
+        upto = torch.minimum(torch.arange(width, device=dev), n_dev[:, None])  # [B, width]: in each one's records
+        live = torch.arange(width, device=dev) <= n_dev[:, None]
+        keys, values, stats = K[rows_b[:, None], upto], V[rows_b[:, None], upto], S[rows_b[:, None], upto]
+        qg = q.view(b, self.n_kv, self.rep, self.head_dim)
+        scaling = self.model.scaling
+        scores = ((qg @ keys.permute(0, 2, 3, 1)) * scaling).float().masked_fill(~live[:, None, None], float("-inf"))
+        ready = self.ready[layer]
+        n_rows = int(ready.max())
+        if n_rows:
+            rows = self._batch_rows[layer][:, self.geo.max_groups - n_rows:]
+            usable = torch.arange(n_rows, device=dev) >= to_device(n_rows - ready, dev)[:, None]  # [B, rows]
+            scores = torch.cat((scores, batch_group_scores(qg.float(), rows, self.geo.layout, scaling, usable)), -1)
+        weights = scores.softmax(dim=-1)
+        out = weights[..., :width].to(values.dtype) @ values.transpose(1, 2)
+        self._observe(stats, weights[..., :width].permute(1, 2, 0, 3))
+        seqs, slots = _flat_index(n + 1)
+        at = (to_device(seqs, dev), to_device(slots, dev))
+        S.index_put_(at, stats[at])
+        if n_rows:
+            quantized = weights[..., width:]
+            out = out + batch_group_values(quantized, rows, self.geo.layout, usable).to(out.dtype)
+            group_stats = self.geo.layout.fields(rows)["stats"]  # [B, rows, g, 3]
+            observed = group_stats.clone()
+            self._observe(observed, quantized.unflatten(-1, (n_rows, GROUP_TOKENS)).permute(1, 2, 0, 3, 4))
+            seqs, kept = _flat_index(ready)
+            at = (to_device(seqs, dev), to_device(kept + np.repeat(n_rows - ready, ready), dev))
+            group_stats.index_put_(at, observed[at])
+        return out.view(b, -1, 1, self.head_dim)
 
     def end_step(self, active: np.ndarray) -> None:
         super().end_step(active)

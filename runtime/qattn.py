@@ -51,23 +51,24 @@ class GroupLayout:
         self.kernel_offsets = torch.tensor([self.offsets[f] for f in KERNEL_FIELDS], dtype=torch.int64)
 
     def fields(self, rows: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Typed views of uint8 rows [n, record_bytes]: codes [n, H, g, db], key scale/zero [n, H, 1, d],
-        value scale/zero [n, H, g, 1], pos [n, g] int32, stats [n, g, 3] float32."""
-        n, h, g, d = rows.shape[0], self.h, self.g, self.d
+        """Typed views of uint8 rows [..., n, record_bytes] (any leading dims: a batch of sequences' rows): codes
+        [..., n, H, g, db], key scale/zero [..., n, H, 1, d], value scale/zero [..., n, H, g, 1], pos [..., n, g]
+        int32, stats [..., n, g, 3] float32."""
+        lead, h, g, d = rows.shape[:-1], self.h, self.g, self.d
 
         def raw(name):
             a = self.offsets[name]
-            return rows[:, a: a + self._sizes[name]]
+            return rows[..., a: a + self._sizes[name]]
 
         return {
-            "k_codes": raw("k_codes").view(n, h, g, self.code_bytes),
-            "v_codes": raw("v_codes").view(n, h, g, self.code_bytes),
-            "k_scale": raw("k_scale").view(SCALE_DTYPE).view(n, h, 1, d),
-            "k_zero": raw("k_zero").view(SCALE_DTYPE).view(n, h, 1, d),
-            "v_scale": raw("v_scale").view(SCALE_DTYPE).view(n, h, g, 1),
-            "v_zero": raw("v_zero").view(SCALE_DTYPE).view(n, h, g, 1),
+            "k_codes": raw("k_codes").view(*lead, h, g, self.code_bytes),
+            "v_codes": raw("v_codes").view(*lead, h, g, self.code_bytes),
+            "k_scale": raw("k_scale").view(SCALE_DTYPE).view(*lead, h, 1, d),
+            "k_zero": raw("k_zero").view(SCALE_DTYPE).view(*lead, h, 1, d),
+            "v_scale": raw("v_scale").view(SCALE_DTYPE).view(*lead, h, g, 1),
+            "v_zero": raw("v_zero").view(SCALE_DTYPE).view(*lead, h, g, 1),
             "pos": raw("pos").view(torch.int32),
-            "stats": raw("stats").view(torch.float32).view(n, g, 3),
+            "stats": raw("stats").view(torch.float32).view(*lead, g, 3),
         }
 
 
@@ -132,35 +133,61 @@ def group_values(w: torch.Tensor, rows: torch.Tensor, layout: GroupLayout, use_n
 
 
 def _block_groups(rows: torch.Tensor) -> int:
-    """Groups dequantized per torch call: a bounded block on a CPU (the float codes stay in cache), every group at
-    once on a GPU (a loop of small blocks is a few kernel launches per 64 groups, ~10^5 a step at batch 8, 32K)."""
-    return TORCH_BLOCK_GROUPS if rows.device.type == "cpu" else max(1, rows.shape[0])
+    """Groups dequantized per torch call (rows [B, n, record_bytes]): a bounded block on a CPU (the float codes stay
+    in cache), every group at once on a GPU (a loop of small blocks is a few kernel launches per 64 groups, ~10^5 a
+    step at batch 8, 32K)."""
+    return TORCH_BLOCK_GROUPS if rows.device.type == "cpu" else max(1, rows.shape[1])
 
 
 def _scores_torch(q: torch.Tensor, rows: torch.Tensor, layout: GroupLayout, scaling: float) -> torch.Tensor:
-    """The reference: scales folded into q as the kernel does, codes unpacked a block of groups at a time."""
-    parts = []
-    block = _block_groups(rows)
-    for start in range(0, rows.shape[0], block):
-        f = layout.fields(rows[start: start + block])
-        codes = unpack_codes(f["k_codes"], layout.fmt.bits).float()  # [n, H, g, d]
-        scale, zero = f["k_scale"].float()[:, :, 0], f["k_zero"].float()[:, :, 0]  # [n, H, d]
-        qs = q[None] * scale[:, :, None] * scaling  # [n, H, rep, d]
-        s = torch.einsum("nhjd,nhtd->hjnt", qs, codes) + torch.einsum("hjd,nhd->hjn", q * scaling, zero)[..., None]
-        parts.append(s.masked_fill(f["pos"][None, None] < 0, float("-inf")).flatten(2))
-    return torch.cat(parts, dim=-1) if parts else q.new_zeros(*q.shape[:2], 0)
+    return batch_group_scores(q[None], rows[None], layout, scaling)[0]
 
 
 def _values_torch(w: torch.Tensor, rows: torch.Tensor, layout: GroupLayout) -> torch.Tensor:
-    out = w.new_zeros(*w.shape[:2], layout.d)
+    return batch_group_values(w[None], rows[None], layout)[0]
+
+
+def _unusable(f: dict, usable: torch.Tensor | None, start: int) -> torch.Tensor:
+    """[B, n, g]: holes, and every token of a row ``usable`` [B, rows] rules out from ``start`` on."""
+    hole = f["pos"] < 0
+    if usable is None:
+        return hole
+    return hole | ~usable[:, start: start + hole.shape[1], None]
+
+
+def batch_group_scores(q: torch.Tensor, rows: torch.Tensor, layout: GroupLayout, scaling: float,
+                       usable: torch.Tensor | None = None) -> torch.Tensor:
+    """``group_scores`` of B sequences in one pass, on torch (the reference, and the GPU's path): q [B, H_kv, rep, d]
+    float32, rows uint8 [B, n, record_bytes] -> [B, H_kv, rep, n * group_tokens], -inf at holes and at the rows
+    ``usable`` [B, n] rules out (a row that is not one of that sequence's groups: its bytes may be anything).
+    The scales fold into q as the kernel does; codes are unpacked a block of groups at a time."""
+    parts = []
+    block = _block_groups(rows)
+    for start in range(0, rows.shape[1], block):
+        f = layout.fields(rows[:, start: start + block])
+        codes = unpack_codes(f["k_codes"], layout.fmt.bits).float()  # [B, n, H, g, d]
+        scale, zero = f["k_scale"].float()[..., 0, :], f["k_zero"].float()[..., 0, :]  # [B, n, H, d]
+        qs = q[:, None] * scale[..., None, :] * scaling  # [B, n, H, rep, d]
+        s = torch.einsum("bnhjd,bnhtd->bhjnt", qs, codes) \
+            + torch.einsum("bhjd,bnhd->bhjn", q * scaling, zero)[..., None]
+        parts.append(s.masked_fill(_unusable(f, usable, start)[:, None, None], float("-inf")).flatten(3))
+    return torch.cat(parts, dim=-1) if parts else q.new_zeros(*q.shape[:3], 0)
+
+
+def batch_group_values(w: torch.Tensor, rows: torch.Tensor, layout: GroupLayout,
+                       usable: torch.Tensor | None = None) -> torch.Tensor:
+    """``group_values`` of B sequences in one pass: w [B, H_kv, rep, n * group_tokens] float32 -> [B, H_kv, rep, d];
+    holes and rows ``usable`` rules out weigh nothing (their scales too: 0 x a NaN is a NaN)."""
+    out = w.new_zeros(*w.shape[:3], layout.d)
     g, block = layout.g, _block_groups(rows)
-    for start in range(0, rows.shape[0], block):
-        f = layout.fields(rows[start: start + block])
-        n = f["pos"].shape[0]
-        wb = w[..., start * g: (start + n) * g].unflatten(-1, (n, g))  # [H, rep, n, g]
-        wb = wb.masked_fill(f["pos"][None, None] < 0, 0.0)
-        codes = unpack_codes(f["v_codes"], layout.fmt.bits).float()  # [n, H, g, d]
-        scale, zero = f["v_scale"].float()[..., 0], f["v_zero"].float()[..., 0]  # [n, H, g]
-        out += torch.einsum("hjnt,nhtd->hjd", wb * scale.permute(1, 0, 2)[:, None], codes)
-        out += (wb * zero.permute(1, 0, 2)[:, None]).sum((-1, -2))[..., None]
+    for start in range(0, rows.shape[1], block):
+        f = layout.fields(rows[:, start: start + block])
+        n = f["pos"].shape[1]
+        drop = _unusable(f, usable, start)  # [B, n, g]
+        wb = w[..., start * g: (start + n) * g].unflatten(-1, (n, g)).masked_fill(drop[:, None, None], 0.0)
+        codes = unpack_codes(f["v_codes"], layout.fmt.bits).float()  # [B, n, H, g, d]
+        scale, zero = (f[name].float()[..., 0].masked_fill(drop[:, :, None], 0.0).transpose(1, 2)[:, :, None]
+                       for name in ("v_scale", "v_zero"))  # [B, H, 1, n, g]
+        out += torch.einsum("bhjnt,bnhtd->bhjd", wb * scale, codes)
+        out += (wb * zero).sum((-1, -2))[..., None]
     return out

@@ -1,5 +1,6 @@
 """arkv: tri-state transitions on scripted attention, the memory budget over a long decode, exactness when
 the budget holds everything, and the quantized attention kernel against its torch reference."""
+import json
 import shutil
 from types import SimpleNamespace
 
@@ -9,6 +10,7 @@ import torch
 
 from edgekv.runtime import BudgetError, ConfigError, Engine, RuntimeConfig
 from edgekv.runtime.arkv import GROUP_TOKENS, ArkvGeometry, ArkvKV
+from edgekv.runtime.checkpoints import resolve_checkpoint
 from edgekv.runtime.model import ModelDims
 from edgekv.runtime.prompt_cache import PromptKVCache
 from edgekv.runtime.qattn import GroupLayout, group_scores, group_values, native_kernel
@@ -306,3 +308,34 @@ def test_auto_format_is_int8_while_every_token_fits_it_else_int4():
     assert bits == {1 / 2: 8, 1 / 4: 4, 1 / 16: 4}
     with pytest.raises(ConfigError, match="'arkv_quant'"):
         RuntimeConfig.load({"arkv_quant": "fp8"})
+
+
+@pytest.mark.parametrize("quant, budget_share", [("int8", 1 / 4), ("int4", 1 / 5)])
+def test_the_batch_in_one_pass_attends_as_one_sequence_at_a_time(monkeypatch, quant, budget_share):
+    """A GPU's path (every sequence of a layer in one pass, ragged lengths and group counts padded and masked), run
+    here on the CPU: the tokens, logits and every layer's tri-state split of the loop per sequence, through tailors
+    that quantize and evict."""
+    prompts = [list(range(3, 150)), [7, 9, 11] * 30 + [5], list(range(100, 121))]
+    dims = ModelDims.from_config(json.loads((resolve_checkpoint("fixture") / "config.json").read_text()))
+    config = {"max_context": CONTEXT, "max_batch": 3, "arkv_quant": quant,
+              "max_kv_mem_mib": full_mib(dims, 3) * budget_share}
+    runs, init = {}, ArkvKV.__init__
+    for batched in (False, True):
+        def init_as(self, *args, batched=batched, **kwargs):
+            init(self, *args, **kwargs)
+            self.batched = batched
+
+        monkeypatch.setattr(ArkvKV, "__init__", init_as)
+        seen = {"check": lambda policy: None}
+        _, results = generate("fixture", "arkv", config, prompts=prompts, new_tokens=120, on_policy=seen)
+        policy = seen["policy"]
+        states = [policy.token_states(layer, seq) for layer in range(dims.n_layers) for seq in range(3)]
+        runs[batched] = results, states, policy.tailors.copy()
+    (loop, loop_states, loop_tailors), (batch, batch_states, batch_tailors) = runs[False], runs[True]
+    assert loop_tailors.min() > 0 and any(len(quantized) for _, quantized in loop_states)
+    assert [r.token_ids for r in batch] == [r.token_ids for r in loop]
+    for a, b in zip(batch, loop):
+        torch.testing.assert_close(a.logits, b.logits, rtol=1e-4, atol=1e-4)
+    assert np.array_equal(batch_tailors, loop_tailors)
+    for (o1, q1), (o2, q2) in zip(batch_states, loop_states):
+        assert np.array_equal(o1, o2) and np.array_equal(q1, q2)
