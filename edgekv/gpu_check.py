@@ -80,7 +80,8 @@ def main(argv=None) -> int:
     from edgekv.runtime.checkpoints import resolve_checkpoint
 
     out = Path(args.json)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    for folder in (out.parent, Path(args.png).parent):  # the defaults are under deploy/, absent before a deploy
+        folder.mkdir(parents=True, exist_ok=True)
     result = {"gpu": gpu_facts(), "model": MODEL, "synthetic_weights": True}
     if not args.skip_suite:
         result["cuda_suite"] = run_suite(out.with_suffix(".junit.xml"))

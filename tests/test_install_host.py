@@ -97,3 +97,21 @@ def test_gpu_check_without_a_gpu_says_so_and_the_fix(capsys):
 
     assert main(["--json", "/nonexistent/x.json"]) == 2
     assert "sees no CUDA GPU" in capsys.readouterr().err
+
+
+def test_gpu_check_makes_the_folders_of_its_json_and_plot(tmp_path, monkeypatch):
+    """Its defaults are under deploy/, which a fresh clone lacks: the run ended in a FileNotFoundError after the
+    bench, its plot unwritten (seen on a lent H200 with --json elsewhere).  The bench itself is stubbed here."""
+    import torch
+
+    from edgekv import bench, gpu_check
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(gpu_check, "gpu_facts", lambda: {"gpu": "H200", "driver": "580", "torch": "2.11"})
+    monkeypatch.setattr(bench, "run", lambda *args, **kwargs: ([], {}))
+    monkeypatch.setattr(bench, "table", lambda runs: "")
+    plotted = []
+    monkeypatch.setattr(bench, "plot", lambda runs, png: plotted.append(Path(png).parent.is_dir()))
+    out, png = tmp_path / "a" / "check.json", tmp_path / "b" / "check.png"
+    assert gpu_check.main(["--skip-suite", "--kv-path", str(tmp_path), "--json", str(out), "--png", str(png)]) == 0
+    assert out.is_file() and plotted == [True]
