@@ -191,6 +191,8 @@ class OffloadedKV(KVPolicy):
 
     def _fetch_picks(self, layer: int, groups: np.ndarray, valid: np.ndarray, active: np.ndarray, started: float
                      ) -> None:
+        """The layer's picks on the host: the slot table says which are resident, the misses' reads go to an I/O
+        thread, and the layer's attention finds them pending."""
         if self.on_select is not None:
             self.on_select(layer, groups, valid)
         owners = record_owners(groups, self.owner, self.shared_groups)

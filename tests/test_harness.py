@@ -33,6 +33,15 @@ def test_budget_too_small_for_one_group_is_an_error():
         harness.budget_config(harness.Variant("kvswap", 1 / 5000), 256, dims, torch.float32, max_batch=1)
 
 
+def test_a_budget_the_sliding_window_rings_fill_is_refused_naming_them():
+    """Gemma 3 270M's shape: 15 of 18 layers keep 512-token rings, 5 % of the whole KV at 8K, more than 1/34."""
+    dims = ModelDims(n_layers=18, hidden=640, n_heads=4, n_kv_heads=1, head_dim=256, vocab=1024,
+                     layer_windows=tuple(0 if layer % 6 == 5 else 512 for layer in range(18)))
+    with pytest.raises(ValueError, match=r"rings alone take 15\.\d MiB of its 8\.\d MiB a sequence"):
+        harness.budget_config(harness.Variant("token", 1 / 34), 8192, dims, torch.float32, max_batch=1)
+    assert harness.budget_config(harness.Variant("token", 1 / 13), 8192, dims, torch.float32, max_batch=1)["M"] >= 1
+
+
 def test_text_tasks_from_a_tokenizer_are_recoverable():
     fmt = TextFormat(word_tokenizer())
     for task in TASKS:
