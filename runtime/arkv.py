@@ -326,14 +326,14 @@ class ArkvKV(KVPolicy):
         n = self.n_original[layer]
         n_dev = to_device(n, dev)
         K, V, P, S = self._batch_originals[layer]
-        rows_b = self._batch_index
-        K[rows_b, n_dev], V[rows_b, n_dev] = k, v  # committed by end_step (an inactive sequence rewrites it)
-        P[rows_b, n_dev] = to_device(self.lengths.astype(np.int32), dev)
-        S[rows_b, n_dev] = 0.0
+        each = self._batch_index
+        K[each, n_dev], V[each, n_dev] = k, v  # committed by end_step (an inactive sequence rewrites it)
+        P[each, n_dev] = to_device(self.lengths.astype(np.int32), dev)
+        S[each, n_dev] = 0.0
         width = int(n.max()) + 1
         upto = torch.minimum(torch.arange(width, device=dev), n_dev[:, None])  # [B, width]: in each one's records
         live = torch.arange(width, device=dev) <= n_dev[:, None]
-        keys, values, stats = K[rows_b[:, None], upto], V[rows_b[:, None], upto], S[rows_b[:, None], upto]
+        keys, values, stats = K[each[:, None], upto], V[each[:, None], upto], S[each[:, None], upto]
         qg = q.view(b, self.n_kv, self.rep, self.head_dim)
         scaling = self.model.scaling
         scores = ((qg @ keys.permute(0, 2, 3, 1)) * scaling).float().masked_fill(~live[:, None, None], float("-inf"))
@@ -346,8 +346,8 @@ class ArkvKV(KVPolicy):
         weights = scores.softmax(dim=-1)
         out = weights[..., :width].to(values.dtype) @ values.transpose(1, 2)
         self._observe(stats, weights[..., :width].permute(1, 2, 0, 3))
-        seqs, slots = _flat_index(n + 1)
-        at = (to_device(seqs, dev), to_device(slots, dev))
+        seqs, records = _flat_index(n + 1)
+        at = (to_device(seqs, dev), to_device(records, dev))
         S.index_put_(at, stats[at])
         if n_rows:
             quantized = weights[..., width:]

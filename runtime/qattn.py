@@ -148,7 +148,8 @@ def _values_torch(w: torch.Tensor, rows: torch.Tensor, layout: GroupLayout) -> t
 
 
 def _unusable(f: dict, usable: torch.Tensor | None, start: int) -> torch.Tensor:
-    """[B, n, g]: holes, and every token of a row ``usable`` [B, rows] rules out from ``start`` on."""
+    """[B, n, g] True where a token takes no part: a hole, or any token of a row ``usable`` [B, rows] rules out
+    (this block's rows are usable's from ``start`` on)."""
     hole = f["pos"] < 0
     if usable is None:
         return hole
