@@ -39,7 +39,7 @@ class KVPolicy:
         self.max_context = max_context
         self.lengths = np.zeros(batch, dtype=np.int64)
         self.io_stall_s = 0.0
-        self.io_read_s = 0.0  # time the I/O thread spent inside reads: bytes_read / io_read_s is the achieved disk rate
+        self.io_read_s = 0.0  # wall time with any read running: bytes_read / io_read_s is the achieved disk rate
         self.select_s = 0.0  # prediction + slot bookkeeping on the compute thread
         self.bytes_read = np.zeros(batch, dtype=np.int64)
 

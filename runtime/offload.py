@@ -2,7 +2,7 @@
 
 Per layer and step, data flows one way: the selector picks groups from the coming layer's
 predicted query -> the slot table says which are already resident and where misses go ->
-the disk store reads the misses (on the I/O thread, overlapping the current layer) ->
+the disk store reads the misses (on an I/O thread, overlapping the current layer) ->
 attention runs over the selected slots, the sinks and the rolling window.  The window is a
 ring of ``window_groups + 1`` groups in memory: the group still being filled (written to disk
 as one record when full, its keys then entering K_lr) and the newest full groups.  The sinks

@@ -38,10 +38,10 @@ class HostSlots:
         return self._bytes[buffer].ctypes.data + misses.slot * self.layout.stride_bytes
 
     def before_read(self, layer: int) -> None:
-        """On the I/O thread, before the layer's reads: the memory they land in is free (it always is here)."""
+        """On an I/O thread, before the layer's reads: the memory they land in is free (it always is here)."""
 
     def after_read(self, layer: int, buffer: int, misses: Misses) -> None:
-        """The reads of ``misses`` landed (called on the I/O thread): nothing to move, they are in their slots."""
+        """The reads of ``misses`` landed (called on an I/O thread): nothing to move, they are in their slots."""
 
     def gather(self, layer: int, buffer: int, slots: torch.Tensor) -> torch.Tensor:
         """Records [*slots.shape, record_bytes] of flat ``slots``, on the compute device."""
@@ -88,9 +88,9 @@ class DeviceSlots:
         self._staged[layer % LAYERS_IN_FLIGHT].synchronize()
 
     @torch.inference_mode()  # the slots are inference tensors (made under the engine's inference mode), and
-    # inference mode is per thread: without it here the I/O thread may not write them
+    # inference mode is per thread: without it here an I/O thread may not write them
     def after_read(self, layer: int, buffer: int, misses: Misses) -> None:
-        """On the I/O thread, once the reads landed: the misses' rows go to their device slots on the copy stream,
+        """On an I/O thread, once the reads landed: the misses' rows go to their device slots on the copy stream,
         after the attention that last read this buffer; an event says when they are there."""
         n = len(misses.slot)
         with self._lock:
