@@ -68,7 +68,13 @@ def main(argv=None) -> int:
     ap.add_argument("--policies", default=",".join(POLICIES), help="a subset (e.g. flexgen alone, with fewer steps)")
     ap.add_argument("--disk-seconds", type=float, default=10.0, help="the disk profile's time (fio beside the reader)")
     ap.add_argument("--skip-suite", action="store_true", help="the bench only")
+    ap.add_argument("--quality-configs", metavar="EVAL_JSON",
+                    help="the configurations an eval chose, for the kvswap-quality rows (name them in --policies): "
+                         "the same in every run, as a before/after needs (the solver's rows follow each run's disk "
+                         "profile)")
     args = ap.parse_args(argv)
+    if args.quality_configs and not Path(args.quality_configs).is_file():
+        ap.error(f"--quality-configs {args.quality_configs}: no such file (an `edgekv eval --json` output)")
     import torch
 
     if not torch.cuda.is_available():
@@ -95,7 +101,8 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="edgekv-gpu-check-", dir=args.kv_path) as kv:
         result["disk"] = disk_facts(Path(kv))
         runs, meta = bench.run(resolve_checkpoint(MODEL), Path(kv), batches, contexts, list(BUDGETS), args.steps,
-                               args.warmup, args.disk_seconds, args.policies.split(","), device="cuda", on_point=keep)
+                               args.warmup, args.disk_seconds, args.policies.split(","), device="cuda", on_point=keep,
+                               chosen_from=args.quality_configs)
     keep(runs, meta)
     print(bench.table(runs))
     bench.plot(runs, args.png)

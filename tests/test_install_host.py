@@ -99,19 +99,27 @@ def test_gpu_check_without_a_gpu_says_so_and_the_fix(capsys):
     assert "sees no CUDA GPU" in capsys.readouterr().err
 
 
-def test_gpu_check_makes_the_folders_of_its_json_and_plot(tmp_path, monkeypatch):
+def test_gpu_check_makes_its_output_folders_and_passes_pinned_configurations(tmp_path, monkeypatch):
     """Its defaults are under deploy/, which a fresh clone lacks: the run ended in a FileNotFoundError after the
-    bench, its plot unwritten (seen on a lent H200 with --json elsewhere).  The bench itself is stubbed here."""
+    bench, its plot unwritten (seen on a lent H200 with --json elsewhere).  --quality-configs pins the kvswap rows'
+    configuration across runs (a missing file is refused first).  The bench itself is stubbed here."""
     import torch
 
     from edgekv import bench, gpu_check
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(gpu_check, "gpu_facts", lambda: {"gpu": "H200", "driver": "580", "torch": "2.11"})
-    monkeypatch.setattr(bench, "run", lambda *args, **kwargs: ([], {}))
+    calls = []
+    monkeypatch.setattr(bench, "run", lambda *args, **kwargs: calls.append(kwargs) or ([], {}))
     monkeypatch.setattr(bench, "table", lambda runs: "")
     plotted = []
     monkeypatch.setattr(bench, "plot", lambda runs, png: plotted.append(Path(png).parent.is_dir()))
     out, png = tmp_path / "a" / "check.json", tmp_path / "b" / "check.png"
-    assert gpu_check.main(["--skip-suite", "--kv-path", str(tmp_path), "--json", str(out), "--png", str(png)]) == 0
+    chosen = tmp_path / "eval.json"
+    chosen.write_text("{}")
+    assert gpu_check.main(["--skip-suite", "--kv-path", str(tmp_path), "--json", str(out), "--png", str(png),
+                           "--quality-configs", str(chosen)]) == 0
     assert out.is_file() and plotted == [True]
+    assert calls[0]["chosen_from"] == str(chosen)  # pinned configurations reach the bench
+    with pytest.raises(SystemExit):
+        gpu_check.main(["--skip-suite", "--quality-configs", str(tmp_path / "missing.json")])
