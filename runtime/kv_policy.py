@@ -13,6 +13,7 @@ import torch
 
 from .forward import decode_attention
 from .model import DecoderModel
+from .reader import BusyTime
 from .transfer import to_device
 
 CUDA_SPAN_TOKENS = 256  # full's attended span on a GPU grows in these steps (attended_span)
@@ -39,7 +40,7 @@ class KVPolicy:
         self.max_context = max_context
         self.lengths = np.zeros(batch, dtype=np.int64)
         self.io_stall_s = 0.0
-        self.io_read_s = 0.0  # wall time with any read running: bytes_read / io_read_s is the achieved disk rate
+        self.read_time = BusyTime()  # begin/end around every read, on any thread
         self.select_s = 0.0  # prediction + slot bookkeeping on the compute thread
         self.bytes_read = np.zeros(batch, dtype=np.int64)
 
@@ -74,6 +75,12 @@ class KVPolicy:
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Attention of the current tokens q [B, H, 1, d]; k/v [B, H_kv, 1, d] are their own KV."""
         raise NotImplementedError
+
+    @property
+    def io_read_s(self) -> float:
+        """Wall time with any read running (reads on several threads overlap): bytes_read / io_read_s is the
+        achieved disk rate."""
+        return self.read_time.total_s
 
     def take_picks(self) -> None:
         """A layer attends elsewhere (a hybrid model's windowed layer): what ``prefetch`` launched on the device may

@@ -90,8 +90,6 @@ class OffloadedKV(KVPolicy):
         self._pending: dict[int, tuple[torch.Tensor, torch.Tensor, Future]] = {}
         # a layer's reads start as soon as it is picked, beside the layer before's tail and checksums
         self._io = ThreadPoolExecutor(max_workers=LAYERS_IN_FLIGHT, thread_name_prefix="ekv-io")
-        self._reads_lock = threading.Lock()
-        self._reads_running, self._reads_since = 0, 0.0
         self.read_deadline_s = cfg.io.read_deadline_s
         self._hung: list[Future] = []  # reads that missed the deadline: never waited for again
         self._batch_index = torch.arange(batch, device=model.device)
@@ -233,23 +231,12 @@ class OffloadedKV(KVPolicy):
         if after is not None:
             after.wait(timeout=self.read_deadline_s)
         self.slot_memory.before_read(layer)
-        self._count_reading(+1)
+        self.read_time.begin()
         try:
             self.store.read(reads)
         finally:
-            self._count_reading(-1)
+            self.read_time.end()
         self.slot_memory.after_read(layer, buffer, misses)
-
-    def _count_reading(self, change: int) -> None:
-        """``io_read_s`` is wall time with any read running: reads on several I/O threads overlap, and their summed
-        durations would count a second twice (bytes_read / io_read_s is the achieved disk rate)."""
-        with self._reads_lock:
-            now = time.perf_counter()
-            if not self._reads_running:
-                self._reads_since = now
-            self._reads_running += change
-            if not self._reads_running:
-                self.io_read_s += now - self._reads_since
 
     def _keep_group(self, layer: int, seq: int, group: int, k: torch.Tensor, v: torch.Tensor, in_ring: bool) -> None:
         """Hold (part of) ``group`` in memory: in the sinks if it is one, in its ring slot if ``in_ring``."""

@@ -59,6 +59,28 @@ class ReadBatch:
         return self.n_records * self.nbytes
 
 
+class BusyTime:
+    """Wall time with at least one of several overlapping activities running (reads on several threads): their
+    summed durations would count a common second twice.  ``begin``/``end`` bracket each activity."""
+
+    def __init__(self, clock=time.perf_counter):
+        self.total_s, self._clock = 0.0, clock
+        self._running, self._since = 0, 0.0
+        self._lock = threading.Lock()
+
+    def begin(self) -> None:
+        with self._lock:
+            if not self._running:
+                self._since = self._clock()
+            self._running += 1
+
+    def end(self) -> None:
+        with self._lock:
+            self._running -= 1
+            if not self._running:
+                self.total_s += self._clock() - self._since
+
+
 class KVReader:
     """Interface: read a batch, blocking until all of it is in memory (native backends release the GIL)."""
 
@@ -240,24 +262,31 @@ class PacedReader(KVReader):
 
 class MultiPathReader(KVReader):
     """One queue per KV device: a batch is split by ``paths`` and each device's share read by its own
-    reader, all at once (one persistent thread per path; native readers release the GIL).
+    reader, all at once (``batches_at_once`` persistent threads per path, so the shares of two callers' batches,
+    two layers', read side by side as on one path; native readers release the GIL).
 
     ``read`` returns, or raises the first path's error, only once every share has finished.
     Counters per path: ``bytes_by_path`` and ``requests_by_path`` (of the reads that succeeded)
-    and ``busy_s_by_path`` (time its queue was busy)."""
+    and ``busy_s_by_path`` (wall time with any of its shares reading)."""
 
-    def __init__(self, readers: list[KVReader], clock=time.perf_counter):
+    def __init__(self, readers: list[KVReader], clock=time.perf_counter, batches_at_once: int = 2):
+        """``batches_at_once``: as many as the engine has I/O threads (runtime/slot_memory.py LAYERS_IN_FLIGHT)."""
         if not readers:
             raise ValueError("MultiPathReader needs one reader per KV path, got none")
         self.readers = list(readers)
         n = len(self.readers)
         self.name = f"{self.readers[0].name} x{n} paths"
         self._clock = clock
-        self._threads = [ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"ekv-path{p}") for p in range(n)]
+        self._threads = [ThreadPoolExecutor(max_workers=batches_at_once, thread_name_prefix=f"ekv-path{p}")
+                         for p in range(n)]
         self._lock = threading.Lock()
         self.bytes_by_path = np.zeros(n, dtype=np.int64)
         self.requests_by_path = np.zeros(n, dtype=np.int64)
-        self.busy_s_by_path = np.zeros(n, dtype=np.float64)
+        self._busy = [BusyTime(clock) for _ in range(n)]
+
+    @property
+    def busy_s_by_path(self) -> np.ndarray:
+        return np.array([busy.total_s for busy in self._busy])
 
     def split(self, batch: ReadBatch) -> list[tuple[int, ReadBatch]]:
         """(path, that path's requests) for every path with any, in path order."""
@@ -288,7 +317,8 @@ class MultiPathReader(KVReader):
     def _read_share(self, path: int, share: ReadBatch, read=None):
         """Read one device's share (``read``: how, by default its reader's ``read``), count it on its path, and
         tag a failure with the path (the store names its folder); returns what ``read`` returns."""
-        began, carried = self._clock(), False
+        carried = False
+        self._busy[path].begin()
         try:
             result = (read or self.readers[path].read)(share)
             carried = True
@@ -297,8 +327,8 @@ class MultiPathReader(KVReader):
             error.kv_path = path
             raise
         finally:
+            self._busy[path].end()
             with self._lock:
-                self.busy_s_by_path[path] += self._clock() - began
                 if carried:
                     self.bytes_by_path[path] += share.total_bytes
                     self.requests_by_path[path] += len(share)

@@ -283,6 +283,49 @@ def test_multipath_raises_the_first_error_once_every_path_finished():
     multi.close()
 
 
+def test_multipath_reads_two_callers_shares_of_one_path_at_once():
+    """Two layers' batches in flight (the engine's two I/O threads) over two paths: each path's reader holds both
+    callers' shares at once; one thread per path would queue the second behind the first (the barriers time out)."""
+    barriers = [threading.Barrier(2, timeout=10) for _ in range(2)]
+    readers = [RecordingReader(f"r{p}", before=barriers[p].wait) for p in range(2)]
+    multi = MultiPathReader(readers)
+    batch = ReadBatch(np.zeros(4, np.int32), np.arange(4, dtype=np.int64) * 8, np.zeros(4, np.int64), 8,
+                      paths=np.array([0, 1, 0, 1], dtype=np.int32))
+    errors = []
+
+    def read():
+        try:
+            multi.read(batch)
+        except threading.BrokenBarrierError as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=read) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    multi.close()
+    assert errors == [] and [len(r.batches) for r in readers] == [2, 2]
+    assert multi.requests_by_path.tolist() == [4, 4]
+
+
+def test_a_paths_busy_time_counts_overlapping_shares_once():
+    """Two shares of one path reading at once (here nested on one thread, on a clock set by hand): busy from the
+    first's start to the last's end, 3 s, where their summed durations would be 4."""
+    now = [0.0]
+    multi = MultiPathReader([RecordingReader("r0")], clock=lambda: now[0])
+    share = ReadBatch(np.zeros(1, np.int32), np.zeros(1, np.int64), np.zeros(1, np.int64), 8)
+
+    def outer(batch):
+        now[0] = 1.0
+        multi._read_share(0, batch, read=lambda b: now.__setitem__(0, 2.0))
+        now[0] = 3.0
+
+    multi._read_share(0, share, read=outer)
+    assert multi.busy_s_by_path.tolist() == [3.0] and multi.requests_by_path.tolist() == [2]
+    multi.close()
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_multipath_reads_real_files_byte_exact(kv_files, backend):
     reader_or_skip(backend).close()
