@@ -86,6 +86,24 @@ def kv_dir(tmp_path):
     return path
 
 
+def run_in_threads(target, n: int) -> list[BaseException]:
+    """``target()`` on ``n`` threads at once, all joined; what they raised."""
+    errors = []
+
+    def run():
+        try:
+            target()
+        except BaseException as exc:  # noqa: BLE001 (the test asserts on it)
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run) for _ in range(n)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return errors
+
+
 def files_under(path) -> list[str]:
     return [os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs] + [
         os.path.join(d, s) for d, ss, _ in os.walk(path) for s in ss

@@ -8,6 +8,7 @@ import pytest
 from edgekv.runtime import native_build
 from edgekv.runtime.checksum import native, sums_at
 from edgekv.runtime.disk_store import aligned_zeros
+from tests.conftest import run_in_threads
 
 
 @pytest.mark.parametrize("record_bytes", [8, 1000, 4099, 65536])
@@ -35,19 +36,11 @@ def test_threads_that_first_need_a_library_at_once_all_get_it(tmp_path, monkeypa
         pytest.skip("no C compiler here")
     monkeypatch.setenv("EDGEKV_CACHE", str(tmp_path))
     barrier = threading.Barrier(4, timeout=30)
-    found, errors = [], []
+    found = []
 
     def build():
         barrier.wait()
-        try:
-            found.append(native_build.build("crc32c"))
-        except OSError as exc:
-            errors.append(exc)
+        found.append(native_build.build("crc32c"))
 
-    threads = [threading.Thread(target=build) for _ in range(4)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    assert errors == [] and len(set(found)) == 1 and found[0].parent == tmp_path / "native"
+    assert run_in_threads(build, 4) == [] and len(set(found)) == 1 and found[0].parent == tmp_path / "native"
     assert sorted(p.name for p in (tmp_path / "native").iterdir()) == [found[0].name]  # no temporary left

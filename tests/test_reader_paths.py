@@ -9,6 +9,7 @@ import pytest
 from edgekv.runtime.disk_store import aligned_zeros, open_maybe_direct
 from edgekv.runtime.pacing import MIB, Link
 from edgekv.runtime.reader import MultiPathReader, NativeReader, PacedReader, ReadBatch, open_reader
+from tests.conftest import run_in_threads
 
 BACKENDS = ["io_uring", "pthread", "python"]
 RECORD = 4096
@@ -173,11 +174,8 @@ def test_native_reader_reads_two_callers_batches_at_once(kv_files, backend):
     reader = NativeReader(library, queue_depth=8)
     rng = np.random.default_rng(5)
     cases = [Scattered(*kv_files, rng) for _ in range(2)]
-    threads = [threading.Thread(target=reader.read, args=(case.batch,)) for case in cases]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    batches = iter([case.batch for case in cases])
+    assert run_in_threads(lambda: reader.read(next(batches)), 2) == []
     assert not library.barrier.broken
     assert all(np.array_equal(case.dest, case.expected) for case in cases)
     reader.close()
@@ -291,19 +289,7 @@ def test_multipath_reads_two_callers_shares_of_one_path_at_once():
     multi = MultiPathReader(readers)
     batch = ReadBatch(np.zeros(4, np.int32), np.arange(4, dtype=np.int64) * 8, np.zeros(4, np.int64), 8,
                       paths=np.array([0, 1, 0, 1], dtype=np.int32))
-    errors = []
-
-    def read():
-        try:
-            multi.read(batch)
-        except threading.BrokenBarrierError as exc:
-            errors.append(exc)
-
-    threads = [threading.Thread(target=read) for _ in range(2)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    errors = run_in_threads(lambda: multi.read(batch), 2)
     multi.close()
     assert errors == [] and [len(r.batches) for r in readers] == [2, 2]
     assert multi.requests_by_path.tolist() == [4, 4]
