@@ -276,7 +276,6 @@ class MultiPathReader(KVReader):
         self.readers = list(readers)
         n = len(self.readers)
         self.name = f"{self.readers[0].name} x{n} paths"
-        self._clock = clock
         self._threads = [ThreadPoolExecutor(max_workers=batches_at_once, thread_name_prefix=f"ekv-path{p}")
                          for p in range(n)]
         self._lock = threading.Lock()
