@@ -101,7 +101,8 @@ def no_room(what: str, budget_bytes: float, context: int, dims: ModelDims, items
     ring_bytes = dims.window_ring_bytes(context + 64, itemsize)
     if ring_bytes >= budget_bytes:
         message += (f": the sliding-window layers' rings alone take {ring_bytes / 2**20:.1f} MiB of its "
-                    f"{budget_bytes / 2**20:.1f} MiB a sequence; a larger budget, or a longer context, leaves some")
+                    f"{budget_bytes / 2**20:.1f} MiB a sequence; raise the budget (at a longer context the rings are a "
+                    "smaller share of it)")
     return message
 
 
