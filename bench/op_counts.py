@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from torch.overrides import TorchFunctionMode
 
-from bench.step_profile import fields, prompt_ids
+from bench.step_profile import fields, prefilled
 from edgekv.runtime import Engine
 
 ROOT = str(Path(__file__).resolve().parents[1]) + "/"
@@ -39,11 +39,8 @@ def count(model: str, policy: str, cfg: dict, context: int, steps: int) -> tuple
     with tempfile.TemporaryDirectory() as kv, Engine.from_pretrained(
             model, kv_offload_path=kv, config={"max_context": context, "max_batch": 1, **cfg}, policy=policy,
             device="cpu") as engine:
-        batch = engine.open_batch(1, context)
-        batch.join(0, prompt_ids(engine, context))
-        batch.end_prefill()
         token = torch.tensor([5])
-        with batch:
+        with prefilled(engine, context) as batch:
             for _ in range(3):
                 batch.step(token)
             with CallCounter() as counter:

@@ -25,10 +25,14 @@ def fields(text: str) -> dict:
     return out
 
 
-def prompt_ids(engine: Engine, context: int) -> list[int]:
-    """A prompt leaving 64 positions to decode, of ids every model has (the fixture's vocabulary is small)."""
+def prefilled(engine: Engine, context: int):
+    """A batch of one sequence ready to decode: a prompt leaving 64 positions, of ids every model has (the fixture's
+    vocabulary is small)."""
     ids = min(30000, engine.model.dims.vocab - 10)
-    return [(i * 7919) % ids + 10 for i in range(context - 64)]
+    batch = engine.open_batch(1, context)
+    batch.join(0, [(i * 7919) % ids + 10 for i in range(context - 64)])
+    batch.end_prefill()
+    return batch
 
 
 def main(argv=None) -> None:
@@ -46,10 +50,8 @@ def main(argv=None) -> None:
         with tempfile.TemporaryDirectory(dir=args.kv_path) as kv, Engine.from_pretrained(
                 args.model, kv_offload_path=kv, config={"max_context": args.context, "max_batch": 1, **cfg},
                 policy=policy, device=args.device) as engine:
-            batch = engine.open_batch(1, args.context)
             started = time.perf_counter()
-            batch.join(0, prompt_ids(engine, args.context))
-            batch.end_prefill()
+            batch = prefilled(engine, args.context)
             sync()
             print(f"== {policy}: prefill {time.perf_counter() - started:.1f} s")
             token = torch.tensor([5])

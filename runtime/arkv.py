@@ -331,8 +331,9 @@ class ArkvKV(KVPolicy):
         P[each, n_dev] = to_device(self.lengths.astype(np.int32), dev)
         S[each, n_dev] = 0.0
         width = int(n.max()) + 1
-        upto = torch.minimum(torch.arange(width, device=dev), n_dev[:, None])  # [B, width]: in each one's records
-        live = torch.arange(width, device=dev) <= n_dev[:, None]
+        position = torch.arange(width, device=dev)
+        upto = torch.minimum(position, n_dev[:, None])  # [B, width]: within each one's records
+        live = position <= n_dev[:, None]
         keys, values, stats = K[each[:, None], upto], V[each[:, None], upto], S[each[:, None], upto]
         qg = q.view(b, self.n_kv, self.rep, self.head_dim)
         scaling = self.model.scaling

@@ -19,6 +19,7 @@ import errno
 import logging
 import os
 import shutil
+import threading
 import uuid
 from dataclasses import dataclass
 from functools import cached_property
@@ -208,6 +209,7 @@ class DiskKVStore:
         self._rng = np.random.default_rng()
         self.records_verified = 0
         self.records_reread = 0  # failed once, then read back intact (a transient fault)
+        self._checks_lock = threading.Lock()  # the two counters above grow on several I/O threads at once
 
     @property
     def n_paths(self) -> int:
@@ -426,7 +428,8 @@ class DiskKVStore:
 
     def _verify(self, batch: VerifiedBatch) -> None:
         rows = np.flatnonzero(batch.check)
-        self.records_verified += len(rows)
+        with self._checks_lock:
+            self.records_verified += len(rows)
         record_bytes = self.layout.record_bytes
         found = sums_at(batch.addresses[rows], record_bytes, batch.layer, batch.groups[rows])
         bad = rows[found != batch.expected[rows]]
@@ -440,7 +443,8 @@ class DiskKVStore:
             self.reader.read(ReadBatch(np.array([fd], dtype=np.int32), np.array([offset], dtype=np.int64),
                                        np.array([address], dtype=np.int64), batch.nbytes))
             if sums_at(np.array([address]), record_bytes, batch.layer, [group])[0] == batch.expected[i]:
-                self.records_reread += 1
+                with self._checks_lock:
+                    self.records_reread += 1
                 log.warning("KV record %d of %s failed its checksum, then read back intact (a transient fault)",
                             offset // batch.nbytes, _fd_path(fd))
                 continue

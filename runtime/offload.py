@@ -86,7 +86,7 @@ class OffloadedKV(KVPolicy):
                                  dtype=model.dtype, device=model.device)
         self.n_groups = np.zeros(batch, dtype=np.int64)
         self.rb_len = np.zeros(batch, dtype=np.int64)
-        self._picking: dict[int, tuple[HostPicks, np.ndarray]] = {}  # layer -> launched picks, the active rows
+        self._picking: dict[int, HostPicks] = {}  # layer -> picks launched, not yet on the host
         self._pending: dict[int, tuple[torch.Tensor, torch.Tensor, Future]] = {}
         # a layer's reads start as soon as it is picked, beside the layer before's tail and checksums
         self._io = ThreadPoolExecutor(max_workers=LAYERS_IN_FLIGHT, thread_name_prefix="ekv-io")
@@ -172,8 +172,7 @@ class OffloadedKV(KVPolicy):
         self._active = active
         if self.selector.reads_ahead:
             started = time.perf_counter()
-            self._picking[layer] = (self._launch_pick(layer, self.model.query(layer, x, rope) if self.predict
-                                                      else None), active)
+            self._picking[layer] = self._launch_pick(layer, self.model.query(layer, x, rope) if self.predict else None)
             self.select_s += time.perf_counter() - started
             if self.model.device.type != "cuda":  # no queue to keep fed: the reads start at once
                 self.take_picks()
@@ -183,9 +182,9 @@ class OffloadedKV(KVPolicy):
         attention; a hybrid model's local layers call it too, so a global layer's reads start a layer ahead)."""
         while self._picking:
             layer = next(iter(self._picking))
-            picks, active = self._picking.pop(layer)
+            picks = self._picking.pop(layer)
             started = time.perf_counter()
-            self._fetch_picks(layer, *picks.result(), active, started)
+            self._fetch_picks(layer, *picks.result(), picks.active, started)
 
     def _fetch_picks(self, layer: int, groups: np.ndarray, valid: np.ndarray, active: np.ndarray, started: float
                      ) -> None:
@@ -482,7 +481,7 @@ class HostPicks:
     the selection, with an event, so ``result`` waits for that copy and never for work queued after it."""
 
     def __init__(self, picks: torch.Tensor, active: np.ndarray):
-        self._active, self._event = active, None
+        self.active, self._event = active, None  # the rows decoding when the picks were made
         if picks.device.type == "cuda":
             self._host = torch.empty(picks.shape, dtype=picks.dtype, pin_memory=True)
             self._host.copy_(picks, non_blocking=True)
@@ -496,7 +495,7 @@ class HostPicks:
         if self._event is not None:
             self._event.synchronize()  # the layer's one wait for the device
         picks = self._host.numpy()
-        return np.maximum(picks, 0), (picks >= 0) & self._active[:, None]
+        return np.maximum(picks, 0), (picks >= 0) & self.active[:, None]
 
 
 def _in_rows(groups: np.ndarray, picks: np.ndarray) -> np.ndarray:

@@ -102,12 +102,12 @@ class DeviceSlots:
                 rows = self._staging[layer % LAYERS_IN_FLIGHT][:n].to(self.device, non_blocking=True)
                 index = torch.from_numpy(misses.slot).pin_memory().to(self.device, non_blocking=True)
                 self._slots[buffer].index_copy_(0, index, rows)
-                self.bytes_copied += n * self.layout.stride_bytes
             self._staged[layer % LAYERS_IN_FLIGHT].record(self._copy_stream)
             copied = torch.cuda.Event()
             copied.record(self._copy_stream)
-        with self._lock:
+        with self._lock:  # two I/O threads copy at once
             self._copied[buffer] = copied
+            self.bytes_copied += n * self.layout.stride_bytes
 
     def gather(self, layer: int, buffer: int, slots: torch.Tensor) -> torch.Tensor:
         compute = torch.cuda.current_stream(self.device)
