@@ -161,6 +161,7 @@ RAM_FOLDER = Path("/dev/shm")  # tmpfs on Linux: a KV folder whose reads are mem
 ROWS = (Row("full", "full"), Row("flexgen", "flexgen"), Row("token", "token"),
         Row("kvswap-noreuse", "kvswap", reuse=False), Row("kvswap", "kvswap"),
         Row(IN_MEMORY_ROW, "kvswap", kv_in_memory=True),
+        Row("kvswap-mapped", "kvswap", overrides=(("slot_memory", "mapped"),)),
         Row("kvswap-corrected", "kvswap", overrides=(("correction", "corrected"),)),
         Row("kvswap-noverify", "kvswap", overrides=(("verify_fraction", 0.0),)), Row("arkv", "arkv"),
         Row("kvswap-quality", "kvswap", chosen=True),

@@ -459,7 +459,9 @@ def run(platform: str | None = None, model: str | None = None, kv_paths: str | P
     d.release_model()
     measurements["quality_table"] = [p.__dict__ for p in quality_points]
     queue_depth = 32
-    t_io = io_model(disk_profiles, dims, d.kv_dtype, limits.io_align_bytes, queue_depth, compute_profile.h2d_gib_s)
+    slot_memory = platform_for(prof).slot_memory
+    h2d_gib_s = compute_profile.h2d_gib_s if slot_memory == "device" else None  # mapped slots: no copy to make
+    t_io = io_model(disk_profiles, dims, d.kv_dtype, limits.io_align_bytes, queue_depth, h2d_gib_s)
     budget = prof.batch_budget_mib * 2**20
     rate = lambda G, C, M: tables.reuse_rate(reuse, G, C, M)  # noqa: E731
     solutions = [
@@ -481,7 +483,7 @@ def run(platform: str | None = None, model: str | None = None, kv_paths: str | P
         "sink_tokens": top.sink_tokens, "window_tokens": top.window_tokens,
         "max_kv_mem_mib": prof.max_kv_mem_mib, "max_batch": prof.max_batch, "max_context": prof.max_context,
         "adapter_path": adapters[float(top.sigma)], "io_align_bytes": limits.io_align_bytes, "io_queue_depth": queue_depth,
-        "klr_dtype": top.klr_dtype, "kv_record_dtype": top.kv_record_dtype, "ttft_costs_path": str(ttft_costs),
+        "slot_memory": slot_memory, "klr_dtype": top.klr_dtype, "kv_record_dtype": top.kv_record_dtype, "ttft_costs_path": str(ttft_costs),
         "correction": top.correction, "correction_reads": top.correction_reads, "score_reduce": top.score_reduce,
         "solutions": [{**x.to_json(), "adapter_path": adapters[float(x.sigma)]} for x in solutions],
         "measurements": measurements, "edgekv_version": VERSION,

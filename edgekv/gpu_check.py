@@ -3,8 +3,9 @@
 1. The ``cuda`` test suite (tests/test_cuda.py: every policy on the GPU against the CPU's fp32 tokens and
    Hugging Face's greedy tokens in fp16/bf16).
 2. ``edgekv bench`` on ``synth:llama-3.1-8b`` (random weights in Llama 3.1 8B's shapes: speed and memory only) at
-   16K and 32K, batch 1, 4 and 8, budget 1/13, policies full, flexgen, kvswap and kvswap-ram (kvswap with its KV
-   in RAM: the step with every read in memory, which kvswap's overlap is measured against).
+   16K and 32K, batch 1, 4 and 8, budget 1/13, policies full, flexgen, kvswap, kvswap-ram (kvswap with its KV
+   in RAM: the step with every read in memory, which kvswap's overlap is measured against) and kvswap-mapped
+   (its slots in pinned host memory the GPU reads in place: a Jetson's layout, no copy).
 
 Both land in one JSON (and the bench's plot) with the GPU, its driver and CUDA, torch and the KV disk named:
 
@@ -23,7 +24,8 @@ from dataclasses import asdict
 from pathlib import Path
 
 MODEL = "synth:llama-3.1-8b"
-CONTEXTS, BATCHES, BUDGETS, POLICIES = (16384, 32768), (1, 4, 8), ("1/13",), ("full", "flexgen", "kvswap", "kvswap-ram")
+CONTEXTS, BATCHES, BUDGETS = (16384, 32768), (1, 4, 8), ("1/13",)
+POLICIES = ("full", "flexgen", "kvswap", "kvswap-ram", "kvswap-mapped")
 
 
 def gpu_facts() -> dict:

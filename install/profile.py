@@ -14,6 +14,7 @@ from pathlib import Path
 import yaml
 
 from edgekv.runtime.config import utf8_text
+from edgekv.runtime.slot_memory import SLOT_MEMORIES
 
 from .quality import CORRECTIONS, RECORD_DTYPES
 
@@ -38,7 +39,8 @@ SCHEMA = {
     "description": (str, False, None),
     "compute": {"device": (str, True, DEVICES), "dtype": (str, True, DTYPES)},
     "kv": {"paths": (list, False, None), "path": (str, False, None), "disk_type": (str, True, DISK_TYPES)},
-    "memory": {"max_kv_mem_mib": (float, True, None), "max_batch": (int, True, None), "max_context": (int, True, None)},
+    "memory": {"max_kv_mem_mib": (float, True, None), "max_batch": (int, True, None), "max_context": (int, True, None),
+               "slot_memory": (str, False, SLOT_MEMORIES)},
     "model": (str, True, None),
     "solver": {
         "sigma_max": (float, True, None), "g_max": (int, True, None), "mg_const": (int, True, None),
@@ -86,6 +88,7 @@ class Profile:
     record_dtypes: tuple[str, ...] = ()  # disk record formats the solver may pick beside exact ones (measured first)
     record_ppl_max: float = 1.01  # without a quality target: the most loss a record format may cost
     corrections: tuple[str, ...] = ("guess", "corrected")  # selections the quality table measures (runtime 'correction')
+    slot_memory: str | None = None  # on a GPU: device slots fed by copies, or mapped host ones (None: the platform's)
 
     @property
     def batch_budget_mib(self) -> float:
@@ -136,6 +139,7 @@ def load_profile(source: str | Path, profiles_dir: Path = PROFILES_DIR) -> Profi
         record_dtypes=tuple(flat.get("solver.record_dtypes") or ()),
         record_ppl_max=float(flat.get("solver.record_ppl_max", 1.01)),
         corrections=tuple(flat.get("solver.corrections") or ("guess", "corrected")),
+        slot_memory=flat.get("memory.slot_memory"),
     )
 
 

@@ -42,6 +42,12 @@ class Platform:
         return "cuda" if self.profile.device == "cuda" and torch.cuda.is_available() else "cpu"
 
     @property
+    def slot_memory(self) -> str:
+        """Where a GPU's reuse slots live (runtime config ``slot_memory``): the profile's choice, else mapped pinned
+        host memory where CPU and GPU share DRAM (no copy to make), device memory fed by copies elsewhere."""
+        return self.profile.slot_memory or ("mapped" if self.unified_memory else "device")
+
+    @property
     def scorers(self) -> tuple[str, ...]:
         return self.profile.scorers
 

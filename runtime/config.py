@@ -18,6 +18,7 @@ from pathlib import Path
 from .quant import QUANT_DTYPES, RECORD_DTYPES
 from .reader import BACKENDS
 from .selector import CORRECTIONS, KLR_FORMATS, SCORE_REDUCES, SELECTORS
+from .slot_memory import SLOT_MEMORIES
 from .slots import REPLACEMENTS as REPLACEMENT_POLICIES
 
 READER_BACKENDS = ("auto", *BACKENDS)
@@ -192,6 +193,9 @@ class IOConfig(Section):
     read_deadline_s: float = setting(60.0, Real(0, wants="a number of seconds > 0"),
                                      "a read not done by then fails its request (a hung device)")
     kv_record_dtype: str = setting("auto", OneOf(RECORD_DTYPES), "the records' format (runtime/quant.py)")
+    slot_memory: str = setting("device", OneOf(SLOT_MEMORIES), "on a GPU, where read records wait for attention: "
+                               "device memory, misses copied over (device), or pinned host memory the GPU reads in "
+                               "place, no copy (mapped: a unified-memory Jetson); one host memory on the CPU")
 
     def check_together(self):
         if self.max_request_bytes < self.io_align_bytes:

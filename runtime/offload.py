@@ -72,9 +72,9 @@ class OffloadedKV(KVPolicy):
         self.decode_steps = np.zeros(batch, dtype=np.int64)
         self._picks: dict[tuple[int, int], list[tuple[int, np.ndarray]]] = {}  # (owner, layer) -> (step, groups)
         # records stay in their disk format (quantized ones too) until attention; on a GPU the slots are device
-        # memory and only misses cross the bus (runtime/slot_memory.py)
+        # memory and only misses cross the bus, or pinned host memory it reads in place (runtime/slot_memory.py)
         self.slot_memory = slot_memory(slots.n_buffers(dims.n_layers), batch, slots.capacity, self.layout,
-                                       model.device, batch * self.M)
+                                       model.device, batch * self.M, cfg.io.slot_memory)
         self.owner = np.arange(batch)  # whose records a sequence's shared leading groups are (share_prefix)
         self.shared_groups = np.zeros(batch, dtype=np.int64)
         self.sink_groups = cfg.sink_groups
@@ -229,7 +229,7 @@ class OffloadedKV(KVPolicy):
         overlaps that layer's attention and MLP."""
         if after is not None:
             after.wait(timeout=self.read_deadline_s)
-        self.slot_memory.before_read(layer)
+        self.slot_memory.before_read(layer, buffer)
         self.read_time.begin()
         try:
             self.store.read(reads)

@@ -5,8 +5,9 @@ slot table's bookkeeping (which slot holds what, what must be read: runtime/slot
 gathers from them.  ``DeviceSlots`` (CUDA): the slots live in device memory, so a hit never crosses the bus; the
 reader fills pinned, aligned staging rows (double-buffered by layer parity), and only the misses are copied to
 their device slots on a copy stream.  Compute waits for a layer's copy on an event, never on the host, and the
-copy for a buffer waits for the attention that last read it.  On a unified-memory device (a Jetson) the
-staging rows are pinned host memory the GPU can read, the same code path.
+copy for a buffer waits for the attention that last read it.  ``MappedSlots`` (CUDA, ``slot_memory: mapped``): the
+slots are pinned host memory the GPU reads in place, so nothing is copied: on a unified-memory device (a Jetson) CPU
+and GPU share one DRAM and a device copy would only duplicate the bytes.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import torch
 from .disk_store import RecordLayout, aligned_zeros
 from .slots import Misses
 
+SLOT_MEMORIES = ("device", "mapped")  # where a GPU's slots live (config field slot_memory)
 LAYERS_IN_FLIGHT = 2  # layers whose reads may run at once (the engine prefetches one layer ahead): staging sets
 
 
@@ -37,8 +39,9 @@ class HostSlots:
         """Where the reader puts each missed record (in order)."""
         return self._bytes[buffer].ctypes.data + misses.slot * self.layout.stride_bytes
 
-    def before_read(self, layer: int) -> None:
-        """On an I/O thread, before the layer's reads: the memory they land in is free (it always is here)."""
+    def before_read(self, layer: int, buffer: int) -> None:
+        """On an I/O thread, before the layer's reads into ``buffer``: the memory they land in is free (on the CPU
+        it always is: a gather has copied its records out before it returns)."""
 
     def after_read(self, layer: int, buffer: int, misses: Misses) -> None:
         """The reads of ``misses`` landed (called on an I/O thread): nothing to move, they are in their slots."""
@@ -82,7 +85,7 @@ class DeviceSlots:
         rows = np.arange(len(misses.slot)) * self.layout.stride_bytes
         return self._staging[layer % LAYERS_IN_FLIGHT].data_ptr() + rows
 
-    def before_read(self, layer: int) -> None:
+    def before_read(self, layer: int, buffer: int) -> None:
         """On an I/O thread: the staging set of this parity is free once the copy two layers back has read it (that
         layer's reads were waited for before this one was picked, so its copy is already queued)."""
         self._staged[layer % LAYERS_IN_FLIGHT].synchronize()
@@ -127,6 +130,56 @@ class DeviceSlots:
         return self._slots[buffer][torch.from_numpy(slots).to(self.device)].cpu().numpy()
 
 
+class MappedSlots(HostSlots):
+    """The reuse slots in pinned host memory the GPU reads in place (zero-copy): reads land where attention reads,
+    as on the CPU, and a gather reads them over the bus (from the shared DRAM on a Jetson).  The host waited for a
+    layer's reads before its attention gathers them; an I/O thread waits for the gather that last read a buffer
+    before its reads overwrite it."""
+
+    def __init__(self, n_buffers: int, batch: int, capacity: int, layout: RecordLayout, device: torch.device):
+        self.layout, self.device = layout, device
+        host = pinned_aligned((n_buffers * batch * capacity, layout.stride_bytes), layout.align_bytes)
+        self._bytes = host.numpy().reshape(n_buffers, batch * capacity, layout.stride_bytes)
+        self._records = device_alias(host, device).view(self._bytes.shape)[..., : layout.record_bytes]
+        self._read_done: dict[int, torch.cuda.Event] = {}  # buffer -> the gather that last read it is done
+        self._lock = threading.Lock()
+        self.bytes_copied = 0  # nothing is ever copied to the device
+
+    def before_read(self, layer: int, buffer: int) -> None:
+        with self._lock:
+            done = self._read_done.get(buffer)
+        if done is not None:
+            done.synchronize()
+
+    def gather(self, layer: int, buffer: int, slots: torch.Tensor) -> torch.Tensor:
+        index = slots.flatten().pin_memory().to(self.device, non_blocking=True)
+        rows = self._records[buffer].index_select(0, index)
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(self.device))
+        with self._lock:
+            self._read_done[buffer] = done
+        return rows.unflatten(0, slots.shape)
+
+
+class _DeviceView:
+    """``__cuda_array_interface__`` (version 3) of a pinned host buffer, holding it alive."""
+
+    def __init__(self, host: torch.Tensor):
+        self.host = host
+        self.__cuda_array_interface__ = {"shape": (host.numel(),), "typestr": "|u1", "strides": None,
+                                         "data": (host.data_ptr(), False), "version": 3}
+
+
+def device_alias(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A CUDA tensor over pinned uint8 host memory, no copy.  Under unified virtual addressing (every 64-bit CUDA
+    platform) a pointer from cudaHostAlloc, torch's pinned allocator, is valid on the device as it is (CUDA C++
+    Programming Guide, "Unified Virtual Address Space"); torch wraps it with ``from_blob`` and finds its device with
+    cudaPointerGetAttributes (torch/csrc/utils/tensor_numpy.cpp, tensor_from_cuda_array_interface)."""
+    if not host.is_pinned():
+        raise ValueError("device_alias needs pinned host memory (a pageable pointer is not valid on the device)")
+    return torch.as_tensor(_DeviceView(host), device=device)
+
+
 def pinned_aligned(shape: tuple[int, int], align: int) -> torch.Tensor:
     """Pinned uint8 host memory of ``shape`` starting on an ``align`` boundary (O_DIRECT reads land in it): the
     pinned allocator's blocks are not page-aligned, so the rows start inside a block ``align`` bytes larger."""
@@ -137,8 +190,11 @@ def pinned_aligned(shape: tuple[int, int], align: int) -> torch.Tensor:
 
 
 def slot_memory(n_buffers: int, batch: int, capacity: int, layout: RecordLayout, device: torch.device,
-                max_misses: int):
-    """Device slots on a GPU, host slots otherwise."""
-    if device.type == "cuda":
-        return DeviceSlots(n_buffers, batch, capacity, layout, device, max_misses)
-    return HostSlots(n_buffers, batch, capacity, layout, device)
+                max_misses: int, placement: str = "device"):
+    """On a GPU, device slots fed by copies (``placement`` device) or pinned host slots it reads in place
+    (mapped); host slots on the CPU, where the two are one."""
+    if device.type != "cuda":
+        return HostSlots(n_buffers, batch, capacity, layout, device)
+    if placement == "mapped":
+        return MappedSlots(n_buffers, batch, capacity, layout, device)
+    return DeviceSlots(n_buffers, batch, capacity, layout, device, max_misses)

@@ -2,6 +2,8 @@
 feature on the GPU gives the CPU's greedy tokens in float32, and Hugging Face's greedy tokens in float16/bfloat16
 on the same GPU.  The shipped fixture is a trained model, so its greedy choices have margins a change of device
 (another order of float additions) does not flip."""
+import warnings
+
 import pytest
 import torch
 
@@ -28,6 +30,9 @@ CASES = {
     "kvswap-corrected": ("kvswap", {"correction": "corrected"}),
     "kvswap-corrected-capped-no-reuse": ("kvswap", {"correction": "corrected", "correction_reads": 2, "reuse": False}),
     "kvswap-2-paths-clustered": ("kvswap", {"clustering": True, "recluster_steps": 4}),
+    "kvswap-mapped": ("kvswap", {"slot_memory": "mapped"}),
+    "kvswap-mapped-corrected-no-reuse": ("kvswap", {"slot_memory": "mapped", "correction": "corrected", "reuse": False}),
+    "kvswap-mapped-clustered": ("kvswap", {"slot_memory": "mapped", "clustering": True, "recluster_steps": 4}),
     "token": ("token", {}),
     "flexgen": ("flexgen", {}),
     "hillinfer": ("hillinfer", {"importance_rate": 0.3, "score_block_tokens": 64}),
@@ -175,27 +180,30 @@ def _one_batch(tmp_path, extra=None):
     return engine, batch
 
 
+def _host_syncs(batch, steps: int = 3) -> list[str]:
+    """The host syncs torch reports (sync debug mode) over ``steps`` decode steps after a warm-up step."""
+    tokens = torch.tensor([5, 6])
+    batch.step(tokens)  # warm-up: allocations, first-touch
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(steps):
+                batch.step(tokens)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    return [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+
+
 def test_a_decode_step_syncs_the_host_at_most_once_per_layer(tmp_path):
     """Selection runs on the device; its picks reach the I/O thread in one transfer per layer; every other move
     (indices, lengths, masks, missed records) is a non-blocking copy from pinned memory."""
-    import warnings
-
     engine, batch = _one_batch(tmp_path)
-    tokens = torch.tensor([5, 6])
     with batch:
-        batch.step(tokens)  # warm-up: allocations, first-touch
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                for _ in range(3):
-                    batch.step(tokens)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
+        syncs = _host_syncs(batch)
     engine.close()
-    syncs = [w for w in caught if "synchroniz" in str(w.message)]
-    assert len(syncs) / 3 <= engine.model.dims.n_layers + 4, [str(w.message) for w in syncs[:5]]
+    assert len(syncs) / 3 <= engine.model.dims.n_layers + 4, syncs[:5]
 
 
 def test_only_missed_records_cross_the_bus(tmp_path):
@@ -209,6 +217,37 @@ def test_only_missed_records_cross_the_bus(tmp_path):
     engine.close()
     assert hits.sum() > 0 and read > 0  # some picks were hits: they never crossed
     assert copied <= 1.05 * read
+
+
+def test_mapped_slots_copy_nothing_and_sync_no_more_than_device_slots(tmp_path):
+    """slot_memory mapped (a Jetson's layout): the GPU reads the pinned host slots in place, so no record is copied,
+    and the step keeps within the same host-sync bound."""
+    from edgekv.runtime.slot_memory import MappedSlots
+
+    engine, batch = _one_batch(tmp_path, {"slot_memory": "mapped"})
+    with batch:
+        assert isinstance(batch.policy.slot_memory, MappedSlots)
+        syncs = _host_syncs(batch)
+        torch.cuda.synchronize()
+        copied, read = batch.policy.slot_memory.bytes_copied, int(batch.policy.bytes_read.sum())
+    engine.close()
+    assert read > 0 and copied == 0
+    assert len(syncs) / 3 <= engine.model.dims.n_layers + 4, syncs[:5]
+
+
+def test_a_device_alias_is_the_pinned_host_memory_itself():
+    from edgekv.runtime.slot_memory import device_alias, pinned_aligned
+
+    host = pinned_aligned((4, 4096), 4096)
+    alias = device_alias(host.view(-1), torch.device("cuda"))
+    assert alias.is_cuda and alias.data_ptr() == host.data_ptr()
+    host[1, 7] = 201  # a host write is what the device reads (no copy in between)
+    assert int(alias[4096 + 7]) == 201
+    alias[5] = 9  # and a device write lands in host memory
+    torch.cuda.synchronize()
+    assert int(host[0, 5]) == 9
+    with pytest.raises(ValueError, match="pinned"):
+        device_alias(torch.zeros(16, dtype=torch.uint8), torch.device("cuda"))
 
 
 def test_decode_attention_runs_without_the_math_kernel():

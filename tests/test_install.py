@@ -55,6 +55,44 @@ def test_bad_profile_names_file_and_field(tmp_path, edit, message):
     assert str(path) in str(err.value)
 
 
+def _profile_with(tmp_path, platform: str, **memory) -> Path:
+    data = yaml.safe_load((PROFILES_DIR / f"{platform}.yaml").read_text())
+    data["memory"] = {k: v for k, v in {**data["memory"], **memory}.items() if v is not None}
+    path = tmp_path / f"{platform}-{len(memory)}.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def test_the_platform_says_where_a_gpus_slots_live_and_the_profile_may_say_otherwise(tmp_path):
+    """Unified memory (a Jetson): the GPU reads pinned host slots in place; a discrete card gets device slots fed by
+    copies; a profile's memory.slot_memory overrides either way."""
+    from edgekv.platforms.devices import platform_for
+
+    assert platform_for(load_profile("orin")).slot_memory == "mapped"
+    assert platform_for(load_profile(_profile_with(tmp_path, "orin", slot_memory=None))).slot_memory == "mapped"
+    assert platform_for(load_profile("rtx")).slot_memory == "device"
+    assert platform_for(load_profile(_profile_with(tmp_path, "rtx", slot_memory="mapped"))).slot_memory == "mapped"
+    with pytest.raises(ProfileError, match=r"field 'memory.slot_memory' is 'zero-copy'; allowed values: \['device', "
+                                           r"'mapped'\]"):
+        load_profile(_profile_with(tmp_path, "rtx", slot_memory="zero-copy"))
+
+
+def test_mapped_slots_on_the_cpu_are_its_host_slots_and_give_the_same_tokens(tmp_path):
+    from edgekv.runtime.slot_memory import HostSlots
+
+    prompts = [[(i * 7) % 250 + 4 for i in range(150)]]
+    config = {"G": 4, "M": 12, "C": 24, "max_context": 256, "max_batch": 1}
+    tokens = []
+    for placement in ("device", "mapped"):
+        (tmp_path / placement).mkdir()
+        with Engine.from_pretrained("fixture", kv_offload_path=tmp_path / placement, policy="kvswap", device="cpu",
+                                    config={**config, "slot_memory": placement}) as engine:
+            tokens.append(engine.generate(prompts, max_new_tokens=6, stop_token_ids=[])[0].token_ids)
+            with engine.open_batch(1, 256) as batch:
+                assert isinstance(batch.policy.slot_memory, HostSlots)
+    assert tokens[0] == tokens[1]
+
+
 def test_unknown_platform_lists_the_known_ones():
     with pytest.raises(ProfileError, match=r"no profile for platform 'jetson'.*'local'"):
         load_profile("jetson")
@@ -214,6 +252,7 @@ def test_deploy_writes_config_report_and_smoke_stats_and_reuses_only_matching_pr
     for key in ("platform", "model", "G", "M", "sigma", "C", "alpha", "max_kv_mem_mib", "max_batch", "max_context",
                 "solutions", "measurements"):
         assert key in config, key
+    assert config["slot_memory"] == "device"  # the local platform's (no unified memory)
     assert {(s["batch"], s["context"]) for s in config["solutions"]} == {(b, c) for b in (1, 2) for c in (512, 1024)}
     assert all(s["bytes_per_sequence"] <= 1 * 2**20 for s in config["solutions"])  # 2 MiB / 2 sequences
     assert config["measurements"]["disk"]["points"] and config["measurements"]["compute"]["predict_ms"]
