@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
@@ -96,6 +97,9 @@ class Run:
     correction: str | None = None  # guess (the layer-ahead picks) or corrected (rescored with the layer's own query)
     correction_records_per_step: float | None = None  # records a correction read per decode step, the whole batch
     guess_recall: float | None = None  # the share of the corrected picks the layer-ahead guess had
+    host_syncs_per_step: float | None = None  # on a GPU: the host waited for it this often a decode step (SyncCounter)
+    copied_bytes_per_step: float | None = None  # records copied host -> device a decode step, the whole batch
+    copied_vs_read: float | None = None  # bytes copied to the device / bytes read from disk (hits never cross: <= 1)
     # kvswap beside its limits (with a kvswap-ram row): the step with every read in memory, its bytes per step at
     # the disk's rate (fio's, else the reader's: meta's disk reference), and max(both) / step_ms (1: at the limit)
     in_memory_step_ms: float | None = None
@@ -125,6 +129,40 @@ def decode_rate(step_events: list[tuple[int, int, int]], warmup: int) -> tuple[f
 
 def effective_bandwidth(bytes_read: int, read_s: float) -> float | None:
     return bytes_read / read_s / 2**20 if read_s > 0 and bytes_read > 0 else None
+
+
+class SyncCounter:
+    """Host syncs per decode step on a GPU (torch's sync debug mode), counted over the warm-up steps after the first
+    (allocations and first touches) so that no timed step pays for the warnings; None on the CPU or with fewer than
+    two warm-up steps."""
+
+    def __init__(self, device: torch.device, warmup: int):
+        self.on = device.type == "cuda" and warmup >= 2
+        self.warmup = warmup
+        self._caught: list | None = None
+        self._scope = None
+
+    def __enter__(self):
+        if self.on:
+            self._scope = warnings.catch_warnings(record=True)
+            self._caught = self._scope.__enter__()
+            warnings.simplefilter("always")
+        return self
+
+    def __call__(self, event) -> None:
+        if self.on and event.kind == "decode_step_start" and event.info["step"] in (1, self.warmup):
+            torch.cuda.set_sync_debug_mode("warn" if event.info["step"] == 1 else "default")
+
+    def __exit__(self, *exc):
+        if self.on:
+            torch.cuda.set_sync_debug_mode("default")
+            self._scope.__exit__(*exc)
+
+    @property
+    def per_step(self) -> float | None:
+        if not self.on:
+            return None
+        return sum("synchroniz" in str(w.message) for w in self._caught) / (self.warmup - 1)
 
 
 class StepTimer:
@@ -290,17 +328,17 @@ class RowRunner:
                 reader.close()
             raise
         timer = StepTimer()
-        with engine:
+        with engine, SyncCounter(self.model.device, self.warmup) as syncs:
             engine.prompt_cache = self.cache
-            for subscriber in (timer, self.on_event, listener):
+            for subscriber in (timer, syncs, self.on_event, listener):
                 if subscriber is not None:
                     engine.events.subscribe(subscriber)
             out = engine.generate(prompts, max_new_tokens=self.steps + self.warmup + 1, stop_token_ids=[])
         return self.row(name, label, budget, config, [r.stats for r in out], timer,
-                        paths[1] if paths is not None else None)
+                        paths[1] if paths is not None else None, syncs.per_step)
 
     def row(self, name: str, label: str, budget: str | None, config: RuntimeConfig, s: list[dict], timer: StepTimer,
-            path_limit_mib_s: float | None) -> Run:
+            path_limit_mib_s: float | None, host_syncs_per_step: float | None = None) -> Run:
         dims = self.model.dims
         rate, step_ms = decode_rate(timer.steps, self.warmup)
         decoded = sum(x["generated_tokens"] - 1 for x in s)
@@ -335,7 +373,9 @@ class RowRunner:
             verify_fraction=s[0]["kv_records_verified"] / max(1, s[0]["kv_records_read"]) if on_disk else None,
             correction=config.predictor.correction if selects else None,
             correction_records_per_step=sum(x["kv_correction_records"] for x in s) / len(timer.steps) if selects else None,
-            guess_recall=s[0]["guess_recall"])
+            guess_recall=s[0]["guess_recall"], host_syncs_per_step=host_syncs_per_step,
+            copied_bytes_per_step=s[0]["kv_bytes_copied"] / len(timer.steps) if on_disk else None,
+            copied_vs_read=s[0]["kv_bytes_copied"] / read if on_disk and read else None)
 
 
 def path_counts(n_folders: int) -> list[int]:
@@ -574,7 +614,7 @@ def table(runs: list[Run]) -> str:
     head = (f"{'batch':>5} {'ctx':>6} {'policy':{width}} {'budget':>6} {'tok/s':>8} {'x full':>7} {'KV MiB':>7} "
             f"{'KiB/tok':>8} {'eff MiB/s':>9} {'vs disk':>7} {'reuse':>5} {'stall':>5} {'G':>3} {'M':>4} {'C':>4} "
             f"{'sigma':>5} {'paths':>5} {'req/step':>8} {'KiB/req':>7} {'clust':>5} {'fix/step':>8} {'recall':>6} "
-            f"{'overlap':>7}")
+            f"{'overlap':>7} {'syncs':>5} {'copied':>6}")
     lines = [head]
     for r in runs:
         f = lambda v, fmt: format(v, fmt) if v is not None else "-"  # noqa: E731
@@ -585,7 +625,8 @@ def table(runs: list[Run]) -> str:
                      f"{r.io_stall_share:5.2f} {f(r.G, 'd'):>3} {f(r.M, 'd'):>4} {f(r.C, 'd'):>4} {f(r.sigma, 'g'):>5} "
                      f"{f(r.n_paths, 'd'):>5} {f(r.requests_per_step, '.1f'):>8} {f(kib_per_request, '.1f'):>7} "
                      f"{r.clustering or '-':>5} {f(r.correction_records_per_step, '.1f'):>8} "
-                     f"{f(r.guess_recall, '.3f'):>6} {f(r.overlap_efficiency, '.2f'):>7}")
+                     f"{f(r.guess_recall, '.3f'):>6} {f(r.overlap_efficiency, '.2f'):>7} "
+                     f"{f(r.host_syncs_per_step, '.1f'):>5} {f(r.copied_vs_read, '.2f'):>6}")
     return "\n".join(lines)
 
 

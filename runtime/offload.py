@@ -424,7 +424,8 @@ class OffloadedKV(KVPolicy):
                 "kv_records_by_path": store.records_by_path.tolist(), "kv_records_verified": store.records_verified,
                 "kv_records_reread": store.records_reread, "scorer_fallback": None,
                 "kv_correction_records": int(self.correction_records[seq]), "correction_s": self.correction_s,
-                "guess_recall": float(recalled / corrected) if corrected else None, **self.selector.stats()}
+                "guess_recall": float(recalled / corrected) if corrected else None,
+                "kv_bytes_copied": self.slot_memory.bytes_copied, **self.selector.stats()}
 
     def fitted_adapter(self):
         return self.selector.fitted_adapter()

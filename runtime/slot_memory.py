@@ -26,6 +26,8 @@ LAYERS_IN_FLIGHT = 2  # layers whose reads may run at once (the engine prefetche
 class HostSlots:
     """The reuse slots in host memory: reads land where attention reads."""
 
+    bytes_copied = 0  # host -> device (the batch's): nothing crosses a bus here
+
     def __init__(self, n_buffers: int, batch: int, capacity: int, layout: RecordLayout, device: torch.device):
         self.layout, self.device = layout, device
         self._bytes = aligned_zeros((n_buffers, batch * capacity, layout.stride_bytes), layout.align_bytes)
@@ -143,7 +145,6 @@ class MappedSlots(HostSlots):
         self._records = device_alias(host, device).view(self._bytes.shape)[..., : layout.record_bytes]
         self._read_done: dict[int, torch.cuda.Event] = {}  # buffer -> the gather that last read it is done
         self._lock = threading.Lock()
-        self.bytes_copied = 0  # nothing is ever copied to the device
 
     def before_read(self, layer: int, buffer: int) -> None:
         with self._lock:

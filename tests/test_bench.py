@@ -63,6 +63,9 @@ def test_bench_end_to_end_writes_every_row(model_dirs, tmp_path, capsys):
         assert keys <= set(r) and r["decode_tok_s"] > 0 and (r["batch"], r["context"]) == (2, 512)
         assert r["ratio_to_full"] == pytest.approx(r["decode_tok_s"] / runs[0]["decode_tok_s"], rel=1e-2)
     assert runs[0]["read_bytes_per_token"] == 0 and runs[1]["read_bytes_per_token"] > runs[4]["read_bytes_per_token"]
+    # on the CPU nothing crosses a bus and the host waits for no GPU: copies 0 on disk rows, syncs not counted
+    assert (runs[4]["copied_bytes_per_step"], runs[4]["copied_vs_read"], runs[0]["copied_bytes_per_step"]) == (0, 0, None)
+    assert all(r["host_syncs_per_step"] is None for r in runs)
     full_mib = runs[0]["kv_resident_mib"]
     assert all(r["kv_resident_mib"] <= full_mib / 4 + 1e-6 for r in runs[2:])  # within the 1/4 budget
     assert "reproduce: edgekv bench" in capsys.readouterr().out

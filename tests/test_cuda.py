@@ -2,8 +2,6 @@
 feature on the GPU gives the CPU's greedy tokens in float32, and Hugging Face's greedy tokens in float16/bfloat16
 on the same GPU.  The shipped fixture is a trained model, so its greedy choices have margins a change of device
 (another order of float additions) does not flip."""
-import warnings
-
 import pytest
 import torch
 
@@ -180,20 +178,16 @@ def _one_batch(tmp_path, extra=None):
     return engine, batch
 
 
-def _host_syncs(batch, steps: int = 3) -> list[str]:
-    """The host syncs torch reports (sync debug mode) over ``steps`` decode steps after a warm-up step."""
-    tokens = torch.tensor([5, 6])
-    batch.step(tokens)  # warm-up: allocations, first-touch
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("warn")
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            for _ in range(steps):
-                batch.step(tokens)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    return [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+def _host_syncs(engine, batch, steps: int = 3) -> float:
+    """Host syncs per decode step as the bench counts them (torch's sync debug mode, after a first warm-up step)."""
+    from edgekv.bench import SyncCounter
+
+    with SyncCounter(torch.device("cuda"), steps + 1) as syncs:
+        engine.events.subscribe(syncs)
+        for _ in range(steps + 1):
+            batch.step(torch.tensor([5, 6]))
+        torch.cuda.synchronize()
+    return syncs.per_step
 
 
 def test_a_decode_step_syncs_the_host_at_most_once_per_layer(tmp_path):
@@ -201,9 +195,9 @@ def test_a_decode_step_syncs_the_host_at_most_once_per_layer(tmp_path):
     (indices, lengths, masks, missed records) is a non-blocking copy from pinned memory."""
     engine, batch = _one_batch(tmp_path)
     with batch:
-        syncs = _host_syncs(batch)
+        syncs = _host_syncs(engine, batch)
     engine.close()
-    assert len(syncs) / 3 <= engine.model.dims.n_layers + 4, syncs[:5]
+    assert syncs <= engine.model.dims.n_layers + 4, syncs
 
 
 def test_only_missed_records_cross_the_bus(tmp_path):
@@ -227,12 +221,11 @@ def test_mapped_slots_copy_nothing_and_sync_no_more_than_device_slots(tmp_path):
     engine, batch = _one_batch(tmp_path, {"slot_memory": "mapped"})
     with batch:
         assert isinstance(batch.policy.slot_memory, MappedSlots)
-        syncs = _host_syncs(batch)
-        torch.cuda.synchronize()
+        syncs = _host_syncs(engine, batch)
         copied, read = batch.policy.slot_memory.bytes_copied, int(batch.policy.bytes_read.sum())
     engine.close()
     assert read > 0 and copied == 0
-    assert len(syncs) / 3 <= engine.model.dims.n_layers + 4, syncs[:5]
+    assert syncs <= engine.model.dims.n_layers + 4, syncs
 
 
 def test_a_device_alias_is_the_pinned_host_memory_itself():
