@@ -96,15 +96,17 @@ class RandomSelector(Selector):
 CORRECTIONS = ("guess", "corrected")  # config 'correction': the layer-ahead picks as they are, or rescored at attention
 SCORE_REDUCES = ("sum", "softmax")  # how heads' scores make a token's: logits summed (KVSwap), or a softmax vote each
 CPU_BLOCK_BYTES = 2 << 20  # float32 K_lr rows a CPU select converts at a time (LowRankSelector._rows_times)
-# K_lr formats: torch dtype, bytes per element, bytes of per-token scale (int8 rows carry one bf16 absmax scale)
-KLR_FORMATS = {"bfloat16": (torch.bfloat16, 2, 0), "float16": (torch.float16, 2, 0), "float32": (torch.float32, 4, 0),
-               "int8": (torch.int8, 1, 2)}
+# K_lr formats: torch dtype stored, bits per element, bytes of per-token scale (integer rows carry one bf16 absmax
+# scale; int4 packs two elements a byte, low nibble first)
+KLR_FORMATS = {"bfloat16": (torch.bfloat16, 16, 0), "float16": (torch.float16, 16, 0),
+               "float32": (torch.float32, 32, 0), "int8": (torch.int8, 8, 2), "int4": (torch.uint8, 4, 2)}
+INT_LEVELS = {8: 127, 4: 7}  # the largest magnitude of a symmetric integer row element
 
 
 def klr_token_bytes(rank: int, klr_dtype: str) -> int:
     """Bytes of one token's K_lr row in one layer."""
-    _, itemsize, scale = KLR_FORMATS[klr_dtype]
-    return rank * itemsize + scale
+    _, bits, scale = KLR_FORMATS[klr_dtype]
+    return -(-rank * bits // 8) + scale
 
 
 class LowRankSelector(Selector):
@@ -113,7 +115,8 @@ class LowRankSelector(Selector):
     many keys each fit saw.  A calibrated adapter from the install step is better; the engine warns.
 
     ``klr_dtype`` "int8" stores each projected key as int8 with its own absmax scale (half of bf16's
-    bytes, so a lower sigma in the same memory).  Projections and scores compute in float32 whatever the rows'
+    bytes, so a lower sigma in the same memory); "int4" packs two 4-bit elements a byte (twice int8's rank in its
+    bytes).  Projections and scores compute in float32 whatever the rows'
     format: rounded once, to the stored format, the same keys give the same rows and picks on a CPU and a GPU
     (a bf16 matmul rounds its output by device-specific rules, and bf16 scores tie at the top-M boundary)."""
 
@@ -129,15 +132,16 @@ class LowRankSelector(Selector):
         self.max_groups = -(-max_context // group_tokens)
         self._group_scores = torch.empty(batch, self.max_groups, device=device)  # reused every select
         self._group_index = torch.arange(self.max_groups, device=device)
-        stored, _, _ = KLR_FORMATS[predictor.klr_dtype]
-        self.quantized = stored == torch.int8
+        stored, self.bits, scale_bytes = KLR_FORMATS[predictor.klr_dtype]
+        self.quantized = scale_bytes > 0
         self.dtype = torch.float32  # what projections and scores compute in
         self.device = device
         self.rank = rank
         self.n_kv_heads = n_kv_heads
         self.head_dim = head_dim
         self.adapter = [None] * n_layers if adapter is None else [a.to(device, self.dtype) for a in adapter.matrices]
-        self.k_lr = torch.zeros(n_layers, batch, max_context, rank, dtype=stored, device=device)
+        self.k_lr = torch.zeros(n_layers, batch, max_context, -(-rank * self.bits // stored.itemsize // 8), dtype=stored,
+                                device=device)
         self.k_scale = torch.zeros(n_layers, batch, max_context if self.quantized else 0, dtype=torch.bfloat16, device=device)
         self.resident_bytes = self.k_lr.numel() * self.k_lr.element_size() + self.k_scale.numel() * self.k_scale.element_size()
         self.fitted_on = [0] * n_layers
@@ -171,8 +175,10 @@ class LowRankSelector(Selector):
         if not self.quantized:
             self.k_lr[layer, seq, rows] = projected
             return
-        scale = projected.float().abs().amax(dim=-1).clamp_min(1e-12) / 127
-        self.k_lr[layer, seq, rows] = (projected.float() / scale[:, None]).round().to(torch.int8)
+        levels = INT_LEVELS[self.bits]
+        scale = projected.float().abs().amax(dim=-1).clamp_min(1e-12) / levels
+        q = (projected.float() / scale[:, None]).round().clamp_(-levels - 1, levels)
+        self.k_lr[layer, seq, rows] = q.to(torch.int8) if self.bits == 8 else _pack_nibbles(q)
         self.k_scale[layer, seq, rows] = scale.to(torch.bfloat16)
 
     def end_prefill(self) -> None:
@@ -210,17 +216,23 @@ class LowRankSelector(Selector):
         rows are converted a block at a time (a whole float copy is fresh memory every select: at 4 x 32K its page
         faults tripled the select's time), on a GPU at once (one kernel; its allocator reuses the memory)."""
         rows = self.k_lr[layer, :, :n_tokens]
-        batch, _, rank = rows.shape
+        batch, rank = rows.shape[0], self.rank
         block = max(256, CPU_BLOCK_BYTES // (4 * batch * rank)) if rows.device.type == "cpu" else n_tokens
         if block >= n_tokens:
-            out = torch.bmm(rows.to(self.dtype), rhs)
+            out = torch.bmm(self._as_float(rows), rhs)
         else:
             out = torch.empty(batch, n_tokens, rhs.shape[2], dtype=self.dtype, device=rows.device)
             for start in range(0, n_tokens, block):
-                out[:, start : start + block] = torch.bmm(rows[:, start : start + block].to(self.dtype), rhs)
+                out[:, start : start + block] = torch.bmm(self._as_float(rows[:, start : start + block]), rhs)
         if self.quantized:  # per-token scales factor out of the dot product
             out.mul_(self.k_scale[layer, :, :n_tokens, None])
         return out
+
+    def _as_float(self, rows: torch.Tensor) -> torch.Tensor:
+        """Stored K_lr rows [..., stored width] as float32 [..., rank] (int4: the nibbles unpacked, unscaled)."""
+        if self.bits != 4:
+            return rows.to(self.dtype)
+        return torch.stack([rows & 15, rows >> 4], dim=-1).flatten(-2)[..., : self.rank].to(self.dtype) - 8
 
     def select(self, layer, q, n_groups, first=0):
         self._fit(layer)
@@ -241,6 +253,14 @@ class LowRankSelector(Selector):
         groups[:, :k] = top.indices
         valid[:, :k] = top.values > float("-inf")
         return groups, valid
+
+
+def _pack_nibbles(q: torch.Tensor) -> torch.Tensor:
+    """Integers in [-8, 7], [n, rank] -> uint8 [n, ceil(rank / 2)]: two a byte, offset by 8, low nibble first."""
+    u = (q + 8).to(torch.uint8)
+    if u.shape[-1] % 2:
+        u = torch.cat([u, torch.full_like(u[..., :1], 8)], dim=-1)
+    return u[..., 0::2] | (u[..., 1::2] << 4)
 
 
 class OracleSelector(LowRankSelector):

@@ -23,6 +23,7 @@ CASES = {
     "kvswap-int8-records": ("kvswap", {"kv_record_dtype": "int8"}),
     "kvswap-int4-records": ("kvswap", {"kv_record_dtype": "int4"}),
     "kvswap-int8-klr": ("kvswap", {"klr_dtype": "int8"}),
+    "kvswap-int4-klr": ("kvswap", {"klr_dtype": "int4"}),
     "kvswap-no-reuse": ("kvswap", {"reuse": False}),
     "kvswap-oracle": ("kvswap", {"selector": "oracle", "sigma": 1, "score_reduce": "softmax"}),
     "kvswap-corrected": ("kvswap", {"correction": "corrected"}),

@@ -362,6 +362,24 @@ def test_a_budget_below_every_share_of_the_grid_still_gets_the_most_tokens_that_
     assert quality.squeezed(8192, 4, solver.SIGMAS, bytes_of, 1.0) == []
 
 
+def test_a_rank_starved_family_is_measured_with_int4_rows_of_half_its_sigma_beside_its_best():
+    from edgekv.install import quality
+
+    limits = solver.Limits(io_align_bytes=512)
+    bytes_of = lambda p: solver.smallest_bytes(DIMS, torch.float32, limits, 8192, p)  # noqa: E731
+    grid = quality.candidates(8192, [4], solver.SIGMAS)
+    starved = min(bytes_of(p) for p in grid if p["sigma"] == 32 and p["klr_dtype"] == "int8")
+    points = quality.frontier(grid, bytes_of, starved)
+    best = [p for p in points if p["klr_dtype"] != "int4"]
+    lean = [p for p in points if p["klr_dtype"] == "int4"]
+    assert best and all(p["sigma"] >= quality.LEAN_FROM_SIGMA for p in best)
+    assert {(p["mg_tokens"], p["sink_tokens"], p["sigma"] / 2) for p in best} == \
+        {(p["mg_tokens"], p["sink_tokens"], p["sigma"]) for p in lean}
+    assert all(bytes_of(p) <= starved for p in lean)
+    roomy = quality.frontier(grid, bytes_of, max(bytes_of(p) for p in grid))  # every family at sigma 1
+    assert roomy and not any(p["klr_dtype"] == "int4" for p in roomy)
+
+
 def test_solver_without_room_for_any_point_names_the_budget():
     with pytest.raises(ValueError, match="max_kv_mem_mib"):
         _solve_quality(1e-5, 1.05)

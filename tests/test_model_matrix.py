@@ -24,6 +24,7 @@ POLICIES = {
     "kvswap-noreuse": ("kvswap", {"reuse": False}),
     "kvswap-sinks-window": ("kvswap", {"sink_tokens": 4, "window_tokens": 8}),  # the ring wraps 3 times
     "kvswap-int8-klr": ("kvswap", {"klr_dtype": "int8", "window_tokens": 4}),
+    "kvswap-int4-klr": ("kvswap", {"klr_dtype": "int4", "sigma": 3}),  # an odd rank: a half-empty last byte
     "kvswap-oracle": ("kvswap", {"selector": "oracle", "score_reduce": "softmax", "sigma": 1, "window_tokens": 4}),
     "kvswap-corrected": ("kvswap", {"correction": "corrected", "window_tokens": 4}),
     "token": ("token", {}),

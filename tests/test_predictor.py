@@ -130,6 +130,25 @@ def test_int8_k_lowrank_scores_track_the_float_ones_at_half_the_bytes(score_redu
     assert exact.resident_bytes == 64 * 8 * 4
 
 
+@pytest.mark.parametrize("rank", [8, 7])  # an odd rank leaves the last byte's high nibble empty
+def test_int4_k_lowrank_rows_are_the_nibbles_of_the_rounded_projection_at_a_quarter_of_the_bytes(rank):
+    torch.manual_seed(5)
+    k, q = torch.randn(2, 64, 16), torch.randn(1, 4, 1, 16)
+    adapter = LowRankAdapter.fit([k.transpose(0, 1).reshape(64, -1)], 2, 16, rank=rank)
+    exact, int4 = (make_selector(adapter, rank, klr_dtype=t) for t in ("float32", "int4"))
+    for selector in (exact, int4):
+        selector.append(0, 0, 0, k)
+    projected = k.transpose(0, 1).reshape(64, -1) @ adapter.matrices[0].float()
+    scale = projected.abs().amax(-1) / 7
+    levels = (projected / scale[:, None]).round()  # in [-7, 7]
+    unpacked = torch.stack([int4.k_lr[0, 0] & 15, int4.k_lr[0, 0] >> 4], -1).flatten(-2).float() - 8
+    assert torch.equal(unpacked[:, :rank], levels) and (unpacked[:, rank:] == 0).all()
+    assert int4.resident_bytes == 64 * ((rank + 1) // 2 + 2)  # half a byte per element and a 2-byte scale per token
+    want, got = exact.token_scores(0, q, 64)[0], int4.token_scores(0, q, 64)[0]
+    assert (got - want).abs().max() <= 0.15 * want.abs().max()  # 4-bit rows: steps of 1/7 of each row's range
+    assert torch.corrcoef(torch.stack([got, want]))[0, 1] > 0.98
+
+
 def test_a_rows_picks_do_not_depend_on_the_rows_beside_it_even_in_ties():
     """topk breaks ties by the width it sees; the width is every group a sequence can have, not the batch's
     longest, so a request's picks never change with what else is batched (issue 28's isolation)."""
