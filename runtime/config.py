@@ -211,7 +211,8 @@ class PredictorConfig(Section):
                             "lowrank (KVSwap's predictor), random (a floor), oracle (a ceiling)")
     score_reduce: str = setting("sum", OneOf(SCORE_REDUCES), "heads' scores: logits summed, or one softmax vote each")
     adapter_path: str | None = setting(None, Text(), "a calibrated low-rank adapter (safetensors)")
-    klr_dtype: str = setting("bfloat16", OneOf(lambda: KLR_FORMATS), "K_lr rows' format (int8: half the bytes, int4 a quarter)")
+    klr_dtype: str = setting("bfloat16", OneOf(lambda: KLR_FORMATS),
+                             "K_lr rows' format (int8: half the bytes, int4 a quarter)")
     correction: str = setting("guess", OneOf(CORRECTIONS), "guess: the layer-ahead picks as they are; corrected: "
                               "rescored with the layer's own query, the groups the guess missed read before attention")
     correction_reads: int | None = setting(None, Optional(Whole(1)), "corrected: at most this many extra reads per "

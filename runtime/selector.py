@@ -116,9 +116,9 @@ class LowRankSelector(Selector):
 
     ``klr_dtype`` "int8" stores each projected key as int8 with its own absmax scale (half of bf16's
     bytes, so a lower sigma in the same memory); "int4" packs two 4-bit elements a byte (twice int8's rank in its
-    bytes).  Projections and scores compute in float32 whatever the rows'
-    format: rounded once, to the stored format, the same keys give the same rows and picks on a CPU and a GPU
-    (a bf16 matmul rounds its output by device-specific rules, and bf16 scores tie at the top-M boundary)."""
+    bytes).  Projections and scores compute in float32 whatever the rows' format: rounded once, to the stored
+    format, the same keys give the same rows and picks on a CPU and a GPU (a bf16 matmul rounds its output by
+    device-specific rules, and bf16 scores tie at the top-M boundary)."""
 
     def __init__(self, adapter: LowRankAdapter | None, rank: int, dims: ModelDims, batch: int, max_context: int,
                  group_tokens: int, groups_per_step: int, predictor: PredictorConfig, device: torch.device,
