@@ -115,19 +115,20 @@ def frontier(grid: list[dict], bytes_of, budget_bytes: float) -> list[dict]:
 
 def squeezed(context: int, G: int, sigmas, bytes_of, budget_bytes: float, corrections=("guess",)) -> list[dict]:
     """When no share of the grid fits the budget: per (S, W), the most tokens that fit at the largest sigma
-    (in bf16 where that fits, else int8, else int4), as KVSwap's rule shrinks M·G under a tight budget, so a tight
-    budget still gets a measured choice instead of none."""
+    (in bf16 where that fits, else int8), as KVSwap's rule shrinks M·G under a tight budget, so a tight
+    budget still gets a measured choice instead of none; beside each, rank-starved as it is, the most tokens that
+    fit with int4 rows of half that sigma."""
     sigma = float(max(sigmas))
     top = share_tokens(MG_SHARES[0], context, G)
     out = []
     for (S, W), c in ((sw, c) for sw in SINK_WINDOW for c in corrections):
-        for mg in range(top, S + W + G - 1, -G):
-            fits = [p for p in ({"G": G, "mg_tokens": mg, "sigma": sigma, "sink_tokens": S, "window_tokens": W,
-                                 "klr_dtype": k, "correction": c} for k in (*KLR_DTYPES, LEAN_KLR))
-                    if bytes_of(p) <= budget_bytes]
-            if fits:
-                out.append(fits[0])
-                break
+        for forms in ([(sigma, k) for k in KLR_DTYPES], [(sigma / 2, LEAN_KLR)]):
+            for mg in range(top, S + W + G - 1, -G):
+                fits = [p for p in ({"G": G, "mg_tokens": mg, "sigma": s, "sink_tokens": S, "window_tokens": W,
+                                     "klr_dtype": k, "correction": c} for s, k in forms) if bytes_of(p) <= budget_bytes]
+                if fits:
+                    out.append(fits[0])
+                    break
     return out
 
 

@@ -357,8 +357,12 @@ def test_a_budget_below_every_share_of_the_grid_still_gets_the_most_tokens_that_
     points = quality.squeezed(8192, 4, solver.SIGMAS, bytes_of, budget)
     assert {(p["sink_tokens"], p["window_tokens"]) for p in points} == set(quality.SINK_WINDOW)
     for p in points:
-        assert bytes_of(p) <= budget < bytes_of({**p, "mg_tokens": p["mg_tokens"] + 4, "klr_dtype": "int8"})
-        assert p["mg_tokens"] - p["sink_tokens"] - p["window_tokens"] >= 4 and p["sigma"] == max(solver.SIGMAS)
+        leaner = {"klr_dtype": "int8"} if p["klr_dtype"] != "int4" else {}
+        assert bytes_of(p) <= budget < bytes_of({**p, "mg_tokens": p["mg_tokens"] + 4, **leaner})
+        assert p["mg_tokens"] - p["sink_tokens"] - p["window_tokens"] >= 4
+    # each (S, W): the largest sigma in bf16 or int8, and beside it int4 rows of half that sigma
+    assert sorted((p["sigma"], p["klr_dtype"] != "int4") for p in points) == \
+        [(max(solver.SIGMAS) / 2, False)] * 2 + [(max(solver.SIGMAS), True)] * 2
     assert quality.squeezed(8192, 4, solver.SIGMAS, bytes_of, 1.0) == []
 
 

@@ -65,6 +65,22 @@ def test_full_perplexity_equals_the_hf_forward_pass(text_model, text_file, tmp_p
     assert results[0].ppl == pytest.approx(math.exp(float(nll)), rel=1e-4)
 
 
+def test_eval_ppl_over_several_contexts_calibrates_once_and_scores_each(text_model, text_file, tmp_path):
+    """The interface's `--contexts 8192,16384,32768` form, small: one calibration span (the shortest context's), then
+    each context its own windows after it, every row at its context against that context's full."""
+    out = tmp_path / "ppl.json"
+    rc = main(["eval", "--model", text_model, "--ppl", str(text_file), "--contexts", f"{CONTEXT},{2 * CONTEXT}",
+               "--budgets", "1/4", "--policies", "full,kvswap", "--samples", "2", "--ppl-tokens", str(CONTINUATION),
+               "--json", str(out), "--quiet"])
+    assert rc == 0
+    rows = json.loads(out.read_text())["ppl"]
+    assert [(r["context"], r["variant"]) for r in rows] == [(c, v) for c in (CONTEXT, 2 * CONTEXT)
+                                                            for v in ("full", "kvswap@1/4")]
+    assert all(r["windows"] == 2 and r["tokens"] == 2 * (CONTINUATION - 1) for r in rows)
+    assert [r["ratio_to_full"] for r in rows[::2]] == [1.0, 1.0] and rows[1]["ppl"] != rows[3]["ppl"]
+    assert [r["config"]["max_context"] >= r["context"] for r in rows[1::2]] == [True, True]
+
+
 def test_eval_ppl_command_writes_the_interface_json(text_model, text_file, tmp_path, capsys):
     out = tmp_path / "ppl.json"
     rc = main(["eval", "--model", text_model, "--ppl", str(text_file), "--contexts", str(CONTEXT), "--budgets", "1/4",
