@@ -120,12 +120,8 @@ class DeviceSlots:
             copied = self._copied.get(buffer)
         if copied is not None:
             compute.wait_event(copied)
-        index = slots.flatten().pin_memory().to(self.device, non_blocking=True)
-        rows = self._slots[buffer].index_select(0, index)[:, : self.layout.record_bytes]
-        done = torch.cuda.Event()
-        done.record(compute)
-        with self._lock:
-            self._read_done[buffer] = done
+        rows = self._slots[buffer].index_select(0, _on_device(slots, self.device))[:, : self.layout.record_bytes]
+        _mark_read(self._read_done, self._lock, buffer, compute)
         return rows.unflatten(0, slots.shape)
 
     def records(self, buffer: int, slots: np.ndarray) -> np.ndarray:
@@ -153,13 +149,22 @@ class MappedSlots(HostSlots):
             done.synchronize()
 
     def gather(self, layer: int, buffer: int, slots: torch.Tensor) -> torch.Tensor:
-        index = slots.flatten().pin_memory().to(self.device, non_blocking=True)
-        rows = self._records[buffer].index_select(0, index)
-        done = torch.cuda.Event()
-        done.record(torch.cuda.current_stream(self.device))
-        with self._lock:
-            self._read_done[buffer] = done
+        rows = self._records[buffer].index_select(0, _on_device(slots, self.device))
+        _mark_read(self._read_done, self._lock, buffer, torch.cuda.current_stream(self.device))
         return rows.unflatten(0, slots.shape)
+
+
+def _on_device(slots: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Flat slot indices on the device, copied from pinned memory without a host sync."""
+    return slots.flatten().pin_memory().to(device, non_blocking=True)
+
+
+def _mark_read(read_done: dict, lock: threading.Lock, buffer: int, stream) -> None:
+    """Record when ``stream``'s gather from ``buffer`` is done: the next write into that buffer waits for it."""
+    done = torch.cuda.Event()
+    done.record(stream)
+    with lock:
+        read_done[buffer] = done
 
 
 class _DeviceView:
