@@ -1,6 +1,6 @@
-"""What a correction costs a decode step, and where: the same kvswap configuration guess-only and corrected, each
-after a few warm-up steps, ms per step in the policy's phases (wall time of each phase on the compute thread,
-nested phases inside their callers).
+"""What a correction costs a decode step, and where: the same kvswap configuration guess-only, corrected, and corrected
+with its reads overlapped (``MODES``), each after a few warm-up steps, ms per step in the policy's phases (wall time of
+each phase on the compute thread, nested phases inside their callers).
 
     python -m bench.correction_cost --model smollm2 --context 8192 --kvswap G=4,M=410,C=393,sigma=8 \\
         --extra '{"reuse": false, "sink_tokens": 4, "window_tokens": 64}'
@@ -18,8 +18,13 @@ from edgekv.runtime import Engine, offload, slots
 from bench.step_profile import fields, prefilled
 
 PHASES = {offload.OffloadedKV: ("prefetch", "take_picks", "attend", "_pick", "_wait_fetch", "_correct", "_wait",
-                                "_read_misses"),
+                                "_read_misses", "_keys_values"),
           slots.PreloadSlots: ("assign", "correct", "resident"), slots.SlotTable: ("assign", "correct", "resident")}
+
+# the same configuration three ways: the layer-ahead guess, corrected, and corrected with the attention over what is in
+# memory overlapping the correction's reads
+MODES = {"guess": {"correction": "guess"}, "corrected": {"correction": "corrected"},
+         "corrected-overlap": {"correction": "corrected", "correction_overlap": True}}
 
 
 def timed(spent: collections.Counter) -> None:
@@ -52,10 +57,10 @@ def main(argv=None) -> None:
     spent = collections.Counter()
     timed(spent)
     cfg = {**fields(args.kvswap), **json.loads(args.extra), "max_batch": 1, "max_context": args.context + 64}
-    for correction in ("guess", "corrected"):
+    for mode, extra in MODES.items():
         with tempfile.TemporaryDirectory(dir=args.kv_path) as kv, Engine.from_pretrained(
                 args.model, kv_offload_path=kv, policy="kvswap", device="cpu",
-                config={**cfg, "correction": correction}) as engine, prefilled(engine, args.context + 64) as batch:
+                config={**cfg, **extra}) as engine, prefilled(engine, args.context + 64) as batch:
             token = torch.tensor([42])
             for _ in range(args.warmup):
                 batch.step(token)
@@ -66,7 +71,7 @@ def main(argv=None) -> None:
                 batch.step(token)
             step_ms = (time.perf_counter() - started) / args.steps * 1e3
             extra = (batch.policy.correction_records.sum() - extra) / args.steps
-        print(f"== {correction}: {step_ms:.1f} ms a step ({1e3 / step_ms:.2f} tok/s), {extra:.0f} extra records a step")
+        print(f"== {mode}: {step_ms:.1f} ms a step ({1e3 / step_ms:.2f} tok/s), {extra:.0f} extra records a step")
         for key, seconds in spent.most_common():
             print(f"  {key:28s} {seconds / args.steps * 1e3:7.2f} ms a step")
 

@@ -217,6 +217,10 @@ class PredictorConfig(Section):
                               "rescored with the layer's own query, the groups the guess missed read before attention")
     correction_reads: int | None = setting(None, Optional(Whole(1)), "corrected: at most this many extra reads per "
                                            "sequence, layer and step (None: as many as the corrected picks need)")
+    correction_overlap: bool = setting(False, Flag(), "corrected: attention over the picks already in memory runs "
+                                       "while the correction's reads land, merged with theirs by log-sum-exp (the "
+                                       "same attention up to float rounding; off: one attention, bit for bit the "
+                                       "oracle's when uncapped)")
 
 
 @dataclass(frozen=True)

@@ -67,6 +67,25 @@ def decode_attention(model: DecoderModel, q, k, v, mask) -> torch.Tensor:
     return (weights @ v).view(b, h, 1, d)
 
 
+def decode_attention_part(model: DecoderModel, q, k, v, mask) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode attention over part of a step's keys: (out [B, H, 1, d] float32, log-sum-exp of its scores [B, H, 1, 1]),
+    so parts attended apart merge into the whole (``merge_attention``); a row with no key to attend gives out 0 and
+    log-sum-exp -inf (it weighs nothing in the merge)."""
+    b, h, _, d = q.shape
+    n_kv = k.shape[1]
+    scores = ((q.view(b, n_kv, h // n_kv, d) @ k.transpose(-1, -2)) * model.scaling).float().masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1, keepdim=True)
+    weights = (scores - lse).exp_().nan_to_num_(0.0)  # a row of -inf only: (-inf) - (-inf) is NaN, its weights 0
+    return (weights.to(v.dtype) @ v).float().view(b, h, 1, d), lse.view(b, h, 1, 1)
+
+
+def merge_attention(parts: list[tuple[torch.Tensor, torch.Tensor]], dtype: torch.dtype) -> torch.Tensor:
+    """Attention over the union of the parts' keys from each part's (out, log-sum-exp): each weighed by its share of
+    the softmax mass."""
+    lse = torch.stack([p_lse for _, p_lse in parts]).logsumexp(dim=0)
+    return sum(out * (p_lse - lse).exp() for out, p_lse in parts).to(dtype)
+
+
 def grouped_sdpa(model: DecoderModel, q, k, v, mask) -> torch.Tensor:
     """Decode attention as SDPA over the KV heads, each query head of a group a row of its KV head's queries:
     equal head counts and a broadcast mask are what the memory-efficient kernel takes, so K and V are never

@@ -22,12 +22,13 @@ import errno
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor, TimeoutError as FutureTimeout
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from .disk_store import DiskKVStore, StoreError
-from .forward import decode_attention
+from .forward import decode_attention, decode_attention_part, merge_attention
 from .kv_policy import KVPolicy
 from .config import RuntimeConfig
 from .model import DecoderModel
@@ -96,6 +97,7 @@ class OffloadedKV(KVPolicy):
         self._step = None  # the step's device tensors (_step_tensors), made again when lengths change
         # speculate, then correct: extra reads per sequence and step a correction may make (0: the guess stands)
         self.correction_reads = cfg.correction_slots if predict and selector.reads_ahead else 0
+        self.correction_overlap = cfg.predictor.correction_overlap
         self._correct_io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ekv-fix") if self.correction_reads \
             else None
         self._guess = np.zeros((batch, 0), dtype=np.int64)  # the attended layer's guessed picks, -1 where none
@@ -272,7 +274,8 @@ class OffloadedKV(KVPolicy):
 
     def attend(self, layer, q, k, v):
         """Attention over the fetched picks, the sinks and the window; the step's own K/V sit in their ring slot
-        first (a token attends to itself) and join the window for good at ``end_step``."""
+        first (a token attends to itself) and join the window for good at ``end_step``.  With
+        ``correction_overlap`` the picks in memory are attended while the correction's reads land, then those."""
         if not self.selector.reads_ahead:
             started = time.perf_counter()
             self._fetch_picks(layer, *self._pick(layer, q), self._active, started)
@@ -287,22 +290,43 @@ class OffloadedKV(KVPolicy):
             self.correction_s += time.perf_counter() - started
         try:
             slots, valid = self._wait_fetch(layer)
+            late = None
             if self.correction_reads:
-                slots, valid = self._correct(layer, *corrected)
+                slots, valid, late = self._correct(layer, *corrected)
+            if late is None:
+                keys, values, mask = self._keys_values(layer, q, slots, valid, resident)
+                return decode_attention(self.model, q, keys, values, mask)
+            reads, arriving = late
+            parts = [decode_attention_part(self.model, q, *self._keys_values(
+                layer, q, np.where(arriving, reads.safe_slot, slots), valid & ~arriving, resident))]
+            started = time.perf_counter()
+            self._wait(layer, reads.future)
+            self.correction_s += time.perf_counter() - started
         finally:
             if layer in self._corrected:  # the next layer's read may start
                 self._corrected.pop(layer).set()
-        slots, valid = torch.from_numpy(slots), torch.from_numpy(valid)
+        columns = np.argsort(~arriving, axis=1, kind="stable")[:, : int(arriving.sum(axis=1).max())]
+        parts.append(decode_attention_part(self.model, q, *self._keys_values(
+            layer, q, np.take_along_axis(slots, columns, 1), np.take_along_axis(arriving, columns, 1))))
+        return merge_attention(parts, q.dtype)
 
-        # only the selected records are gathered (one copy each) and decoded, on the compute device
+    def _keys_values(self, layer: int, q: torch.Tensor, slots: np.ndarray, valid: np.ndarray,
+                     resident: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Keys and values [B, H_kv, S, d] and the mask [B, 1, 1, S] of the picks in flat ``slots`` [B, M] (only the
+        selected records are gathered, one copy each, and decoded on the compute device), then the sinks and the
+        window when ``resident`` (their mask) is given."""
+        slots, valid = torch.from_numpy(slots), torch.from_numpy(valid)
         records = self.slot_memory.gather(layer, self.slots.buffer_index(layer), slots)
         selected = self.layout.decode(records, self.model.dtype)
         b, m, _, h_kv, g, d = selected.shape
-        sinks = self.sinks[layer]
-        keys = torch.cat([selected[:, :, 0].transpose(1, 2).reshape(b, h_kv, m * g, d), sinks[:, 0], rolling[:, 0]], dim=2)
-        values = torch.cat([selected[:, :, 1].transpose(1, 2).reshape(b, h_kv, m * g, d), sinks[:, 1], rolling[:, 1]], dim=2)
-        mask = torch.cat([to_device(valid, q.device).repeat_interleave(g, dim=1), resident], dim=1)
-        return decode_attention(self.model, q, keys, values, mask[:, None, None, :])
+        keys, values = (selected[:, :, i].transpose(1, 2).reshape(b, h_kv, m * g, d) for i in (0, 1))
+        mask = to_device(valid, q.device).repeat_interleave(g, dim=1)
+        if resident is not None:
+            sinks, rolling = self.sinks[layer], self.rolling[layer]
+            keys = torch.cat([keys, sinks[:, 0], rolling[:, 0]], dim=2)
+            values = torch.cat([values, sinks[:, 1], rolling[:, 1]], dim=2)
+            mask = torch.cat([mask, resident], dim=1)
+        return keys, values, mask[:, None, None, :]
 
     def _wait_fetch(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
         """(slots, valid) of the layer's picks once their reads landed; the picks stay for ``_correct``."""
@@ -322,10 +346,13 @@ class OffloadedKV(KVPolicy):
                              f"{self.read_deadline_s:g} s: the KV device under {self.store.root} hangs or is far slower "
                              "than profiled; check it, or raise read_deadline_s") from None
 
-    def _correct(self, layer: int, groups: np.ndarray, valid: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def _correct(self, layer: int, groups: np.ndarray, valid: np.ndarray
+                 ) -> tuple[np.ndarray, np.ndarray, tuple["CorrectionReads", np.ndarray] | None]:
         """Speculate, then correct: ``groups``/``valid`` are the picks scored again with the layer's own query; those
         in memory (the guess's, or still in the reuse slots) are attended where they are and the rest read now, at
-        most ``correction_reads`` per sequence (past the cap, the guess's other picks stand in)."""
+        most ``correction_reads`` per sequence (past the cap, the guess's other picks stand in).  Returns the
+        corrected (slots, valid) and, with ``correction_overlap`` while reads are pending, (the reads, which picks
+        they bring [B, M]); else the reads have landed."""
         started = time.perf_counter()
         owners = record_owners(groups, self.owner, self.shared_groups)
         missing = valid & ~self.slots.resident(layer, groups, owners)
@@ -333,13 +360,20 @@ class OffloadedKV(KVPolicy):
         if over.any():
             groups, valid = _fill_from_guess(groups, valid, over, self._guess)
             owners = record_owners(groups, self.owner, self.shared_groups)
+            missing &= ~over  # the guess's picks standing in are in memory
         self.guess_recall_counts += [int((valid & _in_rows(groups, self._guess)).sum()), int(valid.sum())]
         slots, misses = self.slots.correct(layer, groups, valid, owners)
+        late = None
         if len(misses.seq):
-            self._wait(layer, self._read_misses(layer, misses, self._correct_io))
+            future = self._read_misses(layer, misses, self._correct_io)
             self.correction_records += np.bincount(misses.seq, minlength=self.batch)
+            safe_slot = _free_slot(misses.slot)
+            if self.correction_overlap and safe_slot < self.batch * self.slots.capacity:
+                late = CorrectionReads(future, safe_slot), missing
+            else:  # (every slot is landing: nothing else to attend meanwhile)
+                self._wait(layer, future)
         self.correction_s += time.perf_counter() - started
-        return slots, valid
+        return slots, valid, late
 
     def end_step(self, active):
         """Append: the step's tokens join the window.  Flush: a window group now full goes to disk and into K_lr.
@@ -497,6 +531,21 @@ class HostPicks:
             self._event.synchronize()  # the layer's one wait for the device
         picks = self._host.numpy()
         return np.maximum(picks, 0), (picks >= 0) & self.active[:, None]
+
+
+class CorrectionReads(NamedTuple):
+    """A correction's reads in flight, and a flat slot none of them writes (what the other part's gather may read
+    in place of the slots still landing)."""
+
+    future: Future
+    safe_slot: int
+
+
+def _free_slot(written: np.ndarray) -> int:
+    """The lowest flat slot not among ``written``."""
+    taken = np.zeros(len(written) + 1, dtype=bool)
+    taken[written[written <= len(written)]] = True
+    return int(np.argmin(taken))
 
 
 def _in_rows(groups: np.ndarray, picks: np.ndarray) -> np.ndarray:

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from edgekv.runtime import Engine
+from edgekv.runtime import Engine, forward, offload
 from edgekv.runtime.config import ConfigError, RuntimeConfig
 from edgekv.runtime.slots import PreloadSlots, SlotTable
 
@@ -54,6 +54,43 @@ def test_the_token_policy_corrects_through_its_preload_slots(model_dirs, tmp_pat
     corrected = _run(model_dirs["llama"], tmp_path / "c", policy="token", correction="corrected", M=3)
     assert [r.token_ids for r in corrected] == [r.token_ids for r in oracle]
     assert corrected[0].stats["kv_correction_records"] > 0
+
+
+@pytest.mark.parametrize("policy, extra", [("kvswap", {"reuse": True}), ("kvswap", {"reuse": False}),
+                                           ("kvswap", {"reuse": False, "correction_reads": 1}), ("token", {"M": 3})])
+def test_overlapped_correction_attends_the_same_picks_merged_by_log_sum_exp(model_dirs, tmp_path, monkeypatch, policy,
+                                                                           extra):
+    # the picks in memory attended while the correction's reads land, then those: the same attention up to rounding
+    merges = []
+    monkeypatch.setattr(offload, "merge_attention", lambda parts, dtype: merges.append(len(parts)) or
+                        forward.merge_attention(parts, dtype))
+    runs = {overlap: _run(model_dirs["llama"], tmp_path / str(overlap), policy=policy, correction="corrected",
+                          correction_overlap=overlap, **extra) for overlap in (False, True)}
+    for joined, split in zip(runs[False], runs[True]):
+        assert split.token_ids == joined.token_ids
+        assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-4) for a, b in zip(split.logits, joined.logits))
+        assert split.stats["kv_correction_records"] == joined.stats["kv_correction_records"] > 0
+    assert merges and set(merges) == {2}  # the steps that read corrected picks attended them apart
+
+
+def test_attention_parts_merge_into_the_whole_and_an_empty_part_weighs_nothing(model_dirs):
+    from edgekv.runtime.model import load_model
+    model = load_model(model_dirs["llama"], torch.device("cpu"), torch.float32, 64)
+    b, h_kv, d = 2, model.dims.n_kv_heads, model.dims.head_dim
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(b, model.dims.n_heads, 1, d, generator=gen)
+    k, v = torch.randn(b, h_kv, 20, d, generator=gen), torch.randn(b, h_kv, 20, d, generator=gen)
+    mask = torch.rand(b, 1, 1, 20, generator=gen) > 0.3
+    mask[..., 0] = True
+    first = torch.zeros_like(mask)
+    first[..., :12] = True
+    second = mask & ~first
+    second[1] = False  # row 1: everything in the first part
+    parts = [forward.decode_attention_part(model, q, k, v, mask & first),
+             forward.decode_attention_part(model, q, k, v, second)]
+    assert torch.isneginf(parts[1][1][1]).all() and (parts[1][0][1] == 0).all()
+    whole = forward.decode_attention(model, q, k, v, mask & (first | second))
+    assert torch.allclose(forward.merge_attention(parts, q.dtype), whole, atol=1e-5)
 
 
 def test_correction_config_is_checked_by_name_and_counts_its_slots():
