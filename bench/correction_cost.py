@@ -9,6 +9,7 @@ import argparse
 import collections
 import functools
 import json
+import statistics
 import tempfile
 import time
 
@@ -53,27 +54,39 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--kv-path", default=None)
+    ap.add_argument("--repeat", type=int, default=1, help="runs of every mode, interleaved; the median is reported")
     args = ap.parse_args(argv)
     spent = collections.Counter()
     timed(spent)
     cfg = {**fields(args.kvswap), **json.loads(args.extra), "max_batch": 1, "max_context": args.context + 64}
-    for mode, extra in MODES.items():
+    step_ms_of = collections.defaultdict(list)
+    for mode, overrides in [item for _ in range(args.repeat) for item in MODES.items()]:
         with tempfile.TemporaryDirectory(dir=args.kv_path) as kv, Engine.from_pretrained(
                 args.model, kv_offload_path=kv, policy="kvswap", device="cpu",
-                config={**cfg, **extra}) as engine, prefilled(engine, args.context + 64) as batch:
+                config={**cfg, **overrides}) as engine, prefilled(engine, args.context + 64) as batch:
             token = torch.tensor([42])
             for _ in range(args.warmup):
                 batch.step(token)
             spent.clear()
-            extra = batch.policy.correction_records.sum()
+            policy = batch.policy
+            before = policy.correction_records.sum(), policy.bytes_read.sum(), policy.guess_recall_counts.copy()
             started = time.perf_counter()
             for _ in range(args.steps):
                 batch.step(token)
             step_ms = (time.perf_counter() - started) / args.steps * 1e3
-            extra = (batch.policy.correction_records.sum() - extra) / args.steps
-        print(f"== {mode}: {step_ms:.1f} ms a step ({1e3 / step_ms:.2f} tok/s), {extra:.0f} extra records a step")
+            extra = (policy.correction_records.sum() - before[0]) / args.steps
+            read_mib = (policy.bytes_read.sum() - before[1]) / args.steps / 2**20
+            recalled, corrected = policy.guess_recall_counts - before[2]
+        step_ms_of[mode].append(step_ms)
+        recall = f", guess recall {recalled / corrected:.3f}" if corrected else ""
+        print(f"== {mode}: {step_ms:.1f} ms a step ({1e3 / step_ms:.2f} tok/s), {extra:.0f} extra records and "
+              f"{read_mib:.1f} MiB read a step{recall}")
         for key, seconds in spent.most_common():
             print(f"  {key:28s} {seconds / args.steps * 1e3:7.2f} ms a step")
+    guess = statistics.median(step_ms_of["guess"])
+    for mode, runs in step_ms_of.items():
+        print(f"{mode:40s} median {statistics.median(runs):6.1f} ms a step, {guess / statistics.median(runs):.2f} x "
+              f"guess's tok/s (runs: {', '.join(f'{ms:.1f}' for ms in runs)})")
 
 
 if __name__ == "__main__":

@@ -201,6 +201,7 @@ ROWS = (Row("full", "full"), Row("flexgen", "flexgen"), Row("token", "token"),
         Row(IN_MEMORY_ROW, "kvswap", kv_in_memory=True),
         Row("kvswap-mapped", "kvswap", overrides=(("slot_memory", "mapped"),)),
         Row("kvswap-corrected", "kvswap", overrides=(("correction", "corrected"),)),
+        Row("kvswap-corrected-overlap", "kvswap", overrides=(("correction", "corrected"), ("correction_overlap", True))),
         Row("kvswap-noverify", "kvswap", overrides=(("verify_fraction", 0.0),)), Row("arkv", "arkv"),
         Row("kvswap-quality", "kvswap", chosen=True),
         Row("kvswap-quality-corrected", "kvswap", overrides=(("correction", "corrected"),), chosen=True))

@@ -370,7 +370,7 @@ class OffloadedKV(KVPolicy):
             safe_slot = _free_slot(misses.slot)
             if self.correction_overlap and safe_slot < self.batch * self.slots.capacity:
                 late = CorrectionReads(future, safe_slot), missing
-            else:  # (every slot is landing: nothing else to attend meanwhile)
+            else:  # one attention once they land (no overlap asked, or every slot is landing)
                 self._wait(layer, future)
         self.correction_s += time.perf_counter() - started
         return slots, valid, late

@@ -28,6 +28,7 @@ CASES = {
     "kvswap-oracle": ("kvswap", {"selector": "oracle", "sigma": 1, "score_reduce": "softmax"}),
     "kvswap-corrected": ("kvswap", {"correction": "corrected"}),
     "kvswap-corrected-capped-no-reuse": ("kvswap", {"correction": "corrected", "correction_reads": 2, "reuse": False}),
+    "kvswap-corrected-overlap-no-reuse": ("kvswap", {"correction": "corrected", "correction_overlap": True, "reuse": False}),
     "kvswap-2-paths-clustered": ("kvswap", {"clustering": True, "recluster_steps": 4}),
     "kvswap-mapped": ("kvswap", {"slot_memory": "mapped"}),
     "kvswap-mapped-corrected-no-reuse": ("kvswap", {"slot_memory": "mapped", "correction": "corrected", "reuse": False}),
