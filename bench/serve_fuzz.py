@@ -133,17 +133,18 @@ def send_hostile(url: str, path: str, body, kind: int, headers: dict | None = No
     comes (None: the client left)."""
     headers = headers or {}
     with httpx.Client(timeout=httpx.Timeout(60, read=0.05 if kind == 2 else 60)) as client:
-        if isinstance(body, bytes):
-            return client.post(url + path, content=body, headers={**headers, "content-type": "application/json"}
-                               ).status_code
-        if kind == 1:
+        if kind == 1 and not isinstance(body, bytes):
             with client.stream("POST", url + path, json={**body, "stream": True}, headers=headers) as r:
                 next(r.iter_lines(), None)
                 return None
+        raw = {"content": body, "headers": {**headers, "content-type": "application/json"}} if isinstance(body, bytes) \
+            else {"json": body, "headers": headers}
         try:
-            return client.post(url + path, json=body, headers=headers).status_code
+            return client.post(url + path, **raw).status_code
         except httpx.ReadTimeout:
-            return None
+            if kind != 2:
+                raise
+            return None  # it left before the answer came (a malformed body's too: a loaded server answers later)
 
 
 # ---- the run ---------------------------------------------------------------------------------------------
