@@ -28,7 +28,7 @@ class _Model:
 def selector():
     dims = ModelDims(n_layers=1, hidden=H_KV * D, n_heads=H_KV, n_kv_heads=H_KV, head_dim=D, vocab=10)
     sel = LowRankSelector(None, RANK, dims, B, S, G, M, PredictorConfig(klr_dtype="bfloat16"), torch.device("cpu"))
-    sel.adapter = [torch.randn(H_KV * D, RANK, dtype=torch.bfloat16)]
+    sel.adapter = [torch.randn(H_KV * D, RANK, dtype=sel.dtype)]  # projections compute in float32
     sel.k_lr.normal_()
     return sel
 
