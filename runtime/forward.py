@@ -61,10 +61,17 @@ def decode_attention(model: DecoderModel, q, k, v, mask) -> torch.Tensor:
     if q.device.type == "cuda":
         return grouped_sdpa(model, q, k, v, mask)
     b, h, _, d = q.shape
+    weights = _grouped_scores(model, q, k, mask).softmax(dim=-1).to(v.dtype)
+    return (weights @ v).view(b, h, 1, d)
+
+
+def _grouped_scores(model: DecoderModel, q, k, mask) -> torch.Tensor:
+    """Scaled scores [B, H_kv, H / H_kv, S] in float32, -inf where ``mask`` is False: each KV head's query heads are
+    rows of one grouped matmul, so K is read once and never repeated per query head."""
+    b, h, _, d = q.shape
     n_kv = k.shape[1]
     scores = (q.view(b, n_kv, h // n_kv, d) @ k.transpose(-1, -2)) * model.scaling
-    weights = scores.masked_fill(~mask, float("-inf")).float().softmax(dim=-1).to(v.dtype)
-    return (weights @ v).view(b, h, 1, d)
+    return scores.float().masked_fill(~mask, float("-inf"))
 
 
 def decode_attention_part(model: DecoderModel, q, k, v, mask) -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,8 +79,7 @@ def decode_attention_part(model: DecoderModel, q, k, v, mask) -> tuple[torch.Ten
     so parts attended apart merge into the whole (``merge_attention``); a row with no key to attend gives out 0 and
     log-sum-exp -inf (it weighs nothing in the merge)."""
     b, h, _, d = q.shape
-    n_kv = k.shape[1]
-    scores = ((q.view(b, n_kv, h // n_kv, d) @ k.transpose(-1, -2)) * model.scaling).float().masked_fill(~mask, float("-inf"))
+    scores = _grouped_scores(model, q, k, mask)
     lse = torch.logsumexp(scores, dim=-1, keepdim=True)
     weights = (scores - lse).exp_().nan_to_num_(0.0)  # a row of -inf only: (-inf) - (-inf) is NaN, its weights 0
     return (weights.to(v.dtype) @ v).float().view(b, h, 1, d), lse.view(b, h, 1, 1)

@@ -367,8 +367,8 @@ class OffloadedKV(KVPolicy):
         if len(misses.seq):
             future = self._read_misses(layer, misses, self._correct_io)
             self.correction_records += np.bincount(misses.seq, minlength=self.batch)
-            safe_slot = _free_slot(misses.slot)
-            if self.correction_overlap and safe_slot < self.batch * self.slots.capacity:
+            safe_slot = _free_slot(misses.slot) if self.correction_overlap else -1
+            if 0 <= safe_slot < self.batch * self.slots.capacity:
                 late = CorrectionReads(future, safe_slot), missing
             else:  # one attention once they land (no overlap asked, or every slot is landing)
                 self._wait(layer, future)
