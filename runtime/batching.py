@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from .config import RuntimeConfig
+from .devices import decode_threads, intra_op_threads
 from .hybrid import build_policy
 from .transfer import to_device
 from .prefill_chain import Prefilled, PrefillChain
@@ -49,6 +50,7 @@ class RunningBatch:
         self.prefill_s = np.zeros(rows)
         self.steps = 0
         self._closed = False
+        self.decode_threads = decode_threads(self.model.device, cfg.io.decode_cpu_threads, engine.spec.on_disk)
 
     @property
     def max_context(self) -> int:
@@ -105,16 +107,17 @@ class RunningBatch:
         active = self.active.copy() if active is None else active
         events, model, policy = self.engine.events, self.model, self.policy
         events.emit("decode_step_start", step=self.steps, active=int(active.sum()))
-        x = model.embed(to_device(tokens[:, None], model.device))
-        rope = model.rope(to_device(policy.lengths, model.device)[:, None])
-        policy.prefetch(0, x, rope, active)
-        for layer in range(model.dims.n_layers):
-            if layer + 1 < model.dims.n_layers:
-                policy.prefetch(layer + 1, x, rope, active)
-            q, k, v = model.qkv(layer, x, rope)
-            x = model.finish_layer(layer, x, policy.attend(layer, q, k, v))
-        logits = model.logits(x[:, 0])
-        policy.end_step(active)
+        with intra_op_threads(self.decode_threads):
+            x = model.embed(to_device(tokens[:, None], model.device))
+            rope = model.rope(to_device(policy.lengths, model.device)[:, None])
+            policy.prefetch(0, x, rope, active)
+            for layer in range(model.dims.n_layers):
+                if layer + 1 < model.dims.n_layers:
+                    policy.prefetch(layer + 1, x, rope, active)
+                q, k, v = model.qkv(layer, x, rope)
+                x = model.finish_layer(layer, x, policy.attend(layer, q, k, v))
+            logits = model.logits(x[:, 0])
+            policy.end_step(active)
         events.emit("decode_step_end", step=self.steps, active=int(active.sum()))
         self.steps += 1
         return logits
@@ -138,6 +141,7 @@ class RunningBatch:
             "batch_size": self.rows,
             "synthetic_weights": self.model.synthetic,  # random weights (synth:NAME): timings count, tokens do not
             "reader": engine.reader.name if engine.reader else None,
+            "decode_threads": self.decode_threads or torch.get_num_threads(),  # torch's intra-op threads, on the CPU
             "config": {k: v for k, v in cfg.to_dict().items() if k in STATS_CONFIG_KEYS} | {"rank": engine.adapters.rank(cfg)},
         }
         text = engine.tokenizer.decode(generated, skip_special_tokens=True) if engine.tokenizer else ""

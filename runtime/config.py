@@ -196,6 +196,8 @@ class IOConfig(Section):
     slot_memory: str = setting("device", OneOf(SLOT_MEMORIES), "on a GPU, where read records wait for attention: "
                                "device memory, misses copied over (device), or pinned host memory the GPU reads in "
                                "place, no copy (mapped: a unified-memory Jetson); one host memory on the CPU")
+    decode_cpu_threads: int | None = setting(None, Optional(Whole(1)), "threads torch computes a CPU decode step "
+                                             "with; none: all, but one core left to the KV reads of a disk policy")
 
     def check_together(self):
         if self.max_request_bytes < self.io_align_bytes:

@@ -8,6 +8,7 @@ no flash attention.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -73,3 +74,29 @@ def cuda_fix() -> str:
             "pip install torch --index-url https://download.pytorch.org/whl/cuXYZ with XYZ at most nvidia-smi's "
             "CUDA Version (e.g. cu128 for 12.8)")
 
+
+
+def decode_threads(device: torch.device, asked: int | None, reads_kv: bool) -> int | None:
+    """Torch's intra-op threads for a decode step on ``device`` (None: leave torch's setting).  A disk policy's
+    reads run on threads of their own beside the step; on the CPU, with torch's team on every core, each parallel
+    op waits for the core they hold (measured on 2 cores, SmolLM2 8K: kvswap's step 1.26x faster on one thread
+    than on two, full's 1.08x slower), so such a step leaves them one core."""
+    if device.type != "cpu":
+        return None
+    if asked is not None:
+        return asked
+    return max(1, torch.get_num_threads() - 1) if reads_kv else None
+
+
+@contextlib.contextmanager
+def intra_op_threads(n: int | None):
+    """Torch computes on ``n`` threads inside the block (None: as it is), then as before."""
+    if n is None or n == torch.get_num_threads():
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

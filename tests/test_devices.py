@@ -10,7 +10,7 @@ import torch
 from edgekv.cli import main
 from edgekv.runtime import Engine
 from edgekv.runtime.config import ConfigError
-from edgekv.runtime.devices import DeviceUnavailable, resolve_device, resolve_dtype
+from edgekv.runtime.devices import DeviceUnavailable, decode_threads, intra_op_threads, resolve_device, resolve_dtype
 
 
 def test_the_tests_are_pinned_to_the_cpu_even_where_torch_sees_a_gpu(monkeypatch):
@@ -89,3 +89,73 @@ def test_deploy_on_the_cpu_is_an_explicit_choice(monkeypatch):
     assert compute_device(load_profile("local"), None).type == "cpu"
     with pytest.raises(DeviceUnavailable):
         compute_device(rtx, None)
+
+
+# ---- threads of a CPU decode step --------------------------------------------------------------------------------
+
+def test_a_disk_policy_leaves_one_core_to_its_reads_and_an_asked_count_wins(monkeypatch):
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 8)
+    cpu = torch.device("cpu")
+    assert decode_threads(cpu, None, reads_kv=True) == 7
+    assert decode_threads(cpu, None, reads_kv=False) is None  # full: torch's own setting
+    assert decode_threads(cpu, 3, reads_kv=True) == 3 and decode_threads(cpu, 8, reads_kv=False) == 8
+    assert decode_threads(torch.device("cuda"), 3, reads_kv=True) is None  # the GPU computes; host threads stay
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    assert decode_threads(cpu, None, reads_kv=True) == 1  # one core: nothing to leave
+
+
+def test_the_thread_count_is_restored_after_the_block_even_when_it_raises():
+    before = torch.get_num_threads()
+    with pytest.raises(RuntimeError, match="inside"):
+        with intra_op_threads(1):
+            assert torch.get_num_threads() == 1
+            raise RuntimeError("inside")
+    assert torch.get_num_threads() == before
+    with intra_op_threads(None):
+        assert torch.get_num_threads() == before
+
+
+@pytest.mark.parametrize("policy", ["kvswap", "full"])
+def test_a_decode_step_computes_on_the_batchs_threads_and_gives_the_same_tokens(model_dirs, tmp_path, monkeypatch,
+                                                                                policy):
+    """The step runs with the batch's thread count (seen from inside the model) and hands torch's back; the tokens
+    do not depend on it."""
+    monkeypatch.setattr(torch, "get_num_threads", _threads := _FakeThreads(4))
+    monkeypatch.setattr(torch, "set_num_threads", _threads.set)
+    seen = []
+    runs = {}
+    for asked in (None, 2):
+        cfg = {"G": 4, "M": 6, "C": 12, "sigma": 2, "max_context": 128, "max_batch": 1, "decode_cpu_threads": asked}
+        (kv := tmp_path / f"kv{asked}").mkdir()
+        with Engine.from_pretrained(model_dirs["llama"], kv_offload_path=kv, config=cfg,
+                                    policy=policy, device="cpu") as engine:
+            finish = engine.model.finish_layer
+            monkeypatch.setattr(engine.model, "finish_layer", _decode_threads_into(seen, finish, _threads))
+            runs[asked] = engine.generate([[5 + i % 90 for i in range(50)]], max_new_tokens=6, stop_token_ids=[])[0]
+        assert _threads.n == 4  # handed back after every step
+        expected = asked or (3 if policy == "kvswap" else 4)
+        assert set(seen) == {expected} and runs[asked].stats["decode_threads"] == expected
+        seen.clear()
+    assert runs[None].token_ids == runs[2].token_ids
+
+
+def _decode_threads_into(seen: list, finish, threads):
+    """``finish_layer`` noting the thread count of each decode layer (one token; the prefill's have many)."""
+    def wrapped(layer, x, attn_out):
+        if x.shape[1] == 1:
+            seen.append(threads.n)
+        return finish(layer, x, attn_out)
+    return wrapped
+
+
+class _FakeThreads:
+    """torch's thread count, kept here: a test that changed the process's real count would slow the others."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def __call__(self) -> int:
+        return self.n
+
+    def set(self, n: int) -> None:
+        self.n = n
