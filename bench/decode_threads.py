@@ -3,7 +3,7 @@ and corrected at one configuration, each prefilled once, the thread counts inter
 speed drifts between runs; within one run the rows see the same drift).  What ``io.decode_cpu_threads`` and its
 default (all cores, one left to a disk policy's reads) are chosen from.
 
-    python -m bench.decode_threads --model smollm2 --context 8192 --repeat 4
+    python -m bench.decode_threads --model smollm2 --context 8192 --repeat 4 [--batch 4]
 """
 import argparse
 import collections
@@ -18,8 +18,8 @@ from edgekv.runtime import Engine
 
 from bench.step_profile import fields, prefilled
 
-ROWS = {"full": ("full", {}), "kvswap": ("kvswap", {"correction": "guess"}),
-        "kvswap-corrected": ("kvswap", {"correction": "corrected"})}
+# row -> (policy, correction): a row with a correction mode takes the kvswap geometry too
+ROWS = {"full": ("full", None), "kvswap": ("kvswap", "guess"), "kvswap-corrected": ("kvswap", "corrected")}
 
 
 def main(argv=None) -> None:
@@ -29,6 +29,7 @@ def main(argv=None) -> None:
     ap.add_argument("--kvswap", default="G=4,M=410,C=393,sigma=8", help="the kvswap rows' geometry")
     ap.add_argument("--extra", default='{"reuse": false, "sink_tokens": 4, "window_tokens": 64}', help="JSON fields")
     ap.add_argument("--threads", default=None, help="thread counts, comma-separated (default: all cores, one fewer)")
+    ap.add_argument("--batch", type=int, default=1, help="sequences decoding together (each its own prompt)")
     ap.add_argument("--steps", type=int, default=6, help="timed steps per row and round")
     ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--repeat", type=int, default=4, help="rounds; the median is reported")
@@ -39,17 +40,17 @@ def main(argv=None) -> None:
                                                                                     reverse=True)
     steps_needed = args.warmup + args.repeat * len(counts) * (args.steps + 1)
     kvswap = {**fields(args.kvswap), **json.loads(args.extra)}
-    token = torch.tensor([42])
+    token = torch.full((args.batch,), 42)
     step_ms = collections.defaultdict(list)
     with contextlib.ExitStack() as stack:
         batches = {}
-        for row, (policy, overrides) in ROWS.items():
+        for row, (policy, correction) in ROWS.items():
             kv = stack.enter_context(tempfile.TemporaryDirectory(dir=args.kv_path))
-            cfg = {**(kvswap if policy == "kvswap" else {}), **overrides, "max_batch": 1,
+            cfg = {**({**kvswap, "correction": correction} if correction else {}), "max_batch": args.batch,
                    "max_context": args.context + steps_needed}
             engine = stack.enter_context(Engine.from_pretrained(args.model, kv_offload_path=kv, policy=policy,
                                                                 device="cpu", config=cfg))
-            batches[row] = stack.enter_context(prefilled(engine, args.context + 64))
+            batches[row] = stack.enter_context(prefilled(engine, args.context + 64, args.batch))
             print(f"{row}: prefilled {args.context} tokens; the default decode threads {batches[row].decode_threads}")
             for _ in range(args.warmup):
                 batches[row].step(token)
@@ -62,7 +63,7 @@ def main(argv=None) -> None:
                     for _ in range(args.steps):
                         batch.step(token)
                     step_ms[row, threads].append((time.perf_counter() - started) / args.steps * 1e3)
-    print(f"# {args.model}, {args.context} tokens, batch 1, kvswap {args.kvswap} {args.extra}, {cores} cores, median of "
+    print(f"# {args.model}, {args.context} tokens, batch {args.batch}, kvswap {args.kvswap} {args.extra}, {cores} cores, median of "
           f"{args.repeat} interleaved rounds of {args.steps} steps")
     for row in ROWS:
         base = statistics.median(step_ms[row, counts[0]])
