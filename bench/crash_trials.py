@@ -46,13 +46,13 @@ import sys
 import tempfile
 import threading
 import time
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from edgekv.runtime.devices import intra_op_threads
 from edgekv.runtime.store.files import pid_alive
 
 REPO = Path(__file__).resolve().parents[1]
@@ -322,16 +322,6 @@ class Child:
 
 # ---- the checks ---------------------------------------------------------------------------------------------
 
-@contextmanager
-def torch_threads(n: int):
-    old = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(old)
-
-
 @torch.inference_mode()
 def recompute_kv(model, ids: list[int]) -> torch.Tensor:
     """The truth: [layers, 2, H_kv, len(ids), d] computed from the ids by the model in this process."""
@@ -405,7 +395,7 @@ def check_store(store, model, threads: int = 1, read=None) -> StoreCheck:
                                 f"match finds {got} of its {len(ids)} ids")
         if prefix is None:
             continue
-        with torch_threads(threads):
+        with intra_op_threads(threads):
             truth = recompute_kv(model, list(ids))
         pos = 0
         for ref in prefix.chunks:
