@@ -92,6 +92,7 @@ class Run:
     path_limit_mib_s: float | None = None  # each path's emulated read limit (paced rows only)
     records_by_path: list | None = None  # records read from each path: how evenly the layout spreads the load
     reader: str | None = None  # the KV reader, emulation included
+    decode_threads: int | None = None  # torch's threads in the row's decode steps (a disk policy leaves its reads one)
     kv_bytes_read: int | None = None  # every sequence's reads of the row together
     verify_fraction: float | None = None  # the share of records read whose checksum was checked (disk rows)
     correction: str | None = None  # guess (the layer-ahead picks) or corrected (rescored with the layer's own query)
@@ -370,7 +371,8 @@ class RowRunner:
             clustering=("on" if config.placement.clustering else "off") if on_disk else None,
             replacement=config.replacement if selects and config.reuse else None,
             share_prefix=config.placement.share_prefix if on_disk else None, path_limit_mib_s=path_limit_mib_s,
-            records_by_path=s[0]["kv_records_by_path"] if on_disk else None, reader=s[0]["reader"], kv_bytes_read=read,
+            records_by_path=s[0]["kv_records_by_path"] if on_disk else None, reader=s[0]["reader"],
+            decode_threads=s[0]["decode_threads"] if self.model.device.type == "cpu" else None, kv_bytes_read=read,
             verify_fraction=s[0]["kv_records_verified"] / max(1, s[0]["kv_records_read"]) if on_disk else None,
             correction=config.predictor.correction if selects else None,
             correction_records_per_step=sum(x["kv_correction_records"] for x in s) / len(timer.steps) if selects else None,

@@ -3,6 +3,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from edgekv import bench
 from edgekv.cli import main
@@ -66,6 +67,9 @@ def test_bench_end_to_end_writes_every_row(model_dirs, tmp_path, capsys):
     # on the CPU nothing crosses a bus and the host waits for no GPU: copies 0 on disk rows, syncs not counted
     assert (runs[4]["copied_bytes_per_step"], runs[4]["copied_vs_read"], runs[0]["copied_bytes_per_step"]) == (0, 0, None)
     assert all(r["host_syncs_per_step"] is None for r in runs)
+    # the disk rows leave a core to their reads (none to leave on one core); full computes on every core
+    cores = torch.get_num_threads()
+    assert runs[0]["decode_threads"] == cores and runs[4]["decode_threads"] == max(1, cores - 1)
     full_mib = runs[0]["kv_resident_mib"]
     assert all(r["kv_resident_mib"] <= full_mib / 4 + 1e-6 for r in runs[2:])  # within the 1/4 budget
     assert "reproduce: edgekv bench" in capsys.readouterr().out
