@@ -17,6 +17,7 @@ import torch
 
 from edgekv.runtime.forward import decode_attention
 from edgekv.runtime.config import PredictorConfig
+from edgekv.runtime.devices import decode_threads, intra_op_threads
 from edgekv.runtime.model import DecoderModel, ModelDims
 from edgekv.runtime.selector import LowRankSelector
 from edgekv.runtime.slots import SlotTable
@@ -127,10 +128,16 @@ def time_reuse(batch: int, groups_per_step: int, max_groups: int) -> float:
 
 def profile_compute(model: DecoderModel, fingerprint: dict, batches, contexts, ranks, mg_const: int,
                     klr_dtype: str = "bfloat16", progress=None) -> ComputeProfile:
-    """Sample every part at the given batch sizes, contexts and ranks."""
+    """Sample every part at the given batch sizes, contexts and ranks, on the threads a disk policy's decode step
+    computes with (on the CPU it leaves one core to its reads: ``runtime.devices.decode_threads``)."""
+    with intra_op_threads(decode_threads(model.device, None, reads_kv=True)):
+        return _sample(model, fingerprint, batches, contexts, ranks, mg_const, klr_dtype, progress or (lambda: None))
+
+
+def _sample(model: DecoderModel, fingerprint: dict, batches, contexts, ranks, mg_const: int, klr_dtype: str, tick
+            ) -> ComputeProfile:
     start = time.perf_counter()
     profile = ComputeProfile(fingerprint, model.dims.n_layers)
-    tick = progress or (lambda: None)
     for b in batches:
         for tokens in _block_tokens(mg_const):
             profile.block_ms.append([b, tokens, time_block(model, b, tokens)])

@@ -139,6 +139,24 @@ def test_a_decode_step_computes_on_the_batchs_threads_and_gives_the_same_tokens(
     assert runs[None].token_ids == runs[2].token_ids
 
 
+def test_the_compute_profile_is_sampled_on_a_disk_steps_threads(monkeypatch):
+    """The solver's T_model prices a disk policy's step, so it is timed on that step's threads, and torch's come
+    back after."""
+    from types import SimpleNamespace
+
+    from edgekv.install import compute
+
+    monkeypatch.setattr(torch, "get_num_threads", threads := _FakeThreads(4))
+    monkeypatch.setattr(torch, "set_num_threads", threads.set)
+    seen = []
+    for name in ("time_block", "time_reuse", "time_predictor"):
+        monkeypatch.setattr(compute, name, lambda *a, **k: seen.append(threads.n) or 1.0)
+    model = SimpleNamespace(device=torch.device("cpu"), dims=SimpleNamespace(n_layers=3))
+    profile = compute.profile_compute(model, {}, [1], [1024], [16], 400)
+    assert seen and set(seen) == {3} and threads.n == 4
+    assert profile.block_ms and profile.predict_ms
+
+
 def _decode_threads_into(seen: list, finish, threads):
     """``finish_layer`` noting the thread count of each decode layer (one token; the prefill's have many)."""
     def wrapped(layer, x, attn_out):
