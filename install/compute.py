@@ -130,25 +130,22 @@ def profile_compute(model: DecoderModel, fingerprint: dict, batches, contexts, r
                     klr_dtype: str = "bfloat16", progress=None) -> ComputeProfile:
     """Sample every part at the given batch sizes, contexts and ranks, on the threads a disk policy's decode step
     computes with (on the CPU it leaves one core to its reads: ``runtime.devices.decode_threads``)."""
-    with intra_op_threads(decode_threads(model.device, None, reads_kv=True)):
-        return _sample(model, fingerprint, batches, contexts, ranks, mg_const, klr_dtype, progress or (lambda: None))
-
-
-def _sample(model: DecoderModel, fingerprint: dict, batches, contexts, ranks, mg_const: int, klr_dtype: str, tick
-            ) -> ComputeProfile:
     start = time.perf_counter()
     profile = ComputeProfile(fingerprint, model.dims.n_layers)
-    for b in batches:
-        for tokens in _block_tokens(mg_const):
-            profile.block_ms.append([b, tokens, time_block(model, b, tokens)])
-            tick()
-        for groups in _reuse_groups(mg_const):
-            profile.reuse_ms.append([b, groups, time_reuse(b, groups, max(contexts) + groups)])
-            tick()
-        for context in contexts:
-            for rank in ranks:
-                profile.predict_ms.append([b, context, rank, time_predictor(model, b, context, rank, 4, mg_const // 4, klr_dtype)])
+    tick = progress or (lambda: None)
+    with intra_op_threads(decode_threads(model.device, None, reads_kv=True)):
+        for b in batches:
+            for tokens in _block_tokens(mg_const):
+                profile.block_ms.append([b, tokens, time_block(model, b, tokens)])
                 tick()
+            for groups in _reuse_groups(mg_const):
+                profile.reuse_ms.append([b, groups, time_reuse(b, groups, max(contexts) + groups)])
+                tick()
+            for context in contexts:
+                for rank in ranks:
+                    profile.predict_ms.append([b, context, rank,
+                                               time_predictor(model, b, context, rank, 4, mg_const // 4, klr_dtype)])
+                    tick()
     profile.h2d_gib_s = time_h2d(model.device)
     profile.seconds = round(time.perf_counter() - start, 1)
     return profile
