@@ -116,13 +116,14 @@ def roofline_for(model: DecoderModel, peak_flops: float, bandwidth: float) -> Ro
     """The roofline of ``model``'s chunks from its layer shapes (every decoder layer has the same ones)."""
     d = model.dims
     block = model.layers[0]
-    linears = [m for m in block.modules() if isinstance(m, torch.nn.Linear)]
+    params = lambda m: m.in_features * m.out_features  # noqa: E731 (a packed layer's weight is no tensor of that size)
+    linears = [m for m in block.modules() if hasattr(m, "in_features") and hasattr(m, "out_features")]
     attn = block.self_attn
-    qkv = sum(m.weight.numel() for m in (attn.q_proj, attn.k_proj, attn.v_proj))
+    qkv = sum(params(m) for m in (attn.q_proj, attn.k_proj, attn.v_proj))
     intermediate = getattr(model.hf.config, "intermediate_size", None) or block.mlp.up_proj.out_features
     return RooflineCostModel.from_dims(
         hidden=d.hidden, n_heads=d.n_heads, n_kv_heads=d.n_kv_heads, head_dim=d.head_dim, intermediate=intermediate,
-        layer_params=sum(m.weight.numel() for m in linears), qkv_params=qkv,
+        layer_params=sum(map(params, linears)), qkv_params=qkv,
         elem_bytes=torch.finfo(model.dtype).bits // 8, peak_flops=peak_flops, bandwidth=bandwidth)
 
 

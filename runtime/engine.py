@@ -27,7 +27,7 @@ from .disk_store import CorruptRecord, RecordLayout, check_offload_path, kv_path
 from .events import EventBus, JsonLinesLog
 from .forward import prefill
 from .memory import MemoryPlan, plan_memory
-from .model import DecoderModel, ModelDims, check_weight_format, load_model, read_model_config
+from .model import DecoderModel, ModelDims, load_model, read_model_config
 from .policies import PolicyEnv, get as get_policy
 from .policies.disk import record_layout as _record_layout
 from .prefill_chain import CONTEXT_STORE
@@ -39,6 +39,7 @@ from .solutions import SolutionTable, deployed_compute, load_deployed
 from .synth import synthetic_dtype
 from .ttft.compute import PrefixKV
 from .ttft.prefill import TTFTOptions
+from .weights import check_weight_format
 
 __all__ = ["Engine", "GenerationResult"]
 
@@ -108,7 +109,7 @@ class Engine:
         ``config`` may be a deployed config (with ``solutions``): each batch then runs with the
         solution for its (batch size, context), each checked here against its memory budget, on the device and
         in the dtype it was deployed with unless ``device``/``dtype`` say otherwise (runtime/devices.py).
-        ``weights``: the linear layers' format (runtime/model.py WEIGHT_FORMATS).
+        ``weights``: the linear layers' format (runtime/weights.py WEIGHT_FORMATS).
         """
         if isinstance(config, (str, Path)):
             config = read_config_file(config)  # once: the solutions and the deployed device come from it

@@ -101,10 +101,6 @@ def layer_windows(cfg: dict) -> tuple[int, ...]:
     return tuple(window if s else 0 for s in sliding) if any(sliding) else ()
 
 
-# the linear layers' weights: the model's dtype as loaded, or int8 (PyTorch's dynamic int8 linear on the CPU: the
-# activations quantized per call, the x86/fbgemm kernels; on SmolLM2 1.3-1.8x fp32's decode speed and 1.37x its
-# perplexity, docs/results: measured, never chosen by the install step)
-WEIGHT_FORMATS = ("native", "int8")
 SYNTHETIC_MARKER = "edgekv-synthetic.json"  # a checkpoint folder of random weights (runtime/synth.py)
 REQUIRED_CONFIG_FIELDS = ("num_hidden_layers", "hidden_size", "num_attention_heads", "vocab_size")
 # bytes per element of the safetensors dtypes; a dtype not listed here is bounds-checked only
@@ -258,7 +254,7 @@ class DecoderModel:
     def __init__(self, hf_model: nn.Module, synthetic: bool = False, weights: str = "native"):
         self.hf = hf_model
         self.synthetic = synthetic  # random weights in a real shape: its timings count, its tokens do not
-        self.weights = weights  # WEIGHT_FORMATS: the linear layers' format
+        self.weights = weights  # runtime/weights.py WEIGHT_FORMATS: the linear layers' format
         core = hf_model.model
         cfg = hf_model.config
         self.embed = core.embed_tokens
@@ -373,8 +369,10 @@ def _random_model(auto, hf_config, device: torch.device, dtype: torch.dtype) -> 
 def load_model(model_dir: str | Path, device: torch.device, dtype: torch.dtype, max_context: int,
                weights: str = "native") -> DecoderModel:
     """Load a local checkpoint (never from a hub) after checking its architecture; a synthetic one
-    (runtime/synth.py) gets random weights built on ``device``.  ``weights``: WEIGHT_FORMATS."""
+    (runtime/synth.py) gets random weights built on ``device``.  ``weights``: runtime/weights.py WEIGHT_FORMATS."""
     from transformers import AutoConfig, AutoModelForCausalLM
+
+    from .weights import check_weight_format, quantize_linears  # weights.py builds on this module's ModelError
 
     check_weight_format(weights, device, dtype)
     cfg = read_model_config(model_dir)
@@ -393,36 +391,3 @@ def load_model(model_dir: str | Path, device: torch.device, dtype: torch.dtype, 
                          f"({', '.join(wrong[:4])}{', ...' if len(wrong) > 4 else ''}); {REDOWNLOAD}")
     hf_model.to(device).eval()
     return DecoderModel(quantize_linears(hf_model, weights), weights=weights)
-
-
-def check_weight_format(weights: str, device: torch.device, dtype: torch.dtype) -> None:
-    """Refuse a weight format the device and dtype cannot run, before anything loads."""
-    if weights not in WEIGHT_FORMATS:
-        raise ModelError(f"weights {weights!r}: pick one of {', '.join(WEIGHT_FORMATS)}")
-    if weights == "int8" and (torch.device(device).type != "cpu" or dtype != torch.float32):
-        raise ModelError(f"weights 'int8' runs on the CPU in float32 (PyTorch's dynamic int8 linear), not on "
-                         f"{device} in {str(dtype).removeprefix('torch.')}: use --weights native there")
-
-
-def quantize_linears(hf_model: nn.Module, weights: str) -> nn.Module:
-    """The model with every linear layer in ``weights`` (in place; "native" leaves it as loaded)."""
-    if weights == "native":
-        return hf_model
-    import warnings
-
-    with warnings.catch_warnings():  # torch 2.13 marks torch.ao.quantization deprecated; its kernels still ship
-        warnings.simplefilter("ignore", DeprecationWarning)
-        warnings.filterwarnings("ignore", message=".*quantized tensor creation functions.*")
-        try:
-            from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
-        except ImportError as exc:
-            raise ModelError(f"weights 'int8' needs torch.ao.quantization, which torch {torch.__version__} lacks: "
-                             "use --weights native") from exc
-        # a scale per output row: one per tensor cost SmolLM2 1.6x its perplexity (docs/results, issue 34)
-        return quantize_dynamic(hf_model, {nn.Linear: per_channel_dynamic_qconfig}, inplace=True)
-
-
-def linear_weight(module: nn.Module) -> torch.Tensor:
-    """A linear layer's weight as a float tensor, whatever its format (a quantized layer's is a method)."""
-    weight = module.weight
-    return weight().dequantize() if callable(weight) else weight

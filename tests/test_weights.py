@@ -1,11 +1,14 @@
-"""The linear layers' weight format (runtime/model.py WEIGHT_FORMATS): int8 is PyTorch's dynamic int8 linear on the
-CPU; it has its own fingerprint (its K/V differ), and a device or dtype it cannot run on is refused before loading."""
+"""The linear layers' weight format (runtime/weights.py WEIGHT_FORMATS): int8 is PyTorch's dynamic int8 linear on the
+CPU, int4 torch's weight-only int4 kernel in groups of 32 (a GGUF Q4 block) with an int8 head rescored in fp32; each
+has its own fingerprint (its K/V differ), and a device or dtype it cannot run on is refused before loading."""
 import pytest
 import torch
+from torch import nn
 
 from edgekv.runtime import Engine
 from edgekv.runtime.model import ModelError, load_model
 from edgekv.runtime.store.fingerprint import model_fingerprint
+from edgekv.runtime.weights import INT4_GROUP, Int4Linear, Int8Linear, RescoredHead, linear_weight, quantize_linears
 
 PROMPT = [(i * 7) % 250 + 4 for i in range(120)]
 
@@ -20,24 +23,92 @@ def test_int8_weights_quantize_every_linear_layer_and_name_themselves(tmp_path):
     assert fp_native["id"] != fp_int8["id"] and fp_int8["weights"] == "int8" and "weights" not in fp_native
 
 
-def test_int8_weights_decode_close_to_fp32(tmp_path):
+@pytest.mark.parametrize("weights", ["int8", "int4"])
+def test_quantized_weights_decode_close_to_fp32(tmp_path, weights):
     tokens = {}
-    for weights in ("native", "int8"):
+    for weights in ("native", weights):
         (tmp_path / weights).mkdir()
         with Engine.from_pretrained("fixture", kv_offload_path=tmp_path / weights, policy="full", device="cpu",
                                     config={"max_context": 256, "max_batch": 1}, weights=weights) as engine:
             tokens[weights] = engine.generate([PROMPT], max_new_tokens=8, stop_token_ids=[])[0].token_ids
-    assert sum(a == b for a, b in zip(tokens["native"], tokens["int8"])) >= 6  # a trained model's margins hold
+    assert sum(a == b for a, b in zip(tokens["native"], tokens[weights])) >= 6  # a trained model's margins hold
 
 
+@pytest.mark.parametrize("weights", ["int8", "int4"])
 @pytest.mark.parametrize("device, dtype", [("cpu", torch.bfloat16), ("cuda", torch.float32)])
-def test_int8_weights_refused_where_they_cannot_run(tmp_path, device, dtype):
-    with pytest.raises(ModelError, match="int8.*--weights native"):
-        load_model(_fixture(), torch.device(device), dtype, 256, weights="int8")
+def test_quantized_weights_refused_where_they_cannot_run(tmp_path, device, dtype, weights):
+    with pytest.raises(ModelError, match=f"'{weights}' runs on the CPU in float32.*--weights native"):
+        load_model(_fixture(), torch.device(device), dtype, 256, weights=weights)
+
+
+def test_int4_packs_every_decoder_linear_and_rescores_the_head(tmp_path):
+    native = load_model(_fixture(), torch.device("cpu"), torch.float32, 256)
+    int4 = load_model(_fixture(), torch.device("cpu"), torch.float32, 256, weights="int4")
+    n_linear = len([m for m in native.hf.model.layers.modules() if isinstance(m, nn.Linear)])
+    assert len([m for m in int4.hf.model.layers.modules() if isinstance(m, Int4Linear)]) == n_linear  # all fit
+    assert isinstance(int4.lm_head, RescoredHead) and int4.lm_head is int4.hf.lm_head
+    assert not any(isinstance(m, nn.Linear) for m in int4.hf.modules())
+    assert model_fingerprint(int4)["weights"] == "int4"
+    assert model_fingerprint(int4)["id"] not in (model_fingerprint(native)["id"], _int8_fingerprint())
+
+
+def _int8_fingerprint():
+    return model_fingerprint(load_model(_fixture(), torch.device("cpu"), torch.float32, 256, weights="int8"))["id"]
+
+
+def _q4_grid_linear(out_features: int, in_features: int, bias: bool = False) -> nn.Linear:
+    """A linear layer whose every group of 32 inputs is a Q4_1 block: min + scale * q, q in 0..15, both present, the
+    scale and minimum exact in bfloat16 (as the kernel keeps them)."""
+    gen = torch.Generator().manual_seed(0)
+    groups = in_features // INT4_GROUP
+    q = torch.randint(0, 16, (out_features, groups, INT4_GROUP), generator=gen)
+    q[..., 0], q[..., 1] = 0, 15
+    scale = 2.0 ** torch.randint(-8, -4, (out_features, groups, 1), generator=gen).float()
+    low = -8 * scale * torch.randint(1, 3, (out_features, groups, 1), generator=gen)
+    linear = nn.Linear(in_features, out_features, bias=bias)
+    with torch.no_grad():
+        linear.weight.copy_((low + scale * q).view(out_features, in_features))
+    return linear
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_int4_keeps_a_q4_block_grid_and_computes_its_product(bias):
+    linear = _q4_grid_linear(48, 96, bias)
+    packed = Int4Linear(linear)
+    assert torch.equal(linear_weight(packed), linear.weight)  # every weight on the grid, none rounded
+    x = torch.randn(3, 5, 96, generator=torch.Generator().manual_seed(1))
+    want = nn.functional.linear(x.bfloat16().float(), linear.weight, linear.bias)  # the input crosses in bf16
+    got = packed(x)
+    assert got.shape == (3, 5, 48) and got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=1 / 128, atol=1e-2)  # the output's own bf16 rounding
+
+
+def test_int4_falls_back_to_int8_or_to_the_loaded_layer_where_its_kernel_cannot_pack():
+    # inputs not of the group, outputs not of 16, inputs not of 16 (neither kernel's)
+    body = nn.Sequential(nn.Linear(64, 48), nn.Linear(48, 24), nn.Linear(24, 32))
+    want = body(x := torch.randn(2, 64, generator=torch.Generator().manual_seed(2)))
+    model = nn.Module()
+    model.body, model.lm_head = body, nn.Linear(32, 10)
+    quantize_linears(model, "int4")
+    assert [type(m) for m in model.body] == [Int4Linear, Int8Linear, nn.Linear]
+    assert isinstance(model.lm_head, RescoredHead)
+    torch.testing.assert_close(model.body(x), want, rtol=0.05, atol=0.05)
+
+
+def test_the_rescored_head_gives_the_fp32_logits_of_its_best_tokens():
+    head = nn.Linear(64, 500, bias=True)
+    x = torch.randn(4, 3, 64, generator=torch.Generator().manual_seed(3))
+    want = head(x)
+    rescored = RescoredHead(head, top=8)
+    got = rescored(x)
+    best = rescored.approx(x).topk(8, dim=-1).indices  # the candidates, as the int8 logits rank them
+    torch.testing.assert_close(got.gather(-1, best), want.gather(-1, best), rtol=1e-5, atol=1e-5)
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+    assert (got - want).abs().max() > 1e-3  # the rest are the int8 kernel's, not fp32's
 
 
 def test_an_unknown_weight_format_is_named(tmp_path):
-    with pytest.raises(ModelError, match="'int3'.*native, int8"):
+    with pytest.raises(ModelError, match="'int3'.*native, int8, int4"):
         Engine.from_pretrained("fixture", kv_offload_path=tmp_path, policy="full", device="cpu", weights="int3")
 
 

@@ -268,11 +268,12 @@ def add_compute_flags(parser) -> None:
 
 
 def add_weights_flag(parser, where: str) -> None:
-    """--weights: the linear layers' format (runtime/model.py WEIGHT_FORMATS); ``where``: the command's use of it."""
-    from edgekv.runtime.model import WEIGHT_FORMATS
+    """--weights: the linear layers' format (runtime/weights.py WEIGHT_FORMATS); ``where``: the command's use of it."""
+    from edgekv.runtime.weights import WEIGHT_FORMATS
 
     parser.add_argument("--weights", choices=WEIGHT_FORMATS, default="native",
-                        help=f"the linear layers' format (int8: PyTorch's dynamic int8 linear, CPU, float32; {where})")
+                        help=f"the linear layers' format (CPU, float32: int8, PyTorch's dynamic int8 linear; int4, 4-bit "
+                             f"weight-only in groups of 32, the GGUF Q4 blocks' grid; {where})")
 
 
 def check_common(args, command) -> None:

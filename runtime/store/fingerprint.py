@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from ..model import linear_weight
+from ..weights import linear_weight
 
 # config keys that name where or how a checkpoint was loaded, not what it computes
 _VOLATILE_KEYS = {"name_or_path", "transformers_version", "dtype", "torch_dtype", "use_cache", "return_dict",

@@ -1,0 +1,181 @@
+"""The linear layers' weight formats: what each costs per token and what it keeps.
+
+- ``native``: as loaded (a GGUF is dequantised to the model's dtype: SmolLM2's Q4_1 file becomes 540 MB of fp32
+  read per token).
+- ``int8``: PyTorch's dynamic int8 linear (weights int8 a scale per output row, activations quantized per call;
+  fbgemm). 1.3-1.8x fp32's decode speed on SmolLM2 and 1.37x its perplexity (docs/results): activations quantized
+  per call are what SmolLM2 does not survive. Measured, never chosen.
+- ``int4``: weight-only, 4 bits in groups of ``INT4_GROUP`` inputs with a scale and a minimum each (torch's CPU
+  kernel ``_weight_int4pack_mm_for_cpu``). A GGUF Q4_0/Q4_1 block is such a group, so those tensors keep their
+  grid, with its scale and minimum rounded to bfloat16 (the kernel's); the activations cross it in bfloat16. Layers
+  it cannot pack (outputs not a multiple of 16, inputs not of the group) are int8 weight-only
+  (``_weight_int8pack_mm``, a scale per row), and so is the output head, with each row's best few logits computed
+  again in fp32 (``RescoredHead``); a layer neither kernel takes (inputs not a multiple of 16) stays as loaded.
+  SmolLM2 (Q4_1 GGUF): ppl 1.0007x fp32, top-1 agreement 0.990, decode 2x fp32's speed at 8K (docs/results).
+
+The weight-only kernels run fast with bfloat16 activations only (AVX-512 BF16 / AMX; in fp16 or fp32 they are
+10-40x slower than an fp32 GEMV on the same CPU), so ``int4`` needs a CPU and a float32 model: the rest of the
+layer (norms, RoPE, attention, the KV) stays in fp32.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .model import ModelError
+
+WEIGHT_FORMATS = ("native", "int8", "int4")
+INT4_GROUP = 32  # inputs per scale/minimum: a GGUF Q4_0/Q4_1 block, a Q4_K sub-block
+INT4_ROWS = 16  # the int4 CPU packing takes outputs in multiples of this
+INT8_INPUTS = 16  # the int8 kernel takes inputs in multiples of this (torch 2.13 crashes on others)
+ACTIVATION_DTYPE = torch.bfloat16  # the weight-only kernels' fast path
+
+
+class WeightFormatError(ModelError):
+    """A weight format the device, dtype or torch build cannot run; the message names the fix."""
+
+
+class PackedLinear(nn.Module):
+    """A linear layer whose weight is packed for one of torch's weight-only CPU kernels: the input crosses in
+    bfloat16, the output returns in the caller's dtype, the bias (if any) is added in that dtype."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.matmul(x.reshape(-1, self.in_features).to(ACTIVATION_DTYPE))
+        y = y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def dequantized(self) -> torch.Tensor:
+        """The weight [out, in] in float32, as the kernel computes with it."""
+        raise NotImplementedError
+
+
+class Int8Linear(PackedLinear):
+    """Weight-only int8, symmetric, a scale per output row."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__(linear)
+        w = linear.weight.detach().float()
+        scale = (w.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float32).tiny)
+        self.register_buffer("qweight", torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8))
+        self.register_buffer("scale", scale)
+        self.register_buffer("kernel_scale", scale.to(ACTIVATION_DTYPE))
+
+    def matmul(self, x):
+        return torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.kernel_scale)
+
+    def dequantized(self):
+        return self.qweight.float() * self.kernel_scale.float()[:, None]
+
+
+class Int4Linear(PackedLinear):
+    """Weight-only int4 in groups of INT4_GROUP inputs, each with its own scale and minimum (the grid min + scale·q,
+    q in 0..15: a GGUF Q4_1 block's own grid, found again from its dequantised values)."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__(linear)
+        w = linear.weight.detach().float()
+        groups = w.view(self.out_features, -1, INT4_GROUP)
+        low, high = groups.amin(dim=-1, keepdim=True), groups.amax(dim=-1, keepdim=True)
+        scale = ((high - low) / 15).clamp(min=torch.finfo(torch.float32).tiny)
+        q = torch.round((groups - low) / scale).clamp(0, 15).to(torch.int32).view(self.out_features, -1)
+        self.register_buffer("qweight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))
+        # the kernel's convention: w = (q - 8)·scale + zero, per [group, output]
+        scale_zero = torch.stack([scale, low + 8 * scale], dim=-1).squeeze(-2).transpose(0, 1)
+        self.register_buffer("scale_zero", scale_zero.contiguous().to(ACTIVATION_DTYPE))
+
+    def matmul(self, x):
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.qweight, INT4_GROUP, self.scale_zero)
+
+    def dequantized(self):  # the kernel's own product with the identity, rounded to bfloat16 as its outputs are
+        return self.matmul(torch.eye(self.in_features, dtype=ACTIVATION_DTYPE)).float().t().contiguous()
+
+
+class RescoredHead(nn.Module):
+    """The output head in int8 with its top candidates scored again in the model's dtype. The int8 kernel's logits
+    come back in bfloat16, a step of 0.125 at 20, enough to swap the two likeliest tokens (SmolLM2: top-1 agreement
+    with fp32 0.960, ppl 1.0023x); each row's ``top`` best are computed again from the original weight (a tied head's
+    is the embedding, held anyway), which gives back fp32's choice (0.990) for ``top`` dot products a row."""
+
+    def __init__(self, linear: nn.Linear, top: int = 8):
+        super().__init__()
+        self.approx = Int8Linear(linear)
+        self.weight, self.bias = linear.weight, linear.bias
+        self.top = min(top, linear.out_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.approx(x)
+        best = logits.topk(self.top, dim=-1).indices
+        exact = (self.weight[best] @ x.unsqueeze(-1)).squeeze(-1)
+        return logits.scatter(-1, best, exact if self.bias is None else exact + self.bias[best])
+
+    def dequantized(self) -> torch.Tensor:
+        return self.weight
+
+
+def check_weight_format(weights: str, device: torch.device, dtype: torch.dtype) -> None:
+    """Refuse a weight format the device, dtype or torch build cannot run, before anything loads."""
+    if weights not in WEIGHT_FORMATS:
+        raise WeightFormatError(f"weights {weights!r}: pick one of {', '.join(WEIGHT_FORMATS)}")
+    if weights == "native":
+        return
+    if torch.device(device).type != "cpu" or dtype != torch.float32:
+        kernel = "PyTorch's dynamic int8 linear" if weights == "int8" else "torch's int4 weight-only kernel"
+        raise WeightFormatError(f"weights {weights!r} runs on the CPU in float32 ({kernel}), not on {device} in "
+                                f"{str(dtype).removeprefix('torch.')}: use --weights native there")
+    if weights == "int4" and not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
+        raise WeightFormatError(f"weights 'int4' needs torch's CPU int4 kernel (torch >= 2.6), which torch "
+                                f"{torch.__version__} lacks: upgrade torch or use --weights native")
+
+
+def quantize_linears(hf_model: nn.Module, weights: str) -> nn.Module:
+    """The model with its linear layers in ``weights`` (in place; "native" leaves it as loaded)."""
+    if weights == "native":
+        return hf_model
+    if weights == "int8":
+        return _dynamic_int8(hf_model)
+    with torch.no_grad():
+        for parent in list(hf_model.modules()):
+            for name, child in list(parent.named_children()):
+                if isinstance(child, nn.Linear):
+                    setattr(parent, name, _int4_layer(child, head=child is getattr(hf_model, "lm_head", None)))
+    return hf_model
+
+
+def _int4_layer(linear: nn.Linear, head: bool) -> nn.Module:
+    if linear.in_features % INT8_INPUTS:
+        return linear  # neither kernel takes it: left as loaded
+    if head:
+        return RescoredHead(linear)
+    fits = linear.out_features % INT4_ROWS == 0 and linear.in_features % INT4_GROUP == 0
+    return Int4Linear(linear) if fits else Int8Linear(linear)
+
+
+def _dynamic_int8(hf_model: nn.Module) -> nn.Module:
+    import warnings
+
+    with warnings.catch_warnings():  # torch 2.13 marks torch.ao.quantization deprecated; its kernels still ship
+        warnings.simplefilter("ignore", DeprecationWarning)
+        warnings.filterwarnings("ignore", message=".*quantized tensor creation functions.*")
+        try:
+            from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
+        except ImportError as exc:
+            raise WeightFormatError(f"weights 'int8' needs torch.ao.quantization, which torch {torch.__version__} "
+                                    "lacks: use --weights native") from exc
+        # a scale per output row: one per tensor cost SmolLM2 1.6x its perplexity (docs/results, issue 34)
+        return quantize_dynamic(hf_model, {nn.Linear: per_channel_dynamic_qconfig}, inplace=True)
+
+
+def linear_weight(module: nn.Module) -> torch.Tensor:
+    """A linear layer's weight as a float tensor, whatever its format (a dynamic int8 layer's is a method)."""
+    if isinstance(module, (PackedLinear, RescoredHead)):
+        return module.dequantized()
+    weight = module.weight
+    return weight().dequantize() if callable(weight) else weight
