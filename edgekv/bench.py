@@ -697,7 +697,7 @@ def run(model_dir: Path, kv_dir: Path, batches: list[int], contexts: list[int], 
         chosen_from: str | None = None, record_dtypes=("auto",), kv_paths: list[Path] | None = None,
         path_limit_mib_s: float | None = None, path_limit_iops: float | None = None,
         prompt_source: str = "random", device: str | None = None, dtype: str | None = None, on_point=None,
-        weights: str = "native") -> tuple[list[Run], dict]:
+        weights: str | None = None) -> tuple[list[Run], dict]:
     """Every point's rows; ``kv_paths`` adds the kvswap/Np rows, each path paced to ``path_limit_mib_s`` and
     ``path_limit_iops`` (None: unlimited) to emulate that many devices, while ``kv_dir`` holds the other rows.
     ``prompt_source``: "random" tokens or the eval's "tasks" (``task_prompts``).  ``device``/``dtype``: what the
@@ -712,7 +712,7 @@ def run(model_dir: Path, kv_dir: Path, batches: list[int], contexts: list[int], 
         raise ValueError("a per-path read limit paces the rows over several KV paths: give the folders too "
                          "(--kv-paths DIR1,DIR2,...)")
     kv_dir.mkdir(parents=True, exist_ok=True)
-    model = load_model(model_dir, *resolve_compute(device, dtype, model_dir), max(contexts) + 64, weights)
+    model = load_model(model_dir, *resolve_compute(device, dtype, model_dir), max(contexts) + 64, weights or "native")
     limits = solver.Limits()
     log(f"disk profile of {kv_dir} ({disk_seconds:g} s, fio beside our reader)")
     disk_profile = diskprof.profile_disk(kv_dir, disk_seconds, 256, block_sizes=(4096, 16384, 65536, 262144),

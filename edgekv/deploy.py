@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from edgekv.install import compute, disk, quality, report, solver, tables
+from edgekv.install import compute, disk, quality, report, solver, tables, weights
 from edgekv.install.iomodel import io_model
 from edgekv.install.profile import Profile, check_kv_paths, load_profile
 from edgekv.platforms.detect import detect_platform, jetson_module
@@ -142,7 +142,9 @@ class Deployment:
     kv_dtype: torch.dtype
     reprofile: bool
     log: object
+    weights: str = "native"  # the linear layers' format chosen for the compute phases, the config and the smoke run
     _model: object = None
+    _model_weights: str | None = None
     _fp: str | None = None
     adapter_source: str | None = None  # what the lookup tables' adapters were fitted on (the quality table's key)
 
@@ -170,10 +172,13 @@ class Deployment:
     def sigmas(self) -> list[float]:
         return [s for s in solver.SIGMAS if s <= self.prof.sigma_max]
 
-    def model(self):
-        """The weights, loaded once and only by a phase that needs them (cached phases do not)."""
-        if self._model is None:
-            self._model = load_model(self.model_dir, self.device, self.kv_dtype, self.prof.max_context + 64)
+    def model(self, weights: str = "native"):
+        """The model in ``weights``, loaded once and only by a phase that needs it (cached phases do not): the KV
+        tables on the model's own weights, the compute phases on the deployed format."""
+        if self._model is None or self._model_weights != weights:
+            self._model = None  # one copy in memory at a time
+            self._model = load_model(self.model_dir, self.device, self.kv_dtype, self.prof.max_context + 64, weights)
+            self._model_weights = weights
         return self._model
 
     def release_model(self) -> None:
@@ -357,8 +362,33 @@ def record_table(d: Deployment, cache_root: Path, adapters: dict, calibration: s
     return table
 
 
+def choose_weights(d: Deployment, calibration: str | None) -> list[dict]:
+    """Set ``d.weights`` to the first of the profile's weight formats within its perplexity limit (cached per
+    model, machine and candidates); every trial, for the report."""
+    if not d.prof.weights:
+        return []
+    source = adapter_source(d.model_dir, weights.WINDOW_TOKENS, 2, calibration)
+    fp = {"model": d.model_fp, "device": str(d.device), "dtype": str(d.kv_dtype), "torch": torch.__version__,
+          "cpu": _cpu_model(), "candidates": list(d.prof.weights), "ppl_max": d.prof.weights_ppl_max,
+          "calibration": source, "edgekv": VERSION}
+    cached = _cached(d.out / "weights.json", fp, d.reprofile, "weight format", d.log)
+    if not cached:
+        windows = adapter_prompts(d.model_dir, weights.WINDOW_TOKENS, 2, calibration)
+        with _progress(len(d.prof.weights), "weight formats") as bar:
+            chosen, trials = weights.choose(d.model(), d.model, list(d.prof.weights), d.prof.weights_ppl_max, windows,
+                                            progress=lambda: bar.update(1))
+        cached = {"chosen": chosen, "trials": [t.to_json() for t in trials]}
+        _save(d.out / "weights.json", fp, cached)
+    d.weights = cached["chosen"]
+    for t in cached["trials"]:
+        d.log(f"weights {t['weights']}: " + (f"ppl {t['ppl_ratio']}x the model's own, top-1 agreement "
+                                            f"{t['top1_agreement']}" if t["ppl_ratio"] is not None else t["note"]))
+    d.log(f"weights: {d.weights} (the first of {list(d.prof.weights)} within ppl {d.prof.weights_ppl_max:g}x)")
+    return cached["trials"]
+
+
 def measure_compute(d: Deployment, batches: list[int], contexts: list[int]) -> compute.ComputeProfile:
-    fp = {"model": d.model_fp, "device": str(d.device), "dtype": str(d.kv_dtype), **d.accelerator,
+    fp = {"model": d.model_fp, "device": str(d.device), "dtype": str(d.kv_dtype), "weights": d.weights, **d.accelerator,
           "torch": torch.__version__, "cpu": _cpu_model(), "threads": torch.get_num_threads(), "platform": d.prof.platform,
           "batches": batches, "contexts": contexts, "mg_const": d.prof.mg_const, "edgekv": VERSION}
     cached = _cached(d.out / "compute.json", fp, d.reprofile, "compute", d.log)
@@ -368,7 +398,7 @@ def measure_compute(d: Deployment, batches: list[int], contexts: list[int]) -> c
     sampled = sorted({b for b in batches if b & (b - 1) == 0} | {batches[-1]})
     ranks = sorted({LowRankAdapter.rank_for(dims.n_kv_heads, dims.head_dim, s) for s in d.sigmas})
     with _progress(compute.n_compute_samples(sampled, contexts, ranks, d.prof.mg_const), "compute profile") as bar:
-        profile = compute.profile_compute(d.model(), fp, sampled, contexts, ranks, d.prof.mg_const, progress=bar.update)
+        profile = compute.profile_compute(d.model(d.weights), fp, sampled, contexts, ranks, d.prof.mg_const, progress=bar.update)
     _save(d.out / "compute.json", fp, {"profile": profile.to_json()})
     return profile
 
@@ -379,7 +409,7 @@ def measure_chunks(d: Deployment, contexts: list[int]) -> tuple[Path, dict]:
     from edgekv.install import chunk_profile
 
     lengths = tuple(n for n in (256, 512) if n < d.prof.max_context) or (d.prof.max_context // 2,)
-    fp = {"model": d.model_fp, "device": str(d.device), "dtype": str(d.kv_dtype), **d.accelerator,
+    fp = {"model": d.model_fp, "device": str(d.device), "dtype": str(d.kv_dtype), "weights": d.weights, **d.accelerator,
           "torch": torch.__version__, "cpu": _cpu_model(), "threads": torch.get_num_threads(), "chunks": lengths, "contexts": contexts,
           "edgekv": VERSION}
     path = d.out / "ttft_costs.json"
@@ -388,7 +418,7 @@ def measure_chunks(d: Deployment, contexts: list[int]) -> tuple[Path, dict]:
         return path, cached["errors"]
     steps = chunk_profile.n_chunk_steps(lengths, contexts, 2)
     with _progress(steps, "chunk compute profile") as bar:
-        profile = chunk_profile.profile_chunks(d.model(), chunk_tokens_list=lengths, contexts=tuple(contexts),
+        profile = chunk_profile.profile_chunks(d.model(d.weights), chunk_tokens_list=lengths, contexts=tuple(contexts),
                                                sweeps=2, progress=bar.update, fingerprint=fp)
     fitted = chunk_profile.fit_report(profile)
     write_json_atomic(path, fitted)
@@ -435,12 +465,14 @@ def run(platform: str | None = None, model: str | None = None, kv_paths: str | P
     disk_profiles = measure_disk(d, disk_seconds or prof.disk_seconds)
     cache_root = Path(cache_dir) if cache_dir else default_cache_root()
     reuse, adapters = lookup_tables(d, cache_root, calibration)
+    weight_trials = choose_weights(d, calibration)
     compute_profile = measure_compute(d, batches, contexts)
     ttft_costs, ttft_errors = measure_chunks(d, contexts)
     d.release_model()
     measurements = {
         "platform": platform_for(prof).facts(),
         "disk": disk_measurements(disk_profiles),
+        "weights": {"chosen": d.weights, "trials": weight_trials, "ppl_max": d.prof.weights_ppl_max},
         "compute": {"device": str(d.device), "dtype": str(d.kv_dtype), "block_ms": compute_profile.block_ms,
                     "predict_ms": compute_profile.predict_ms, "reuse_ms": compute_profile.reuse_ms},
         "chunk_compute_errors": ttft_errors,
@@ -477,6 +509,7 @@ def run(platform: str | None = None, model: str | None = None, kv_paths: str | P
     config = {
         "platform": prof.platform, "model": str(d.model_dir), "kv_path": str(d.kv_dir),
         "device": d.device.type, "dtype": str(d.kv_dtype).removeprefix("torch."),  # what serve, bench, eval run in
+        "weights": d.weights,  # the linear layers' format (install/weights.py): what serve and generate load
         "kv_paths": [str(p) for p in d.kv_dirs],
         "G": top.G, "M": top.M, "C": top.C, "sigma": top.sigma, "reuse": top.reuse,
         "exposed_io_share": prof.exposed_io_share, "alpha": prof.exposed_io_share,  # alpha: its old name, still read

@@ -51,13 +51,13 @@ class PplResult:
 def evaluate_ppl(model_dir: str | Path, kv_path: str | Path, variants: list[Variant], contexts: list[int],
                  ids: list[int], windows: int = 4, continuation: int = 256, max_batch: int = 4,
                  quiet: bool = False, configs_from: str | Path | None = None, device: str | None = None,
-                 dtype: str | None = None, weights: str = "native") -> list[PplResult]:
+                 dtype: str | None = None, weights: str | None = None) -> list[PplResult]:
     """Every (context, variant) cell on the same windows of the token stream ``ids``; ``full`` first (the reference)."""
     if continuation < 2 or continuation >= min(contexts):
         raise ValueError(f"--ppl-tokens {continuation} must be in [2, {min(contexts)}) (shorter than the context)")
     calibration = min(contexts)
     splits = {c: split_text(ids, c, calibration, windows) for c in contexts}
-    model = load_model(model_dir, *resolve_compute(device, dtype), max(contexts) + 64, weights)
+    model = load_model(model_dir, *resolve_compute(device, dtype), max(contexts) + 64, weights or "native")
     adapters = Adapters(model, [splits[min(contexts)].calibration])
     chooser = quality_chooser(model, model_dir, kv_path, adapters, variants, quiet, configs_from)
     variants = [Variant(policies.reference())] + [v for v in variants if v.policy != policies.reference()]

@@ -15,6 +15,7 @@ import yaml
 
 from edgekv.runtime.config import utf8_text
 from edgekv.runtime.slot_memory import SLOT_MEMORIES
+from edgekv.runtime.weights import WEIGHT_FORMATS
 
 from .quality import CORRECTIONS, RECORD_DTYPES
 
@@ -37,7 +38,8 @@ class ProfileError(ValueError):
 SCHEMA = {
     "platform": (str, True, None),
     "description": (str, False, None),
-    "compute": {"device": (str, True, DEVICES), "dtype": (str, True, DTYPES)},
+    "compute": {"device": (str, True, DEVICES), "dtype": (str, True, DTYPES), "weights": (list, False, None),
+                "weights_ppl_max": (float, False, None)},
     "kv": {"paths": (list, False, None), "path": (str, False, None), "disk_type": (str, True, DISK_TYPES)},
     "memory": {"max_kv_mem_mib": (float, True, None), "max_batch": (int, True, None), "max_context": (int, True, None),
                "slot_memory": (str, False, SLOT_MEMORIES)},
@@ -89,6 +91,8 @@ class Profile:
     record_ppl_max: float = 1.01  # without a quality target: the most loss a record format may cost
     corrections: tuple[str, ...] = ("guess", "corrected")  # selections the quality table measures (runtime 'correction')
     slot_memory: str | None = None  # on a GPU: device slots fed by copies, or mapped host ones (None: the platform's)
+    weights: tuple[str, ...] = ()  # weight formats the install step tries, fastest first (install/weights.py)
+    weights_ppl_max: float = 1.01  # the most perplexity a weight format may cost against the model's own weights
 
     @property
     def batch_budget_mib(self) -> float:
@@ -138,6 +142,8 @@ def load_profile(source: str | Path, profiles_dir: Path = PROFILES_DIR) -> Profi
         quality_contexts=tuple(flat.get("quality_contexts") or [flat["memory.max_context"]]),
         record_dtypes=tuple(flat.get("solver.record_dtypes") or ()),
         record_ppl_max=float(flat.get("solver.record_ppl_max", 1.01)),
+        weights=tuple(flat.get("compute.weights") or ()),
+        weights_ppl_max=float(flat.get("compute.weights_ppl_max", 1.01)),
         corrections=tuple(flat.get("solver.corrections") or ("guess", "corrected")),
         slot_memory=flat.get("memory.slot_memory"),
     )
@@ -226,6 +232,13 @@ def _check_ranges(path: Path, flat: dict) -> None:
     if flat.get("solver.record_ppl_max", 1.0) < 1:
         raise ProfileError(f"{path}: field 'solver.record_ppl_max' is a perplexity ratio to exact records (>= 1, "
                            f"e.g. 1.01), got {flat['solver.record_ppl_max']!r}")
+    formats = flat.get("compute.weights") or []
+    if any(w not in WEIGHT_FORMATS[1:] for w in formats):
+        raise ProfileError(f"{path}: field 'compute.weights' lists weight formats the install step tries (fastest "
+                           f"first), some of {list(WEIGHT_FORMATS[1:])}; got {formats!r}")
+    if flat.get("compute.weights_ppl_max", 1.0) < 1:
+        raise ProfileError(f"{path}: field 'compute.weights_ppl_max' is a perplexity ratio to the model's own weights "
+                           f"(>= 1, e.g. 1.01), got {flat['compute.weights_ppl_max']!r}")
     bad = [s for s in flat["scorers"] if s not in SCORERS]
     if bad or not flat["scorers"]:
         raise ProfileError(f"{path}: field 'scorers' must list some of {list(SCORERS)}, got {flat['scorers']!r}")

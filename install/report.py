@@ -8,8 +8,12 @@ def write(out: Path, prof, model_dir, measurements: dict, solutions, stats, tuni
     lines = [f"edgekv install report: platform {prof.platform} ({prof.source})", f"model {model_dir}",
              "facts: " + ", ".join(f"{k}={v}" for k, v in measurements.get("platform", {}).items()), ""]
     lines += _disk_lines(measurements["disk"])
-    c = measurements["compute"]
-    lines += ["", f"compute ({c['device']}, {c['dtype']}), one block, ms: "
+    c, w = measurements["compute"], measurements.get("weights") or {}
+    lines += ["", f"weights: {w.get('chosen', 'native')}" + "".join(
+        f"; {t['weights']} " + (f"ppl {t['ppl_ratio']}x, top-1 {t['top1_agreement']}" if t["ppl_ratio"] is not None
+                                else "not run here") for t in w.get("trials", []))
+              + (f" (limit {w['ppl_max']:g}x the model's own weights)" if w.get("trials") else "")]
+    lines += [f"compute ({c['device']}, {c['dtype']}, weights {w.get('chosen', 'native')}), one block, ms: "
               + ", ".join(f"b={b} {t} tokens {ms:.2f}" for b, t, ms in c["block_ms"][:6]), ""]
     lines.append("reuse rate vs C/M (lookup table): " + "; ".join(
         f"G={g}: " + " ".join(f"{float(r):g}->{v:.2f}" for r, v in rows.items()) for g, rows in measurements["reuse_table"].items()))

@@ -39,7 +39,7 @@ from .solutions import SolutionTable, deployed_compute, load_deployed
 from .synth import synthetic_dtype
 from .ttft.compute import PrefixKV
 from .ttft.prefill import TTFTOptions
-from .weights import check_weight_format
+from .weights import check_weight_format, resolve_weights
 
 __all__ = ["Engine", "GenerationResult"]
 
@@ -100,7 +100,7 @@ class Engine:
         device: str | torch.device | None = None,
         dtype: str | torch.dtype | None = None,
         scorer: InStorageScorer | None = None,
-        weights: str = "native",
+        weights: str | None = None,
     ) -> "Engine":
         """Everything that can be refused is checked before the weights are loaded.
 
@@ -109,7 +109,8 @@ class Engine:
         ``config`` may be a deployed config (with ``solutions``): each batch then runs with the
         solution for its (batch size, context), each checked here against its memory budget, on the device and
         in the dtype it was deployed with unless ``device``/``dtype`` say otherwise (runtime/devices.py).
-        ``weights``: the linear layers' format (runtime/weights.py WEIGHT_FORMATS).
+        ``weights``: the linear layers' format (runtime/weights.py WEIGHT_FORMATS); default: the deployed config's
+        when this run computes on its device and dtype, else ``native``.
         """
         if isinstance(config, (str, Path)):
             config = read_config_file(config)  # once: the solutions and the deployed device come from it
@@ -120,6 +121,7 @@ class Engine:
         device = resolve_device(device, compute.get("device"))
         dtype = resolve_dtype(device, dtype or synthetic_dtype(model_dir), compute.get("dtype"),
                               compute.get("device"))
+        weights = resolve_weights(weights, compute, device, dtype)
         check_weight_format(weights, device, dtype)
         dims = ModelDims.from_config(hf_cfg)
         spec = get_policy(policy)

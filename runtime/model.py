@@ -21,12 +21,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .errors import ModelError
+from .weights import check_weight_format, quantize_linears
+
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text")
 GLOBAL, SLIDING = "full_attention", "sliding_attention"  # transformers' layer_types
-
-
-class ModelError(ValueError):
-    """The checkpoint cannot be served; the message says why and what to do."""
 
 
 @dataclass(frozen=True)
@@ -371,8 +370,6 @@ def load_model(model_dir: str | Path, device: torch.device, dtype: torch.dtype, 
     """Load a local checkpoint (never from a hub) after checking its architecture; a synthetic one
     (runtime/synth.py) gets random weights built on ``device``.  ``weights``: runtime/weights.py WEIGHT_FORMATS."""
     from transformers import AutoConfig, AutoModelForCausalLM
-
-    from .weights import check_weight_format, quantize_linears  # weights.py builds on this module's ModelError
 
     check_weight_format(weights, device, dtype)
     cfg = read_model_config(model_dir)

@@ -14,7 +14,7 @@ from .config import SECTIONS, ConfigError, RuntimeConfig, read_config_file
 
 # written by the install step for people and tools; ignored here
 METADATA_KEYS = ("platform", "model", "exposed_io_share", "alpha", "solutions", "measurements", "profile", "created",
-                 "edgekv_version", "report", "kv_path", "kv_paths", "device", "dtype", "scorer_backend")
+                 "edgekv_version", "report", "kv_path", "kv_paths", "device", "dtype", "weights", "scorer_backend")
 SOLUTION_KEYS = ("G", "M", "C", "sigma", "reuse", "adapter_path", "sink_tokens", "window_tokens", "klr_dtype",
                  "kv_record_dtype")
 
@@ -41,8 +41,8 @@ class SolutionTable:
 
 
 def deployed_compute(source) -> dict:
-    """{"device", "dtype"} the install step measured with, when ``source`` is a deployed config (a dict or its JSON
-    file) that records them; {} otherwise (a plain config, a RuntimeConfig, None, an unreadable file)."""
+    """{"device", "dtype", "weights"} the install step measured with, when ``source`` is a deployed config (a dict or
+    its JSON file) that records them; {} otherwise (a plain config, a RuntimeConfig, None, an unreadable file)."""
     if isinstance(source, (str, Path)):
         try:
             source = read_config_file(source)
@@ -50,7 +50,7 @@ def deployed_compute(source) -> dict:
             return {}  # load_deployed names the problem
     if not isinstance(source, dict):
         return {}
-    return {k: source[k] for k in ("device", "dtype") if isinstance(source.get(k), str)}
+    return {k: source[k] for k in ("device", "dtype", "weights") if isinstance(source.get(k), str)}
 
 
 def load_deployed(source) -> tuple[RuntimeConfig, SolutionTable | None]:

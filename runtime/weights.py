@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .model import ModelError
+from .errors import ModelError
 
 WEIGHT_FORMATS = ("native", "int8", "int4")
 INT4_GROUP = 32  # inputs per scale/minimum: a GGUF Q4_0/Q4_1 block, a Q4_K sub-block
@@ -133,6 +133,16 @@ def check_weight_format(weights: str, device: torch.device, dtype: torch.dtype) 
     if weights == "int4" and not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
         raise WeightFormatError(f"weights 'int4' needs torch's CPU int4 kernel (torch >= 2.6), which torch "
                                 f"{torch.__version__} lacks: upgrade torch or use --weights native")
+
+
+def resolve_weights(weights: str | None, deployed: dict, device: torch.device, dtype: torch.dtype) -> str:
+    """The format a run uses: the one named, else the deployed config's (``deployed_compute``) when the run computes
+    where it was deployed to (a GPU run of a CPU deployment gets its own default), else ``native``."""
+    if weights is not None:
+        return weights
+    same = (deployed.get("device") == torch.device(device).type
+            and deployed.get("dtype") == str(dtype).removeprefix("torch."))
+    return deployed.get("weights", "native") if same else "native"
 
 
 def quantize_linears(hf_model: nn.Module, weights: str) -> nn.Module:

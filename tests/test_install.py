@@ -35,6 +35,7 @@ def test_shipped_profiles_load(name):
     prof = load_profile(name)
     assert prof.platform == name and prof.sigma_max == 32 and prof.g_max == 16 and prof.mg_const == 400
     assert prof.batch_budget_mib == prof.max_kv_mem_mib / prof.max_batch
+    assert prof.weights == (("int4",) if name == "local" else ()) and prof.weights_ppl_max == 1.01
 
 
 @pytest.mark.parametrize("edit, message", [
@@ -44,6 +45,8 @@ def test_shipped_profiles_load(name):
     (lambda d: d["compute"].update(device="npu"), "field 'compute.device' is 'npu'; allowed values"),
     (lambda d: d["solver"].update(alpha=1.5), "field 'solver.alpha' must be in"),
     (lambda d: d.pop("memory"), "missing section 'memory'"),
+    (lambda d: d["compute"].update(weights=["int4", "native"]), r"field 'compute.weights' lists .* \['int8', 'int4'\]"),
+    (lambda d: d["compute"].update(weights_ppl_max=0.9), "field 'compute.weights_ppl_max' is a perplexity ratio"),
 ])
 def test_bad_profile_names_file_and_field(tmp_path, edit, message):
     data = yaml.safe_load((PROFILES_DIR / "local.yaml").read_text())
@@ -263,6 +266,13 @@ def test_deploy_writes_config_report_and_smoke_stats_and_reuses_only_matching_pr
     assert f"serve --config {(out_root / 'local' / 'config.json').resolve()} --host 127.0.0.1" in unit
     assert result["stats"]["decode_tok_s"] > 0 and result["stats"]["kv_resident_mib"] <= 2
     assert not list((root / "kv").iterdir())  # no test file or KV left behind
+    # the profile's weight format was measured against the model's own weights and deployed only within the limit
+    (trial,) = config["measurements"]["weights"]["trials"]
+    assert trial["weights"] == "int4" and trial["ppl_ratio"] > 0 and 0 < trial["top1_agreement"] <= 1
+    assert trial["chosen"] == (trial["ppl_ratio"] <= 1.01)
+    assert config["weights"] == ("int4" if trial["chosen"] else "native")
+    assert config["measurements"]["compute"]["block_ms"] and f"weights: {config['weights']}" in \
+        (out_root / "local" / "report.txt").read_text()
 
     logs.clear()
     deploy.run(str(path), "fixture", out_root=out_root, cache_dir=root / "cache", log=logs.append, smoke=False)

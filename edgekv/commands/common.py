@@ -271,7 +271,7 @@ def add_weights_flag(parser, where: str) -> None:
     """--weights: the linear layers' format (runtime/weights.py WEIGHT_FORMATS); ``where``: the command's use of it."""
     from edgekv.runtime.weights import WEIGHT_FORMATS
 
-    parser.add_argument("--weights", choices=WEIGHT_FORMATS, default="native",
+    parser.add_argument("--weights", choices=WEIGHT_FORMATS, default=None,
                         help=f"the linear layers' format (CPU, float32: int8, PyTorch's dynamic int8 linear; int4, 4-bit "
                              f"weight-only in groups of 32, the GGUF Q4 blocks' grid; {where})")
 

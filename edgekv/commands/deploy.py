@@ -37,7 +37,8 @@ def run(args) -> int:
                              calibration=args.calibration, device=args.device)
     chat = result.get("chat")
     if chat:
-        print(f"chat (the deployed configuration): {chat['question']}\n  -> {chat['answer']}")
+        answer = "\\n".join(chat["answer"].splitlines())  # one line whatever the model wrote: the stats stay last
+        print(f"chat (the deployed configuration): {chat['question']}\n  -> {answer}")
     if result.get("stats"):
         print(json.dumps(result["stats"]))  # the last line: the smoke generation's stats
     return 0

@@ -66,7 +66,7 @@ def run(args) -> int:
     variants = eval_variants(args.policies.split(","), budgets, main, args.rule,
                              common.record_dtypes(args.record_dtype), args.ablations, tasks=not args.ppl)
     contexts = [int(c) for c in args.contexts.split(",")]
-    if args.weights != "native" and not args.ppl:
+    if args.weights not in (None, "native") and not args.ppl:
         raise ValueError(f"--weights {args.weights} is measured by perplexity only: add --ppl builtin (or a text file)")
     if args.configs_from and args.rule != "quality":
         raise ValueError("--configs-from replays the quality rule's choices; drop it or use --rule quality")
