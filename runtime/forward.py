@@ -67,10 +67,12 @@ def decode_attention(model: DecoderModel, q, k, v, mask) -> torch.Tensor:
 
 def _grouped_scores(model: DecoderModel, q, k, mask) -> torch.Tensor:
     """Scaled scores [B, H_kv, H / H_kv, S] in float32, -inf where ``mask`` is False: each KV head's query heads are
-    rows of one grouped matmul, so K is read once and never repeated per query head."""
+    columns of one grouped matmul, so K is read once and never repeated per query head. K [S, d] times the queries
+    [d, g] reads K in its own row order: SmolLM2 at 8K on the CPU, 30 layers' scores 7.4 ms against 10.1 ms for
+    the queries times K transposed (docs/results, issue 34)."""
     b, h, _, d = q.shape
     n_kv = k.shape[1]
-    scores = (q.view(b, n_kv, h // n_kv, d) @ k.transpose(-1, -2)) * model.scaling
+    scores = (k @ q.view(b, n_kv, h // n_kv, d).transpose(-1, -2)).transpose(-1, -2) * model.scaling
     return scores.float().masked_fill(~mask, float("-inf"))
 
 
