@@ -34,11 +34,24 @@ def test_quantized_weights_decode_close_to_fp32(tmp_path, weights):
     assert sum(a == b for a, b in zip(tokens["native"], tokens[weights])) >= 6  # a trained model's margins hold
 
 
-@pytest.mark.parametrize("weights", ["int8", "int4"])
-@pytest.mark.parametrize("device, dtype", [("cpu", torch.bfloat16), ("cuda", torch.float32)])
-def test_quantized_weights_refused_where_they_cannot_run(tmp_path, device, dtype, weights):
-    with pytest.raises(ModelError, match=f"'{weights}' runs on the CPU in float32.*--weights native"):
+@pytest.mark.parametrize("weights, device, dtype, runs_in", [
+    ("int8", "cpu", torch.bfloat16, "float32"), ("int8", "cuda", torch.float32, "float32"),
+    ("int4", "cpu", torch.float16, "float32 or bfloat16"), ("int4", "cuda", torch.float32, "float32 or bfloat16")])
+def test_quantized_weights_refused_where_they_cannot_run(tmp_path, weights, device, dtype, runs_in):
+    with pytest.raises(ModelError, match=f"'{weights}' runs on the CPU in {runs_in} .*--weights native"):
         load_model(_fixture(), torch.device(device), dtype, 256, weights=weights)
+
+
+def test_int4_runs_in_a_bfloat16_model_as_its_kernels_take_it(tmp_path):
+    tokens = {}
+    for weights in ("native", "int4"):
+        (tmp_path / weights).mkdir()
+        with Engine.from_pretrained("fixture", kv_offload_path=tmp_path / weights, policy="full", device="cpu",
+                                    dtype="bfloat16", config={"max_context": 256, "max_batch": 1},
+                                    weights=weights) as engine:
+            assert engine.model.dtype == torch.bfloat16
+            tokens[weights] = engine.generate([PROMPT], max_new_tokens=8, stop_token_ids=[])[0].token_ids
+    assert sum(a == b for a, b in zip(tokens["native"], tokens["int4"])) >= 6
 
 
 def test_int4_packs_every_decoder_linear_and_rescores_the_head(tmp_path):
