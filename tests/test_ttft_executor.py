@@ -12,7 +12,7 @@ import torch
 
 from edgekv.runtime.forward import prefill
 from edgekv.runtime.ttft.compute import ChunkCompute, PrefixKV
-from edgekv.runtime.ttft.executor import Executor
+from edgekv.runtime.ttft.executor import DONE, Executor
 from edgekv.runtime.ttft.grid import COMPUTE, LOAD, ChunkGrid, check_order
 from edgekv.runtime.ttft.plan import plan_from_depths, random_plan
 
@@ -162,7 +162,9 @@ def test_a_slow_link_moves_chunks_to_the_compute_thread(model, reference):
 
 def test_an_idle_compute_thread_continues_a_chain_through_loaded_layers(model, reference):
     """Layer 1 of every chunk arrives at once, the layers above it slowly: to take a layer-2 chunk the compute
-    thread first computes the loaded layer 1 again (its hidden states never existed), and says so."""
+    thread first computes the loaded layer 1 again (its hidden states never existed), and says so. Layer 0's
+    compute waits until every layer 1 is in (on a fast CPU it would otherwise finish first and take layer 1s
+    still in flight, which needs no recompute)."""
     _run.ref_kv = reference[1]
 
     class Staged(MemoryLoader):
@@ -172,8 +174,17 @@ def test_an_idle_compute_thread_continues_a_chain_through_loaded_layers(model, r
 
     def make(grid, computer):
         plan = plan_from_depths(grid, [1] * grid.n_chunks)
-        return Executor(grid, computer, Staged(grid, reference[1]), plan.compute_order, plan.load_order, assign=plan.assign,
-                        compute_s=np.full(grid.shape, 1e-3), link_mib_s=1000.0, adapt=True)
+        executor = Executor(grid, computer, Staged(grid, reference[1]), plan.compute_order, plan.load_order,
+                            assign=plan.assign, compute_s=np.full(grid.shape, 1e-3), link_mib_s=1000.0, adapt=True)
+        advance = computer.advance
+
+        def advance_once_layer_one_is_in(span, layer):
+            while layer == 0 and not (executor.state[:, 1] == DONE).all():
+                time.sleep(0.001)
+            return advance(span, layer)
+
+        computer.advance = advance_once_layer_one_is_in
+        return executor
 
     grid, kv, logits, stats = _run(model, reference, make)
     assert stats.to_compute > 0 and stats.recomputed > 0
