@@ -69,7 +69,6 @@ class Int8Linear(PackedLinear):
         w = linear.weight.detach().float()
         scale = (w.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float32).tiny)
         self.register_buffer("qweight", torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8))
-        self.register_buffer("scale", scale)
         self.register_buffer("kernel_scale", scale.to(ACTIVATION_DTYPE))
 
     def matmul(self, x):
