@@ -451,6 +451,7 @@ def test_deploy_of_a_chat_model_answers_through_the_deployed_configuration(tiny_
     gguf = write_gguf(save_bpe_text_model(tmp_path / "hf", "llama"), tmp_path / "chat.gguf", chat_template=template)
     cache = tmp_path / "cache"
     monkeypatch.setenv("EDGEKV_CACHE", str(cache))
+    monkeypatch.chdir(tmp_path)  # the CLI writes deploy/<platform>/ where it runs: here, not in the checkout
     points = [quality.QualityPoint(1024, 4, 208, 8.0, 0, 0, 1.01, 0.99)]  # one configuration, said to meet 1.5
     d = deploy.prepare(str(mine), str(gguf), None, tmp_path / "scratch", False, lambda *a: None)
     fp = {"contexts": [1024], "sigmas": d.sigmas, "groups": [4], "target": 1.5, "budget_mib_per_sequence": 1.0,
