@@ -27,6 +27,7 @@ import torch
 from edgekv.runtime.model import DecoderModel
 from edgekv.runtime.ttft.compute import ChunkCompute, PrefixKV
 from edgekv.runtime.ttft.costs import ComputeCostModel, RooflineCostModel, layer0_features, layer_features
+from edgekv.runtime.weights import PackedSlice
 
 HELD_OUT_EVERY = 3  # samples i with i % 3 == 1 (in (n, p) order, per kind) are held out of the fit
 
@@ -117,7 +118,8 @@ def roofline_for(model: DecoderModel, peak_flops: float, bandwidth: float) -> Ro
     d = model.dims
     block = model.layers[0]
     params = lambda m: m.in_features * m.out_features  # noqa: E731 (a packed layer's weight is no tensor of that size)
-    linears = [m for m in block.modules() if hasattr(m, "in_features") and hasattr(m, "out_features")]
+    linears = [m for m in block.modules()  # a packed slice's weights are its fused layer's, counted once
+               if hasattr(m, "in_features") and hasattr(m, "out_features") and not isinstance(m, PackedSlice)]
     attn = block.self_attn
     qkv = sum(params(m) for m in (attn.q_proj, attn.k_proj, attn.v_proj))
     intermediate = getattr(model.hf.config, "intermediate_size", None) or block.mlp.up_proj.out_features

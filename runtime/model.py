@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from .errors import ModelError
-from .weights import check_weight_format, quantize_linears
+from .weights import check_weight_format, fused_outputs, quantize_linears
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text")
 GLOBAL, SLIDING = "full_attention", "sliding_attention"  # transformers' layer_types
@@ -277,9 +277,11 @@ class DecoderModel:
             return Rope({None: rope_pair(*self.rotary(probe, positions))}, None)
         return Rope({t: rope_pair(*self.rotary(probe, positions, t)) for t in self._rope_types}, self.layer_types)
 
-    def _heads(self, proj: nn.Module, norm: nn.Module | None, h: torch.Tensor, cos, sin) -> torch.Tensor:
-        """Project, split heads, optional per-head RMS norm (Qwen3), RoPE: [B, T, hidden] -> [B, heads, T, d]."""
-        x = proj(h).view(*h.shape[:-1], -1, self.dims.head_dim)
+    def _heads(self, proj: nn.Module, norm: nn.Module | None, h: torch.Tensor, cos, sin,
+               projected: torch.Tensor | None = None) -> torch.Tensor:
+        """Project (unless ``projected`` is given), split heads, optional per-head RMS norm (Qwen3), RoPE:
+        [B, T, hidden] -> [B, heads, T, d]."""
+        x = (proj(h) if projected is None else projected).view(*h.shape[:-1], -1, self.dims.head_dim)
         if norm is not None:
             x = norm(x)
         return _rotate(x.transpose(1, 2), cos, sin)
@@ -296,9 +298,11 @@ class DecoderModel:
         attn = block.self_attn
         cos, sin = rope.at(layer)
         h = block.input_layernorm(x)
-        q = self._heads(attn.q_proj, getattr(attn, "q_norm", None), h, cos, sin)
-        k = self._heads(attn.k_proj, getattr(attn, "k_norm", None), h, cos, sin)
-        v = attn.v_proj(h).view(*h.shape[:-1], -1, self.dims.head_dim).transpose(1, 2)
+        fused = fused_outputs(attn.q_proj, attn.k_proj, attn.v_proj, x=h)  # int4: one call for all three
+        q_out, k_out, v_out = fused or (None, None, None)
+        q = self._heads(attn.q_proj, getattr(attn, "q_norm", None), h, cos, sin, q_out)
+        k = self._heads(attn.k_proj, getattr(attn, "k_norm", None), h, cos, sin, k_out)
+        v = (attn.v_proj(h) if v_out is None else v_out).view(*h.shape[:-1], -1, self.dims.head_dim).transpose(1, 2)
         return q, k, v
 
     def finish_layer(self, layer: int, x: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
@@ -308,15 +312,24 @@ class DecoderModel:
         out = block.self_attn.o_proj(attn_out.transpose(1, 2).reshape(b, t, -1))
         if hasattr(block, "pre_feedforward_layernorm"):  # Gemma 3: normed attention and MLP outputs
             x = x + block.post_attention_layernorm(out)
-            return x + block.post_feedforward_layernorm(block.mlp(block.pre_feedforward_layernorm(x)))
+            return x + block.post_feedforward_layernorm(_mlp(block.mlp, block.pre_feedforward_layernorm(x)))
         x = x + out
-        return x + block.mlp(block.post_attention_layernorm(x))
+        return x + _mlp(block.mlp, block.post_attention_layernorm(x))
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(self.norm(x)).float()
         if self.softcap:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits
+
+
+def _mlp(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The block's gated MLP; with gate and up packed as one layer (int4), one call for both."""
+    fused = fused_outputs(mlp.gate_proj, mlp.up_proj, x=x) if hasattr(mlp, "gate_proj") else None
+    if fused is None:
+        return mlp(x)
+    gate, up = fused
+    return mlp.down_proj(mlp.act_fn(gate) * up)
 
 
 class Rope:

@@ -8,7 +8,8 @@ from torch import nn
 from edgekv.runtime import Engine
 from edgekv.runtime.model import ModelError, load_model
 from edgekv.runtime.store.fingerprint import model_fingerprint
-from edgekv.runtime.weights import INT4_GROUP, Int4Linear, Int8Linear, RescoredHead, linear_weight, quantize_linears
+from edgekv.runtime.weights import (INT4_GROUP, Int4Linear, Int8Linear, RescoredHead, fused_outputs, linear_weight,
+                                   quantize_linears)
 
 PROMPT = [(i * 7) % 250 + 4 for i in range(120)]
 
@@ -57,8 +58,12 @@ def test_int4_runs_in_a_bfloat16_model_as_its_kernels_take_it(tmp_path):
 def test_int4_packs_every_decoder_linear_and_rescores_the_head(tmp_path):
     native = load_model(_fixture(), torch.device("cpu"), torch.float32, 256)
     int4 = load_model(_fixture(), torch.device("cpu"), torch.float32, 256, weights="int4")
-    n_linear = len([m for m in native.hf.model.layers.modules() if isinstance(m, nn.Linear)])
-    assert len([m for m in int4.hf.model.layers.modules() if isinstance(m, Int4Linear)]) == n_linear  # all fit
+    for block in int4.layers:  # q/k/v packed as one layer, gate/up as one: four int4 layers where there were seven
+        attn, mlp = block.self_attn, block.mlp
+        assert [type(m) for m in (attn.qkv_packed, attn.o_proj, mlp.gate_up_packed, mlp.down_proj)] == [Int4Linear] * 4
+        assert all(p.fused is attn.qkv_packed for p in (attn.q_proj, attn.k_proj, attn.v_proj))
+        assert all(p.fused is mlp.gate_up_packed for p in (mlp.gate_proj, mlp.up_proj))
+        assert len([m for m in block.modules() if isinstance(m, Int4Linear)]) == 4
     assert isinstance(int4.lm_head, RescoredHead) and int4.lm_head is int4.hf.lm_head
     assert not any(isinstance(m, nn.Linear) for m in int4.hf.modules())
     assert model_fingerprint(int4)["weights"] == "int4"
@@ -94,6 +99,37 @@ def test_int4_keeps_a_q4_block_grid_and_computes_its_product(bias):
     got = packed(x)
     assert got.shape == (3, 5, 48) and got.dtype == torch.float32
     torch.testing.assert_close(got, want, rtol=1 / 128, atol=1e-2)  # the output's own bf16 rounding
+
+
+def test_a_packed_projection_computes_what_it_computes_packed_alone():
+    gen = torch.Generator().manual_seed(4)
+    attn = nn.Module()
+    attn.q_proj, attn.k_proj, attn.v_proj = nn.Linear(64, 64, bias=True), nn.Linear(64, 32), nn.Linear(64, 32)
+    alone = {n: Int4Linear(getattr(attn, n)) for n in ("q_proj", "k_proj", "v_proj")}
+    model = nn.Module()
+    model.attn = attn
+    quantize_linears(model, "int4")
+    x = torch.randn(2, 3, 64, generator=gen)
+    one_call = fused_outputs(attn.q_proj, attn.k_proj, attn.v_proj, x=x)
+    for name, out in zip(("q_proj", "k_proj", "v_proj"), one_call):
+        torch.testing.assert_close(out, alone[name](x), rtol=1e-2, atol=1e-2)  # bf16 outputs, rounded alike
+        torch.testing.assert_close(getattr(attn, name)(x), out)  # called alone, as Hugging Face's modules call it
+        torch.testing.assert_close(linear_weight(getattr(attn, name)), linear_weight(alone[name]))
+    assert fused_outputs(attn.q_proj, nn.Linear(64, 64), x=x) is None  # not one layer's slices: no fused call
+
+
+def test_a_decode_step_makes_one_int4_call_for_q_k_v_and_one_for_gate_up(tmp_path, monkeypatch):
+    calls = []
+    matmul = Int4Linear.matmul
+    monkeypatch.setattr(Int4Linear, "matmul", lambda self, x: calls.append(self) or matmul(self, x))
+    with Engine.from_pretrained("fixture", kv_offload_path=tmp_path, policy="full", device="cpu",
+                                config={"max_context": 256, "max_batch": 1}, weights="int4") as engine:
+        with engine.open_batch(1, 256) as batch:
+            batch.join(0, PROMPT)
+            batch.end_prefill()
+            calls.clear()
+            batch.step(torch.tensor([5]))
+    assert len(calls) == 4 * engine.model.dims.n_layers  # qkv, o, gate/up, down a layer
 
 
 def test_int4_falls_back_to_int8_or_to_the_loaded_layer_where_its_kernel_cannot_pack():
