@@ -11,12 +11,11 @@ import contextlib
 import json
 import statistics
 import tempfile
-import time
 
 import torch
 from edgekv.runtime import Engine
 
-from bench.step_profile import fields, prefilled
+from bench.step_profile import fields, prefilled, step_ms
 
 # row -> (policy, correction): a row with a correction mode takes the kvswap geometry too
 ROWS = {"full": ("full", None), "kvswap": ("kvswap", "guess"), "kvswap-corrected": ("kvswap", "corrected")}
@@ -41,7 +40,7 @@ def main(argv=None) -> None:
     steps_needed = args.warmup + args.repeat * len(counts) * (args.steps + 1)
     kvswap = {**fields(args.kvswap), **json.loads(args.extra)}
     token = torch.full((args.batch,), 42)
-    step_ms = collections.defaultdict(list)
+    ms = collections.defaultdict(list)
     with contextlib.ExitStack() as stack:
         batches = {}
         for row, (policy, correction) in ROWS.items():
@@ -58,17 +57,13 @@ def main(argv=None) -> None:
             for threads in counts:
                 for row, batch in batches.items():
                     batch.decode_threads = threads
-                    batch.step(token)  # the first step at a new count is not timed
-                    started = time.perf_counter()
-                    for _ in range(args.steps):
-                        batch.step(token)
-                    step_ms[row, threads].append((time.perf_counter() - started) / args.steps * 1e3)
+                    ms[row, threads].append(step_ms(batch, token, args.steps))
     print(f"# {args.model}, {args.context} tokens, batch {args.batch}, kvswap {args.kvswap} {args.extra}, {cores} cores, median of "
           f"{args.repeat} interleaved rounds of {args.steps} steps")
     for row in ROWS:
-        base = statistics.median(step_ms[row, counts[0]])
+        base = statistics.median(ms[row, counts[0]])
         for threads in counts:
-            runs = step_ms[row, threads]
+            runs = ms[row, threads]
             print(f"{row:18s} {threads} threads: {statistics.median(runs):6.1f} ms a step, {base / statistics.median(runs):.2f}"
                   f" x the {counts[0]}-thread tok/s (runs: {', '.join(f'{ms:.0f}' for ms in runs)})")
 

@@ -37,6 +37,16 @@ def prefilled(engine: Engine, context: int, rows: int = 1):
     return batch
 
 
+def step_ms(batch, token: torch.Tensor, steps: int) -> float:
+    """Milliseconds a decode step of ``batch``, over ``steps`` steps after one untimed one (the first after another
+    row's steps or a new setting pays for the switch)."""
+    batch.step(token)
+    started = time.perf_counter()
+    for _ in range(steps):
+        batch.step(token)
+    return (time.perf_counter() - started) / steps * 1e3
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="synth:llama-3.1-8b")

@@ -16,7 +16,7 @@ import time
 import torch
 from edgekv.runtime import Engine
 
-from bench.step_profile import fields, prefilled
+from bench.step_profile import fields, prefilled, step_ms
 
 
 def main(argv=None) -> None:
@@ -36,7 +36,7 @@ def main(argv=None) -> None:
     rows = {"full": {}, "kvswap": {**fields(args.kvswap), **json.loads(args.extra)}}  # policy -> its geometry
     steps_needed = args.warmup + args.repeat * (args.steps + 1)
     token = torch.full((args.batch,), 42)
-    step_ms = collections.defaultdict(list)
+    ms = collections.defaultdict(list)
     with contextlib.ExitStack() as stack:
         batches = {}
         for weights in formats:
@@ -54,19 +54,16 @@ def main(argv=None) -> None:
                     batch.step(token)
         for _ in range(args.repeat):
             for key, batch in batches.items():
-                batch.step(token)  # after another row's steps: not timed
-                started = time.perf_counter()
-                for _ in range(args.steps):
-                    batch.step(token)
-                step_ms[key].append((time.perf_counter() - started) / args.steps * 1e3)
+                ms[key].append(step_ms(batch, token, args.steps))
     print(f"# {args.model}, {args.context} tokens, batch {args.batch}, kvswap {args.kvswap} {args.extra}, "
           f"{torch.get_num_threads()} threads, median of {args.repeat} interleaved rounds of {args.steps} steps")
     for policy in rows:
-        base = statistics.median(step_ms[formats[0], policy])
+        base = statistics.median(ms[formats[0], policy])
         for weights in formats:
-            runs = step_ms[weights, policy]
-            ms = statistics.median(runs)
-            print(f"{policy:7s} {weights:7s} {ms:6.1f} ms a step, {1e3 * args.batch / ms:5.1f} tok/s, {base / ms:.2f} x "
+            runs = ms[weights, policy]
+            median = statistics.median(runs)
+            print(f"{policy:7s} {weights:7s} {median:6.1f} ms a step, {1e3 * args.batch / median:5.1f} tok/s, "
+                  f"{base / median:.2f} x "
                   f"{formats[0]} (runs: {', '.join(f'{r:.0f}' for r in runs)})")
 
 

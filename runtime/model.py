@@ -277,11 +277,10 @@ class DecoderModel:
             return Rope({None: rope_pair(*self.rotary(probe, positions))}, None)
         return Rope({t: rope_pair(*self.rotary(probe, positions, t)) for t in self._rope_types}, self.layer_types)
 
-    def _heads(self, proj: nn.Module, norm: nn.Module | None, h: torch.Tensor, cos, sin,
-               projected: torch.Tensor | None = None) -> torch.Tensor:
-        """Project (unless ``projected`` is given), split heads, optional per-head RMS norm (Qwen3), RoPE:
-        [B, T, hidden] -> [B, heads, T, d]."""
-        x = (proj(h) if projected is None else projected).view(*h.shape[:-1], -1, self.dims.head_dim)
+    def _heads(self, projected: torch.Tensor, norm: nn.Module | None, cos, sin) -> torch.Tensor:
+        """Split a projection [B, T, heads * d] into heads, optional per-head RMS norm (Qwen3), RoPE:
+        -> [B, heads, T, d]."""
+        x = projected.view(*projected.shape[:-1], -1, self.dims.head_dim)
         if norm is not None:
             x = norm(x)
         return _rotate(x.transpose(1, 2), cos, sin)
@@ -290,7 +289,7 @@ class DecoderModel:
         """Post-RoPE queries [B, H, T, d] of ``layer`` for hidden states x [B, T, hidden] (before its norm)."""
         block = self.layers[layer]
         attn = block.self_attn
-        return self._heads(attn.q_proj, getattr(attn, "q_norm", None), block.input_layernorm(x), *rope.at(layer))
+        return self._heads(attn.q_proj(block.input_layernorm(x)), getattr(attn, "q_norm", None), *rope.at(layer))
 
     def qkv(self, layer: int, x: torch.Tensor, rope: "Rope"):
         """Post-RoPE q [B, H, T, d], k and v [B, H_kv, T, d] of ``layer`` for x [B, T, hidden]."""
@@ -298,12 +297,11 @@ class DecoderModel:
         attn = block.self_attn
         cos, sin = rope.at(layer)
         h = block.input_layernorm(x)
-        fused = fused_outputs(attn.q_proj, attn.k_proj, attn.v_proj, x=h)  # int4: one call for all three
-        q_out, k_out, v_out = fused or (None, None, None)
-        q = self._heads(attn.q_proj, getattr(attn, "q_norm", None), h, cos, sin, q_out)
-        k = self._heads(attn.k_proj, getattr(attn, "k_norm", None), h, cos, sin, k_out)
-        v = (attn.v_proj(h) if v_out is None else v_out).view(*h.shape[:-1], -1, self.dims.head_dim).transpose(1, 2)
-        return q, k, v
+        layers = (attn.q_proj, attn.k_proj, attn.v_proj)
+        q, k, v = fused_outputs(*layers, x=h) or tuple(m(h) for m in layers)  # int4: one call for all three
+        q = self._heads(q, getattr(attn, "q_norm", None), cos, sin)
+        k = self._heads(k, getattr(attn, "k_norm", None), cos, sin)
+        return q, k, v.view(*h.shape[:-1], -1, self.dims.head_dim).transpose(1, 2)
 
     def finish_layer(self, layer: int, x: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         """Residual + output projection + MLP; attn_out is [B, H, T, d]."""
