@@ -30,6 +30,7 @@ from edgekv.runtime.checkpoints import cache_root as default_cache_root
 from edgekv.runtime.checkpoints import checkpoint_fingerprint, gguf_sha256, load_tokenizer, resolve_checkpoint
 from edgekv.runtime.model import ModelDims, load_model, read_model_config
 from edgekv.runtime.store.files import write_atomic, write_json_atomic
+from edgekv.runtime.weights import INT4_GRID_ERROR
 
 VERSION = "0.1.0"
 
@@ -370,7 +371,7 @@ def choose_weights(d: Deployment, calibration: str | None) -> list[dict]:
     source = adapter_source(d.model_dir, weights.WINDOW_TOKENS, 2, calibration)
     fp = {"model": d.model_fp, "device": str(d.device), "dtype": str(d.kv_dtype), "torch": torch.__version__,
           "cpu": _cpu_model(), "candidates": list(d.prof.weights), "ppl_max": d.prof.weights_ppl_max,
-          "calibration": source, "edgekv": VERSION}
+          "int4_grid_error": INT4_GRID_ERROR, "calibration": source, "edgekv": VERSION}
     cached = _cached(d.out / "weights.json", fp, d.reprofile, "weight format", d.log)
     if not cached:
         windows = adapter_prompts(d.model_dir, weights.WINDOW_TOKENS, 2, calibration)

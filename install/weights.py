@@ -1,6 +1,6 @@
 """The weight format the install step deploys: the first of the profile's candidates (fastest first) whose
 perplexity on calibration text stays within ``weights_ppl_max`` of the model's own weights, measured on this
-checkpoint rather than assumed (SmolLM2's Q4_1 GGUF keeps its grid in int4; a fp16 checkpoint does not), with the
+checkpoint rather than assumed (int4 keeps a Q4 GGUF's grid in 4 bits and puts other tensors in int8), with the
 top-1 agreement beside it. The KV knobs' tables are measured on the model's own weights, whatever is chosen here."""
 from __future__ import annotations
 

@@ -6,11 +6,13 @@
   fbgemm). 1.3-1.8x fp32's decode speed on SmolLM2 and 1.37x its perplexity (docs/results): activations quantized
   per call are what SmolLM2 does not survive. Measured, never chosen.
 - ``int4``: weight-only, 4 bits in groups of ``INT4_GROUP`` inputs with a scale and a minimum each (torch's CPU
-  kernel ``_weight_int4pack_mm_for_cpu``). A GGUF Q4_0/Q4_1 block is such a group, so those tensors keep their
-  grid, with its scale and minimum rounded to bfloat16 (the kernel's); the activations cross it in bfloat16. Layers
-  it cannot pack (outputs not a multiple of 16, inputs not of the group) are int8 weight-only
-  (``_weight_int8pack_mm``, a scale per row), and so is the output head, with each row's best few logits computed
-  again in fp32 (``RescoredHead``); a layer neither kernel takes (inputs not a multiple of 16) stays as loaded.
+  kernel ``_weight_int4pack_mm_for_cpu``), for the layers whose weights already lie on such a grid: a GGUF
+  Q4_0/Q4_1 block is one, so those tensors keep it, with its scale and minimum rounded to bfloat16 (the kernel's);
+  the activations cross it in bfloat16. A layer off a 4-bit grid (a 5-, 6- or 8-bit GGUF tensor, fp16 weights) or
+  one it cannot pack (outputs not a multiple of 16, inputs not of the group) is int8 weight-only
+  (``_weight_int8pack_mm``, a scale per row): 4 bits over another grid cost Gemma 3 270M 1.198x its perplexity.
+  So is the output head, with each row's best few logits computed again in fp32 (``RescoredHead``); a layer
+  neither kernel takes (inputs not a multiple of 16) stays as loaded.
   Attention's q/k/v are packed as one layer and the MLP's gate/up as another (``PackedSlice``): four kernel calls
   a block where there were seven (SmolLM2 8K full step 30.7 -> 28.8 ms).
   SmolLM2 (Q4_1 GGUF): ppl 1.0007x fp32, top-1 agreement 0.990, decode 2x fp32's speed at 8K (docs/results).
@@ -31,6 +33,9 @@ from .errors import ModelError
 WEIGHT_FORMATS = ("native", "int8", "int4")
 INT4_GROUP = 32  # inputs per scale/minimum: a GGUF Q4_0/Q4_1 block, a Q4_K sub-block
 INT4_ROWS = 16  # the int4 CPU packing takes outputs in multiples of this
+# a weight lies on a 4-bit grid when its groups found again from their minimum and maximum are within this share of
+# its norm: 0 for SmolLM2's Q4_1 tensors, 0.04-0.10 for Gemma 3 270M's Q5_0/Q4_K/Q6_K ones (docs/results, issue 34)
+INT4_GRID_ERROR = 1e-3
 INT8_INPUTS = 16  # the int8 kernel takes inputs in multiples of this (torch 2.13 crashes on others)
 ACTIVATION_DTYPE = torch.bfloat16  # the weight-only kernels' fast path
 # the model dtypes each format runs in: a bfloat16 model feeds the kernels as they are (and attends over a bf16 KV)
@@ -86,11 +91,8 @@ class Int4Linear(PackedLinear):
 
     def __init__(self, linear: nn.Linear):
         super().__init__(linear)
-        w = linear.weight.detach().float()
-        groups = w.view(self.out_features, -1, INT4_GROUP)
-        low, high = groups.amin(dim=-1, keepdim=True), groups.amax(dim=-1, keepdim=True)
-        scale = ((high - low) / 15).clamp(min=torch.finfo(torch.float32).tiny)
-        q = torch.round((groups - low) / scale).clamp(0, 15).to(torch.int32).view(self.out_features, -1)
+        q, scale, low = _int4_grid(linear.weight)
+        q = q.to(torch.int32).view(self.out_features, -1)
         self.register_buffer("qweight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))
         # the kernel's convention: w = (q - 8)·scale + zero, per [group, output]
         scale_zero = torch.stack([scale, low + 8 * scale], dim=-1).squeeze(-2).transpose(0, 1)
@@ -203,10 +205,14 @@ FUSED_PROJECTIONS = {"qkv_packed": ("q_proj", "k_proj", "v_proj"), "gate_up_pack
 
 
 def _fuse(parent: nn.Module, packed: str, names: tuple[str, ...]) -> None:
-    """Replace ``parent``'s projections ``names`` by slices of one Int4Linear (``parent.<packed>``), when all are
-    linear layers of one input that int4 packs (each row keeps its own groups: the weights are those packed apart)."""
+    """Replace ``parent``'s projections ``names`` by slices of one packed layer (``parent.<packed>``), when all are
+    linear layers of one input that take the same format (each row keeps its own groups or scale: the weights are
+    those packed apart)."""
     layers = [getattr(parent, n, None) for n in names]
-    if not all(isinstance(m, nn.Linear) and _packs_int4(m) for m in layers) or len({m.in_features for m in layers}) > 1:
+    if not all(isinstance(m, nn.Linear) for m in layers) or len({m.in_features for m in layers}) > 1:
+        return
+    kinds = {_packed_kind(m) for m in layers}
+    if len(kinds) > 1 or None in kinds:
         return
     whole = torch.nn.utils.skip_init(nn.Linear, layers[0].in_features, sum(m.out_features for m in layers),
                                      bias=any(m.bias is not None for m in layers), device=layers[0].weight.device,
@@ -214,7 +220,7 @@ def _fuse(parent: nn.Module, packed: str, names: tuple[str, ...]) -> None:
     whole.weight.copy_(torch.cat([m.weight for m in layers]))
     if whole.bias is not None:
         whole.bias.copy_(torch.cat([m.weight.new_zeros(m.out_features) if m.bias is None else m.bias for m in layers]))
-    fused, start = Int4Linear(whole), 0
+    fused, start = kinds.pop()(whole), 0
     setattr(parent, packed, fused)
     for name, m in zip(names, layers):
         setattr(parent, name, PackedSlice(fused, start, start + m.out_features))
@@ -222,15 +228,35 @@ def _fuse(parent: nn.Module, packed: str, names: tuple[str, ...]) -> None:
 
 
 def _int4_layer(linear: nn.Linear, head: bool) -> nn.Module:
-    if linear.in_features % INT8_INPUTS:
+    kind = _packed_kind(linear)
+    if kind is None:
         return linear  # neither kernel takes it: left as loaded
-    if head:
-        return RescoredHead(linear)
-    return Int4Linear(linear) if _packs_int4(linear) else Int8Linear(linear)
+    return RescoredHead(linear) if head else kind(linear)
 
 
-def _packs_int4(linear: nn.Linear) -> bool:
-    return linear.out_features % INT4_ROWS == 0 and linear.in_features % INT4_GROUP == 0
+def _packed_kind(linear: nn.Linear) -> type[PackedLinear] | None:
+    """What ``int4`` makes of a layer: Int4Linear where its weights lie on a 4-bit grid the kernel packs, else
+    Int8Linear, else (inputs not a multiple of 16) None."""
+    if linear.in_features % INT8_INPUTS:
+        return None
+    packs = linear.out_features % INT4_ROWS == 0 and linear.in_features % INT4_GROUP == 0
+    return Int4Linear if packs and on_int4_grid(linear.weight) else Int8Linear
+
+
+def _int4_grid(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q [out, in / INT4_GROUP, INT4_GROUP] in 0..15, scale, minimum [out, groups, 1]): each group's grid from its
+    minimum and maximum, as a GGUF Q4_1 block keeps it."""
+    groups = weight.detach().float().view(weight.shape[0], -1, INT4_GROUP)
+    low, high = groups.amin(dim=-1, keepdim=True), groups.amax(dim=-1, keepdim=True)
+    scale = ((high - low) / 15).clamp(min=torch.finfo(torch.float32).tiny)
+    return torch.round((groups - low) / scale).clamp(0, 15), scale, low
+
+
+def on_int4_grid(weight: torch.Tensor) -> bool:
+    """Whether ``weight`` [out, in] is its own 4-bit grid: found again, within INT4_GRID_ERROR of its norm."""
+    q, scale, low = _int4_grid(weight)
+    groups = weight.detach().float().view(q.shape)
+    return bool((low + scale * q - groups).norm() <= INT4_GRID_ERROR * groups.norm())
 
 
 def _dynamic_int8(hf_model: nn.Module) -> nn.Module:

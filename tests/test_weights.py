@@ -1,6 +1,8 @@
 """The linear layers' weight format (runtime/weights.py WEIGHT_FORMATS): int8 is PyTorch's dynamic int8 linear on the
 CPU, int4 torch's weight-only int4 kernel in groups of 32 (a GGUF Q4 block) with an int8 head rescored in fp32; each
 has its own fingerprint (its K/V differ), and a device or dtype it cannot run on is refused before loading."""
+import shutil
+
 import pytest
 import torch
 from torch import nn
@@ -9,7 +11,7 @@ from edgekv.runtime import Engine
 from edgekv.runtime.model import ModelError, load_model
 from edgekv.runtime.store.fingerprint import model_fingerprint
 from edgekv.runtime.weights import (INT4_GROUP, Int4Linear, Int8Linear, RescoredHead, fused_outputs, linear_weight,
-                                   quantize_linears)
+                                   on_int4_grid, quantize_linears)
 
 PROMPT = [(i * 7) % 250 + 4 for i in range(120)]
 
@@ -55,9 +57,34 @@ def test_int4_runs_in_a_bfloat16_model_as_its_kernels_take_it(tmp_path):
     assert sum(a == b for a, b in zip(tokens["native"], tokens["int4"])) >= 6
 
 
-def test_int4_packs_every_decoder_linear_and_rescores_the_head(tmp_path):
-    native = load_model(_fixture(), torch.device("cpu"), torch.float32, 256)
-    int4 = load_model(_fixture(), torch.device("cpu"), torch.float32, 256, weights="int4")
+@pytest.fixture(scope="module")
+def q4_fixture(tmp_path_factory):
+    """The fixture checkpoint with its decoder's linear layers snapped onto Q4_1 grids, as a GGUF's Q4 tensors are
+    (its own weights are random floats, on no 4-bit grid)."""
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path_factory.mktemp("q4") / "fixture-q4"
+    shutil.copytree(_fixture(), out)
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, local_files_only=True)
+    with torch.no_grad():
+        for linear in model.model.layers.modules():
+            if isinstance(linear, nn.Linear):
+                linear.weight.copy_(_snapped(linear.weight))
+    model.save_pretrained(out)
+    return out
+
+
+def _snapped(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` on a Q4_1 grid of its own groups (min + scale * q, the scale and minimum exact in bfloat16)."""
+    groups = weight.float().view(weight.shape[0], -1, INT4_GROUP)
+    low = groups.amin(dim=-1, keepdim=True).bfloat16().float()
+    scale = ((groups.amax(dim=-1, keepdim=True) - low) / 15).bfloat16().float()
+    return (low + scale * torch.round((groups - low) / scale).clamp(0, 15)).view_as(weight)
+
+
+def test_int4_packs_every_decoder_linear_on_a_4_bit_grid_and_rescores_the_head(q4_fixture):
+    native = load_model(q4_fixture, torch.device("cpu"), torch.float32, 256)
+    int4 = load_model(q4_fixture, torch.device("cpu"), torch.float32, 256, weights="int4")
     for block in int4.layers:  # q/k/v packed as one layer, gate/up as one: four int4 layers where there were seven
         attn, mlp = block.self_attn, block.mlp
         assert [type(m) for m in (attn.qkv_packed, attn.o_proj, mlp.gate_up_packed, mlp.down_proj)] == [Int4Linear] * 4
@@ -67,11 +94,32 @@ def test_int4_packs_every_decoder_linear_and_rescores_the_head(tmp_path):
     assert isinstance(int4.lm_head, RescoredHead) and int4.lm_head is int4.hf.lm_head
     assert not any(isinstance(m, nn.Linear) for m in int4.hf.modules())
     assert model_fingerprint(int4)["weights"] == "int4"
-    assert model_fingerprint(int4)["id"] not in (model_fingerprint(native)["id"], _int8_fingerprint())
+    assert model_fingerprint(int4)["id"] not in (model_fingerprint(native)["id"], _int8_fingerprint(q4_fixture))
 
 
-def _int8_fingerprint():
-    return model_fingerprint(load_model(_fixture(), torch.device("cpu"), torch.float32, 256, weights="int8"))["id"]
+def test_int4_keeps_layers_off_a_4_bit_grid_in_int8_packed_alike():
+    # the fixture's own weights are random floats: 4 bits over them would be a new rounding, so every layer is int8
+    # weight-only, q/k/v still one layer and gate/up another
+    int4 = load_model(_fixture(), torch.device("cpu"), torch.float32, 256, weights="int4")
+    for block in int4.layers:
+        attn, mlp = block.self_attn, block.mlp
+        assert [type(m) for m in (attn.qkv_packed, attn.o_proj, mlp.gate_up_packed, mlp.down_proj)] == [Int8Linear] * 4
+        assert all(p.fused is attn.qkv_packed for p in (attn.q_proj, attn.k_proj, attn.v_proj))
+    assert not any(isinstance(m, Int4Linear) for m in int4.hf.modules())
+
+
+def test_a_weight_is_on_a_4_bit_grid_only_when_its_groups_are_found_again():
+    on_grid = _q4_grid_linear(32, 64).weight
+    assert on_int4_grid(on_grid)
+    assert on_int4_grid(_snapped(torch.randn(32, 64, generator=torch.Generator().manual_seed(5))))
+    five_bit = on_grid.clone().view(32, 2, INT4_GROUP)
+    five_bit[:, :, 2] += (five_bit[:, :, 1] - five_bit[:, :, 0]) / 30  # one value a group half a step off: a 5-bit grid
+    assert not on_int4_grid(five_bit.view(32, 64))
+    assert not on_int4_grid(torch.randn(32, 64, generator=torch.Generator().manual_seed(6)))
+
+
+def _int8_fingerprint(checkpoint):
+    return model_fingerprint(load_model(checkpoint, torch.device("cpu"), torch.float32, 256, weights="int8"))["id"]
 
 
 def _q4_grid_linear(out_features: int, in_features: int, bias: bool = False) -> nn.Linear:
@@ -104,7 +152,7 @@ def test_int4_keeps_a_q4_block_grid_and_computes_its_product(bias):
 def test_a_packed_projection_computes_what_it_computes_packed_alone():
     gen = torch.Generator().manual_seed(4)
     attn = nn.Module()
-    attn.q_proj, attn.k_proj, attn.v_proj = nn.Linear(64, 64, bias=True), nn.Linear(64, 32), nn.Linear(64, 32)
+    attn.q_proj, attn.k_proj, attn.v_proj = _q4_grid_linear(64, 64, True), _q4_grid_linear(32, 64), _q4_grid_linear(32, 64)
     alone = {n: Int4Linear(getattr(attn, n)) for n in ("q_proj", "k_proj", "v_proj")}
     model = nn.Module()
     model.attn = attn
@@ -118,11 +166,11 @@ def test_a_packed_projection_computes_what_it_computes_packed_alone():
     assert fused_outputs(attn.q_proj, nn.Linear(64, 64), x=x) is None  # not one layer's slices: no fused call
 
 
-def test_a_decode_step_makes_one_int4_call_for_q_k_v_and_one_for_gate_up(tmp_path, monkeypatch):
+def test_a_decode_step_makes_one_int4_call_for_q_k_v_and_one_for_gate_up(tmp_path, monkeypatch, q4_fixture):
     calls = []
     matmul = Int4Linear.matmul
     monkeypatch.setattr(Int4Linear, "matmul", lambda self, x: calls.append(self) or matmul(self, x))
-    with Engine.from_pretrained("fixture", kv_offload_path=tmp_path, policy="full", device="cpu",
+    with Engine.from_pretrained(str(q4_fixture), kv_offload_path=tmp_path, policy="full", device="cpu",
                                 config={"max_context": 256, "max_batch": 1}, weights="int4") as engine:
         with engine.open_batch(1, 256) as batch:
             batch.join(0, PROMPT)
@@ -133,8 +181,8 @@ def test_a_decode_step_makes_one_int4_call_for_q_k_v_and_one_for_gate_up(tmp_pat
 
 
 def test_int4_falls_back_to_int8_or_to_the_loaded_layer_where_its_kernel_cannot_pack():
-    # inputs not of the group, outputs not of 16, inputs not of 16 (neither kernel's)
-    body = nn.Sequential(nn.Linear(64, 48), nn.Linear(48, 24), nn.Linear(24, 32))
+    # inputs not of the group, outputs not of 16, inputs not of 16 (neither kernel's); every weight on a 4-bit grid
+    body = nn.Sequential(_q4_grid_linear(48, 64), nn.Linear(48, 24), nn.Linear(24, 32))
     want = body(x := torch.randn(2, 64, generator=torch.Generator().manual_seed(2)))
     model = nn.Module()
     model.body, model.lm_head = body, nn.Linear(32, 10)
