@@ -7,10 +7,11 @@
   per call are what SmolLM2 does not survive. Measured, never chosen.
 - ``int4``: weight-only, 4 bits in groups of ``INT4_GROUP`` inputs with a scale and a minimum each (torch's CPU
   kernel ``_weight_int4pack_mm_for_cpu``), for the layers whose weights already lie on such a grid: a GGUF
-  Q4_0/Q4_1 block is one, so those tensors keep it, with its scale and minimum rounded to bfloat16 (the kernel's);
-  the activations cross it in bfloat16. A layer off a 4-bit grid (a 5-, 6- or 8-bit GGUF tensor, fp16 weights) or
-  one it cannot pack (outputs not a multiple of 16, inputs not of the group) is int8 weight-only
-  (``_weight_int8pack_mm``, a scale per row): 4 bits over another grid cost Gemma 3 270M 1.198x its perplexity.
+  Q4_0/Q4_1 block or Q4_K sub-block is one, so those tensors keep it, with its scale and minimum rounded to
+  bfloat16 (the kernel's); the activations cross it in bfloat16. A layer off a 4-bit grid (a 5-, 6- or 8-bit
+  GGUF tensor, fp16 weights) or one it cannot pack (outputs not a multiple of 16, inputs not of the group) is int8
+  weight-only (``_weight_int8pack_mm``, a scale per row): 4 bits over another grid cost Gemma 3 270M 1.198x its
+  perplexity, int8 there 0.994x (docs/results, issue 34).
   So is the output head, with each row's best few logits computed again in fp32 (``RescoredHead``); a layer
   neither kernel takes (inputs not a multiple of 16) stays as loaded.
   Attention's q/k/v are packed as one layer and the MLP's gate/up as another (``PackedSlice``): four kernel calls
@@ -33,8 +34,8 @@ from .errors import ModelError
 WEIGHT_FORMATS = ("native", "int8", "int4")
 INT4_GROUP = 32  # inputs per scale/minimum: a GGUF Q4_0/Q4_1 block, a Q4_K sub-block
 INT4_ROWS = 16  # the int4 CPU packing takes outputs in multiples of this
-# a weight lies on a 4-bit grid when its groups found again from their minimum and maximum are within this share of
-# its norm: 0 for SmolLM2's Q4_1 tensors, 0.04-0.10 for Gemma 3 270M's Q5_0/Q4_K/Q6_K ones (docs/results, issue 34)
+# a weight lies on a 4-bit grid when its groups found again (``_int4_grid``) are within this share of its norm: 0 for
+# SmolLM2's Q4_1 tensors and Gemma 3 270M's Q4_K ones, 0.08-0.10 for its Q5_0 ones (docs/results, issue 34)
 INT4_GRID_ERROR = 1e-3
 INT8_INPUTS = 16  # the int8 kernel takes inputs in multiples of this (torch 2.13 crashes on others)
 ACTIVATION_DTYPE = torch.bfloat16  # the weight-only kernels' fast path
@@ -245,10 +246,16 @@ def _packed_kind(linear: nn.Linear) -> type[PackedLinear] | None:
 
 def _int4_grid(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(q [out, in / INT4_GROUP, INT4_GROUP] in 0..15, scale, minimum [out, groups, 1]): each group's grid from its
-    minimum and maximum, as a GGUF Q4_1 block keeps it."""
+    minimum and its step.  The step is the span over the codes it covers, counted by the smallest gap between two
+    of its values: a Q4_1 block spans all 16 codes, a Q4_K sub-block (its scale and minimum rounded to 6 bits) often
+    fewer (Gemma 3's o_proj: a fifth of its groups).  Weights on no grid have gaps far below a sixteenth of their
+    span, and get the span over 15."""
     groups = weight.detach().float().view(weight.shape[0], -1, INT4_GROUP)
     low, high = groups.amin(dim=-1, keepdim=True), groups.amax(dim=-1, keepdim=True)
-    scale = ((high - low) / 15).clamp(min=torch.finfo(torch.float32).tiny)
+    span = high - low
+    gaps = groups.sort(dim=-1).values.diff(dim=-1)
+    gap = torch.where(gaps > span * 1e-4, gaps, torch.inf).amin(dim=-1, keepdim=True)  # equal values are no gap
+    scale = (span / torch.round(span / gap).clamp(1, 15)).clamp(min=torch.finfo(torch.float32).tiny)
     return torch.round((groups - low) / scale).clamp(0, 15), scale, low
 
 

@@ -108,6 +108,20 @@ def test_int4_keeps_layers_off_a_4_bit_grid_in_int8_packed_alike():
     assert not any(isinstance(m, Int4Linear) for m in int4.hf.modules())
 
 
+def test_a_q4_k_sub_block_short_of_the_top_code_keeps_its_own_step():
+    # Q4_K rounds a sub-block's scale to 6 bits, so its codes may stop below 15: its maximum and minimum alone would
+    # give a step of span / 15, off its grid; the smallest gap between its values gives the step
+    linear = _q4_grid_linear(32, 64)
+    with torch.no_grad():
+        groups = linear.weight.view(32, 2, INT4_GROUP)
+        low = groups.amin(dim=-1, keepdim=True)
+        step = (groups.amax(dim=-1, keepdim=True) - low) / 15
+        codes = torch.round((groups - low) / step).clamp(max=12)  # codes 0..12 only
+        groups.copy_(low + step * codes)
+    assert on_int4_grid(linear.weight)
+    assert torch.equal(linear_weight(Int4Linear(linear)), linear.weight)
+
+
 def test_a_weight_is_on_a_4_bit_grid_only_when_its_groups_are_found_again():
     on_grid = _q4_grid_linear(32, 64).weight
     assert on_int4_grid(on_grid)
@@ -152,7 +166,8 @@ def test_int4_keeps_a_q4_block_grid_and_computes_its_product(bias):
 def test_a_packed_projection_computes_what_it_computes_packed_alone():
     gen = torch.Generator().manual_seed(4)
     attn = nn.Module()
-    attn.q_proj, attn.k_proj, attn.v_proj = _q4_grid_linear(64, 64, True), _q4_grid_linear(32, 64), _q4_grid_linear(32, 64)
+    attn.q_proj, attn.k_proj, attn.v_proj = (_q4_grid_linear(64, 64, True), _q4_grid_linear(32, 64),
+                                             _q4_grid_linear(32, 64))
     alone = {n: Int4Linear(getattr(attn, n)) for n in ("q_proj", "k_proj", "v_proj")}
     model = nn.Module()
     model.attn = attn
