@@ -10,10 +10,10 @@
   Q4_0/Q4_1 block or Q4_K sub-block is one, so those tensors keep it, with its scale and minimum rounded to
   bfloat16 (the kernel's); the activations cross it in bfloat16. A layer off a 4-bit grid (a 5-, 6- or 8-bit
   GGUF tensor, fp16 weights) or one it cannot pack (outputs not a multiple of 16, inputs not of the group) is int8
-  weight-only (``_weight_int8pack_mm``, a scale per row): 4 bits over another grid cost Gemma 3 270M 1.198x its
-  perplexity, int8 there 0.994x (docs/results, issue 34).
-  So is the output head, with each row's best few logits computed again in fp32 (``RescoredHead``); a layer
-  neither kernel takes (inputs not a multiple of 16) stays as loaded.
+  weight-only (``_weight_int8pack_mm``, a scale per row): 4 bits over other grids cost Gemma 3 270M 1.198x its
+  perplexity, its own grids in 4 bits and int8 elsewhere 0.994x (docs/results, issue 34). The output head is int8
+  weight-only too, with each row's best few logits computed again in fp32 (``RescoredHead``); a layer neither
+  kernel takes (inputs not a multiple of 16) stays as loaded.
   Attention's q/k/v are packed as one layer and the MLP's gate/up as another (``PackedSlice``): four kernel calls
   a block where there were seven (SmolLM2 8K full step 30.7 -> 28.8 ms).
   SmolLM2 (Q4_1 GGUF): ppl 1.0007x fp32, top-1 agreement 0.990, decode 2x fp32's speed at 8K (docs/results).
@@ -229,10 +229,9 @@ def _fuse(parent: nn.Module, packed: str, names: tuple[str, ...]) -> None:
 
 
 def _int4_layer(linear: nn.Linear, head: bool) -> nn.Module:
-    kind = _packed_kind(linear)
-    if kind is None:
+    if linear.in_features % INT8_INPUTS:
         return linear  # neither kernel takes it: left as loaded
-    return RescoredHead(linear) if head else kind(linear)
+    return RescoredHead(linear) if head else _packed_kind(linear)(linear)  # the head's grid is never looked for
 
 
 def _packed_kind(linear: nn.Linear) -> type[PackedLinear] | None:
