@@ -1,5 +1,6 @@
 """The linear layers' weight format (runtime/weights.py WEIGHT_FORMATS): int8 is PyTorch's dynamic int8 linear on the
-CPU, int4 torch's weight-only int4 kernel in groups of 32 (a GGUF Q4 block) with an int8 head rescored in fp32; each
+CPU, int4 torch's weight-only int4 kernel in groups of 32 (a GGUF Q4 block) where a layer's weights lie on such a
+grid and int8 weight-only elsewhere, with an int8 head rescored in fp32; each
 has its own fingerprint (its K/V differ), and a device or dtype it cannot run on is refused before loading."""
 import shutil
 
@@ -196,7 +197,7 @@ def test_a_decode_step_makes_one_int4_call_for_q_k_v_and_one_for_gate_up(tmp_pat
 
 
 def test_int4_falls_back_to_int8_or_to_the_loaded_layer_where_its_kernel_cannot_pack():
-    # inputs not of the group, outputs not of 16, inputs not of 16 (neither kernel's); every weight on a 4-bit grid
+    # inputs not of the group, outputs not of 16, inputs not of 16 (neither kernel's); the first on a 4-bit grid
     body = nn.Sequential(_q4_grid_linear(48, 64), nn.Linear(48, 24), nn.Linear(24, 32))
     want = body(x := torch.randn(2, 64, generator=torch.Generator().manual_seed(2)))
     model = nn.Module()
