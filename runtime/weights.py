@@ -90,9 +90,10 @@ class Int4Linear(PackedLinear):
     """Weight-only int4 in groups of INT4_GROUP inputs, each with its own scale and minimum (the grid min + scale·q,
     q in 0..15: a GGUF Q4_1 block's own grid, found again from its dequantised values)."""
 
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, linear: nn.Linear, grid: tuple[torch.Tensor, ...] | None = None):
+        """``grid``: the weight's (q, scale, minimum) from ``_int4_grid``, if already found."""
         super().__init__(linear)
-        q, scale, low = _int4_grid(linear.weight)
+        q, scale, low = _int4_grid(linear.weight) if grid is None else grid
         q = q.to(torch.int32).view(self.out_features, -1)
         self.register_buffer("qweight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))
         # the kernel's convention: w = (q - 8)·scale + zero, per [group, output]
@@ -210,18 +211,23 @@ def _fuse(parent: nn.Module, packed: str, names: tuple[str, ...]) -> None:
     linear layers of one input that take the same format (each row keeps its own groups or scale: the weights are
     those packed apart)."""
     layers = [getattr(parent, n, None) for n in names]
-    if not all(isinstance(m, nn.Linear) for m in layers) or len({m.in_features for m in layers}) > 1:
+    if not all(isinstance(m, nn.Linear) for m in layers) or len({m.in_features for m in layers}) > 1 \
+            or layers[0].in_features % INT8_INPUTS:
         return
-    kinds = {_packed_kind(m) for m in layers}
-    if len(kinds) > 1 or None in kinds:
-        return
+    grids = [_int4_fit(m) for m in layers]
+    if any(g is None for g in grids) and any(g is not None for g in grids):
+        return  # some on a 4-bit grid, some not: each its own format
     whole = torch.nn.utils.skip_init(nn.Linear, layers[0].in_features, sum(m.out_features for m in layers),
                                      bias=any(m.bias is not None for m in layers), device=layers[0].weight.device,
                                      dtype=layers[0].weight.dtype)
     whole.weight.copy_(torch.cat([m.weight for m in layers]))
     if whole.bias is not None:
         whole.bias.copy_(torch.cat([m.weight.new_zeros(m.out_features) if m.bias is None else m.bias for m in layers]))
-    fused, start = kinds.pop()(whole), 0
+    if grids[0] is None:
+        fused = Int8Linear(whole)
+    else:  # each row's groups are its layer's: the grid of the whole is theirs stacked
+        fused = Int4Linear(whole, tuple(torch.cat(parts) for parts in zip(*grids)))
+    start = 0
     setattr(parent, packed, fused)
     for name, m in zip(names, layers):
         setattr(parent, name, PackedSlice(fused, start, start + m.out_features))
@@ -231,16 +237,18 @@ def _fuse(parent: nn.Module, packed: str, names: tuple[str, ...]) -> None:
 def _int4_layer(linear: nn.Linear, head: bool) -> nn.Module:
     if linear.in_features % INT8_INPUTS:
         return linear  # neither kernel takes it: left as loaded
-    return RescoredHead(linear) if head else _packed_kind(linear)(linear)  # the head's grid is never looked for
+    if head:
+        return RescoredHead(linear)  # its grid is never looked for
+    grid = _int4_fit(linear)
+    return Int8Linear(linear) if grid is None else Int4Linear(linear, grid)
 
 
-def _packed_kind(linear: nn.Linear) -> type[PackedLinear] | None:
-    """What ``int4`` makes of a layer: Int4Linear where its weights lie on a 4-bit grid the kernel packs, else
-    Int8Linear, else (inputs not a multiple of 16) None."""
-    if linear.in_features % INT8_INPUTS:
+def _int4_fit(linear: nn.Linear) -> tuple[torch.Tensor, ...] | None:
+    """The layer's 4-bit grid (``_int4_grid``) when the int4 kernel packs it and its weights lie on it, else None."""
+    if linear.out_features % INT4_ROWS or linear.in_features % INT4_GROUP:
         return None
-    packs = linear.out_features % INT4_ROWS == 0 and linear.in_features % INT4_GROUP == 0
-    return Int4Linear if packs and on_int4_grid(linear.weight) else Int8Linear
+    grid = _int4_grid(linear.weight)
+    return grid if _on_grid(linear.weight, *grid) else None
 
 
 def _int4_grid(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -252,15 +260,25 @@ def _int4_grid(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.
     groups = weight.detach().float().view(weight.shape[0], -1, INT4_GROUP)
     low, high = groups.amin(dim=-1, keepdim=True), groups.amax(dim=-1, keepdim=True)
     span = high - low
-    gaps = groups.sort(dim=-1).values.diff(dim=-1)
-    gap = torch.where(gaps > span * 1e-4, gaps, torch.inf).amin(dim=-1, keepdim=True)  # equal values are no gap
-    scale = (span / torch.round(span / gap).clamp(1, 15)).clamp(min=torch.finfo(torch.float32).tiny)
-    return torch.round((groups - low) / scale).clamp(0, 15), scale, low
+    scale = (span / 15).clamp(min=torch.finfo(torch.float32).tiny)
+    q = torch.round((groups - low) / scale).clamp(0, 15)
+    # only groups off the span / 15 grid are sorted for their smallest gap (a sort is most of the load time)
+    short = ((low + scale * q - groups).abs().amax(dim=-1) > span[..., 0] * 1e-4).nonzero(as_tuple=True)
+    if len(short[0]):
+        gaps = groups[short].sort(dim=-1).values.diff(dim=-1)
+        wide = span[short]
+        gap = torch.where(gaps > wide * 1e-4, gaps, torch.inf).amin(dim=-1, keepdim=True)  # equal values are no gap
+        scale[short] = (wide / torch.round(wide / gap).clamp(1, 15)).clamp(min=torch.finfo(torch.float32).tiny)
+        q[short] = torch.round((groups[short] - low[short]) / scale[short]).clamp(0, 15)
+    return q, scale, low
 
 
 def on_int4_grid(weight: torch.Tensor) -> bool:
     """Whether ``weight`` [out, in] is its own 4-bit grid: found again, within INT4_GRID_ERROR of its norm."""
-    q, scale, low = _int4_grid(weight)
+    return _on_grid(weight, *_int4_grid(weight))
+
+
+def _on_grid(weight: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> bool:
     groups = weight.detach().float().view(q.shape)
     return bool((low + scale * q - groups).norm() <= INT4_GRID_ERROR * groups.norm())
 
