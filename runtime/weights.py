@@ -262,8 +262,10 @@ def _int4_grid(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.
     span = high - low
     scale = (span / 15).clamp(min=torch.finfo(torch.float32).tiny)
     q = torch.round((groups - low) / scale).clamp(0, 15)
-    # only groups off the span / 15 grid are sorted for their smallest gap (a sort is most of the load time)
-    short = ((low + scale * q - groups).abs().amax(dim=-1) > span[..., 0] * 1e-4).nonzero(as_tuple=True)
+    # only groups off the span / 15 grid (beyond the weight dtype's rounding) are sorted for their smallest gap
+    off = (low + scale * q - groups).abs().amax(dim=-1)
+    slack = span[..., 0] * 1e-4 + torch.finfo(weight.dtype).eps * groups.abs().amax(dim=-1)
+    short = (off > slack).nonzero(as_tuple=True)
     if len(short[0]):
         gaps = groups[short].sort(dim=-1).values.diff(dim=-1)
         wide = span[short]
@@ -279,8 +281,11 @@ def on_int4_grid(weight: torch.Tensor) -> bool:
 
 
 def _on_grid(weight: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> bool:
+    """Within INT4_GRID_ERROR of the weight's norm, or within its dtype's rounding (a bfloat16 model's weights are a
+    GGUF's grid rounded to 8 bits: ~0.002 of their norm off it, where a 5-bit grid is 0.08)."""
     groups = weight.detach().float().view(q.shape)
-    return bool((low + scale * q - groups).norm() <= INT4_GRID_ERROR * groups.norm())
+    tolerance = max(INT4_GRID_ERROR, torch.finfo(weight.dtype).eps)
+    return bool((low + scale * q - groups).norm() <= tolerance * groups.norm())
 
 
 def _dynamic_int8(hf_model: nn.Module) -> nn.Module:

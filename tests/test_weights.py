@@ -123,6 +123,16 @@ def test_a_q4_k_sub_block_short_of_the_top_code_keeps_its_own_step():
     assert torch.equal(linear_weight(Int4Linear(linear)), linear.weight)
 
 
+def test_a_4_bit_grid_rounded_to_bfloat16_is_still_found_and_a_5_bit_one_is_not():
+    # a bfloat16 model holds a GGUF's grid rounded to 8 bits of mantissa: the rounding is not a new grid
+    on_grid = _q4_grid_linear(32, 64).weight + 0.3  # a minimum far from 0: the values round, the grid does not move
+    assert on_grid.bfloat16().float().ne(on_grid).any()
+    assert on_int4_grid(on_grid.bfloat16())
+    five_bit = on_grid.clone().view(32, 2, INT4_GROUP)
+    five_bit[:, :, 2:6] += (five_bit[:, :, 1] - five_bit[:, :, 0])[..., None] / 30
+    assert not on_int4_grid(five_bit.view(32, 64).bfloat16())
+
+
 def test_a_weight_is_on_a_4_bit_grid_only_when_its_groups_are_found_again():
     on_grid = _q4_grid_linear(32, 64).weight
     assert on_int4_grid(on_grid)
