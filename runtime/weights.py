@@ -276,7 +276,8 @@ def _int4_grid(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.
 
 
 def on_int4_grid(weight: torch.Tensor) -> bool:
-    """Whether ``weight`` [out, in] is its own 4-bit grid: found again, within INT4_GRID_ERROR of its norm."""
+    """Whether ``weight`` [out, in] is its own 4-bit grid: found again, within INT4_GRID_ERROR of its norm (or its
+    dtype's rounding, ``_on_grid``)."""
     return _on_grid(weight, *_int4_grid(weight))
 
 
