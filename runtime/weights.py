@@ -260,18 +260,22 @@ def _int4_grid(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.
     groups = weight.detach().float().view(weight.shape[0], -1, INT4_GROUP)
     low, high = groups.amin(dim=-1, keepdim=True), groups.amax(dim=-1, keepdim=True)
     span = high - low
-    scale = (span / 15).clamp(min=torch.finfo(torch.float32).tiny)
-    q = torch.round((groups - low) / scale).clamp(0, 15)
+    codes = torch.full_like(span, 15.0)  # the steps a group's span covers
+
+    def on(codes):
+        scale = (span / codes).clamp(min=torch.finfo(torch.float32).tiny)
+        return torch.round((groups - low) / scale).clamp(0, 15), scale
+
+    q, scale = on(codes)
     # only groups off the span / 15 grid (beyond the weight dtype's rounding) are sorted for their smallest gap
     off = (low + scale * q - groups).abs().amax(dim=-1)
     slack = span[..., 0] * 1e-4 + torch.finfo(weight.dtype).eps * groups.abs().amax(dim=-1)
     short = (off > slack).nonzero(as_tuple=True)
     if len(short[0]):
         gaps = groups[short].sort(dim=-1).values.diff(dim=-1)
-        wide = span[short]
-        gap = torch.where(gaps > wide * 1e-4, gaps, torch.inf).amin(dim=-1, keepdim=True)  # equal values are no gap
-        scale[short] = (wide / torch.round(wide / gap).clamp(1, 15)).clamp(min=torch.finfo(torch.float32).tiny)
-        q[short] = torch.round((groups[short] - low[short]) / scale[short]).clamp(0, 15)
+        gap = torch.where(gaps > span[short] * 1e-4, gaps, torch.inf).amin(dim=-1, keepdim=True)  # equal values: none
+        codes[short] = torch.round(span[short] / gap).clamp(1, 15)
+        q, scale = on(codes)
     return q, scale, low
 
 

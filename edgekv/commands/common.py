@@ -272,9 +272,10 @@ def add_weights_flag(parser, where: str) -> None:
     from edgekv.runtime.weights import WEIGHT_FORMATS
 
     parser.add_argument("--weights", choices=WEIGHT_FORMATS, default=None,
-                        help=f"the linear layers' format on the CPU (int8: PyTorch's dynamic int8 linear, float32; int4: "
-                             f"4-bit weight-only in groups of 32, the GGUF Q4 blocks' grid, float32 or bfloat16; "
-                             f"default: the deployed config's, else as loaded; {where})")
+                        help=f"the linear layers' format on the CPU (int8: PyTorch's dynamic int8 linear, float32; "
+                             f"int4: 4-bit weight-only in groups of 32 where a layer keeps a GGUF Q4 grid, int8 "
+                             f"weight-only elsewhere, float32 or bfloat16; default: the deployed config's, else as "
+                             f"loaded; {where})")
 
 
 def check_common(args, command) -> None:
