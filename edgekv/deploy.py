@@ -318,7 +318,7 @@ def quality_table(d: Deployment, cache_root: Path, adapters: dict, calibration: 
         with Progress(len(grid) + 1, f"quality table {context}") as progress:
             scorer = ConfigScorer(d.model(), d.kv_dir, Adapters.from_files(d.model(), adapters), windows,
                                   quality.continuation(context), progress, max_batch=quality.WINDOWS, label=str(context))
-            points += quality.measure(scorer, grid, context, prof.quality_target, known)
+            points += quality.measure(scorer, grid, context, prof.quality_target, known, prof.quality_top1_min)
     quality.save(path, fp, points, {"seconds": round(time.perf_counter() - start, 1)})
     return points
 
@@ -326,7 +326,8 @@ def quality_table(d: Deployment, cache_root: Path, adapters: dict, calibration: 
 def solver_limits(prof: Profile, record_losses: dict | None = None) -> solver.Limits:
     """The solver's limits a profile sets (with the record table's losses once measured)."""
     return solver.Limits(prof.sigma_max, prof.g_max, prof.mg_const, prof.exposed_io_share, prof.reuse_step,
-                         quality_target=prof.quality_target, record_losses=record_losses or {},
+                         quality_target=prof.quality_target, quality_top1_min=prof.quality_top1_min,
+                         record_losses=record_losses or {},
                          record_ppl_max=prof.record_ppl_max)
 
 
@@ -538,8 +539,10 @@ def run(platform: str | None = None, model: str | None = None, kv_paths: str | P
     report.write(out, prof, d.model_dir, measurements, solutions, stats, tuning_s)
     log(f"report: {out / 'report.txt'}")
     if top.ppl_ratio is not None:
-        log(f"quality: the deployed configuration's measured ppl ratio to full is {top.ppl_ratio} at context "
-            f"{top.context} (target {prof.quality_target:g}: {'met' if top.quality_met else 'NOT met'})")
+        floor = "" if prof.quality_top1_min is None else f", top-1 >= {prof.quality_top1_min:g}"
+        log(f"quality: the deployed configuration's measured ppl ratio to full is {top.ppl_ratio}, top-1 agreement "
+            f"{top.top1_agreement}, at context {top.context} (target ppl <= {prof.quality_target:g}{floor}: "
+            f"{'met' if top.quality_met else 'NOT met'})")
     return {"config": str(out / "config.json"), "stats": stats, "chat": chat, "tuning_s": round(tuning_s, 1)}
 
 

@@ -55,6 +55,7 @@ SCHEMA = {
     "power_meter": (str, True, POWER_METERS),
     "scorers": (list, True, None),
     "quality_target": (float, False, None),
+    "quality_top1_min": (float, False, None),
     "quality_contexts": (list, False, None),
 }
 
@@ -86,6 +87,7 @@ class Profile:
     power_meter: str
     scorers: tuple[str, ...]
     quality_target: float | None = None  # ppl ratio to full the solver must meet (None: KVSwap's M*G = mg_const)
+    quality_top1_min: float | None = None  # top-1 agreement with full the solver must meet beside it (None: any)
     quality_contexts: tuple[int, ...] = ()  # where the quality table is measured (default: max_context)
     record_dtypes: tuple[str, ...] = ()  # disk record formats the solver may pick beside exact ones (measured first)
     record_ppl_max: float = 1.01  # without a quality target: the most loss a record format may cost
@@ -139,6 +141,7 @@ def load_profile(source: str | Path, profiles_dir: Path = PROFILES_DIR) -> Profi
         disk_seconds=float(flat["profiling.disk_seconds"]), disk_file_mib=flat["profiling.disk_file_mib"],
         power_meter=flat["power_meter"], scorers=tuple(flat["scorers"]),
         quality_target=flat.get("quality_target"),
+        quality_top1_min=flat.get("quality_top1_min"),
         quality_contexts=tuple(flat.get("quality_contexts") or [flat["memory.max_context"]]),
         record_dtypes=tuple(flat.get("solver.record_dtypes") or ()),
         record_ppl_max=float(flat.get("solver.record_ppl_max", 1.01)),
@@ -215,6 +218,13 @@ def _check_ranges(path: Path, flat: dict) -> None:
     target = flat.get("quality_target")
     if target is not None and target < 1:
         raise ProfileError(f"{path}: field 'quality_target' is a perplexity ratio to full (>= 1, e.g. 1.05), got {target!r}")
+    top1 = flat.get("quality_top1_min")
+    if top1 is not None and not 0 < top1 <= 1:
+        raise ProfileError(f"{path}: field 'quality_top1_min' is the share of next tokens that must agree with full's "
+                           f"(in (0, 1], e.g. 0.9), got {top1!r}")
+    if top1 is not None and target is None:
+        raise ProfileError(f"{path}: field 'quality_top1_min' needs 'quality_target' beside it (the solver meets both "
+                           "on the quality table); set quality_target (e.g. 1.05) or remove quality_top1_min")
     contexts = flat.get("quality_contexts")
     if contexts is not None and (not contexts or not all(isinstance(c, int) and not isinstance(c, bool)
                                                          and 0 < c <= flat["memory.max_context"] for c in contexts)):

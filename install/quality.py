@@ -140,12 +140,14 @@ def run_config(point: dict, context: int) -> dict:
             **correction_fields(point)}
 
 
-def measure(scorer, grid: list[dict], context: int, target: float | None, known=()) -> list[QualityPoint]:
+def measure(scorer, grid: list[dict], context: int, target: float | None, known=(),
+            top1_min: float | None = None) -> list[QualityPoint]:
     """Every grid point through ``scorer`` (an edgekv.evals.perplexity.ConfigScorer on calibration windows
-    of ``context`` tokens).  With a ``target``, points that differ only in sigma are measured from the largest sigma
-    down, stopping at the first that meets it (a smaller sigma costs more memory for a loss already met), after the
-    family's smallest sigma, its best prediction: a family whose best misses the target is not measured further
-    (on SmolLM2 at 8K this halves the table's time; most families of a small M*G miss at every sigma).
+    of ``context`` tokens).  With a ``target`` (a ppl ratio, and ``top1_min`` beside it when given), points that
+    differ only in sigma are measured from the largest sigma down, stopping at the first that meets it (a smaller
+    sigma costs more memory for a loss already met), after the family's smallest sigma, its best prediction: a
+    family whose best misses the target is not measured further (on SmolLM2 at 8K this halves the table's time;
+    most families of a small M*G miss at every sigma).
     ``known``: points measured before with the same model, calibration and adapters (a shipped table): given
     again, not measured."""
     points = []
@@ -168,12 +170,15 @@ def measure(scorer, grid: list[dict], context: int, target: float | None, known=
                                    None if row.get("guess_recall") is None else round(row["guess_recall"], 4)))
         return points[-1]
 
+    def meets(q: QualityPoint) -> bool:
+        return target is not None and q.ppl_ratio <= target and (top1_min is None or q.top1_agreement >= top1_min)
+
     for family in families.values():
         ordered = sorted(family, key=lambda p: -p["sigma"])
-        if target is not None and len(ordered) > 1 and run(ordered.pop()).ppl_ratio > target:
+        if target is not None and len(ordered) > 1 and not meets(run(ordered.pop())):
             continue
         for p in ordered:
-            if run(p).ppl_ratio <= (target if target is not None else -math.inf):
+            if meets(run(p)):
                 break
     return points
 

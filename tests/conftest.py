@@ -168,6 +168,7 @@ def tiny_deploy_profile(root, name: str, kv_paths: list, max_batch: int, context
     data["profiling"] = {"disk_seconds": disk_seconds, "disk_file_mib": 16}
     data["model"] = "fixture"
     data.pop("quality_target", None)
+    data.pop("quality_top1_min", None)
     path = root / f"{name}.yaml"
     path.write_text(yaml.safe_dump(data))
     return path

@@ -347,6 +347,55 @@ def test_a_corrected_point_wins_on_quality_and_pays_for_its_extra_reads():
     assert both_meet.correction == "guess"  # both meet 1.05: the one with no reads before attention
 
 
+def test_a_top1_floor_passes_over_a_cheaper_point_whose_next_tokens_disagree_with_full():
+    """Both points meet ppl 1.05; the one that reads a quarter of the groups agrees with full on 85 % of next tokens.
+    Without a floor the solver takes it (less I/O exposed); with ``quality_top1_min`` 0.9 it takes the other."""
+    from dataclasses import replace
+
+    cheap = replace(_point(400, 4, 1.03), top1_agreement=0.85)
+    agreeing = replace(_point(1600, 8, 1.04, 4, 64), top1_agreement=0.93)
+
+    def solve(top1_min):
+        limits = solver.Limits(io_align_bytes=512, quality_target=1.05, quality_top1_min=top1_min)
+        return solver.solve_for_quality(2, 8192, _full_bytes(8192) / 4, DIMS, torch.float32, limits, [cheap, agreeing],
+                                        lambda b, M, G, hit, record="auto": 0.01 * M,
+                                        lambda b, S, rank, M, G, reuse=True: 1.0, lambda G, C, M: 0.0)
+
+    assert (solve(None).M * 4, solve(None).top1_agreement) == (400, 0.85)
+    floored = solve(0.9)
+    assert (floored.M * 4, floored.top1_agreement, floored.quality_met) == (1600, 0.93, True)
+    logs = []
+    limits = solver.Limits(io_align_bytes=512, quality_target=1.05, quality_top1_min=0.95)
+    missed = solver.solve_for_quality(2, 8192, _full_bytes(8192) / 4, DIMS, torch.float32, limits, [cheap, agreeing],
+                                      lambda *a: 0.1, lambda *a: 1.0, lambda *a: 0.0, log=logs.append)
+    assert missed.quality_met is False and "with top-1 >= 0.95 not reachable" in logs[0]
+
+
+def test_a_sigma_sweep_goes_on_past_a_point_that_meets_the_ppl_target_but_not_the_top1_floor():
+    """From the largest sigma down, after the family's smallest: sigma 8 meets ppl 1.05 with top-1 0.85, so with a
+    floor of 0.9 sigma 4 is measured too; without one the sweep stops at 8."""
+    from edgekv.install import quality
+
+    grid = [{"G": 4, "mg_tokens": 400, "sigma": s, "sink_tokens": 0, "window_tokens": 0, "klr_dtype": "int8",
+             "correction": "guess"} for s in (2.0, 4.0, 8.0, 16.0)]
+    measured = {16.0: (1.3, 0.7), 8.0: (1.01, 0.85), 4.0: (1.0, 0.95), 2.0: (0.99, 0.97)}
+
+    def sweep(top1_min):
+        asked = []
+
+        def scorer(policy, config):
+            asked.append(config["sigma"])
+            ppl, top1 = measured[config["sigma"]]
+            return {"ppl_ratio": ppl, "top1_agreement": top1}
+
+        quality.measure(scorer, grid, 8192, 1.05, (), top1_min)
+        return asked
+
+    assert sweep(None) == [2.0, 16.0, 8.0]
+    assert sweep(0.9) == [2.0, 16.0, 8.0, 4.0]
+    assert sweep(0.98) == [2.0]  # the family's best misses the floor: nothing more of it is measured
+
+
 def test_solver_says_when_no_configuration_meets_the_target():
     logs = []
     sol = _solve_quality(1 / 4, 1.001, logs)
@@ -493,6 +542,8 @@ def test_a_table_of_fewer_selections_gives_its_points_and_only_the_rest_are_meas
 
 
 @pytest.mark.parametrize("field, value, message", [("quality_target", 0.9, "perplexity ratio"),
+                                                  ("quality_top1_min", 1.5, "quality_top1_min' is the share"),
+                                                  ("quality_top1_min", 0, "quality_top1_min' is the share"),
                                                   ("quality_contexts", [0], "quality_contexts"),
                                                   ("corrections", ["oracle"], "solver.corrections")])
 def test_bad_quality_fields_are_named(tmp_path, field, value, message):
@@ -501,6 +552,16 @@ def test_bad_quality_fields_are_named(tmp_path, field, value, message):
     path = tmp_path / "mine.yaml"
     path.write_text(yaml.safe_dump(data))
     with pytest.raises(ProfileError, match=message):
+        load_profile(path)
+
+
+def test_a_top1_floor_without_a_ppl_target_is_named(tmp_path):
+    data = yaml.safe_load((PROFILES_DIR / "local.yaml").read_text())
+    data.pop("quality_target")
+    data["quality_top1_min"] = 0.9
+    path = tmp_path / "mine.yaml"
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(ProfileError, match="'quality_top1_min' needs 'quality_target'"):
         load_profile(path)
 
 
