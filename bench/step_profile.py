@@ -18,11 +18,17 @@ KVSWAP = "G=8,M=50,C=50,sigma=16"  # the bench's fit for synth:llama-3.1-8b at 1
 
 
 def fields(text: str) -> dict:
-    """``G=8,M=50,sigma=16`` -> {"G": 8, "M": 50, "sigma": 16.0}."""
+    """``G=8,M=50,sigma=16,klr_dtype=int8,reuse=false`` -> {"G": 8, "M": 50, "sigma": 16.0, "klr_dtype": "int8",
+    "reuse": False}: numbers, true/false, and any other value as text."""
     out = {}
     for item in filter(None, text.split(",")):
         key, _, value = item.partition("=")
-        out[key] = float(value) if "." in value or key == "sigma" else int(value)
+        if value.lower() in ("true", "false"):
+            out[key] = value.lower() == "true"
+        elif value.replace(".", "", 1).isdigit():
+            out[key] = float(value) if "." in value or key == "sigma" else int(value)
+        else:
+            out[key] = value
     return out
 
 

@@ -45,12 +45,12 @@ def write(out: Path, prof, model_dir, measurements: dict, solutions, stats, tuni
                   f"({prof.batch_budget_mib:.2f} MiB per sequence), exposed I/O share {prof.exposed_io_share}, MG const {prof.mg_const}",
                   f"{'batch':>5} {'context':>7} {'G':>3} {'M':>4} {'C':>4} {'sigma':>5} {'reuse':>5} {'hit':>5} "
                   f"{'T_io ms':>8} {'T_model ms':>10} {'hidden':>6} {'MG<const':>8} {'S':>3} {'W':>4} {'select':>9} {'fix ms':>6} "
-                  f"{'ppl x':>6} {'target':>6}"]
+                  f"{'ppl x':>6} {'top-1':>6} {'target':>6}"]
         for s in solutions:
             lines.append(f"{s.batch:>5} {s.context:>7} {s.G:>3} {s.M:>4} {s.C:>4} {s.sigma:>5g} {str(s.reuse):>5} "
                          f"{s.reuse_rate:5.2f} {s.t_io_ms:8.2f} {s.t_model_ms:10.2f} {str(s.hidden):>6} {str(s.mg_scaled):>8} "
                          f"{s.sink_tokens:>3} {s.window_tokens:>4} {s.correction:>9} {s.t_correct_ms:6.2f} "
-                         f"{_opt(s.ppl_ratio):>6} {_met(s.quality_met):>6}")
+                         f"{_opt(s.ppl_ratio):>6} {_opt(s.top1_agreement):>6} {_met(s.quality_met):>6}")
         _plot_solutions(out / "solutions.png", solutions)
     if stats:
         lines += ["", "smoke generation: " + ", ".join(f"{k}={v}" for k, v in stats.items())]
