@@ -4,6 +4,8 @@ each phase on the compute thread, nested phases inside their callers).
 
     python -m bench.correction_cost --model smollm2 --context 8192 --kvswap G=4,M=410,C=393,sigma=8 \\
         --extra '{"reuse": false, "sink_tokens": 4, "window_tokens": 64}'
+    python -m bench.correction_cost --model smollm2 --context 8192 --kvswap G=4,M=205,C=205,sigma=2 --weights int4 \\
+        --extra '{"reuse": false, "klr_dtype": "int8", "score_reduce": "softmax", "correction_reads": 52}'
 """
 import argparse
 import collections
@@ -55,6 +57,7 @@ def main(argv=None) -> None:
     ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--kv-path", default=None)
     ap.add_argument("--repeat", type=int, default=1, help="runs of every mode, interleaved; the median is reported")
+    ap.add_argument("--weights", default=None, help="the linear layers' format (runtime/weights.py; default native)")
     args = ap.parse_args(argv)
     spent = collections.Counter()
     timed(spent)
@@ -62,7 +65,7 @@ def main(argv=None) -> None:
     step_ms_of = collections.defaultdict(list)
     for mode, overrides in [item for _ in range(args.repeat) for item in MODES.items()]:
         with tempfile.TemporaryDirectory(dir=args.kv_path) as kv, Engine.from_pretrained(
-                args.model, kv_offload_path=kv, policy="kvswap", device="cpu",
+                args.model, kv_offload_path=kv, policy="kvswap", device="cpu", weights=args.weights,
                 config={**cfg, **overrides}) as engine, prefilled(engine, args.context + 64) as batch:
             token = torch.tensor([42])
             for _ in range(args.warmup):

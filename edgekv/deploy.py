@@ -539,10 +539,9 @@ def run(platform: str | None = None, model: str | None = None, kv_paths: str | P
     report.write(out, prof, d.model_dir, measurements, solutions, stats, tuning_s)
     log(f"report: {out / 'report.txt'}")
     if top.ppl_ratio is not None:
-        floor = "" if prof.quality_top1_min is None else f", top-1 >= {prof.quality_top1_min:g}"
         log(f"quality: the deployed configuration's measured ppl ratio to full is {top.ppl_ratio}, top-1 agreement "
-            f"{top.top1_agreement}, at context {top.context} (target ppl <= {prof.quality_target:g}{floor}: "
-            f"{'met' if top.quality_met else 'NOT met'})")
+            f"{top.top1_agreement}, at context {top.context} (target "
+            f"{solver.target_words(prof.quality_target, prof.quality_top1_min)}: {'met' if top.quality_met else 'NOT met'})")
     return {"config": str(out / "config.json"), "stats": stats, "chat": chat, "tuning_s": round(tuning_s, 1)}
 
 

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .solver import target_words
+
 
 def write(out: Path, prof, model_dir, measurements: dict, solutions, stats, tuning_s: float) -> None:
     lines = [f"edgekv install report: platform {prof.platform} ({prof.source})", f"model {model_dir}",
@@ -33,9 +35,8 @@ def write(out: Path, prof, model_dir, measurements: dict, solutions, stats, tuni
                          "was set from it and the scored keys were read into host memory, not kept in storage")
     table = measurements.get("quality_table") or []
     if table:
-        floor = "" if prof.quality_top1_min is None else f", top-1 >= {prof.quality_top1_min:g}"
         lines += ["", f"quality table (ppl ratio / top-1 agreement vs full on calibration text), target "
-                  f"{prof.quality_target:g}{floor}:", f"{'context':>7} {'G':>3} {'M*G':>5} {'sigma':>5} {'S':>3} {'W':>4} "
+                  f"{target_words(prof.quality_target, prof.quality_top1_min)}:", f"{'context':>7} {'G':>3} {'M*G':>5} {'sigma':>5} {'S':>3} {'W':>4} "
                   f"{'K_lr':>8} {'select':>9} {'ppl x':>6} {'top-1':>6}"]
         lines += [f"{p['context']:>7} {p['G']:>3} {p['mg_tokens']:>5} {p['sigma']:>5g} {p['sink_tokens']:>3} "
                   f"{p['window_tokens']:>4} {p.get('klr_dtype', 'bfloat16'):>8} {p.get('correction', 'guess'):>9} "

@@ -271,7 +271,7 @@ def solve_for_quality(batch: int, context: int, budget_bytes: float, dims: Model
         return min(met, key=lambda s: (_exposed(s), s.ppl_ratio, s.bytes_per_sequence))
     best = min(fitting, key=lambda s: (s.ppl_ratio, _exposed(s)))
     if log is not None:
-        log(f"quality target ppl ratio <= {target:g}{_top1_words(limits)} not reachable at batch {batch}, context {context} within "
+        log(f"quality target {target_words(target, limits.quality_top1_min)} not reachable at batch {batch}, context {context} within "
             f"{budget_bytes / 2**20:.2f} MiB per sequence: best reachable {best.ppl_ratio:.3f} (G={best.G} M={best.M} "
             f"sigma={best.sigma:g} {best.klr_dtype} records {best.kv_record_dtype} S={best.sink_tokens} W={best.window_tokens}); raise the budget or "
             "the target")
@@ -286,8 +286,9 @@ def quality_met(limits: Limits, ppl_ratio: float, top1_agreement: float) -> bool
                                                    or top1_agreement >= limits.quality_top1_min)
 
 
-def _top1_words(limits: Limits) -> str:
-    return "" if limits.quality_top1_min is None else f" with top-1 >= {limits.quality_top1_min:g}"
+def target_words(target: float, top1_min: float | None) -> str:
+    """The quality target as logs and reports say it: "ppl ratio <= 1.05 with top-1 >= 0.9"."""
+    return f"ppl ratio <= {target:g}" + ("" if top1_min is None else f" with top-1 >= {top1_min:g}")
 
 
 def _exposed(sol: Solution) -> float:
