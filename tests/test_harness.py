@@ -77,7 +77,8 @@ def test_model_without_tokenizer_or_fixture_vocab_is_refused(model_dirs):
         harness.task_format(model_dirs["llama"])
 
 
-def test_quality_rule_takes_the_lowest_measured_loss_under_the_budget_and_caches_it(model_dirs, tmp_path, monkeypatch):
+def test_quality_rule_takes_the_least_measured_loss_under_the_budget_and_caches_it(model_dirs, tmp_path, monkeypatch):
+    """Least loss: the highest top-1 agreement with full, then the lowest ppl ratio."""
     from edgekv.evals import scoring
     from edgekv.install import quality
     from edgekv.runtime.model import load_model
@@ -91,7 +92,7 @@ def test_quality_rule_takes_the_lowest_measured_loss_under_the_budget_and_caches
     budget = harness.budget_config(harness.Variant("kvswap", 1 / 4), 512, model.dims, torch.float32, 2)["max_kv_mem_mib"]
     config = harness.budget_config(variant, 512, model.dims, torch.float32, 2, chooser=chooser)
     measured = next(iter(chooser.cache.values()))["measured"]
-    best = min(measured, key=lambda r: (r["ppl_ratio"], -r["top1_agreement"]))
+    best = harness.least_loss(measured)
     assert (config["M"] * config["G"], config["sigma"], config["sink_tokens"]) == (
         best["mg_tokens"], best["sigma"], best["sink_tokens"])
     assert config["max_kv_mem_mib"] == pytest.approx(budget)  # the same budget as KVSwap's rule gets
@@ -101,6 +102,13 @@ def test_quality_rule_takes_the_lowest_measured_loss_under_the_budget_and_caches
     assert harness.budget_config(variant, 512, model.dims, torch.float32, 2, chooser=again) == config
     with pytest.raises(ValueError, match="QualityChooser"):
         harness.budget_config(variant, 512, model.dims, torch.float32, 2)
+
+
+def test_least_loss_is_the_highest_top1_agreement_then_the_lowest_ppl():
+    """SmolLM2's 8K 1/13 calibration rows (ppl ratio, top-1): the lowest ppl agrees least with full."""
+    rows = [{"ppl_ratio": 0.928, "top1_agreement": 0.898}, {"ppl_ratio": 0.96, "top1_agreement": 0.957},
+            {"ppl_ratio": 0.961, "top1_agreement": 0.957}]
+    assert harness.least_loss(rows) is rows[1]
 
 
 def test_configs_from_an_earlier_eval_are_run_as_recorded(model_dirs, tmp_path):
