@@ -78,7 +78,7 @@ def test_model_without_tokenizer_or_fixture_vocab_is_refused(model_dirs):
 
 
 def test_quality_rule_takes_the_least_measured_loss_under_the_budget_and_caches_it(model_dirs, tmp_path, monkeypatch):
-    """Least loss: the highest top-1 agreement with full, then the lowest ppl ratio."""
+    """Least loss as ``harness.least_loss`` defines it: top-1 agreement first, within its error the lowest ppl ratio."""
     from edgekv.evals import scoring
     from edgekv.install import quality
     from edgekv.runtime.model import load_model
