@@ -171,7 +171,7 @@ def measure(scorer, grid: list[dict], context: int, target: float | None, known=
         return points[-1]
 
     def meets(q: QualityPoint) -> bool:
-        return target is not None and q.ppl_ratio <= target and (top1_min is None or q.top1_agreement >= top1_min)
+        return target is not None and meets_target(q.ppl_ratio, q.top1_agreement, target, top1_min)
 
     for family in families.values():
         ordered = sorted(family, key=lambda p: -p["sigma"])
@@ -181,6 +181,14 @@ def measure(scorer, grid: list[dict], context: int, target: float | None, known=
             if meets(run(p)):
                 break
     return points
+
+
+def meets_target(ppl_ratio: float, top1_agreement: float, target: float, top1_min: float | None) -> bool:
+    """A point's two measures against the quality target (a ppl ratio) and the top-1 floor beside it.  Top-1
+    agreement is the steadier of the two across texts: SmolLM2's first default deploy met ppl 1.05 on its calibration
+    windows at 0.960 and measured 1.063 on held-out text, while its top-1 moved from 0.858 to 0.854 (docs/results,
+    issue 33)."""
+    return ppl_ratio <= target and (top1_min is None or top1_agreement >= top1_min)
 
 
 def _key(p: QualityPoint) -> tuple:

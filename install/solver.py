@@ -31,7 +31,7 @@ from edgekv.runtime.memory import plan_memory
 from edgekv.runtime.model import ModelDims
 from edgekv.runtime.slots import SlotTable
 
-from .quality import correction_fields
+from .quality import correction_fields, meets_target
 
 SIGMAS = (1, 2, 4, 8, 16, 32)
 
@@ -257,7 +257,7 @@ def solve_for_quality(batch: int, context: int, budget_bytes: float, dims: Model
             fix = t_io_ms(batch, missed, p.G, hit, record) if missed else 0.0
             model = t_model_ms(batch, context, rank, picked, p.G, reuse)
             ppl_ratio = p.ppl_ratio * loss
-            met = None if target is None else quality_met(limits, ppl_ratio, p.top1_agreement)
+            met = None if target is None else meets_target(ppl_ratio, p.top1_agreement, target, limits.quality_top1_min)
             fitting.append(Solution(batch, context, p.G, M, C, p.sigma, hit, io, model, (1 - limits.exposed_io_share) * io <= model,
                                     False, total, reuse, p.sink_tokens, p.window_tokens, ppl_ratio, met, p.klr_dtype,
                                     record, **correction, t_correct_ms=fix, top1_agreement=p.top1_agreement))
@@ -276,14 +276,6 @@ def solve_for_quality(batch: int, context: int, budget_bytes: float, dims: Model
             f"sigma={best.sigma:g} {best.klr_dtype} records {best.kv_record_dtype} S={best.sink_tokens} W={best.window_tokens}); raise the budget or "
             "the target")
     return best
-
-
-def quality_met(limits: Limits, ppl_ratio: float, top1_agreement: float) -> bool:
-    """Both measures of a table point against the limits.  Top-1 agreement is the steadier of the two across texts:
-    SmolLM2's first default deploy met ppl 1.05 on its calibration windows at 0.960 and measured 1.063 on held-out
-    text, while its top-1 moved from 0.858 to 0.854 (docs/results, issue 33)."""
-    return ppl_ratio <= limits.quality_target and (limits.quality_top1_min is None
-                                                   or top1_agreement >= limits.quality_top1_min)
 
 
 def target_words(target: float, top1_min: float | None) -> str:

@@ -216,18 +216,17 @@ def _fuse(parent: nn.Module, packed: str, names: tuple[str, ...]) -> None:
         return
     grids = [_int4_fit(m) for m in layers]
     if any(g is None for g in grids) and any(g is not None for g in grids):
-        return  # some on a 4-bit grid, some not: each its own format
+        for name, m, grid in zip(names, layers, grids):  # some on a 4-bit grid, some not: each its own format
+            setattr(parent, name, _packed(m, grid))
+        return
     whole = torch.nn.utils.skip_init(nn.Linear, layers[0].in_features, sum(m.out_features for m in layers),
                                      bias=any(m.bias is not None for m in layers), device=layers[0].weight.device,
                                      dtype=layers[0].weight.dtype)
     whole.weight.copy_(torch.cat([m.weight for m in layers]))
     if whole.bias is not None:
         whole.bias.copy_(torch.cat([m.weight.new_zeros(m.out_features) if m.bias is None else m.bias for m in layers]))
-    if grids[0] is None:
-        fused = Int8Linear(whole)
-    else:  # each row's groups are its layer's: the grid of the whole is theirs stacked
-        fused = Int4Linear(whole, tuple(torch.cat(parts) for parts in zip(*grids)))
-    start = 0
+    grid = None if grids[0] is None else tuple(torch.cat(parts) for parts in zip(*grids))  # each row keeps its groups
+    fused, start = _packed(whole, grid), 0
     setattr(parent, packed, fused)
     for name, m in zip(names, layers):
         setattr(parent, name, PackedSlice(fused, start, start + m.out_features))
@@ -239,7 +238,11 @@ def _int4_layer(linear: nn.Linear, head: bool) -> nn.Module:
         return linear  # neither kernel takes it: left as loaded
     if head:
         return RescoredHead(linear)  # its grid is never looked for
-    grid = _int4_fit(linear)
+    return _packed(linear, _int4_fit(linear))
+
+
+def _packed(linear: nn.Linear, grid: tuple[torch.Tensor, ...] | None) -> PackedLinear:
+    """Int4 on the layer's 4-bit grid (``_int4_fit``), int8 weight-only without one."""
     return Int8Linear(linear) if grid is None else Int4Linear(linear, grid)
 
 
