@@ -140,15 +140,16 @@ def least_loss(measured: list[dict], scored_tokens: int) -> dict:
 
 class QualityChooser:
     """Budget -> the configuration with the least measured loss (``least_loss``) that fits it (the install step's
-    quality table, restricted to its budget frontier), measured once per (context, budget, G) on calibration
-    windows no evaluation scores, and cached on disk per model."""
+    quality table with its narrow windows, restricted to the budget's frontier).  Each point is measured once per
+    (context, adapters) on calibration windows no evaluation scores and cached on disk per model: a point serves
+    every budget it fits."""
 
     def __init__(self, model: DecoderModel, model_dir: str | Path, kv_path, adapters: "Adapters", quiet: bool = False,
                  cache_dir: str | Path | None = None):
         self.model, self.model_dir, self.kv_path, self.adapters, self.quiet = model, Path(model_dir), kv_path, adapters, quiet
         root = Path(cache_dir) if cache_dir else cache_root()
         self.path = root / "tables" / checkpoint_fingerprint(self.model_dir) / "eval-quality.json"
-        self.cache = json.loads(self.path.read_text()) if self.path.is_file() else {}
+        self.cache = _per_point(json.loads(self.path.read_text())) if self.path.is_file() else {}
 
     def __call__(self, variant: Variant, context: int, budget_bytes: float, max_batch: int) -> dict:
         from edgekv.install import quality, solver
@@ -156,28 +157,53 @@ class QualityChooser:
         G = policies.get(variant.policy).group_tokens or variant.G
         limits = Limits(io_align_bytes=512)
         bytes_of = lambda p: solver.smallest_bytes(self.model.dims, self.model.dtype, limits, context + 64, p)  # noqa: E731
-        grid = (quality.frontier(quality.candidates(context, [G], solver.SIGMAS, quality.CORRECTIONS), bytes_of,
-                                 budget_bytes)
-                or quality.squeezed(context, G, solver.SIGMAS, bytes_of, budget_bytes, quality.CORRECTIONS))
-        points = hashlib.sha256(json.dumps(grid, sort_keys=True).encode()).hexdigest()[:12]
-        key = f"{variant.policy} context={context} G={G} budget={budget_bytes:.0f} adapters={self.adapters.source} grid={points}"
-        if key not in self.cache:
-            if not grid:
-                raise ValueError(no_room(f"budget {budget_bytes / 2**20:.1f} MiB", budget_bytes, context, self.model.dims,
-                                         self.model.dtype.itemsize))
-            windows, source = scoring.calibration_windows(self.model_dir, context, quality.WINDOWS)
-            with Progress(len(grid) + 1, f"choosing by quality at {context}", self.quiet) as progress:
+        sink_windows = quality.SINK_WINDOW + quality.NARROW_WINDOWS
+        grid = (quality.frontier(quality.candidates(context, [G], solver.SIGMAS, quality.CORRECTIONS, sink_windows),
+                                 bytes_of, budget_bytes)
+                or quality.squeezed(context, G, solver.SIGMAS, bytes_of, budget_bytes, quality.CORRECTIONS, sink_windows))
+        if not grid:
+            raise ValueError(no_room(f"budget {budget_bytes / 2**20:.1f} MiB", budget_bytes, context, self.model.dims,
+                                     self.model.dtype.itemsize))
+        table = self.cache.setdefault(f"{variant.policy} context={context} adapters={self.adapters.source}", {"points": []})
+        rows = {_point_key(r): r for r in table["points"]}
+        unmeasured = [p for p in grid if _point_key(p) not in rows]
+        if unmeasured:
+            windows, table["source"] = scoring.calibration_windows(self.model_dir, context, quality.WINDOWS)
+            with Progress(len(unmeasured) + 1, f"choosing by quality at {context}", self.quiet) as progress:
                 scorer = scoring.ConfigScorer(self.model, self.kv_path, self.adapters, windows, quality.continuation(context),
-                                      progress, max_batch=quality.WINDOWS, label=f"{context}")
-                rows = [{**p, **{k: scorer(variant.policy, quality.run_config(p, context))[k]
-                                 for k in ("ppl_ratio", "top1_agreement")}} for p in grid]
-            self.cache[key] = {"source": source, "measured": rows}
+                                              progress, max_batch=quality.WINDOWS, label=f"{context}")
+                for p in unmeasured:
+                    row = scorer(variant.policy, quality.run_config(p, context))
+                    rows[_point_key(p)] = {**p, "ppl_ratio": row["ppl_ratio"], "top1_agreement": row["top1_agreement"]}
+            table["points"] = list(rows.values())
             self.path.parent.mkdir(parents=True, exist_ok=True)
             write_json_atomic(self.path, self.cache)
-        best = least_loss(self.cache[key]["measured"], quality.WINDOWS * (quality.continuation(context) - 1))
+        best = least_loss([rows[_point_key(p)] for p in grid], quality.WINDOWS * (quality.continuation(context) - 1))
         config = quality.run_config(best, context)
         picked = picked_groups(config["M"], G, best["sink_tokens"], best["window_tokens"])
         return {**config, "C": picked, "calibration_ppl_ratio": best["ppl_ratio"]}
+
+
+POINT_FIELDS = ("G", "mg_tokens", "sigma", "sink_tokens", "window_tokens", "klr_dtype", "correction")
+
+
+def _point_key(point: dict) -> tuple:
+    """What a quality table's point is (its measure does not depend on the budget it is a candidate under)."""
+    return tuple(point.get(k, d) for k, d in zip(POINT_FIELDS, (None,) * 5 + ("bfloat16", "guess")))
+
+
+def _per_point(cache: dict) -> dict:
+    """The eval's table cache keyed by (policy, context, adapters): a cache written per (budget, grid), as the
+    eval kept it before, is merged into it (its points measured the same way)."""
+    merged: dict[str, dict] = {}
+    for key, entry in cache.items():
+        words = dict(w.split("=", 1) for w in key.split()[1:])
+        table = merged.setdefault(f"{key.split()[0]} context={words['context']} adapters={words['adapters']}",
+                                  {"points": []})
+        table["source"] = entry.get("source", table.get("source"))
+        known = {_point_key(r) for r in table["points"]}
+        table["points"] += [r for r in entry.get("points", entry.get("measured", [])) if _point_key(r) not in known]
+    return merged
 
 
 @dataclass

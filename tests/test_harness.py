@@ -91,7 +91,8 @@ def test_quality_rule_takes_the_least_measured_loss_under_the_budget_and_caches_
     variant = harness.Variant("kvswap", 1 / 4, rule="quality")
     budget = harness.budget_config(harness.Variant("kvswap", 1 / 4), 512, model.dims, torch.float32, 2)["max_kv_mem_mib"]
     config = harness.budget_config(variant, 512, model.dims, torch.float32, 2, chooser=chooser)
-    measured = next(iter(chooser.cache.values()))["measured"]
+    measured = next(iter(chooser.cache.values()))["points"]
+    assert {(p["sink_tokens"], p["window_tokens"]) for p in measured} <= set(quality.SINK_WINDOW + quality.NARROW_WINDOWS)
     best = harness.least_loss(measured, quality.WINDOWS * (quality.continuation(512) - 1))
     assert (config["M"] * config["G"], config["sigma"], config["sink_tokens"]) == (
         best["mg_tokens"], best["sigma"], best["sink_tokens"])
@@ -102,6 +103,21 @@ def test_quality_rule_takes_the_least_measured_loss_under_the_budget_and_caches_
     assert harness.budget_config(variant, 512, model.dims, torch.float32, 2, chooser=again) == config
     with pytest.raises(ValueError, match="QualityChooser"):
         harness.budget_config(variant, 512, model.dims, torch.float32, 2)
+
+
+def test_quality_cache_is_per_point_and_reads_the_per_grid_cache_before_it(tmp_path):
+    """A point's measure does not depend on the budget it is a candidate under: the cache the eval kept per (budget,
+    grid) merges into one table per (policy, context, adapters), each point once."""
+    point = {"G": 4, "mg_tokens": 408, "sigma": 8.0, "sink_tokens": 4, "window_tokens": 64, "klr_dtype": "int8",
+             "correction": "corrected", "ppl_ratio": 1.1, "top1_agreement": 0.9}
+    other = {**point, "window_tokens": 0, "sink_tokens": 0}
+    old = {"kvswap context=8192 G=4 budget=111 adapters=abc grid=g1": {"source": "text", "measured": [point]},
+           "kvswap context=8192 G=4 budget=222 adapters=abc grid=g2": {"source": "text", "measured": [point, other]},
+           "kvswap context=4096 G=4 budget=333 adapters=abc grid=g3": {"source": "text", "measured": [point]}}
+    merged = harness._per_point(old)
+    assert sorted(merged) == ["kvswap context=4096 adapters=abc", "kvswap context=8192 adapters=abc"]
+    assert merged["kvswap context=8192 adapters=abc"]["points"] == [point, other]
+    assert harness._per_point(merged) == merged  # the new form reads back as itself
 
 
 def test_least_loss_is_the_lowest_ppl_among_the_top1_agreements_that_tie_with_the_best():

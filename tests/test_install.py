@@ -423,6 +423,22 @@ def test_a_budget_below_every_share_of_the_grid_still_gets_the_most_tokens_that_
     assert sorted((p["sigma"], p["klr_dtype"] != "int4") for p in points) == \
         [(max(solver.SIGMAS) / 2, False)] * 2 + [(max(solver.SIGMAS), True)] * 2
     assert quality.squeezed(8192, 4, solver.SIGMAS, bytes_of, 1.0) == []
+    narrow = quality.squeezed(8192, 4, solver.SIGMAS, bytes_of, budget, sink_windows=quality.NARROW_WINDOWS)
+    assert {(p["sink_tokens"], p["window_tokens"]) for p in narrow} == set(quality.NARROW_WINDOWS)
+
+
+def test_the_grid_takes_the_sink_and_window_pairs_it_is_given():
+    """The deploy's grid is the shipped one ((0, 0) and (4, 64)); the eval's adds the narrow windows, and a pair that
+    leaves no pick at a small share is skipped there."""
+    from edgekv.install import quality
+
+    default = quality.candidates(8192, [4], solver.SIGMAS)
+    wider = quality.candidates(8192, [4], solver.SIGMAS, sink_windows=quality.SINK_WINDOW + quality.NARROW_WINDOWS)
+    assert {(p["sink_tokens"], p["window_tokens"]) for p in default} == set(quality.SINK_WINDOW)
+    assert {(p["sink_tokens"], p["window_tokens"]) for p in wider} == set(quality.SINK_WINDOW + quality.NARROW_WINDOWS)
+    assert [p for p in wider if (p["sink_tokens"], p["window_tokens"]) in quality.SINK_WINDOW] == default
+    small = quality.candidates(256, [4], solver.SIGMAS, sink_windows=((4, 64), (4, 16)))  # M*G 12, 24 and 52 tokens
+    assert {(p["mg_tokens"], p["window_tokens"]) for p in small} == {(24, 16), (52, 16)}
 
 
 def test_a_rank_starved_family_is_measured_with_int4_rows_of_half_its_sigma_beside_its_best():
