@@ -7,7 +7,6 @@ sigma that fits).  Quality needs no disk timing, so G stays the variant's.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import time
