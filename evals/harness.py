@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from edgekv.install import quality, solver
 from edgekv.install.solver import Limits, fit_memory, quality_fit
 from edgekv.runtime import Engine, policies
 from edgekv.runtime.engine import preflight
@@ -151,8 +152,6 @@ class QualityChooser:
         self.cache = _per_point(json.loads(self.path.read_text())) if self.path.is_file() else {}
 
     def __call__(self, variant: Variant, context: int, budget_bytes: float, max_batch: int) -> dict:
-        from edgekv.install import quality, solver
-
         G = policies.get(variant.policy).group_tokens or variant.G
         limits = Limits(io_align_bytes=512)
         bytes_of = lambda p: solver.smallest_bytes(self.model.dims, self.model.dtype, limits, context + 64, p)  # noqa: E731
@@ -164,8 +163,8 @@ class QualityChooser:
             raise ValueError(no_room(f"budget {budget_bytes / 2**20:.1f} MiB", budget_bytes, context, self.model.dims,
                                      self.model.dtype.itemsize))
         table = self.cache.setdefault(f"{variant.policy} context={context} adapters={self.adapters.source}", {"points": []})
-        rows = {_point_key(r): r for r in table["points"]}
-        unmeasured = [p for p in grid if _point_key(p) not in rows]
+        rows = {quality.point_key(r): r for r in table["points"]}
+        unmeasured = [p for p in grid if quality.point_key(p) not in rows]
         if unmeasured:
             windows, table["source"] = scoring.calibration_windows(self.model_dir, context, quality.WINDOWS)
             with Progress(len(unmeasured) + 1, f"choosing by quality at {context}", self.quiet) as progress:
@@ -173,22 +172,14 @@ class QualityChooser:
                                               progress, max_batch=quality.WINDOWS, label=f"{context}")
                 for p in unmeasured:
                     row = scorer(variant.policy, quality.run_config(p, context))
-                    rows[_point_key(p)] = {**p, "ppl_ratio": row["ppl_ratio"], "top1_agreement": row["top1_agreement"]}
+                    rows[quality.point_key(p)] = {**p, "ppl_ratio": row["ppl_ratio"], "top1_agreement": row["top1_agreement"]}
             table["points"] = list(rows.values())
             self.path.parent.mkdir(parents=True, exist_ok=True)
             write_json_atomic(self.path, self.cache)
-        best = least_loss([rows[_point_key(p)] for p in grid], quality.WINDOWS * (quality.continuation(context) - 1))
+        best = least_loss([rows[quality.point_key(p)] for p in grid], quality.WINDOWS * (quality.continuation(context) - 1))
         config = quality.run_config(best, context)
         picked = picked_groups(config["M"], G, best["sink_tokens"], best["window_tokens"])
         return {**config, "C": picked, "calibration_ppl_ratio": best["ppl_ratio"]}
-
-
-POINT_FIELDS = ("G", "mg_tokens", "sigma", "sink_tokens", "window_tokens", "klr_dtype", "correction")
-
-
-def _point_key(point: dict) -> tuple:
-    """What a quality table's point is (its measure does not depend on the budget it is a candidate under)."""
-    return tuple(point.get(k, d) for k, d in zip(POINT_FIELDS, (None,) * 5 + ("bfloat16", "guess")))
 
 
 def _per_point(cache: dict) -> dict:
@@ -200,8 +191,8 @@ def _per_point(cache: dict) -> dict:
         table = merged.setdefault(f"{key.split()[0]} context={words['context']} adapters={words['adapters']}",
                                   {"points": []})
         table["source"] = entry.get("source", table.get("source"))
-        known = {_point_key(r) for r in table["points"]}
-        table["points"] += [r for r in entry.get("points", entry.get("measured", [])) if _point_key(r) not in known]
+        known = {quality.point_key(r) for r in table["points"]}
+        table["points"] += [r for r in entry.get("points", entry.get("measured", [])) if quality.point_key(r) not in known]
     return merged
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 from edgekv.runtime.config import picked_groups
@@ -196,8 +196,17 @@ def meets_target(ppl_ratio: float, top1_agreement: float, target: float, top1_mi
     return ppl_ratio <= target and (top1_min is None or top1_agreement >= top1_min)
 
 
+POINT_FIELDS = ("G", "mg_tokens", "sigma", "sink_tokens", "window_tokens", "klr_dtype", "correction")
+
+
+def point_key(point: dict) -> tuple:
+    """What a grid point is, whatever was measured on it (a field a point predates takes QualityPoint's default)."""
+    defaults = {f.name: f.default for f in fields(QualityPoint)}
+    return tuple(point.get(k, defaults[k]) for k in POINT_FIELDS)
+
+
 def _key(p: QualityPoint) -> tuple:
-    return p.context, p.G, p.mg_tokens, p.sigma, p.sink_tokens, p.window_tokens, p.klr_dtype, p.correction
+    return (p.context, *point_key(asdict(p)))
 
 
 def record_config(G: int, context: int) -> dict:
