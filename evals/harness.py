@@ -140,7 +140,8 @@ def least_loss(measured: list[dict], scored_tokens: int) -> dict:
 
 class QualityChooser:
     """Budget -> the configuration with the least measured loss (``least_loss``) that fits it (the install step's
-    quality table with its narrow windows, restricted to the budget's frontier).  Each point is measured once per
+    quality table with its narrow windows and fine shares, restricted to the budget's frontier, and each corrected
+    family again at the largest int4 rank that fits).  Each point is measured once per
     (context, adapters) on calibration windows no evaluation scores and cached on disk per model: a point serves
     every budget it fits."""
 
@@ -155,10 +156,12 @@ class QualityChooser:
         G = policies.get(variant.policy).group_tokens or variant.G
         limits = Limits(io_align_bytes=512)
         bytes_of = lambda p: solver.smallest_bytes(self.model.dims, self.model.dtype, limits, context + 64, p)  # noqa: E731
-        sink_windows = quality.SINK_WINDOW + quality.NARROW_WINDOWS
-        grid = (quality.frontier(quality.candidates(context, [G], solver.SIGMAS, quality.CORRECTIONS, sink_windows),
-                                 bytes_of, budget_bytes)
+        sink_windows, shares = quality.SINK_WINDOW + quality.NARROW_WINDOWS, quality.MG_SHARES + quality.FINE_SHARES
+        grid = (quality.frontier(quality.candidates(context, [G], solver.SIGMAS, quality.CORRECTIONS, sink_windows,
+                                                    shares), bytes_of, budget_bytes)
                 or quality.squeezed(context, G, solver.SIGMAS, bytes_of, budget_bytes, quality.CORRECTIONS, sink_windows))
+        dims = self.model.dims
+        grid += quality.rank_filled(grid, bytes_of, budget_bytes, dims.n_kv_heads * dims.head_dim)
         if not grid:
             raise ValueError(no_room(f"budget {budget_bytes / 2**20:.1f} MiB", budget_bytes, context, self.model.dims,
                                      self.model.dtype.itemsize))

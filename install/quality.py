@@ -24,6 +24,10 @@ from edgekv.runtime.store.files import write_json_atomic
 SHIPPED_DIR = Path(__file__).resolve().parents[1] / "profiles" / "quality"  # tables shipped as data (``shipped``)
 
 MG_SHARES = (0.05, 0.1, 0.2)  # M*G candidates as shares of the context (KVSwap's 400 tokens is 5 % at 8K)
+# the eval's grid also measures a share between the last two, where picks and K_lr's rank trade evenly at tight
+# budgets (SmolLM2 at 4K, 1/34: M*G 616 with int4 K_lr at rank 50 was the least loss on calibration, 1.012 / 0.945,
+# and found all 16 needles where the 20 % share's choice found 11).  The deploy's shipped tables predate it
+FINE_SHARES = (0.15,)
 SINK_WINDOW = ((0, 0), (4, 64))  # (S, W): none (KVSwap as published), and one sink group with a 64-token window
 # narrower windows for tight budgets, where a 64-token window is a quarter of the bytes (SmolLM2 at 8K, 1/34) and the
 # picks' rank pays for it: at 4K, 1/34 the best (4, 16) point measured 1.020 / top-1 0.933 on calibration, the best
@@ -86,12 +90,13 @@ def share_tokens(share: float, context: int, G: int) -> int:
     return max(G, round(share * context / G) * G)
 
 
-def candidates(context: int, group_sizes, sigmas, corrections=("guess",), sink_windows=SINK_WINDOW) -> list[dict]:
-    """The grid measured at one context: every G, M*G share, sigma, (S, W) of ``sink_windows`` that leaves the
-    predictor a pick, K_lr format and selection (``corrections``)."""
+def candidates(context: int, group_sizes, sigmas, corrections=("guess",), sink_windows=SINK_WINDOW,
+               shares=MG_SHARES) -> list[dict]:
+    """The grid measured at one context: every G, M*G share of ``shares``, sigma, (S, W) of ``sink_windows`` that
+    leaves the predictor a pick, K_lr format and selection (``corrections``)."""
     out = []
     for G in group_sizes:
-        for share in MG_SHARES:
+        for share in shares:
             mg = share_tokens(share, context, G)
             for S, W in sink_windows:
                 if mg - S - W < G:
@@ -109,12 +114,36 @@ def frontier(grid: list[dict], bytes_of, budget_bytes: float) -> list[dict]:
     best: dict[tuple, dict] = {}
     order = lambda p: (p["sigma"], p["klr_dtype"] != "bfloat16")  # noqa: E731
     for p in grid:
-        key = (p["G"], p["mg_tokens"], p["sink_tokens"], p["window_tokens"], p.get("correction", "guess"))
+        key = _family(p)
         if bytes_of(p) <= budget_bytes and (key not in best or order(p) < order(best[key])):
             best[key] = p
     lean = [{**p, "sigma": p["sigma"] / 2, "klr_dtype": LEAN_KLR} for p in best.values()
             if p["sigma"] >= LEAN_FROM_SIGMA]
     return list(best.values()) + [p for p in lean if bytes_of(p) <= budget_bytes]
+
+
+def rank_filled(points: list[dict], bytes_of, budget_bytes: float, key_dims: int) -> list[dict]:
+    """Per corrected family of ``points``, int4 K_lr at the largest rank that fits ``budget_bytes`` (sigma
+    ``key_dims`` / rank, so the rank is exact), where the sigma ladder's rank leaves up to half of K_lr's bytes
+    unused.  Rank is what retrieval lacks at tight budgets: at SmolLM2 4K, 1/34, M*G 408 with W=16 found 15 of 16
+    needles at rank 46 and 11 at the ladder's rank 24 beside more picks (docs/results, issue 33).  Guess families
+    are left out: at every budget measured the corrected family of the same geometry had the lower loss."""
+    out, seen = [], {point_key(p) for p in points}
+    for p in {_family(p): p for p in points if p.get("correction", "guess") != "guess"}.values():
+        at = lambda rank: {**p, "sigma": key_dims / rank, "klr_dtype": LEAN_KLR}  # noqa: E731
+        lo, hi = 0, key_dims
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if bytes_of(at(mid)) <= budget_bytes else (lo, mid - 1)
+        if lo and point_key(at(lo)) not in seen:
+            seen.add(point_key(at(lo)))
+            out.append(at(lo))
+    return out
+
+
+def _family(p: dict) -> tuple:
+    """What a point's sigma and K_lr format leave: its geometry and selection."""
+    return p["G"], p["mg_tokens"], p["sink_tokens"], p["window_tokens"], p.get("correction", "guess")
 
 
 def squeezed(context: int, G: int, sigmas, bytes_of, budget_bytes: float, corrections=("guess",),

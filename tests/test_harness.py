@@ -80,7 +80,7 @@ def test_model_without_tokenizer_or_fixture_vocab_is_refused(model_dirs):
 def test_quality_rule_takes_the_least_measured_loss_under_the_budget_and_caches_it(model_dirs, tmp_path, monkeypatch):
     """Least loss as ``harness.least_loss`` defines it: top-1 agreement first, within its error the lowest ppl ratio."""
     from edgekv.evals import scoring
-    from edgekv.install import quality
+    from edgekv.install import quality, solver
     from edgekv.runtime.model import load_model
 
     monkeypatch.setattr(quality, "MG_SHARES", (0.2,))  # two families: with and without sinks and window
@@ -93,6 +93,10 @@ def test_quality_rule_takes_the_least_measured_loss_under_the_budget_and_caches_
     config = harness.budget_config(variant, 512, model.dims, torch.float32, 2, chooser=chooser)
     measured = next(iter(chooser.cache.values()))["points"]
     assert {(p["sink_tokens"], p["window_tokens"]) for p in measured} <= set(quality.SINK_WINDOW + quality.NARROW_WINDOWS)
+    assert {p["mg_tokens"] for p in measured} == {quality.share_tokens(s, 512, config["G"]) for s in (0.15, 0.2)}
+    key_dims = model.dims.n_kv_heads * model.dims.head_dim  # each corrected family also at its largest int4 rank
+    assert any(p["klr_dtype"] == "int4" and p["sigma"] not in solver.SIGMAS and p["correction"] == "corrected"
+               and key_dims / p["sigma"] == round(key_dims / p["sigma"]) for p in measured)
     best = harness.least_loss(measured, quality.WINDOWS * (quality.continuation(512) - 1))
     assert (config["M"] * config["G"], config["sigma"], config["sink_tokens"]) == (
         best["mg_tokens"], best["sigma"], best["sink_tokens"])

@@ -459,6 +459,28 @@ def test_a_rank_starved_family_is_measured_with_int4_rows_of_half_its_sigma_besi
     assert roomy and not any(p["klr_dtype"] == "int4" for p in roomy)
 
 
+def test_each_corrected_family_is_measured_again_at_the_largest_int4_rank_that_fits():
+    from edgekv.install import quality
+
+    limits = solver.Limits(io_align_bytes=512)
+    bytes_of = lambda p: solver.smallest_bytes(DIMS, torch.float32, limits, 8192, p)  # noqa: E731
+    grid = quality.candidates(8192, [4], solver.SIGMAS, quality.CORRECTIONS, shares=quality.FINE_SHARES)
+    assert {p["mg_tokens"] for p in grid} == {quality.share_tokens(quality.FINE_SHARES[0], 8192, 4)}
+    budget = min(bytes_of(p) for p in grid if p["sigma"] == 4 and p["klr_dtype"] == "int8")
+    points = quality.frontier(grid, bytes_of, budget)
+    filled = quality.rank_filled(points, bytes_of, budget, DIMS.n_kv_heads * DIMS.head_dim)
+    corrected = {quality._family(p) for p in points if p["correction"] != "guess"}
+    assert filled and {quality._family(p) for p in filled} <= corrected
+    key_dims = DIMS.n_kv_heads * DIMS.head_dim
+    for p in filled:
+        rank = round(key_dims / p["sigma"])
+        assert p["klr_dtype"] == "int4" and key_dims / rank == p["sigma"]  # the rank is exact
+        assert bytes_of(p) <= budget < bytes_of({**p, "sigma": key_dims / (rank + 1)})  # the largest that fits
+    keys = [quality.point_key(p) for p in points + filled]
+    assert len(keys) == len(set(keys))  # a fill the ladder already has is not measured twice
+    assert quality.rank_filled(points + filled, bytes_of, budget, key_dims) == []
+
+
 def test_solver_without_room_for_any_point_names_the_budget():
     with pytest.raises(ValueError, match="max_kv_mem_mib"):
         _solve_quality(1e-5, 1.05)
