@@ -154,17 +154,30 @@ class QualityChooser:
 
     def __call__(self, variant: Variant, context: int, budget_bytes: float, max_batch: int) -> dict:
         G = policies.get(variant.policy).group_tokens or variant.G
+        measured = self.measured(variant, context, self.grid(variant, context, budget_bytes))
+        best = least_loss(measured, quality.WINDOWS * (quality.continuation(context) - 1))
+        config = quality.run_config(best, context)
+        picked = picked_groups(config["M"], G, best["sink_tokens"], best["window_tokens"])
+        return {**config, "C": picked, "calibration_ppl_ratio": best["ppl_ratio"]}
+
+    def grid(self, variant: Variant, context: int, budget_bytes: float) -> list[dict]:
+        """The points a budget chooses among: the frontier of the grid with the narrow windows and fine shares (or
+        the squeezed points), and each corrected family at the largest int4 rank that fits."""
+        G = policies.get(variant.policy).group_tokens or variant.G
         limits = Limits(io_align_bytes=512)
         bytes_of = lambda p: solver.smallest_bytes(self.model.dims, self.model.dtype, limits, context + 64, p)  # noqa: E731
         sink_windows, shares = quality.SINK_WINDOW + quality.NARROW_WINDOWS, quality.MG_SHARES + quality.FINE_SHARES
         grid = (quality.frontier(quality.candidates(context, [G], solver.SIGMAS, quality.CORRECTIONS, sink_windows,
                                                     shares), bytes_of, budget_bytes)
                 or quality.squeezed(context, G, solver.SIGMAS, bytes_of, budget_bytes, quality.CORRECTIONS, sink_windows))
-        dims = self.model.dims
-        grid += quality.rank_filled(grid, bytes_of, budget_bytes, dims.n_kv_heads * dims.head_dim)
         if not grid:
             raise ValueError(no_room(f"budget {budget_bytes / 2**20:.1f} MiB", budget_bytes, context, self.model.dims,
                                      self.model.dtype.itemsize))
+        dims = self.model.dims
+        return grid + quality.rank_filled(grid, bytes_of, budget_bytes, dims.n_kv_heads * dims.head_dim)
+
+    def measured(self, variant: Variant, context: int, grid: list[dict]) -> list[dict]:
+        """``grid``'s points with their loss on calibration windows: from the cache, the rest measured now."""
         table = self.cache.setdefault(f"{variant.policy} context={context} adapters={self.adapters.source}", {"points": []})
         rows = {quality.point_key(r): r for r in table["points"]}
         unmeasured = [p for p in grid if quality.point_key(p) not in rows]
@@ -179,10 +192,7 @@ class QualityChooser:
             table["points"] = list(rows.values())
             self.path.parent.mkdir(parents=True, exist_ok=True)
             write_json_atomic(self.path, self.cache)
-        best = least_loss([rows[quality.point_key(p)] for p in grid], quality.WINDOWS * (quality.continuation(context) - 1))
-        config = quality.run_config(best, context)
-        picked = picked_groups(config["M"], G, best["sink_tokens"], best["window_tokens"])
-        return {**config, "C": picked, "calibration_ppl_ratio": best["ppl_ratio"]}
+        return [rows[quality.point_key(p)] for p in grid]
 
 
 def _per_point(cache: dict) -> dict:

@@ -150,3 +150,17 @@ def test_the_tuned_row_has_a_corrected_twin_in_the_same_memory(model_dirs, tmp_p
     assert (guess["correction"], corrected["correction"]) == ("guess", "corrected")
     assert {k: corrected[k] for k in ("G", "M", "C", "sigma")} == {k: guess[k] for k in ("G", "M", "C", "sigma")}
     assert corrected["kv_resident_mib"] == guess["kv_resident_mib"] and corrected["guess_recall"] is not None
+
+
+def test_copy_probe_windows_end_in_spans_of_their_own_prompt():
+    from bench.copy_probe import copy_windows
+
+    windows = [list(range(1000 * w, 1000 * w + 900)) for w in range(3)]
+    copies = copy_windows(windows, spans=2, span_tokens=16, seed=7)
+    assert copies == copy_windows(windows, spans=2, span_tokens=16, seed=7)  # seeded
+    for window, copy in zip(windows, copies):
+        prompt, tail = copy[:-32], copy[-32:]
+        assert len(copy) == len(window) and prompt == window[:-32]
+        for span in (tail[:16], tail[16:]):
+            start = prompt.index(span[0])
+            assert prompt[start : start + 16] == span and 64 <= start < len(prompt) - 256
