@@ -191,14 +191,17 @@ class QualityChooser:
                     rows[quality.point_key(p)] = {**p, "ppl_ratio": row["ppl_ratio"], "top1_agreement": row["top1_agreement"]}
             table["points"] = list(rows.values())
             self.path.parent.mkdir(parents=True, exist_ok=True)
+            if self.path.is_file():  # with what another eval of this model measured meanwhile
+                self.cache = _per_point(json.loads(self.path.read_text()), into=self.cache)
             write_json_atomic(self.path, self.cache)
         return [rows[quality.point_key(p)] for p in grid]
 
 
-def _per_point(cache: dict) -> dict:
+def _per_point(cache: dict, into: dict | None = None) -> dict:
     """The eval's table cache keyed by (policy, context, adapters): a cache written per (budget, grid), as the
-    eval kept it before, is merged into it (its points measured the same way)."""
-    merged: dict[str, dict] = {}
+    eval kept it before, is merged into it (its points measured the same way), and the points of ``cache`` merged
+    into ``into`` (a point ``into`` has stays as it is)."""
+    merged: dict[str, dict] = into if into is not None else {}
     for key, entry in cache.items():
         words = dict(w.split("=", 1) for w in key.split()[1:])
         table = merged.setdefault(f"{key.split()[0]} context={words['context']} adapters={words['adapters']}",

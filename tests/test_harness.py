@@ -122,6 +122,11 @@ def test_quality_cache_is_per_point_and_reads_the_per_grid_cache_before_it(tmp_p
     assert sorted(merged) == ["kvswap context=4096 adapters=abc", "kvswap context=8192 adapters=abc"]
     assert merged["kvswap context=8192 adapters=abc"]["points"] == [point, other]
     assert harness._per_point(merged) == merged  # the new form reads back as itself
+    theirs = {"kvswap context=8192 adapters=abc": {"points": [{**point, "ppl_ratio": 9.0}, {**other, "sigma": 4.0}]},
+              "kvswap context=2048 adapters=abc": {"points": [point]}}  # another eval of the model wrote meanwhile
+    both = harness._per_point(theirs, into=merged)
+    assert both is merged and both["kvswap context=2048 adapters=abc"]["points"] == [point]
+    assert both["kvswap context=8192 adapters=abc"]["points"] == [point, other, {**other, "sigma": 4.0}]  # ours kept
 
 
 def test_least_loss_is_the_lowest_ppl_among_the_top1_agreements_that_tie_with_the_best():
