@@ -63,7 +63,8 @@ def main() -> None:
     adapters = Adapters(model, [split_text(ids, ctx, ctx, 4).calibration])  # as `edgekv eval --ppl builtin` fits them
     numerator, denominator = (float(x) for x in args.budget.split("/"))
     dims = model.dims
-    budget_bytes = numerator / denominator * dims.n_layers * (ctx + 64) * 2 * dims.n_kv_heads * dims.head_dim * 4
+    budget_bytes = (numerator / denominator * dims.n_layers * (ctx + 64) * 2 * dims.n_kv_heads * dims.head_dim
+                    * model.dtype.itemsize)  # as `edgekv eval --budgets` counts it (evals.harness.budget_config)
     copies = copy_windows(calibration_windows(model_dir, ctx, args.windows)[0], args.spans, args.span_tokens, args.seed)
     tail_tokens = args.spans * args.span_tokens
     rows = []
