@@ -13,10 +13,11 @@ import random
 import tempfile
 
 import torch
-from edgekv.evals.harness import QualityChooser, Variant
+from edgekv.commands.common import parse_budget
+from edgekv.evals.harness import QualityChooser, Variant, budget_bytes
 from edgekv.evals.progress import Progress
-from edgekv.evals.scoring import (Adapters, ConfigScorer, calibration_windows, engine_for, load_text, run_windows,
-                                  split_text, tokenize)
+from edgekv.evals.scoring import (Adapters, ConfigScorer, calibration_windows, compare, engine_for, load_text,
+                                  run_windows, split_text, tokenize)
 from edgekv.install import quality
 from edgekv.runtime.checkpoints import resolve_checkpoint
 from edgekv.runtime.model import load_model
@@ -39,8 +40,8 @@ def copy_row(scorer: ConfigScorer, model, kv, adapters: Adapters, config: dict, 
     logp, _ = run_windows(engine, scorer.cache, scorer.windows, scorer.continuation, on_event)
     reference, targets = scorer.reference, scorer.targets
     found = reference.argmax(-1) == targets
-    kl = (reference.exp() * (reference - logp)).sum(-1)
-    return {"copy_kl": float(kl.mean()), "copy_recall": float(((logp.argmax(-1) == targets) & found).sum() / found.sum())}
+    return {"copy_kl": compare(logp, reference, targets)[2],
+            "copy_recall": float(((logp.argmax(-1) == targets) & found).sum() / found.sum())}
 
 
 def main() -> None:
@@ -61,16 +62,14 @@ def main() -> None:
     model = load_model(model_dir, "cpu", torch.float32, ctx + 64, "native")
     ids, _ = tokenize(model_dir, load_text("builtin")[0])
     adapters = Adapters(model, [split_text(ids, ctx, ctx, 4).calibration])  # as `edgekv eval --ppl builtin` fits them
-    numerator, denominator = (float(x) for x in args.budget.split("/"))
-    dims = model.dims
-    budget_bytes = (numerator / denominator * dims.n_layers * (ctx + 64) * 2 * dims.n_kv_heads * dims.head_dim
-                    * model.dtype.itemsize)  # as `edgekv eval --budgets` counts it (evals.harness.budget_config)
+    budget = parse_budget(args.budget)
     copies = copy_windows(calibration_windows(model_dir, ctx, args.windows)[0], args.spans, args.span_tokens, args.seed)
     tail_tokens = args.spans * args.span_tokens
     rows = []
     with tempfile.TemporaryDirectory() as kv:
         chooser = QualityChooser(model, model_dir, kv, adapters)
-        grid = chooser.grid(Variant("kvswap", budget=numerator / denominator, rule="quality"), ctx, budget_bytes)
+        grid = chooser.grid(Variant("kvswap", budget=budget, rule="quality"), ctx,
+                            budget_bytes(budget, ctx + 64, model.dims, model.dtype.itemsize))
         natural = chooser.measured(Variant("kvswap", rule="quality"), ctx, grid[: args.limit])
         with Progress(len(natural) + 1, "copy probe") as progress:
             scorer = ConfigScorer(model, kv, adapters, copies, tail_tokens, progress, max_batch=4, label="copy")

@@ -57,6 +57,11 @@ class Variant:
         return ",".join([name] + [x for x in (self.ablation, self.record_dtype) if x and x != "auto"])
 
 
+def budget_bytes(budget: float, max_context: int, dims: ModelDims, itemsize: int) -> float:
+    """A budget (a fraction of the full KV at ``max_context`` tokens) in bytes per sequence."""
+    return budget * dims.n_layers * max_context * 2 * dims.n_kv_heads * dims.head_dim * itemsize
+
+
 def budget_config(variant: Variant, context: int, dims: ModelDims, kv_dtype: torch.dtype, max_batch: int,
                   limits: Limits = Limits(io_align_bytes=512), chooser: "QualityChooser | None" = None) -> dict:
     """(sigma, M, G, C, reuse, S, W) for ``variant.budget`` of the full KV at ``context`` tokens: by measured
@@ -72,7 +77,7 @@ def budget_config(variant: Variant, context: int, dims: ModelDims, kv_dtype: tor
     if variant.budget is None:
         return {**base, "M": 1, "C": 1, "sigma": 8}
     itemsize = torch.empty(0, dtype=kv_dtype).element_size()
-    budget = variant.budget * dims.n_layers * max_context * 2 * dims.n_kv_heads * dims.head_dim * itemsize
+    budget = budget_bytes(variant.budget, max_context, dims, itemsize)
     if not spec.on_disk:  # in memory: the whole budget is its cache, no disk geometry to fit
         return {**base, "M": 1, "C": 1, "sigma": 8, "max_kv_mem_mib": budget * max_batch / 2**20, **dict(variant.overrides)}
     if variant.rule == "quality":
@@ -153,11 +158,10 @@ class QualityChooser:
         self.cache = _per_point(json.loads(self.path.read_text())) if self.path.is_file() else {}
 
     def __call__(self, variant: Variant, context: int, budget_bytes: float, max_batch: int) -> dict:
-        G = policies.get(variant.policy).group_tokens or variant.G
         measured = self.measured(variant, context, self.grid(variant, context, budget_bytes))
         best = least_loss(measured, quality.WINDOWS * (quality.continuation(context) - 1))
         config = quality.run_config(best, context)
-        picked = picked_groups(config["M"], G, best["sink_tokens"], best["window_tokens"])
+        picked = picked_groups(config["M"], best["G"], best["sink_tokens"], best["window_tokens"])
         return {**config, "C": picked, "calibration_ppl_ratio": best["ppl_ratio"]}
 
     def grid(self, variant: Variant, context: int, budget_bytes: float) -> list[dict]:
