@@ -20,6 +20,7 @@ from .checkpoints import cache_root
 
 SOURCES = Path(__file__).with_name("native")
 _BUILDING = threading.Lock()  # a library's first users may be several threads at once (the I/O threads' checksums)
+_FAILED: dict[Path, str] = {}  # library -> why its build failed here: each engine would run the compiler again
 
 
 @dataclass(frozen=True)
@@ -71,8 +72,14 @@ def build(name: str) -> Path:
     with _BUILDING:  # one build; the threads that waited find its library
         if target.exists():
             return target
-        return compile_library(lambda out: ["cc", *lib.flags_here(), "-shared", "-fPIC", "-Wall", source, "-o", out,
-                                            *lib.libs], target, lib.what)
+        if target in _FAILED:
+            raise OSError(_FAILED[target])
+        try:
+            return compile_library(lambda out: ["cc", *lib.flags_here(), "-shared", "-fPIC", "-Wall", source, "-o",
+                                                out, *lib.libs], target, lib.what)
+        except OSError as exc:
+            _FAILED[target] = str(exc)
+            raise
 
 
 def load(name: str) -> ctypes.CDLL:

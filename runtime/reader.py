@@ -391,6 +391,17 @@ def _load_native(backend: str) -> ctypes.CDLL:
     return lib
 
 
+_SKIPPED: set[str] = set()  # backends 'auto' has said it skips (each engine opens readers)
+
+
+def _cause(exc: OSError) -> str:
+    """A failed build's message without its command line: what failed and the compiler's last words."""
+    lines = str(exc).splitlines()
+    head = lines[0].split(" (")[0] if lines else str(exc)
+    errors = [line.strip() for line in lines[1:] if "error" in line]
+    return f"{head}: {errors[0]}" if errors else head
+
+
 def _open_backend(backend: str, queue_depth: int) -> KVReader:
     """One reader of ``backend``; 'auto' tries io_uring, then pthread, then python, logging each fallback."""
     if backend != "auto" and backend not in BACKENDS:
@@ -404,8 +415,9 @@ def _open_backend(backend: str, queue_depth: int) -> KVReader:
             return NativeReader(_load_native(name), queue_depth=queue_depth)
         except OSError as exc:
             errors.append(f"{name}: {exc}")
-            if backend == "auto":
-                log.warning("KV reader backend %s unavailable, falling back: %s", name, exc)
+            if backend == "auto" and name not in _SKIPPED:  # once a process, its first lines (the cause)
+                _SKIPPED.add(name)
+                log.warning("KV reader backend %s unavailable, falling back: %s", name, _cause(exc))
     raise OSError(f"KV reader backend {backend!r} unavailable: {'; '.join(errors)}")
 
 

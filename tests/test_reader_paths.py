@@ -411,3 +411,35 @@ def test_emulated_devices_start_together_and_the_batch_waits_once_for_the_slowes
     assert clock() == pytest.approx(0.5), "three devices at 1 MiB/s in parallel, not one after another"
     assert clock.sleeps == [pytest.approx(0.5 - 0.03)]  # one sleep; the real reads overlapped the links
     assert multi.bytes_by_path.tolist() == [r * RECORD for r in records]
+
+
+def test_auto_compiles_a_failing_backend_once_and_says_why_once(tmp_path, monkeypatch, caplog):
+    """Without liburing (the lent GPU machines, many CI hosts) 'auto' falls back to pthread at every engine: the
+    failed io_uring build is not run again, and the warning names the cause in one line, once a process."""
+    import dataclasses
+    import shutil
+    import subprocess
+
+    from edgekv.runtime import native_build, reader
+
+    if shutil.which("cc") is None:
+        pytest.skip("no C compiler here")
+    monkeypatch.setenv("EDGEKV_CACHE", str(tmp_path))
+    lib = native_build.LIBRARIES["io_uring"]  # as if liburing's header were missing
+    monkeypatch.setitem(native_build.LIBRARIES, "io_uring",
+                        dataclasses.replace(lib, flags=lib.flags + ("-include", "no_liburing_here.h")))
+    monkeypatch.setattr(reader, "_SKIPPED", set())
+    compiles = []
+    real_run = subprocess.run
+    monkeypatch.setattr(native_build.subprocess, "run", lambda cmd, **kw: (compiles.append(cmd), real_run(cmd, **kw))[1])
+    with caplog.at_level("WARNING", logger="edgekv.runtime.reader"):
+        for _ in range(3):
+            r = open_reader("auto")
+            assert r.name == "pthread"
+            r.close()
+    io_uring_builds = [c for c in compiles if "-DEKV_URING" in c]
+    assert len(io_uring_builds) == 1
+    warnings = [rec.getMessage() for rec in caplog.records if "io_uring unavailable" in rec.getMessage()]
+    assert len(warnings) == 1 and "no_liburing_here.h" in warnings[0] and "\n" not in warnings[0]
+    with pytest.raises(OSError, match="no_liburing_here.h"):  # asked for by name, the cause still surfaces
+        open_reader("io_uring")
