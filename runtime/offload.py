@@ -315,17 +315,15 @@ class OffloadedKV(KVPolicy):
         """Keys and values [B, H_kv, S, d] and the mask [B, 1, 1, S] of the picks in flat ``slots`` [B, M] (only the
         selected records are gathered, one copy each, and decoded on the compute device), then the sinks and the
         window when ``resident`` (their mask) is given."""
-        slots, valid = torch.from_numpy(slots), torch.from_numpy(valid)
-        records = self.slot_memory.gather(layer, self.slots.buffer_index(layer), slots)
-        selected = self.layout.decode(records, self.model.dtype)
+        records = self.slot_memory.gather(layer, self.slots.buffer_index(layer), torch.from_numpy(slots))
+        selected = self.layout.decode(records, self.model.dtype)  # [B, M, K|V, H_kv, G, d]
         b, m, _, h_kv, g, d = selected.shape
-        keys, values = (selected[:, :, i].transpose(1, 2).reshape(b, h_kv, m * g, d) for i in (0, 1))
-        mask = to_device(valid, q.device).repeat_interleave(g, dim=1)
+        kv = selected.permute(2, 0, 3, 1, 4, 5).reshape(2, b, h_kv, m * g, d)  # K and V in one copy
+        mask = to_device(np.repeat(valid, g, axis=1), q.device)
         if resident is not None:
-            sinks, rolling = self.sinks[layer], self.rolling[layer]
-            keys = torch.cat([keys, sinks[:, 0], rolling[:, 0]], dim=2)
-            values = torch.cat([values, sinks[:, 1], rolling[:, 1]], dim=2)
+            kv = torch.cat([kv, self.sinks[layer].transpose(0, 1), self.rolling[layer].transpose(0, 1)], dim=3)
             mask = torch.cat([mask, resident], dim=1)
+        keys, values = kv
         return keys, values, mask[:, None, None, :]
 
     def _wait_fetch(self, layer: int) -> tuple[np.ndarray, np.ndarray]:

@@ -8,6 +8,7 @@ group are summed before projecting: one [r]-vector per sequence instead of H of 
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from typing import TYPE_CHECKING
@@ -131,7 +132,7 @@ class LowRankSelector(Selector):
         self.M = groups_per_step
         self.max_groups = -(-max_context // group_tokens)
         self._group_scores = torch.empty(batch, self.max_groups, device=device)  # reused every select
-        self._group_index = torch.arange(self.max_groups, device=device)
+        self._outside_key, self._outside_mask = None, None  # (first, counts) -> the groups no row may pick
         stored, self.bits, scale_bytes = KLR_FORMATS[predictor.klr_dtype]
         self.quantized = scale_bytes > 0
         self.dtype = torch.float32  # what projections and scores compute in
@@ -238,23 +239,34 @@ class LowRankSelector(Selector):
 
     def select(self, layer, q, n_groups, first=0):
         self._fit(layer)
-        max_groups = int(n_groups.max())
-        batch = q.shape[0]
-        groups = torch.zeros(batch, self.M, dtype=torch.long, device=q.device)
-        valid = torch.zeros(batch, self.M, dtype=torch.bool, device=q.device)
+        counts = np.asarray(n_groups)
+        max_groups, batch = int(counts.max(initial=0)), q.shape[0]
         if max_groups == 0:
-            return groups, valid
+            return (torch.zeros(batch, self.M, dtype=torch.long, device=q.device),
+                    torch.zeros(batch, self.M, dtype=torch.bool, device=q.device))
         scores = self.token_scores(layer, q, max_groups * self.G)
         # top-k over every group a sequence can have, whatever the batch's longest: how topk breaks ties depends
         # on the width, and a row's picks must depend on its own scores only, not on the rows beside it
-        group_scores = self._group_scores[:batch].fill_(float("-inf"))
+        group_scores = self._group_scores[:batch]
         group_scores[:, :max_groups] = scores.view(batch, max_groups, self.G).amax(dim=-1)
-        present = (self._group_index >= first) & (self._group_index < to_device(n_groups, q.device)[:, None])
-        top = group_scores.masked_fill_(~present, float("-inf")).topk(min(self.M, self.max_groups), dim=-1)
-        k = top.indices.shape[1]
-        groups[:, :k] = top.indices
-        valid[:, :k] = top.values > float("-inf")
+        top = group_scores.masked_fill_(self._outside(counts, first), float("-inf")).topk(
+            min(self.M, self.max_groups), dim=-1)
+        groups, valid = top.indices, top.values > float("-inf")
+        if groups.shape[1] < self.M:  # fewer groups than picks in the whole context
+            short = self.M - groups.shape[1]
+            groups = torch.cat([groups, groups.new_zeros(batch, short)], dim=1)
+            valid = torch.cat([valid, valid.new_zeros(batch, short)], dim=1)
         return groups, valid
+
+    def _outside(self, counts: np.ndarray, first: int) -> torch.Tensor:
+        """[B, max_groups] bool on the device: the groups a row may not pick (before ``first`` or at/after its count).
+        The same for every layer of a step, so made on the host and moved once when the counts change."""
+        key = (first, counts.tobytes())
+        if self._outside_key != key:
+            index = np.arange(self.max_groups)
+            outside = (index < first) | (index >= counts.astype(np.int64)[:, None])
+            self._outside_mask, self._outside_key = to_device(outside, self.device), key
+        return self._outside_mask
 
 
 def _pack_nibbles(q: torch.Tensor) -> torch.Tensor:
