@@ -395,10 +395,13 @@ _SKIPPED: set[str] = set()  # backends 'auto' has said it skips (each engine ope
 
 
 def _cause(exc: OSError) -> str:
-    """A failed build's message without its command line: what failed and the compiler's last words."""
+    """A failed build's message (its command line, then the compiler's output) as what failed and the compiler's
+    first error; any other error as it is."""
     lines = str(exc).splitlines()
-    head = lines[0].split(" (")[0] if lines else str(exc)
+    if len(lines) < 2 or not lines[0].startswith("building "):
+        return str(exc)
     errors = [line.strip() for line in lines[1:] if "error" in line]
+    head = lines[0].split(" (")[0]
     return f"{head}: {errors[0]}" if errors else head
 
 

@@ -261,7 +261,7 @@ class LowRankSelector(Selector):
     def _outside(self, counts: np.ndarray, first: int) -> torch.Tensor:
         """[B, max_groups] bool on the device: the groups a row may not pick (before ``first`` or at/after its count).
         The same for every layer of a step, so made on the host and moved once when the counts change."""
-        key = (first, counts.tobytes())
+        key = (first, counts.dtype.str, counts.shape, counts.tobytes())
         if self._outside_key != key:
             index = np.arange(self.max_groups)
             outside = (index < first) | (index >= counts.astype(np.int64)[:, None])
