@@ -468,11 +468,12 @@ def bench_point(model: DecoderModel, kv_dir: Path, batch: int, context: int, bud
                 warmup: int, limits: solver.Limits, disk_profile, compute_profile, policies, reuse_table=None,
                 log=print, gguf: Path | None = None, on_event=None, chosen: dict | None = None,
                 record_dtypes=("auto",), kv_paths: list[Path] | None = None, path_limit_mib_s: float | None = None,
-                path_limit_iops: float | None = None, make_prompts=None) -> tuple[list[Run], dict]:
+                path_limit_iops: float | None = None, make_prompts=None, on_row=None) -> tuple[list[Run], dict]:
     """Every row at one (batch, context), and what the rows over ``kv_paths`` found per budget ("replacement_replay":
     each policy's hit rate on one trace; "dedup": the shared document's bytes with and without dedup).  With
     ``gguf`` (the model's source file, llama-cpp-python importable) also the llama.cpp row at batch 1.
-    ``make_prompts(batch, prompt_len, generator)``: the prompts (default: random tokens, ``random_prompts``)."""
+    ``make_prompts(batch, prompt_len, generator)``: the prompts (default: random tokens, ``random_prompts``).
+    ``on_row(rows)``: called with the point's rows so far after each (their ratios to full come at the point's end)."""
     g = torch.Generator().manual_seed(batch * 100003 + context)
     vocab = model.dims.vocab
     prompt_len = context - steps - warmup - 8
@@ -493,6 +494,8 @@ def bench_point(model: DecoderModel, kv_dir: Path, batch: int, context: int, bud
     def keep(run: Run) -> Run:
         runs.append(run)
         log(f"  {run.policy:20s} {run.budget or '':5s} {run.decode_tok_s:9.1f} tok/s  step {run.step_ms:7.2f} ms")
+        if on_row is not None:
+            on_row(runs)
         return run
 
     for name, budget, cfg in configs:
@@ -697,12 +700,13 @@ def run(model_dir: Path, kv_dir: Path, batches: list[int], contexts: list[int], 
         chosen_from: str | None = None, record_dtypes=("auto",), kv_paths: list[Path] | None = None,
         path_limit_mib_s: float | None = None, path_limit_iops: float | None = None,
         prompt_source: str = "random", device: str | None = None, dtype: str | None = None, on_point=None,
-        weights: str | None = None) -> tuple[list[Run], dict]:
+        weights: str | None = None, on_row=None) -> tuple[list[Run], dict]:
     """Every point's rows; ``kv_paths`` adds the kvswap/Np rows, each path paced to ``path_limit_mib_s`` and
     ``path_limit_iops`` (None: unlimited) to emulate that many devices, while ``kv_dir`` holds the other rows.
     ``prompt_source``: "random" tokens or the eval's "tasks" (``task_prompts``).  ``device``/``dtype``: what the
     rows compute in (default: $EDGEKV_DEVICE or the GPU, and its dtype; runtime/devices.py).  ``on_point(runs)``:
-    called with every row so far after each point (a caller keeps what finished if a later point is cut off)."""
+    called with every row so far after each point (a caller keeps what finished if a later point is cut off);
+    ``on_row(runs)`` likewise after each row (a point's rows before its end lack their ratio to full)."""
     if prompt_source not in PROMPT_SOURCES:
         raise ValueError(f"prompt_source must be one of {PROMPT_SOURCES}, got {prompt_source!r}")
     from edgekv.runtime.devices import resolve_compute
@@ -732,7 +736,8 @@ def run(model_dir: Path, kv_dir: Path, batches: list[int], contexts: list[int], 
                                           compute_profile, policies, reuse_table, progress.write, gguf, on_event,
                                           recorded_configs(chosen_from) if chosen_from else {}, record_dtypes,
                                           kv_paths, path_limit_mib_s, path_limit_iops,
-                                          partial(task_prompts, model_dir) if prompt_source == "tasks" else None)
+                                          partial(task_prompts, model_dir) if prompt_source == "tasks" else None,
+                                          None if on_row is None else (lambda rows: on_row(runs + rows)))
             runs += rows
             for name, by_key in point.items():
                 found[name].update(by_key)

@@ -96,14 +96,14 @@ def main(argv=None) -> int:
         print(f"cuda suite: {result['cuda_suite']['summary']}")
     contexts, batches = (sorted(int(x) for x in arg.split(",")) for arg in (args.contexts, args.batches))
 
-    def keep(runs, meta=None):  # after every point: a run cut off at its time limit keeps the points it finished
+    def keep(runs, meta=None):  # after every row: a run cut off at its time limit keeps the rows it finished
         result["bench"] = {"complete": meta is not None, "meta": meta, "runs": [asdict(r) for r in runs]}
         out.write_text(json.dumps(result, indent=1, default=str))
 
     with tempfile.TemporaryDirectory(prefix="edgekv-gpu-check-", dir=args.kv_path) as kv:
         result["disk"] = disk_facts(Path(kv))
         runs, meta = bench.run(resolve_checkpoint(MODEL), Path(kv), batches, contexts, list(BUDGETS), args.steps,
-                               args.warmup, args.disk_seconds, args.policies.split(","), device="cuda", on_point=keep,
+                               args.warmup, args.disk_seconds, args.policies.split(","), device="cuda", on_row=keep,
                                chosen_from=args.quality_configs)
     keep(runs, meta)
     print(bench.table(runs))

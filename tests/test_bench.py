@@ -142,6 +142,17 @@ def test_each_finished_point_reaches_the_caller_before_the_next_runs(model_dirs,
     assert seen == [[(1, "full")], [(1, "full"), (2, "full")]] and len(runs) == 2
 
 
+def test_each_finished_row_reaches_the_caller_before_the_next_runs(model_dirs, tmp_path):
+    """A lent GPU's call that ran out of time lost a point's finished rows (32K, batch 8: full and kvswap had
+    printed): make gpu-check now writes its JSON after every row."""
+    seen = []
+    runs, _ = bench.run(Path(model_dirs["llama"]), tmp_path, [1, 2], [256], ["1/4"], 2, 1, 0.5, ["full", "kvswap"],
+                        log=lambda *a: None, quiet=True, device="cpu",
+                        on_row=lambda so_far: seen.append([(r.batch, r.policy) for r in so_far]))
+    assert seen == [[(1, "full")], [(1, "full"), (1, "kvswap")], [(1, "full"), (1, "kvswap"), (2, "full")],
+                    [(1, "full"), (1, "kvswap"), (2, "full"), (2, "kvswap")]] and len(runs) == 4
+
+
 def test_the_tuned_row_has_a_corrected_twin_in_the_same_memory(model_dirs, tmp_path):
     out = tmp_path / "bench.json"
     rc = small_bench(model_dirs, tmp_path, "--policies", "kvswap,kvswap-corrected", "--json", str(out))
