@@ -76,7 +76,7 @@ energy: native fio
 # on an Orin or an RTX box first: the cuda test suite, then edgekv bench on synth:llama-3.1-8b at 16K and 32K
 # (batch 1/4/8, budget 1/13, full, flexgen, kvswap) -> deploy/gpu-check.json and .png naming GPU, driver, torch, disk
 gpu-check: native
-	$(PYTHON) -m edgekv.gpu_check --json deploy/gpu-check.json --png deploy/gpu-check.png $(if $(KV_PATH),--kv-path $(KV_PATH))
+	$(PYTHON) -m edgekv.gpu_check --json deploy/gpu-check.json --png deploy/gpu-check.png $(if $(KV_PATH),--kv-path $(KV_PATH)) $(if $(QUICK),--quick)
 
 profile: native fio
 	$(PYTHON) -m edgekv.cli deploy --profile-only $(DEPLOY_ARGS)

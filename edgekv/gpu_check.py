@@ -10,6 +10,10 @@
 Both land in one JSON (and the bench's plot) with the GPU, its driver and CUDA, torch and the KV disk named:
 
     .venv/bin/python -m edgekv.gpu_check --json deploy/gpu-check.json --png deploy/gpu-check.png
+
+That takes well over ten minutes (flexgen reads the whole KV every step).  ``--quick`` (``make gpu-check QUICK=1``)
+is what fits a few minutes of a lent machine: the suite, 16K at batch 1/4/8 without flexgen, then flexgen beside
+kvswap at 16K x 1 (``flexgen_beside_kvswap`` in the JSON).
 """
 from __future__ import annotations
 
@@ -26,6 +30,11 @@ from pathlib import Path
 MODEL = "synth:llama-3.1-8b"
 CONTEXTS, BATCHES, BUDGETS = (16384, 32768), (1, 4, 8), ("1/13",)
 POLICIES = ("full", "flexgen", "kvswap", "kvswap-ram", "kvswap-mapped")
+# --quick: what fits a lent machine's few minutes (about 5 on an H200, suite included; docs/results, fifth GPU
+# session): 16K at batch 1/4/8 without flexgen, whose step reads the whole KV, then flexgen beside kvswap at 16K x 1
+QUICK = {"contexts": "16384", "batches": "1,4,8", "steps": 8, "warmup": 2, "disk_seconds": 2.0,
+         "policies": "full,kvswap,kvswap-ram,kvswap-mapped"}
+QUICK_FLEXGEN = {"contexts": [16384], "batches": [1], "steps": 1, "warmup": 1, "policies": ["flexgen", "kvswap"]}
 
 
 def gpu_facts() -> dict:
@@ -70,11 +79,16 @@ def main(argv=None) -> int:
     ap.add_argument("--policies", default=",".join(POLICIES), help="a subset (e.g. flexgen alone, with fewer steps)")
     ap.add_argument("--disk-seconds", type=float, default=10.0, help="the disk profile's time (fio beside the reader)")
     ap.add_argument("--skip-suite", action="store_true", help="the bench only")
+    ap.add_argument("--quick", action="store_true",
+                    help="the suite, 16K at batch 1/4/8 (full, kvswap, kvswap-ram, kvswap-mapped; 8 steps), then flexgen "
+                         "beside kvswap at 16K x 1: about 5 minutes on an H200 (replaces the bench's other options)")
     ap.add_argument("--quality-configs", metavar="EVAL_JSON",
                     help="the configurations an eval chose, for the kvswap-quality rows (name them in --policies): "
                          "the same in every run, as a before/after needs (the solver's rows follow each run's disk "
                          "profile)")
     args = ap.parse_args(argv)
+    if args.quick:
+        vars(args).update(QUICK)
     if args.quality_configs and not Path(args.quality_configs).is_file():
         ap.error(f"--quality-configs {args.quality_configs}: no such file (an `edgekv eval --json` output)")
     import torch
@@ -106,7 +120,17 @@ def main(argv=None) -> int:
                                args.warmup, args.disk_seconds, args.policies.split(","), device="cuda", on_row=keep,
                                chosen_from=args.quality_configs)
     keep(runs, meta)
+    if args.quick:  # flexgen's step reads the whole KV: one step at one point, beside kvswap in the same run
+        with tempfile.TemporaryDirectory(prefix="edgekv-gpu-check-", dir=args.kv_path) as kv:
+            flex, flex_meta = bench.run(resolve_checkpoint(MODEL), Path(kv), QUICK_FLEXGEN["batches"],
+                                        QUICK_FLEXGEN["contexts"], list(BUDGETS), QUICK_FLEXGEN["steps"],
+                                        QUICK_FLEXGEN["warmup"], args.disk_seconds, QUICK_FLEXGEN["policies"],
+                                        device="cuda")
+        result["flexgen_beside_kvswap"] = {"meta": flex_meta, "runs": [asdict(r) for r in flex]}
+        out.write_text(json.dumps(result, indent=1, default=str))
     print(bench.table(runs))
+    if args.quick:
+        print(bench.table(flex))
     bench.plot(runs, args.png)
     print(f"gpu-check: {out} ({result['gpu']['gpu']}, driver {result['gpu']['driver']}, torch "
           f"{result['gpu']['torch']}, KV on {result['disk']['device']})")

@@ -1,6 +1,7 @@
 """The install's host plan (install/host.py) on this CPU machine, fed what real hosts show: a Jetson's
 /etc/nv_tegra_release and device-tree model (L4T 36.3, an AGX Orin), nvidia-smi's banner on an RTX PC, a system
 torch with and without CUDA; and the GPU facts that key cached compute profiles."""
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -123,3 +124,27 @@ def test_gpu_check_makes_its_output_folders_and_passes_pinned_configurations(tmp
     assert calls[0]["chosen_from"] == str(chosen)  # pinned configurations reach the bench
     with pytest.raises(SystemExit):
         gpu_check.main(["--skip-suite", "--quality-configs", str(tmp_path / "missing.json")])
+
+
+def test_gpu_check_quick_runs_the_preset_then_flexgen_beside_kvswap(tmp_path, monkeypatch):
+    """--quick is what fits a lent machine's few minutes: 16K at batch 1/4/8 without flexgen (its step reads the whole
+    KV), then flexgen beside kvswap at one point, both in the JSON.  The bench itself is stubbed here."""
+    import torch
+
+    from edgekv import bench, gpu_check
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(gpu_check, "gpu_facts", lambda: {"gpu": "H200", "driver": "580", "torch": "2.11"})
+    calls = []
+    monkeypatch.setattr(bench, "run", lambda *args, **kwargs: calls.append(args) or ([], {"steps": args[5]}))
+    monkeypatch.setattr(bench, "table", lambda runs: "")
+    monkeypatch.setattr(bench, "plot", lambda runs, png: None)
+    out = tmp_path / "check.json"
+    assert gpu_check.main(["--skip-suite", "--quick", "--kv-path", str(tmp_path), "--json", str(out), "--png",
+                           str(tmp_path / "check.png")]) == 0
+    (_, _, batches, contexts, _, steps, warmup, disk_s, policies), flex = calls[0][:9], calls[1]
+    assert (batches, contexts, steps, warmup, disk_s) == ([1, 4, 8], [16384], 8, 2, 2.0)
+    assert "flexgen" not in policies and {"full", "kvswap", "kvswap-ram", "kvswap-mapped"} <= set(policies)
+    assert (flex[2], flex[3], flex[5], flex[8]) == ([1], [16384], 1, ["flexgen", "kvswap"])
+    written = json.loads(out.read_text())
+    assert written["bench"]["meta"] == {"steps": 8} and written["flexgen_beside_kvswap"]["meta"] == {"steps": 1}
