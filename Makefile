@@ -74,7 +74,8 @@ energy: native fio
 	  --png deploy/energy.png -- $(PYTHON) -m edgekv.cli deploy $(DEPLOY_ARGS)
 
 # on an Orin or an RTX box first: the cuda test suite, then edgekv bench on synth:llama-3.1-8b at 16K and 32K
-# (batch 1/4/8, budget 1/13, full, flexgen, kvswap) -> deploy/gpu-check.json and .png naming GPU, driver, torch, disk
+# (batch 1/4/8, budget 1/13, full, flexgen, kvswap) -> deploy/gpu-check.json and .png naming GPU, driver, torch, disk;
+# QUICK=1: the suite, 16K at batch 1/4/8 and flexgen beside kvswap at 16K x 1 (about 5 minutes on an H200)
 gpu-check: native
 	$(PYTHON) -m edgekv.gpu_check --json deploy/gpu-check.json --png deploy/gpu-check.png $(if $(KV_PATH),--kv-path $(KV_PATH)) $(if $(QUICK),--quick)
 
