@@ -37,7 +37,8 @@ class Selector:
     def select(self, layer: int, q: torch.Tensor | None, n_groups: torch.Tensor, first: int = 0
                ) -> tuple[torch.Tensor, torch.Tensor]:
         """q: the layer's predicted queries [B, H, 1, d]; choose among groups ``first <= g < n_groups[b]``
-        (the sinks before ``first`` and the window from ``n_groups`` on are attended anyway).
+        (the sinks before ``first`` and the window from ``n_groups`` on are attended anyway).  ``n_groups`` is on
+        the host (the engine's counts): a selection never waits for the device to learn them.
 
         Returns groups [B, M] (long) and valid [B, M] (bool; False pads sequences with fewer groups).
         """
