@@ -138,6 +138,7 @@ class InMemoryKV(KVPolicy):
             d.n_layers, 2, batch, d.n_kv_heads, max_context, d.head_dim, dtype=model.dtype, device=model.device
         )
         self._batch_index = torch.arange(batch, device=model.device)
+        self._step_key, self._step = None, None  # the step's lengths -> (write positions, span, mask)
 
     @property
     def resident_bytes(self) -> int:
@@ -149,9 +150,17 @@ class InMemoryKV(KVPolicy):
         self.kv[layer, 1, seq, :, :n] = v
 
     def attend(self, layer, q, k, v):
-        pos = to_device(self.lengths, q.device)  # non-blocking from pinned memory on a GPU
-        self.kv[layer, 0, self._batch_index, :, pos] = k[:, :, 0]
-        self.kv[layer, 1, self._batch_index, :, pos] = v[:, :, 0]
-        span = attended_span(int(self.lengths.max()), self.kv.shape[4], q.device)
-        mask = (torch.arange(span, device=q.device) <= pos[:, None])[:, None, None, :]
+        pos, span, mask = self._step_tensors(q.device)
+        self.kv[layer, :, self._batch_index, :, pos] = torch.stack((k[:, :, 0], v[:, :, 0]), dim=1)  # K and V at once
         return decode_attention(self.model, q, self.kv[layer, 0, :, :, :span], self.kv[layer, 1, :, :, :span], mask)
+
+    def _step_tensors(self, device) -> tuple[torch.Tensor, int, torch.Tensor]:
+        """(each row's write position [B], the attended span, the mask [B, 1, 1, span]): the same for every layer of
+        a step, so made once a step (one non-blocking move on a GPU) instead of once a layer."""
+        key = self.lengths.tobytes()
+        if self._step_key != key:
+            pos = to_device(self.lengths, device)
+            span = attended_span(int(self.lengths.max()), self.kv.shape[4], device)
+            self._step = pos, span, (torch.arange(span, device=device) <= pos[:, None])[:, None, None, :]
+            self._step_key = key
+        return self._step
