@@ -20,7 +20,21 @@ from .checkpoints import cache_root
 
 SOURCES = Path(__file__).with_name("native")
 _BUILDING = threading.Lock()  # a library's first users may be several threads at once (the I/O threads' checksums)
-_FAILED: dict[Path, str] = {}  # library -> why its build failed here: each engine would run the compiler again
+_FAILED: dict[Path, "BuildError"] = {}  # library -> its failed build here: each engine would run the compiler again
+
+
+class BuildError(OSError):
+    """A native library that did not compile: the command and the compiler's output in full, and ``cause`` (what
+    failed and the compiler's first error) for a one-line warning."""
+
+    def __init__(self, what: str, command: list[str], stderr: str):
+        super().__init__(f"building {what} failed ({' '.join(command)}):\n{stderr}")
+        self.what, self.command, self.stderr = what, command, stderr
+
+    @property
+    def cause(self) -> str:
+        errors = [line.strip() for line in self.stderr.splitlines() if "error" in line]
+        return f"building {self.what} failed" + (f": {errors[0]}" if errors else "")
 
 
 @dataclass(frozen=True)
@@ -73,12 +87,13 @@ def build(name: str) -> Path:
         if target.exists():
             return target
         if target in _FAILED:
-            raise OSError(_FAILED[target])
+            failed = _FAILED[target]
+            raise BuildError(failed.what, failed.command, failed.stderr)
         try:
             return compile_library(lambda out: ["cc", *lib.flags_here(), "-shared", "-fPIC", "-Wall", source, "-o",
                                                 out, *lib.libs], target, lib.what)
-        except OSError as exc:
-            _FAILED[target] = str(exc)
+        except BuildError as exc:
+            _FAILED[target] = exc
             raise
 
 
@@ -95,7 +110,7 @@ def compile_library(command, target: Path, what: str) -> Path:
     result = subprocess.run(cmd, capture_output=True, text=True)
     if result.returncode != 0:
         tmp.unlink(missing_ok=True)
-        raise OSError(f"building {what} failed ({' '.join(cmd)}):\n{result.stderr.strip()}")
+        raise BuildError(what, cmd, result.stderr.strip())
     tmp.replace(target)
     return target
 

@@ -394,17 +394,6 @@ def _load_native(backend: str) -> ctypes.CDLL:
 _SKIPPED: set[str] = set()  # backends 'auto' has said it skips (each engine opens readers)
 
 
-def _cause(exc: OSError) -> str:
-    """A failed build's message (its command line, then the compiler's output) as what failed and the compiler's
-    first error; any other error as it is."""
-    lines = str(exc).splitlines()
-    if len(lines) < 2 or not lines[0].startswith("building "):
-        return str(exc)
-    errors = [line.strip() for line in lines[1:] if "error" in line]
-    head = lines[0].split(" (")[0]
-    return f"{head}: {errors[0]}" if errors else head
-
-
 def _open_backend(backend: str, queue_depth: int) -> KVReader:
     """One reader of ``backend``; 'auto' tries io_uring, then pthread, then python, logging each fallback."""
     if backend != "auto" and backend not in BACKENDS:
@@ -418,9 +407,10 @@ def _open_backend(backend: str, queue_depth: int) -> KVReader:
             return NativeReader(_load_native(name), queue_depth=queue_depth)
         except OSError as exc:
             errors.append(f"{name}: {exc}")
-            if backend == "auto" and name not in _SKIPPED:  # once a process, its first lines (the cause)
+            if backend == "auto" and name not in _SKIPPED:  # once a process, in one line
                 _SKIPPED.add(name)
-                log.warning("KV reader backend %s unavailable, falling back: %s", name, _cause(exc))
+                log.warning("KV reader backend %s unavailable, falling back: %s", name,
+                            exc.cause if isinstance(exc, native_build.BuildError) else exc)
     raise OSError(f"KV reader backend {backend!r} unavailable: {'; '.join(errors)}")
 
 
