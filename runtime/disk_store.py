@@ -337,7 +337,10 @@ class DiskKVStore:
         batch = self._requests(layer, seqs, groups, addresses)
         self.requests += len(batch)
         self.records_read += len(seqs)
-        self.records_by_path += np.bincount(np.repeat(batch.paths, batch.counts), minlength=self.n_paths)
+        if self.n_paths == 1:
+            self.records_by_path[0] += len(seqs)
+        else:
+            self.records_by_path += np.bincount(batch.paths, weights=batch.counts, minlength=self.n_paths).astype(np.int64)
         return batch
 
     def relocate(self, seq: int, layer: int, per_path: list[np.ndarray], in_memory=None) -> None:
@@ -366,14 +369,18 @@ class DiskKVStore:
         self.records_relocated += len(groups)
 
     def _requests(self, layer: int, seqs: np.ndarray, groups: np.ndarray, addresses: np.ndarray) -> ReadBatch:
+        """One decode layer's reads as sorted requests; called twice a layer on the compute thread (the picks, then a
+        correction's), so a batch of one sequence with single copies takes no per-sequence or per-record steps."""
+        seqs, groups = np.asarray(seqs, dtype=np.int64), np.asarray(groups, dtype=np.int64)
         n = len(seqs)
         stride = self.layout.stride_bytes
         fds = np.empty(n, dtype=np.int32)
         offsets = np.empty(n, dtype=np.int64)
         paths = np.zeros(n, dtype=np.int32)
+        owners = [] if n == 0 else [int(seqs[0])] if (seqs == seqs[0]).all() else np.unique(seqs).tolist()
         copies = []  # (sequence, its read indices, path [k, R], index [k, R]) of the reads not from a stored blob
-        for seq in np.unique(seqs).tolist() if n else ():
-            mine = np.flatnonzero(seqs == seq)
+        for seq in owners:
+            mine = np.arange(n) if len(owners) == 1 else np.flatnonzero(seqs == seq)
             if seq in self._prefix:
                 blob_fds, blob_groups, n_prefix = self._prefix[seq]
                 hit = groups[mine] < n_prefix
@@ -381,35 +388,36 @@ class DiskKVStore:
                     hit &= ~self._moved[seq, layer][groups[mine]]
                 if hit.any():
                     per_blob = int(blob_groups[0])  # every blob but the last holds a full chunk
-                    g = groups[mine[hit]].astype(np.int64)
+                    g = groups[mine[hit]]
                     t, within = g // per_blob, g % per_blob
                     fds[mine[hit]] = blob_fds[t]
                     offsets[mine[hit]] = (layer * blob_groups[t] + within) * stride
                     mine = mine[~hit]
             path, index = self._placement[seq].copies(layer, groups[mine])
             copies.append((seq, mine, path, index))
+        replicated = [np.flatnonzero(path[:, 1] >= 0) for _, _, path, _ in copies]
         load = np.zeros(self.n_paths, dtype=np.int64)
-        for _, mine, path, _ in copies:  # Swarm's buckets: records with one copy first, replicated ones after
-            load += np.bincount(path[path[:, 1] < 0, 0], minlength=self.n_paths)
-        for seq, mine, path, index in copies:
+        if any(len(r) for r in replicated):  # Swarm's buckets: records with one copy first, replicated ones after
+            for _, mine, path, _ in copies:
+                load += np.bincount(path[path[:, 1] < 0, 0], minlength=self.n_paths)
+        for (seq, mine, path, index), twins in zip(copies, replicated):
             pick = np.zeros(len(mine), dtype=np.int64)
-            for i in np.flatnonzero(path[:, 1] >= 0).tolist():
+            for i in twins.tolist():
                 pick[i] = int(load[path[i, 1]] < load[path[i, 0]])
                 load[path[i, pick[i]]] += 1
-            rows = np.arange(len(mine))
-            chosen = path[rows, pick]
+            chosen = path[:, 0] if len(twins) == 0 else path[np.arange(len(mine)), pick]
             fds[mine] = self._fds[seq, layer, chosen]
-            offsets[mine] = index[rows, pick] * stride
+            offsets[mine] = (index[:, 0] if len(twins) == 0 else index[np.arange(len(mine)), pick]) * stride
             paths[mine] = chosen
-        order = np.lexsort((offsets, fds))
+        order = np.argsort((fds.astype(np.int64) << 40) | (offsets // stride), kind="stable")  # by file, then offset
         fds, offsets, paths, addresses = fds[order], offsets[order], paths[order], np.asarray(addresses)[order]
         starts = request_starts(fds, offsets, stride, self.max_request_records)
-        counts = np.diff(np.r_[starts, n]).astype(np.int32)
-        seqs, groups = np.asarray(seqs)[order], np.asarray(groups)[order]
+        counts = np.diff(starts, append=n).astype(np.int32)
+        seqs, groups = seqs[order], groups[order]
         check = np.ones(n, dtype=bool) if self.verify_fraction >= 1 else self._rng.random(n) < self.verify_fraction
         expected = np.zeros(n, dtype=np.uint32)
-        for seq in np.unique(seqs[check]).tolist():
-            mine = check & (seqs == seq)
+        for seq in owners if self.verify_fraction > 0 else ():
+            mine = check if len(owners) == 1 else check & (seqs == seq)
             expected[mine] = self._sums[seq][layer, groups[mine]]
         return VerifiedBatch(fds[starts], offsets[starts], addresses, stride, counts, paths[starts],
                              layer, seqs, groups, expected, check)
@@ -513,6 +521,10 @@ def request_starts(fds: np.ndarray, offsets: np.ndarray, stride: int, max_record
     n = len(fds)
     if n == 0:
         return np.zeros(0, dtype=np.int64)
-    breaks = np.r_[True, (fds[1:] != fds[:-1]) | (offsets[1:] != offsets[:-1] + stride)]
-    run_start = np.maximum.accumulate(np.where(breaks, np.arange(n), 0))
-    return np.flatnonzero(breaks | ((np.arange(n) - run_start) % max_records == 0))
+    breaks = np.ones(n, dtype=bool)
+    breaks[1:] = (fds[1:] != fds[:-1]) | (offsets[1:] != offsets[:-1] + stride)
+    if max_records >= n:  # no run can outgrow a request
+        return np.flatnonzero(breaks)
+    index = np.arange(n)
+    run_start = np.maximum.accumulate(np.where(breaks, index, 0))
+    return np.flatnonzero(breaks | ((index - run_start) % max_records == 0))

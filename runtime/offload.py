@@ -549,7 +549,11 @@ def _free_slot(written: np.ndarray) -> int:
 def _in_rows(groups: np.ndarray, picks: np.ndarray) -> np.ndarray:
     """[B, M] bool: which of ``groups`` row b's ``picks`` (-1: none) hold too."""
     rows = np.arange(len(groups))[:, None]
-    return np.isin((rows << 32) | groups, ((rows << 32) | picks)[picks >= 0])
+    held = np.sort(((rows << 32) | picks)[picks >= 0])  # a sorted search: np.isin costs twice as much at M = 205
+    if len(held) == 0:
+        return np.zeros(groups.shape, dtype=bool)
+    keys = (rows << 32) | groups
+    return held[np.minimum(np.searchsorted(held, keys), len(held) - 1)] == keys
 
 
 def _fill_from_guess(groups: np.ndarray, valid: np.ndarray, over: np.ndarray, guess: np.ndarray

@@ -122,3 +122,11 @@ def test_slot_tables_say_what_is_resident_and_place_corrections_without_counting
     assert sorted([slots[0, 1], *slots[1]]) == [0, 2, 3]  # 7, 9 and 8 in the slots of the dropped guesses 1, 1, 5
     assert misses.group.tolist() == [7, 9, 8] and misses.slot.tolist() == [slots[0, 1], *slots[1]]
     assert preload.resident(1, np.array([[7, 2], [8, 5]]), owners).tolist() == [[True, True], [True, False]]
+
+
+def test_guess_recall_finds_each_rows_own_guesses_only():
+    """``_in_rows`` (the recall the stats report): a group counts where the same row guessed it; -1 pads a row."""
+    groups = np.array([[3, 7, 9], [3, 4, 5]])
+    guess = np.array([[9, 1, -1], [-1, 4, 3]])
+    assert offload._in_rows(groups, guess).tolist() == [[False, False, True], [True, True, False]]
+    assert not offload._in_rows(groups, np.full((2, 2), -1)).any()
