@@ -1,11 +1,13 @@
 """What a correction costs a decode step, and where: the same kvswap configuration guess-only, corrected, and corrected
-with its reads overlapped (``MODES``), each after a few warm-up steps, ms per step in the policy's phases (wall time of
+with its reads overlapped (``MODES``), and corrected where the guess falls short of each ``--recalls`` share only
+(``correction_recall``), each after a few warm-up steps, ms per step in the policy's phases (wall time of
 each phase on the compute thread, nested phases inside their callers).
 
     python -m bench.correction_cost --model smollm2 --context 8192 --kvswap G=4,M=410,C=393,sigma=8 \\
         --extra '{"reuse": false, "sink_tokens": 4, "window_tokens": 64}'
     python -m bench.correction_cost --model smollm2 --context 8192 --kvswap G=4,M=205,C=205,sigma=2 --weights int4 \\
-        --extra '{"reuse": false, "klr_dtype": "int8", "score_reduce": "softmax", "correction_reads": 52}'
+        --extra '{"reuse": false, "klr_dtype": "int8", "score_reduce": "softmax", "correction_reads": 52}' \\
+        --text builtin --recalls 0.9,0.85
 """
 import argparse
 import collections
@@ -51,6 +53,28 @@ def timed(spent: collections.Counter) -> None:
             setattr(cls, name, wrapper)
 
 
+def _text_ids(args) -> list[int]:
+    """The eval text's token ids (evals/scoring.py), enough for the prompt and every step."""
+    from edgekv.evals.scoring import load_text, tokenize
+    from edgekv.runtime.checkpoints import resolve_checkpoint
+
+    ids, _ = tokenize(resolve_checkpoint(args.model), load_text(args.text)[0])
+    if len(ids) < args.context + args.warmup + args.steps:
+        raise SystemExit(f"--text {args.text} holds {len(ids)} tokens; --context plus the steps need "
+                         f"{args.context + args.warmup + args.steps}: pass a longer text")
+    return ids
+
+
+def _prompted(engine: Engine, context: int, ids: list[int] | None):
+    """A batch of one sequence ready to decode: the text's first ``context`` tokens, or synthetic ids."""
+    if ids is None:
+        return prefilled(engine, context + 64)
+    batch = engine.open_batch(1, context + 64)
+    batch.join(0, ids[:context])
+    batch.end_prefill()
+    return batch
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2")
@@ -61,32 +85,46 @@ def main(argv=None) -> None:
     ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--kv-path", default=None)
     ap.add_argument("--repeat", type=int, default=1, help="runs of every mode, interleaved; the median is reported")
+    ap.add_argument("--recalls", default="", help="correction_recall thresholds, each a mode (e.g. 0.9,0.85)")
+    ap.add_argument("--modes", default=",".join(MODES), help="which of MODES run (guess always does: the reference)")
     ap.add_argument("--weights", default=None, help="the linear layers' format (runtime/weights.py; default native)")
+    ap.add_argument("--text", default="synthetic", help="the prompt: synthetic ids (bench.step_profile.prefilled), or "
+                    "builtin / a text file: its first --context tokens, each step fed the next one (a guess's recall, "
+                    "so what correction_recall skips, depends on the text)")
     args = ap.parse_args(argv)
+    ids = None if args.text == "synthetic" else _text_ids(args)
     spent = collections.Counter()
     timed(spent)
     cfg = {**fields(args.kvswap), **json.loads(args.extra), "max_batch": 1, "max_context": args.context + 64}
     step_ms_of = collections.defaultdict(list)
     floor_of = collections.defaultdict(list)  # ms a step of what a correction cannot skip: rescoring, its reads
-    for mode, overrides in [item for _ in range(args.repeat) for item in MODES.items()]:
+    asked = {"guess", *args.modes.split(",")}
+    if asked - set(MODES):
+        raise SystemExit(f"--modes {args.modes}: each is one of {', '.join(MODES)}")
+    modes = {**{m: o for m, o in MODES.items() if m in asked}, **{f"corrected,recall={r}": {"correction": "corrected", "correction_recall": float(r)}
+                         for r in filter(None, args.recalls.split(","))}}
+    for mode, overrides in [item for _ in range(args.repeat) for item in modes.items()]:
         with tempfile.TemporaryDirectory(dir=args.kv_path) as kv, Engine.from_pretrained(
                 args.model, kv_offload_path=kv, policy="kvswap", device="cpu", weights=args.weights,
-                config={**cfg, **overrides}) as engine, prefilled(engine, args.context + 64) as batch:
-            token = torch.tensor([42])
+                config={**cfg, **overrides}) as engine, _prompted(engine, args.context, ids) as batch:
+            tokens = iter(ids[args.context :] if ids else [42] * (args.warmup + args.steps))
             for _ in range(args.warmup):
-                batch.step(token)
+                batch.step(torch.tensor([next(tokens)]))
             spent.clear()
             policy = batch.policy
-            before = policy.correction_records.sum(), policy.bytes_read.sum(), policy.guess_recall_counts.copy()
+            before = (policy.correction_records.sum(), policy.bytes_read.sum(), policy.guess_recall_counts.copy(),
+                      policy.corrected_layer_steps.copy())
             started = time.perf_counter()
             for _ in range(args.steps):
-                batch.step(token)
+                batch.step(torch.tensor([next(tokens)]))
             step_ms = (time.perf_counter() - started) / args.steps * 1e3
             extra = (policy.correction_records.sum() - before[0]) / args.steps
             read_mib = (policy.bytes_read.sum() - before[1]) / args.steps / 2**20
             recalled, corrected = policy.guess_recall_counts - before[2]
+            corrected_layers, attended = policy.corrected_layer_steps - before[3]
+            share = corrected_layers / max(1, attended)
         step_ms_of[mode].append(step_ms)
-        recall = f", guess recall {recalled / corrected:.3f}" if corrected else ""
+        recall = f", guess recall {recalled / corrected:.3f}, layers corrected {share:.2f}" if corrected else ""
         print(f"== {mode}: {step_ms:.1f} ms a step ({1e3 / step_ms:.2f} tok/s), {extra:.0f} extra records and "
               f"{read_mib:.1f} MiB read a step{recall}")
         for key, seconds in spent.most_common():

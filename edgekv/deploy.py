@@ -521,6 +521,7 @@ def run(platform: str | None = None, model: str | None = None, kv_paths: str | P
         "slot_memory": slot_memory, "klr_dtype": top.klr_dtype, "kv_record_dtype": top.kv_record_dtype,
         "ttft_costs_path": str(ttft_costs),
         "correction": top.correction, "correction_reads": top.correction_reads, "score_reduce": top.score_reduce,
+        "correction_recall": prof.correction_recall if top.correction == "corrected" else 1.0,
         "solutions": [{**x.to_json(), "adapter_path": adapters[float(x.sigma)]} for x in solutions],
         "measurements": measurements, "edgekv_version": VERSION,
     }
@@ -533,7 +534,9 @@ def run(platform: str | None = None, model: str | None = None, kv_paths: str | P
     write_service_unit(prof.platform, out)
     tuning_s = time.perf_counter() - started
     log(f"config: {out / 'config.json'}  (G={top.G} M={top.M} C={top.C} sigma={top.sigma:g} reuse={top.reuse} "
-        f"S={top.sink_tokens} W={top.window_tokens} records {top.kv_record_dtype} {top.correction} ppl ratio {top.ppl_ratio} at batch {top.batch}, context {top.context}; {len(solutions)} solutions; tuning {tuning_s:.0f} s)")
+        f"S={top.sink_tokens} W={top.window_tokens} records {top.kv_record_dtype} {top.correction}"
+        + (f" correction_recall {config['correction_recall']:g}" if config["correction_recall"] < 1 else "")
+        + f" ppl ratio {top.ppl_ratio} at batch {top.batch}, context {top.context}; {len(solutions)} solutions; tuning {tuning_s:.0f} s)")
 
     stats, chat = smoke_run(d.model_dir, d.kv_dirs, out / "config.json", prof, d.device, scorer) if smoke else (None, None)
     report.write(out, prof, d.model_dir, measurements, solutions, stats, tuning_s)

@@ -46,6 +46,7 @@ class PplResult:
     kv_read_bytes_per_token: float = 0.0  # disk reads per decoded token (record format and reuse included)
     correction_records_per_token: float = 0.0  # records a correction read per decoded token, beyond the guess's
     guess_recall: float | None = None  # the share of the corrected picks the layer-ahead guess had (corrected rows)
+    corrected_layer_share: float | None = None  # layer-steps corrected (below 1 with correction_recall < 1)
 
 
 def evaluate_ppl(model_dir: str | Path, kv_path: str | Path, variants: list[Variant], contexts: list[int],
@@ -91,7 +92,7 @@ def _corrected(read: dict) -> str:
     if read["guess_recall"] is None:
         return ""
     return (f"  corrected: {read['correction_records_per_token']:.1f} extra reads/token, "
-            f"guess recall {read['guess_recall']:.3f}")
+            f"guess recall {read['guess_recall']:.3f}, layers corrected {read['corrected_layer_share']:.2f}")
 
 
 def table(results: list[PplResult]) -> str:

@@ -112,7 +112,8 @@ def read_stats(outs) -> dict:
     decoded = max(1, sum(o.stats["generated_tokens"] - 1 for o in outs))
     return {"kv_read_bytes_per_token": read_bytes_per_token(outs),
             "correction_records_per_token": sum(o.stats["kv_correction_records"] for o in outs) / decoded,
-            "guess_recall": outs[0].stats["guess_recall"] if outs else None}
+            "guess_recall": outs[0].stats["guess_recall"] if outs else None,
+            "corrected_layer_share": outs[0].stats.get("corrected_layer_share") if outs else None}
 
 
 def task_format(model_dir: str | Path):

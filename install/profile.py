@@ -49,7 +49,7 @@ SCHEMA = {
         "exposed_io_share": (float, False, None), "alpha": (float, False, None), "reuse_step": (float, True, None),
         "context_min": (int, True, None), "context_step": (int, True, None),
         "record_dtypes": (list, False, None), "record_ppl_max": (float, False, None),
-        "corrections": (list, False, None),
+        "corrections": (list, False, None), "correction_recall": (float, False, None),
     },
     "profiling": {"disk_seconds": (float, True, None), "disk_file_mib": (int, True, None)},
     "power_meter": (str, True, POWER_METERS),
@@ -92,6 +92,7 @@ class Profile:
     record_dtypes: tuple[str, ...] = ()  # disk record formats the solver may pick beside exact ones (measured first)
     record_ppl_max: float = 1.01  # without a quality target: the most loss a record format may cost
     corrections: tuple[str, ...] = ("guess", "corrected")  # selections the quality table measures (runtime 'correction')
+    correction_recall: float = 1.0  # a corrected deployment's runtime 'correction_recall' (1: every layer, every step)
     slot_memory: str | None = None  # on a GPU: device slots fed by copies, or mapped host ones (None: the platform's)
     weights: tuple[str, ...] = ()  # weight formats the install step tries, fastest first (install/weights.py)
     weights_ppl_max: float = 1.01  # the most perplexity a weight format may cost against the model's own weights
@@ -148,6 +149,7 @@ def load_profile(source: str | Path, profiles_dir: Path = PROFILES_DIR) -> Profi
         weights=tuple(flat.get("compute.weights") or ()),
         weights_ppl_max=float(flat.get("compute.weights_ppl_max", 1.01)),
         corrections=tuple(flat.get("solver.corrections") or ("guess", "corrected")),
+        correction_recall=float(flat.get("solver.correction_recall", 1.0)),
         slot_memory=flat.get("memory.slot_memory"),
     )
 
@@ -239,6 +241,10 @@ def _check_ranges(path: Path, flat: dict) -> None:
         raise ProfileError(f"{path}: field 'solver.corrections' lists the selections the quality table measures, some "
                            f"of {list(CORRECTIONS)} (guess: the layer-ahead picks; corrected: rescored with the layer's "
                            f"own query); got {corrections!r}")
+    if not 0 < flat.get("solver.correction_recall", 1.0) <= 1:
+        raise ProfileError(f"{path}: field 'solver.correction_recall' is the share of a layer's corrected picks its "
+                           f"guess must hold for the layer to go uncorrected a few steps, in (0, 1] (1: always "
+                           f"correct), e.g. 0.85; got {flat['solver.correction_recall']!r}")
     if flat.get("solver.record_ppl_max", 1.0) < 1:
         raise ProfileError(f"{path}: field 'solver.record_ppl_max' is a perplexity ratio to exact records (>= 1, "
                            f"e.g. 1.01), got {flat['solver.record_ppl_max']!r}")

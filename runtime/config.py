@@ -223,6 +223,10 @@ class PredictorConfig(Section):
                                        "while the correction's reads land, merged with theirs by log-sum-exp (the "
                                        "same attention up to float rounding; off: one attention, bit for bit the "
                                        "oracle's when uncapped)")
+    correction_recall: float = setting(1.0, Real(0, 1, high_open=False, wants="in (0, 1]"),
+                                       "corrected: a layer whose guess held at least this share of its corrected "
+                                       "picks goes uncorrected for a few steps, then is measured again (1: every "
+                                       "layer corrects every step)")
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,9 @@ Speculate, then correct (``correction: corrected``): the layer-ahead guess buys 
 query is known the groups are scored again over the same K_lr; the corrected picks the guess (or the reuse buffer)
 already holds are attended where they sit, and only the rest are read before attention, at most
 ``correction_reads`` per sequence.  Uncapped, a step attends exactly the groups the oracle selector would pick.
+With ``correction_recall`` below 1 a layer whose guess held at least that share of its corrected picks is left
+uncorrected for ``PROBE_STEPS`` steps, then corrected (and measured) again: most layers' guesses are good, and a
+correction's rescoring and its synchronous reads cost as much where it changes little as where it changes much.
 """
 from __future__ import annotations
 
@@ -39,6 +42,7 @@ from .slots import Slots, record_owners
 
 _ABANDONED: dict = {}  # id(future) -> (future, buffers) of reads past their deadline: their memory lives until they land
 _ABANDONED_LOCK = threading.Lock()
+PROBE_STEPS = 8  # steps a layer whose guess held up goes uncorrected before it is corrected and measured again
 
 
 class OffloadedKV(KVPolicy):
@@ -98,6 +102,10 @@ class OffloadedKV(KVPolicy):
         # speculate, then correct: extra reads per sequence and step a correction may make (0: the guess stands)
         self.correction_reads = cfg.correction_slots if predict and selector.reads_ahead else 0
         self.correction_overlap = cfg.predictor.correction_overlap
+        self.correction_recall = cfg.predictor.correction_recall
+        self._steps = 0  # decode steps of the batch (what PROBE_STEPS counts)
+        self._uncorrected_until = np.zeros(dims.n_layers, dtype=np.int64)  # layer -> first step it corrects again
+        self.corrected_layer_steps = np.zeros(2, dtype=np.int64)  # layer-steps corrected, layer-steps attended
         self._correct_io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ekv-fix") if self.correction_reads \
             else None
         self._guess = np.zeros((batch, 0), dtype=np.int64)  # the attended layer's guessed picks, -1 where none
@@ -117,6 +125,7 @@ class OffloadedKV(KVPolicy):
         self._step = None
         self.store.open_sequence(seq)
         self.slots.reset(seq)
+        self._uncorrected_until[:] = 0  # a new prompt: every layer's guess is measured again
         self.n_groups[seq] = 0
         self.rb_len[seq] = 0
         self.owner[seq] = seq
@@ -200,10 +209,14 @@ class OffloadedKV(KVPolicy):
         slots, misses = self.slots.assign(layer, groups, valid, owners)
         self.select_s += time.perf_counter() - started
         after = None
-        if self.correction_reads and (layer - 1) in self._pending:  # the layer before corrects first (see _fetch)
+        if (layer - 1) in self._pending and self._corrects(layer - 1):  # the layer before corrects first (_fetch)
             after = self._corrected[layer - 1] = threading.Event()
         future = self._read_misses(layer, misses, self._io, after)
         self._pending[layer] = (slots, valid, future, np.where(valid, groups, -1))
+
+    def _corrects(self, layer: int) -> bool:
+        """Whether ``layer`` corrects its guess this step."""
+        return bool(self.correction_reads) and self._steps >= self._uncorrected_until[layer]
 
     def _launch_pick(self, layer: int, q: torch.Tensor | None) -> "HostPicks":
         """The selector's picks for ``layer`` from query ``q``, on their way to the host."""
@@ -284,14 +297,16 @@ class OffloadedKV(KVPolicy):
         write_at, resident = self._step_tensors(q.device)
         rolling[self._batch_index, 0, :, write_at] = k[:, :, 0]
         rolling[self._batch_index, 1, :, write_at] = v[:, :, 0]
-        if self.correction_reads:  # rescored while the guess's reads may still be landing
+        correcting = self._corrects(layer)
+        self.corrected_layer_steps += [correcting, 1]
+        if correcting:  # rescored while the guess's reads may still be landing
             started = time.perf_counter()
             corrected = self._pick(layer, q)
             self.correction_s += time.perf_counter() - started
         try:
             slots, valid = self._wait_fetch(layer)
             late = None
-            if self.correction_reads:
+            if correcting:
                 slots, valid, late = self._correct(layer, *corrected)
             if late is None:
                 keys, values, mask = self._keys_values(layer, q, slots, valid, resident)
@@ -352,6 +367,9 @@ class OffloadedKV(KVPolicy):
         corrected (slots, valid) and, with ``correction_overlap`` while reads are pending, (the reads, which picks
         they bring [B, M]); else the reads have landed."""
         started = time.perf_counter()
+        if self.correction_recall < 1 and valid.any():  # the guess's share of the corrected picks, before any fill
+            if (valid & _in_rows(groups, self._guess)).sum() >= self.correction_recall * valid.sum():
+                self._uncorrected_until[layer] = self._steps + PROBE_STEPS
         owners = record_owners(groups, self.owner, self.shared_groups)
         missing = valid & ~self.slots.resident(layer, groups, owners)
         over = missing & (np.cumsum(missing, axis=1) > self.correction_reads)
@@ -378,6 +396,7 @@ class OffloadedKV(KVPolicy):
         Then the sequences whose decode picks are due are clustered again."""
         super().end_step(active)
         self._step = None
+        self._steps += 1
         self.rb_len[active] += 1
         full = np.flatnonzero(self.rb_len == self.G)
         if len(full):
@@ -451,12 +470,15 @@ class OffloadedKV(KVPolicy):
     def stats(self, seq):
         store = self.store
         recalled, corrected = self.guess_recall_counts
+        corrected_layers, attended = self.corrected_layer_steps
         return {**super().stats(seq), "o_direct": store.o_direct, "n_paths": store.n_paths,
                 "kv_read_requests": store.requests, "kv_records_read": store.records_read,
                 "kv_records_by_path": store.records_by_path.tolist(), "kv_records_verified": store.records_verified,
                 "kv_records_reread": store.records_reread, "scorer_fallback": None,
                 "kv_correction_records": int(self.correction_records[seq]), "correction_s": self.correction_s,
                 "guess_recall": float(recalled / corrected) if corrected else None,
+                "corrected_layer_share": float(corrected_layers / attended) if self.correction_reads and attended
+                else None,
                 "kv_bytes_copied": self.slot_memory.bytes_copied, **self.selector.stats()}
 
     def fitted_adapter(self):

@@ -130,3 +130,26 @@ def test_guess_recall_finds_each_rows_own_guesses_only():
     guess = np.array([[9, 1, -1], [-1, 4, 3]])
     assert offload._in_rows(groups, guess).tolist() == [[False, False, True], [True, True, False]]
     assert not offload._in_rows(groups, np.full((2, 2), -1)).any()
+
+
+def test_a_layer_whose_guess_holds_up_goes_uncorrected_between_probes(model_dirs, tmp_path):
+    """``correction_recall``: a layer whose guess had at least that share of its corrected picks skips the correction
+    for PROBE_STEPS steps, then is corrected (and measured) again; at 1 every layer corrects every step."""
+    every = _run(model_dirs["llama"], tmp_path / "every", correction="corrected", reuse=False)
+    lenient = _run(model_dirs["llama"], tmp_path / "lenient", correction="corrected", reuse=False,
+                   correction_recall=1e-6)
+    strict = _run(model_dirs["llama"], tmp_path / "strict", correction="corrected", reuse=False, correction_recall=0.999)
+    assert every[0].stats["corrected_layer_share"] == 1.0
+    decode_steps = 11  # 12 new tokens, the first from the prompt's forward: a lenient layer corrects at steps 0 and 8
+    assert 0 < lenient[0].stats["corrected_layer_share"] <= 2 / decode_steps
+    assert lenient[0].stats["kv_correction_records"] < every[0].stats["kv_correction_records"]
+    # a guess short of 0.999 of the corrected picks at every step (recall < 1 above) keeps its layer corrected
+    assert strict[0].stats["corrected_layer_share"] > lenient[0].stats["corrected_layer_share"]
+    guess = _run(model_dirs["llama"], tmp_path / "guess")
+    assert guess[0].stats["corrected_layer_share"] is None
+
+
+def test_correction_recall_is_a_share():
+    for bad in (0, 1.5, "high"):
+        with pytest.raises(ConfigError, match="'correction_recall' must be in \\(0, 1\\]"):
+            RuntimeConfig.load({"correction": "corrected", "correction_recall": bad})

@@ -1,0 +1,49 @@
+"""What leaving well-guessed layers uncorrected costs in quality (``correction_recall``, runtime/offload.py): perplexity
+and top-1 agreement against ``full`` of a configuration an earlier eval chose (``--configs-from``), corrected at every
+layer, at each ``--recalls`` threshold, and guess-only, on the same windows of the eval text.  Its speed is
+``bench.correction_cost --recalls``.
+
+    python -m bench.correction_recall --model smollm2 --context 8192 --budget 1/13 \\
+        --configs-from docs/results/chosen-smollm2-8k-deployed-top1.json --recalls 0.9,0.85,0.8 --json out.json
+"""
+import argparse
+
+from edgekv.commands import common
+from edgekv.evals import perplexity
+from edgekv.evals.harness import Variant
+from edgekv.runtime.checkpoints import resolve_checkpoint
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--context", type=int, default=8192)
+    ap.add_argument("--budget", default="1/13")
+    ap.add_argument("--configs-from", required=True, metavar="EVAL_JSON", help="the configuration to run (edgekv eval)")
+    ap.add_argument("--recalls", default="0.9,0.85,0.8", help="correction_recall thresholds, each a row")
+    ap.add_argument("--ppl", default="builtin")
+    ap.add_argument("--samples", type=int, default=4, help="windows")
+    ap.add_argument("--ppl-tokens", type=int, default=256)
+    ap.add_argument("--json")
+    args = ap.parse_args(argv)
+    budget = common.parse_budget(args.budget)
+    row = lambda name="", **over: Variant("kvswap", budget, rule="quality", ablation=name,  # noqa: E731
+                                          overrides=tuple(over.items()))
+    variants = [row(), *(row(f"recall={r}", correction_recall=float(r)) for r in args.recalls.split(",")),
+                row("guess", correction="guess")]
+    model = resolve_checkpoint(args.model)
+    text, source = perplexity.load_text(args.ppl)
+    ids, tokens = perplexity.tokenize(model, text)
+    with common.scratch_kv(None) as kv:
+        results = perplexity.evaluate_ppl(model, kv, variants, [args.context], ids, args.samples, args.ppl_tokens,
+                                          configs_from=args.configs_from)
+    print(perplexity.table(results))
+    if args.json:
+        perplexity.write_json(args.json, results, {"model": args.model, "checkpoint": str(model), "text": source,
+                                                   "tokens": tokens, "windows": args.samples,
+                                                   "continuation_tokens": args.ppl_tokens,
+                                                   "configs_from": args.configs_from})
+
+
+if __name__ == "__main__":
+    main()
