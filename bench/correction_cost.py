@@ -65,11 +65,12 @@ def _text_ids(args) -> list[int]:
     return ids
 
 
-def _prompted(engine: Engine, context: int, ids: list[int] | None):
-    """A batch of one sequence ready to decode: the text's first ``context`` tokens, or synthetic ids."""
+def _prompted(engine: Engine, context: int, room: int, ids: list[int] | None):
+    """A batch of one sequence ready to decode, ``room`` positions left: the text's first ``context`` tokens, or
+    synthetic ids."""
     if ids is None:
-        return prefilled(engine, context + 64)
-    batch = engine.open_batch(1, context + 64)
+        return prefilled(engine, context + room, room=room)
+    batch = engine.open_batch(1, context + room)
     batch.join(0, ids[:context])
     batch.end_prefill()
     return batch
@@ -95,7 +96,8 @@ def main(argv=None) -> None:
     ids = None if args.text == "synthetic" else _text_ids(args)
     spent = collections.Counter()
     timed(spent)
-    cfg = {**fields(args.kvswap), **json.loads(args.extra), "max_batch": 1, "max_context": args.context + 64}
+    room = max(64, args.warmup + args.steps)  # every decode step's token has its place
+    cfg = {**fields(args.kvswap), **json.loads(args.extra), "max_batch": 1, "max_context": args.context + room}
     step_ms_of = collections.defaultdict(list)
     floor_of = collections.defaultdict(list)  # ms a step of what a correction cannot skip: rescoring, its reads
     asked = {"guess", *args.modes.split(",")}
@@ -106,7 +108,7 @@ def main(argv=None) -> None:
     for mode, overrides in [item for _ in range(args.repeat) for item in modes.items()]:
         with tempfile.TemporaryDirectory(dir=args.kv_path) as kv, Engine.from_pretrained(
                 args.model, kv_offload_path=kv, policy="kvswap", device="cpu", weights=args.weights,
-                config={**cfg, **overrides}) as engine, _prompted(engine, args.context, ids) as batch:
+                config={**cfg, **overrides}) as engine, _prompted(engine, args.context, room, ids) as batch:
             tokens = iter(ids[args.context :] if ids else [42] * (args.warmup + args.steps))
             for _ in range(args.warmup):
                 batch.step(torch.tensor([next(tokens)]))

@@ -32,13 +32,13 @@ def fields(text: str) -> dict:
     return out
 
 
-def prefilled(engine: Engine, context: int, rows: int = 1):
-    """A batch of ``rows`` sequences ready to decode: prompts leaving 64 positions, of ids every model has (the
+def prefilled(engine: Engine, context: int, rows: int = 1, room: int = 64):
+    """A batch of ``rows`` sequences ready to decode: prompts leaving ``room`` positions, of ids every model has (the
     fixture's vocabulary is small), a different one a row."""
     ids = min(30000, engine.model.dims.vocab - 10)
     batch = engine.open_batch(rows, context)
     for row in range(rows):
-        batch.join(row, [(i * 7919 + row * 104729) % ids + 10 for i in range(context - 64)])
+        batch.join(row, [(i * 7919 + row * 104729) % ids + 10 for i in range(context - room)])
     batch.end_prefill()
     return batch
 

@@ -106,6 +106,11 @@ class RunningBatch:
         step's tokens are appended (and full groups flushed)."""
         active = self.active.copy() if active is None else active
         events, model, policy = self.engine.events, self.model, self.policy
+        full = np.flatnonzero(active & (policy.lengths >= self.cfg.max_context))
+        if len(full):  # the step's token would be written past the row's KV (a disk policy's K_lr, a full cache)
+            raise ValueError(f"row {int(full[0])} holds max_context={self.cfg.max_context} tokens, so a step has no "
+                             "room for its token: leave the row (its result is complete), or open the batch with a "
+                             "larger max_context")
         events.emit("decode_step_start", step=self.steps, active=int(active.sum()))
         with intra_op_threads(self.decode_threads):
             x = model.embed(to_device(tokens[:, None], model.device))

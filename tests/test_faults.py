@@ -369,3 +369,17 @@ def test_generate_with_a_context_whose_index_or_store_json_was_damaged_answers_a
         (store / name).write_bytes(bytes(data))
         assert main(generate) == 0, capsys.readouterr().err
         assert json.loads(capsys.readouterr().out)["token_ids"] == want
+
+
+@pytest.mark.parametrize("policy", ["full", "kvswap"])
+def test_a_step_past_a_rows_max_context_is_refused_by_name(model_dirs, kv_dir, policy):
+    """The batch API (a bench's or a server's loop) stepping a row that holds max_context tokens gets a named error,
+    not a shape error from deep in a cache that has no room for the token."""
+    with Engine.from_pretrained(model_dirs["llama"], kv_offload_path=kv_dir, config=CFG, policy=policy,
+                                device="cpu") as engine, engine.open_batch(1, CFG["max_context"]) as batch:
+        batch.join(0, [1 + i % 150 for i in range(CFG["max_context"] - 3)])
+        batch.end_prefill()
+        for _ in range(3):  # the last three tokens that fit
+            batch.step(torch.tensor([5]))
+        with pytest.raises(ValueError, match=f"row 0 holds max_context={CFG['max_context']} tokens"):
+            batch.step(torch.tensor([5]))
