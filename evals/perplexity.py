@@ -127,6 +127,12 @@ def oracle_gap(results: list[PplResult]) -> list[str]:
                          f"{guess.top1_agreement - corrected.top1_agreement:+.3f} top-1")
         parts.append(f"the low-rank keys {corrected.ratio_to_full - oracle.ratio_to_full:+.3f} ppl x, "
                      f"{corrected.top1_agreement - oracle.top1_agreement:+.3f} top-1")
+        skipping = next((s for name, s in stage.items() if name.startswith("corrected,recall=")), None)
+        if skipping is not None:
+            parts.append(f"correcting only where the guess falls short ({skipping.variant.split(',', 1)[1]}, "
+                         f"{skipping.corrected_layer_share:.2f} of the layer-steps) "
+                         f"{skipping.ratio_to_full - corrected.ratio_to_full:+.3f} ppl x, "
+                         f"{skipping.top1_agreement - corrected.top1_agreement:+.3f} top-1")
         lines.append(f"gap to the oracle at {r.context}, {r.variant} (ppl x full / top-1): " + "; ".join(parts))
     return lines
 

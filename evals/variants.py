@@ -6,6 +6,8 @@ from edgekv.runtime import policies
 
 from .harness import Variant
 
+SKIP_RECALL = 0.85  # the correction_recall of the stage that corrects only where the guess falls short (local.yaml's)
+
 
 def policy_variants(policy: str, budgets: list[float], main: dict, rule: str, records: list[str]) -> list[Variant]:
     """One policy's rows: unbudgeted ones once (per record format when on disk), in-memory ones per budget, disk
@@ -25,11 +27,14 @@ def loss_stages(budget: float, main: dict, rule: str) -> list[Variant]:
     """The loss of kvswap's main row taken apart, each row changing one thing of the chosen configuration:
     top-k by the layer's true attention (oracle: exact query and keys), the layer-ahead prediction with exact
     keys (sigma=1), the guess corrected by the layer's own query over the same K_lr (what is left is the low-rank
-    keys'), head votes by softmax, no sinks or window, and KVSwap's own rule (M*G = 400)."""
+    keys'), corrected only at layers whose guess held less than ``SKIP_RECALL`` of the corrected picks, head votes
+    by softmax, no sinks or window, and KVSwap's own rule (M*G = 400)."""
     stage = lambda name, **over: Variant("kvswap", budget, **main, rule=rule, ablation=name,  # noqa: E731
                                          overrides=tuple(over.items()))
     rows = [stage("oracle", selector="oracle", score_reduce="softmax", sigma=1), stage("sigma=1", sigma=1),
-            stage("corrected", correction="corrected"), stage("no-sinks-window", sink_tokens=0, window_tokens=0)]
+            stage("corrected", correction="corrected"),
+            stage(f"corrected,recall={SKIP_RECALL}", correction="corrected", correction_recall=SKIP_RECALL),
+            stage("no-sinks-window", sink_tokens=0, window_tokens=0)]
     if main["score_reduce"] == "sum":
         rows.append(stage("softmax-votes", score_reduce="softmax"))
     if rule == "quality":

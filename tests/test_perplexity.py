@@ -1,6 +1,7 @@
 """Perplexity mode: windows that never overlap calibration, metrics that mean what they say, the JSON interface."""
 import json
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -141,7 +142,12 @@ def test_the_gap_to_the_oracle_is_split_into_the_guess_and_the_low_rank_keys():
     [line] = perplexity.oracle_gap(results)
     assert "the layer-ahead guess costs +0.020 ppl x, -0.040 top-1" in line
     assert "the low-rank keys +0.005 ppl x, -0.030 top-1" in line
+    assert "correcting only where" not in line
     assert perplexity.oracle_gap(results[:2]) == []  # no loss stages measured: nothing to say
+    skipping = row("kvswap@1/13,corrected,recall=0.85", 1.012, 0.945, "corrected")
+    [line] = perplexity.oracle_gap(results + [replace(skipping, corrected_layer_share=0.25)])
+    assert "correcting only where the guess falls short (corrected,recall=0.85, 0.25 of the layer-steps) +0.002 ppl " \
+           "x, -0.005 top-1" in line
 
 
 def test_a_recorded_row_over_its_budget_is_refused_before_any_row_runs(text_model, text_file, tmp_path, capsys,
