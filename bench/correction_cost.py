@@ -99,12 +99,13 @@ def main(argv=None) -> None:
     room = max(64, args.warmup + args.steps)  # every decode step's token has its place
     cfg = {**fields(args.kvswap), **json.loads(args.extra), "max_batch": 1, "max_context": args.context + room}
     step_ms_of = collections.defaultdict(list)
-    floor_of = collections.defaultdict(list)  # ms a step of what a correction cannot skip: rescoring, its reads
+    floor_of = collections.defaultdict(list)  # ms a step of rescoring and of the correction's reads
     asked = {"guess", *args.modes.split(",")}
     if asked - set(MODES):
         raise SystemExit(f"--modes {args.modes}: each is one of {', '.join(MODES)}")
-    modes = {**{m: o for m, o in MODES.items() if m in asked}, **{f"corrected,recall={r}": {"correction": "corrected", "correction_recall": float(r)}
-                         for r in filter(None, args.recalls.split(","))}}
+    modes = {m: overrides for m, overrides in MODES.items() if m in asked}
+    for r in filter(None, args.recalls.split(",")):
+        modes[f"corrected,recall={r}"] = {"correction": "corrected", "correction_recall": float(r)}
     for mode, overrides in [item for _ in range(args.repeat) for item in modes.items()]:
         with tempfile.TemporaryDirectory(dir=args.kv_path) as kv, Engine.from_pretrained(
                 args.model, kv_offload_path=kv, policy="kvswap", device="cpu", weights=args.weights,
@@ -140,6 +141,7 @@ def main(argv=None) -> None:
     for mode in [m for m in step_ms_of if m != "guess"]:  # what a correction adds that no bookkeeping cut removes
         print(f"{mode}: rescoring + waiting on the correction's reads (their time on {FIX_THREAD}) "
               f"{statistics.median(floor_of[mode]):.1f} ms a step")
+
 
 if __name__ == "__main__":
     main()

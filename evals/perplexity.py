@@ -91,8 +91,9 @@ def evaluate_ppl(model_dir: str | Path, kv_path: str | Path, variants: list[Vari
 def _corrected(read: dict) -> str:
     if read["guess_recall"] is None:
         return ""
+    share = read.get("corrected_layer_share")
     return (f"  corrected: {read['correction_records_per_token']:.1f} extra reads/token, "
-            f"guess recall {read['guess_recall']:.3f}, layers corrected {read['corrected_layer_share']:.2f}")
+            f"guess recall {read['guess_recall']:.3f}" + (f", layers corrected {share:.2f}" if share is not None else ""))
 
 
 def table(results: list[PplResult]) -> str:
@@ -129,8 +130,9 @@ def oracle_gap(results: list[PplResult]) -> list[str]:
                      f"{corrected.top1_agreement - oracle.top1_agreement:+.3f} top-1")
         skipping = next((s for name, s in stage.items() if name.startswith("corrected,recall=")), None)
         if skipping is not None:
-            parts.append(f"correcting only where the guess falls short ({skipping.variant.split(',', 1)[1]}, "
-                         f"{skipping.corrected_layer_share:.2f} of the layer-steps) "
+            share = skipping.corrected_layer_share
+            parts.append(f"correcting only where the guess falls short ({skipping.variant.split(',', 1)[1]}"
+                         + (f", {share:.2f} of the layer-steps" if share is not None else "") + ") "
                          f"{skipping.ratio_to_full - corrected.ratio_to_full:+.3f} ppl x, "
                          f"{skipping.top1_agreement - corrected.top1_agreement:+.3f} top-1")
         lines.append(f"gap to the oracle at {r.context}, {r.variant} (ppl x full / top-1): " + "; ".join(parts))
