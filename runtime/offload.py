@@ -367,17 +367,18 @@ class OffloadedKV(KVPolicy):
         corrected (slots, valid) and, with ``correction_overlap`` while reads are pending, (the reads, which picks
         they bring [B, M]); else the reads have landed."""
         started = time.perf_counter()
-        if self.correction_recall < 1 and valid.any():  # the guess's share of the corrected picks, before any fill
-            if (valid & _in_rows(groups, self._guess)).sum() >= self.correction_recall * valid.sum():
-                self._uncorrected_until[layer] = self._steps + PROBE_STEPS
+        guessed = valid & _in_rows(groups, self._guess)  # the corrected picks the guess had
+        if self.correction_recall < 1 and guessed.sum() >= self.correction_recall * valid.sum() and valid.any():
+            self._uncorrected_until[layer] = self._steps + PROBE_STEPS
         owners = record_owners(groups, self.owner, self.shared_groups)
         missing = valid & ~self.slots.resident(layer, groups, owners)
         over = missing & (np.cumsum(missing, axis=1) > self.correction_reads)
-        if over.any():
+        if over.any():  # past the cap the guess's picks stand in: each one the guess had
             groups, valid = _fill_from_guess(groups, valid, over, self._guess)
             owners = record_owners(groups, self.owner, self.shared_groups)
             missing &= ~over  # the guess's picks standing in are in memory
-        self.guess_recall_counts += [int((valid & _in_rows(groups, self._guess)).sum()), int(valid.sum())]
+            guessed = (guessed & ~over) | (valid & over)
+        self.guess_recall_counts += [int(guessed.sum()), int(valid.sum())]
         slots, misses = self.slots.correct(layer, groups, valid, owners)
         late = None
         if len(misses.seq):
