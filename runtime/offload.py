@@ -16,7 +16,7 @@ query is known the groups are scored again over the same K_lr; the corrected pic
 already holds are attended where they sit, and only the rest are read before attention, at most
 ``correction_reads`` per sequence.  Uncapped, a step attends exactly the groups the oracle selector would pick.
 With ``correction_recall`` below 1 a layer whose guess held at least that share of its corrected picks is left
-uncorrected for ``PROBE_STEPS`` steps, then corrected (and measured) again: most layers' guesses are good, and a
+uncorrected for a while, then corrected (and measured) again (``ProbeSchedule``): most layers' guesses are good, and a
 correction's rescoring and its synchronous reads cost as much where it changes little as where it changes much.
 """
 from __future__ import annotations
@@ -43,6 +43,7 @@ from .slots import Slots, record_owners
 _ABANDONED: dict = {}  # id(future) -> (future, buffers) of reads past their deadline: their memory lives until they land
 _ABANDONED_LOCK = threading.Lock()
 PROBE_STEPS = 8  # steps a layer whose guess held up goes uncorrected before it is corrected and measured again
+PROBE_STEPS_MAX = 64  # ... doubled after each probe it passes in a row, up to this
 
 
 class OffloadedKV(KVPolicy):
@@ -103,8 +104,8 @@ class OffloadedKV(KVPolicy):
         self.correction_reads = cfg.correction_slots if predict and selector.reads_ahead else 0
         self.correction_overlap = cfg.predictor.correction_overlap
         self.correction_recall = cfg.predictor.correction_recall
-        self._steps = 0  # decode steps of the batch (what PROBE_STEPS counts)
-        self._uncorrected_until = np.zeros(dims.n_layers, dtype=np.int64)  # layer -> first step it corrects again
+        self._steps = 0  # decode steps of the batch (what the probes count)
+        self._probes = ProbeSchedule(dims.n_layers)
         self.corrected_layer_steps = np.zeros(2, dtype=np.int64)  # layer-steps corrected, layer-steps attended
         self._correct_io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ekv-fix") if self.correction_reads \
             else None
@@ -125,7 +126,7 @@ class OffloadedKV(KVPolicy):
         self._step = None
         self.store.open_sequence(seq)
         self.slots.reset(seq)
-        self._uncorrected_until[:] = 0  # a new prompt: every layer's guess is measured again
+        self._probes.reset()  # a new prompt: every layer's guess is measured again
         self.n_groups[seq] = 0
         self.rb_len[seq] = 0
         self.owner[seq] = seq
@@ -216,7 +217,7 @@ class OffloadedKV(KVPolicy):
 
     def _corrects(self, layer: int) -> bool:
         """Whether ``layer`` corrects its guess this step."""
-        return bool(self.correction_reads) and self._steps >= self._uncorrected_until[layer]
+        return bool(self.correction_reads) and self._probes.due(layer, self._steps)
 
     def _launch_pick(self, layer: int, q: torch.Tensor | None) -> "HostPicks":
         """The selector's picks for ``layer`` from query ``q``, on their way to the host."""
@@ -368,8 +369,8 @@ class OffloadedKV(KVPolicy):
         they bring [B, M]); else the reads have landed."""
         started = time.perf_counter()
         guessed = valid & _in_rows(groups, self._guess)  # the corrected picks the guess had
-        if self.correction_recall < 1 and guessed.sum() >= self.correction_recall * valid.sum() and valid.any():
-            self._uncorrected_until[layer] = self._steps + PROBE_STEPS
+        if self.correction_recall < 1:
+            self._probes.measured(layer, self._steps, valid.any() and guessed.sum() >= self.correction_recall * valid.sum())
         owners = record_owners(groups, self.owner, self.shared_groups)
         missing = valid & ~self.slots.resident(layer, groups, owners)
         over = missing & (np.cumsum(missing, axis=1) > self.correction_reads)
@@ -530,6 +531,33 @@ class OffloadedKV(KVPolicy):
         self.store.close()
         if errors:
             raise errors[0]
+
+
+class ProbeSchedule:
+    """Which layers correct at a step, with ``correction_recall`` < 1.  A layer whose guess held up goes uncorrected
+    for ``PROBE_STEPS`` steps, twice as long after each probe it passes in a row (at most ``PROBE_STEPS_MAX``); one
+    whose guess fell short corrects every step until it holds up again.  A steady layer is then probed a few times a
+    hundred steps instead of every ninth (each probe pays the rescoring and a synchronous read), and a layer whose
+    guess slips is corrected again within ``PROBE_STEPS_MAX`` steps."""
+
+    def __init__(self, n_layers: int):
+        self._until = np.zeros(n_layers, dtype=np.int64)  # layer -> the first step it corrects again
+        self._skip = np.full(n_layers, PROBE_STEPS, dtype=np.int64)  # layer -> steps uncorrected after a passed probe
+
+    def reset(self) -> None:
+        self._until[:] = 0
+        self._skip[:] = PROBE_STEPS
+
+    def due(self, layer: int, step: int) -> bool:
+        return step >= self._until[layer]
+
+    def measured(self, layer: int, step: int, held: bool) -> None:
+        """``layer`` corrected at ``step``; ``held``: its guess had at least ``correction_recall`` of the picks."""
+        if not held:
+            self._skip[layer] = PROBE_STEPS
+            return
+        self._until[layer] = step + self._skip[layer]
+        self._skip[layer] = min(2 * self._skip[layer], PROBE_STEPS_MAX)
 
 
 class HostPicks:

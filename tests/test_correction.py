@@ -134,7 +134,8 @@ def test_guess_recall_finds_each_rows_own_guesses_only():
 
 def test_a_layer_whose_guess_holds_up_goes_uncorrected_between_probes(model_dirs, tmp_path):
     """``correction_recall``: a layer whose guess had at least that share of its corrected picks skips the correction
-    for PROBE_STEPS steps, then is corrected (and measured) again; at 1 every layer corrects every step."""
+    for PROBE_STEPS steps (the first probe's skip), then is corrected (and measured) again; at 1 every layer corrects
+    every step."""
     every = _run(model_dirs["llama"], tmp_path / "every", correction="corrected", reuse=False)
     lenient = _run(model_dirs["llama"], tmp_path / "lenient", correction="corrected", reuse=False,
                    correction_recall=1e-6)
@@ -147,6 +148,32 @@ def test_a_layer_whose_guess_holds_up_goes_uncorrected_between_probes(model_dirs
     assert strict[0].stats["corrected_layer_share"] > lenient[0].stats["corrected_layer_share"]
     guess = _run(model_dirs["llama"], tmp_path / "guess")
     assert guess[0].stats["corrected_layer_share"] is None
+
+
+def test_a_layer_that_keeps_passing_its_probes_is_probed_ever_more_rarely():
+    """``ProbeSchedule``: a passed probe skips PROBE_STEPS steps, doubling while the probes pass (up to
+    PROBE_STEPS_MAX); a failed one corrects every step until a probe passes, then the skip starts short again."""
+    schedule = offload.ProbeSchedule(n_layers=2)
+
+    def corrected_steps(layer, steps, held=lambda step: True):
+        out = []
+        for step in steps:
+            if schedule.due(layer, step):
+                out.append(step)
+                schedule.measured(layer, step, held(step))
+        return out
+
+    probes = corrected_steps(0, range(400))
+    gaps = np.diff(probes).tolist()
+    assert gaps[:4] == [offload.PROBE_STEPS * 2 ** i for i in range(4)]
+    assert max(gaps) == offload.PROBE_STEPS_MAX and gaps[-1] == offload.PROBE_STEPS_MAX
+    assert schedule.due(1, 0) and not schedule.due(0, probes[-1] + 1)  # layers are scheduled apart
+    slipping = corrected_steps(0, range(400, 471), held=lambda step: step >= 470)  # the guess slips, then holds
+    assert slipping[0] == probes[-1] + offload.PROBE_STEPS_MAX  # noticed at the next probe ...
+    assert slipping[1:] == list(range(slipping[0] + 1, 471))  # ... then corrected every step until it holds
+    assert corrected_steps(0, range(471, 500)) == [470 + offload.PROBE_STEPS, 470 + 3 * offload.PROBE_STEPS]  # and skipped briefly again
+    schedule.reset()
+    assert schedule.due(0, 0) and corrected_steps(0, range(9)) == [0, 8]
 
 
 def test_correction_recall_is_a_share():
