@@ -1,6 +1,7 @@
 """What a correction costs a decode step, and where: the same kvswap configuration guess-only, corrected, and corrected
 with its reads overlapped (``MODES``), and corrected where the guess falls short of each ``--recalls`` share only
-(``correction_recall``), each after a few warm-up steps, ms per step in the policy's phases (wall time of
+(``correction_recall``; with ``--fixed-probes`` also without the probes' backoff, each probe skipping ``PROBE_STEPS``),
+each after a few warm-up steps, ms per step in the policy's phases (wall time of
 each phase on the compute thread, nested phases inside their callers).
 
     python -m bench.correction_cost --model smollm2 --context 8192 --kvswap G=4,M=410,C=393,sigma=8 \\
@@ -87,6 +88,8 @@ def main(argv=None) -> None:
     ap.add_argument("--kv-path", default=None)
     ap.add_argument("--repeat", type=int, default=1, help="runs of every mode, interleaved; the median is reported")
     ap.add_argument("--recalls", default="", help="correction_recall thresholds, each a mode (e.g. 0.9,0.85)")
+    ap.add_argument("--fixed-probes", action="store_true", help="each --recalls mode also with every passed probe "
+                    "skipping PROBE_STEPS steps (no backoff: what ProbeSchedule's doubling saves)")
     ap.add_argument("--modes", default=",".join(MODES), help="which of MODES run (guess always does: the reference)")
     ap.add_argument("--weights", default=None, help="the linear layers' format (runtime/weights.py; default native)")
     ap.add_argument("--text", default="synthetic", help="the prompt: synthetic ids (bench.step_profile.prefilled), or "
@@ -106,7 +109,11 @@ def main(argv=None) -> None:
     modes = {m: overrides for m, overrides in MODES.items() if m in asked}
     for r in filter(None, args.recalls.split(",")):
         modes[f"corrected,recall={r}"] = {"correction": "corrected", "correction_recall": float(r)}
+        if args.fixed_probes:
+            modes[f"corrected,recall={r},fixed probes"] = modes[f"corrected,recall={r}"]
+    probes_max = offload.PROBE_STEPS_MAX
     for mode, overrides in [item for _ in range(args.repeat) for item in modes.items()]:
+        offload.PROBE_STEPS_MAX = offload.PROBE_STEPS if mode.endswith("fixed probes") else probes_max
         with tempfile.TemporaryDirectory(dir=args.kv_path) as kv, Engine.from_pretrained(
                 args.model, kv_offload_path=kv, policy="kvswap", device="cpu", weights=args.weights,
                 config={**cfg, **overrides}) as engine, _prompted(engine, args.context, room, ids) as batch:
@@ -134,6 +141,7 @@ def main(argv=None) -> None:
             print(f"  {key:28s} {seconds / args.steps * 1e3:7.2f} ms a step")
         floor_of[mode].append(sum(spent[key] for key in (f"DiskKVStore.read (correction's, {FIX_THREAD})",
                                                          "OffloadedKV._pick")) / args.steps * 1e3)
+    offload.PROBE_STEPS_MAX = probes_max
     guess = statistics.median(step_ms_of["guess"])
     for mode, runs in step_ms_of.items():
         print(f"{mode:40s} median {statistics.median(runs):6.1f} ms a step, {guess / statistics.median(runs):.2f} x "
