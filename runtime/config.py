@@ -223,6 +223,10 @@ class PredictorConfig(Section):
                                        "while the correction's reads land, merged with theirs by log-sum-exp (the "
                                        "same attention up to float rounding; off: one attention, bit for bit the "
                                        "oracle's when uncapped)")
+    guess_from_before: bool = setting(False, Flag(), "corrected: a layer that corrects every step guesses with its "
+                                      "own corrected picks of the step before where those held more of its picks "
+                                      "than the layer-ahead prediction did (no scoring a layer ahead, fewer extra "
+                                      "reads)")
     correction_recall: float = setting(1.0, Real(0, 1, high_open=False, wants="in (0, 1]"),
                                        "corrected: a layer whose guess held at least this share of its corrected "
                                        "picks goes uncorrected for a few steps, then is measured again (1: every "

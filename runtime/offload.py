@@ -106,6 +106,7 @@ class OffloadedKV(KVPolicy):
         self.correction_recall = cfg.predictor.correction_recall
         self._steps = 0  # decode steps of the batch (what the probes count)
         self._probes = ProbeSchedule(dims.n_layers)
+        self._sources = GuessSources(dims.n_layers) if cfg.predictor.guess_from_before else None
         self.corrected_layer_steps = np.zeros(2, dtype=np.int64)  # layer-steps corrected, layer-steps attended
         self._correct_io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ekv-fix") if self.correction_reads \
             else None
@@ -127,6 +128,8 @@ class OffloadedKV(KVPolicy):
         self.store.open_sequence(seq)
         self.slots.reset(seq)
         self._probes.reset()  # a new prompt: every layer's guess is measured again
+        if self._sources is not None:
+            self._sources.reset()
         self.n_groups[seq] = 0
         self.rb_len[seq] = 0
         self.owner[seq] = seq
@@ -184,7 +187,12 @@ class OffloadedKV(KVPolicy):
         self._active = active
         if self.selector.reads_ahead:
             started = time.perf_counter()
-            self._picking[layer] = self._launch_pick(layer, self.model.query(layer, x, rope) if self.predict else None)
+            before = self._sources.before(layer) if self._sources is not None else None
+            if before is not None:  # the layer's own picks of the step before: nothing to score
+                self._picking[layer] = HostPicks(torch.from_numpy(before), active)
+            else:
+                self._picking[layer] = self._launch_pick(layer, self.model.query(layer, x, rope) if self.predict
+                                                         else None)
             self.select_s += time.perf_counter() - started
             if self.model.device.type != "cuda":  # no queue to keep fed: the reads start at once
                 self.take_picks()
@@ -369,8 +377,13 @@ class OffloadedKV(KVPolicy):
         they bring [B, M]); else the reads have landed."""
         started = time.perf_counter()
         guessed = valid & _in_rows(groups, self._guess)  # the corrected picks the guess had
-        if self.correction_recall < 1:
-            self._probes.measured(layer, self._steps, valid.any() and guessed.sum() >= self.correction_recall * valid.sum())
+        from_before = self._sources is not None and self._sources.before(layer) is not None
+        if self.correction_recall < 1:  # a guess from the step before goes stale uncorrected: it keeps correcting
+            self._probes.measured(layer, self._steps, not from_before and valid.any()
+                                  and guessed.sum() >= self.correction_recall * valid.sum())
+        if self._sources is not None:
+            self._sources.corrected(layer, self._steps, groups, valid, guessed,
+                                    self._probes.due(layer, self._steps + 1))
         owners = record_owners(groups, self.owner, self.shared_groups)
         missing = valid & ~self.slots.resident(layer, groups, owners)
         over = missing & (np.cumsum(missing, axis=1) > self.correction_reads)
@@ -558,6 +571,45 @@ class ProbeSchedule:
             return
         self._until[layer] = step + self._skip[layer]
         self._skip[layer] = min(2 * self._skip[layer], PROBE_STEPS_MAX)
+
+
+class GuessSources:
+    """Where each layer's guess comes from, with ``guess_from_before``: the layer-ahead prediction, or the layer's own
+    corrected picks of the step before.  At the first layers the prediction from the layer below is poor (SmolLM2
+    8K: 0.47-0.65 of the corrected picks at layers 1 and 2) while a layer's picks change little from step to step
+    (0.84-0.90 there; ``bench.guess_sources``).  A layer corrected at two steps in a row switches to its picks of
+    the step before when they held more than the prediction did; it switches back when they hold less than the
+    prediction last did.  Only a layer that corrects every step may: uncorrected, those picks would go stale."""
+
+    def __init__(self, n_layers: int):
+        self._picks: list[np.ndarray | None] = [None] * n_layers  # layer -> its last corrected picks [B, M], -1: none
+        self._made_at = np.full(n_layers, -2, dtype=np.int64)  # the step they were made at
+        self._ahead_share = np.zeros(n_layers)  # the prediction's share of the corrected picks, when last measured
+        self._from_before = np.zeros(n_layers, dtype=bool)
+
+    def reset(self) -> None:
+        self._picks = [None] * len(self._picks)
+        self._made_at[:] = -2
+        self._from_before[:] = False
+
+    def before(self, layer: int) -> np.ndarray | None:
+        """The picks ``layer`` guesses with this step (its corrected picks of the step before), or None: predict."""
+        return self._picks[layer] if self._from_before[layer] else None
+
+    def corrected(self, layer: int, step: int, groups: np.ndarray, valid: np.ndarray, guessed: np.ndarray,
+                  corrects_next: bool) -> None:
+        """``layer`` corrected at ``step`` to ``groups``/``valid`` [B, M], of which its guess held ``guessed``;
+        ``corrects_next``: it corrects at the next step too."""
+        share = guessed.sum() / max(1, valid.sum())
+        if self._from_before[layer]:
+            self._from_before[layer] = corrects_next and share >= self._ahead_share[layer]
+        else:
+            self._ahead_share[layer] = share
+            if corrects_next and self._made_at[layer] == step - 1:
+                before = (valid & _in_rows(groups, self._picks[layer])).sum() / max(1, valid.sum())
+                self._from_before[layer] = before > share
+        self._picks[layer] = np.where(valid, groups, -1)
+        self._made_at[layer] = step
 
 
 class HostPicks:

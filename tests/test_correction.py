@@ -39,6 +39,50 @@ def test_uncapped_correction_gives_the_oracles_tokens_and_reads_what_the_guess_m
     assert all(c.stats["kv_bytes_read"] > 0 for c in runs["corrected"])
 
 
+@pytest.mark.parametrize("reuse", [True, False])
+def test_guesses_from_the_step_before_keep_the_uncapped_correction_the_oracles(model_dirs, tmp_path, monkeypatch,
+                                                                                reuse):
+    """``guess_from_before``: where a layer's own picks of the step before held more than the layer-ahead prediction,
+    they are its next guess (nothing scored a layer ahead); the guess moves reads only, so the tokens stay the
+    oracle's bit for bit.  (The oracle predicts nothing: the poor prediction touches the corrected run only.)"""
+    from edgekv.runtime.model import DecoderModel
+    query = DecoderModel.query  # the layer-ahead prediction made poor (the lowest scores): the step before wins
+    monkeypatch.setattr(DecoderModel, "query", lambda self, layer, x, rope: -query(self, layer, x, rope))
+    guessed_before = []
+    before = offload.GuessSources.before
+    monkeypatch.setattr(offload.GuessSources, "before", lambda self, layer: guessed_before.append(
+        before(self, layer) is not None) or before(self, layer))
+    oracle = _run(model_dirs["llama"], tmp_path / "oracle", reuse=reuse, selector="oracle")
+    corrected = _run(model_dirs["llama"], tmp_path / "before", reuse=reuse, correction="corrected",
+                     guess_from_before=True)
+    for o, c in zip(oracle, corrected):
+        assert c.token_ids == o.token_ids
+        assert all(torch.equal(a, b) for a, b in zip(c.logits, o.logits))
+    assert any(guessed_before) and not all(guessed_before)  # some layer-steps guessed from the step before
+
+
+def test_a_layer_guesses_from_the_step_before_while_that_holds_more_than_the_prediction_did():
+    """``GuessSources``: a layer corrected at two steps in a row takes its picks of the step before as its guess when
+    they held more of the corrected picks than the prediction; back to predicting once they hold less than the
+    prediction last did, or when the layer will not correct at the next step (the picks would go stale)."""
+    sources = offload.GuessSources(n_layers=1)
+    valid = np.ones((1, 4), dtype=bool)
+
+    def correct(step, picks, guess, corrects_next=True):
+        groups = np.array([picks])
+        sources.corrected(0, step, groups, valid, valid & offload._in_rows(groups, np.array([guess])), corrects_next)
+        return sources.before(0)
+
+    assert correct(0, [1, 2, 3, 4], [1, 9, 9, 9]) is None  # nothing from the step before yet
+    assert correct(1, [1, 2, 3, 5], [1, 9, 9, 9]).tolist() == [[1, 2, 3, 5]]  # 3 of 4 held against 1 of 4
+    assert correct(2, [1, 2, 6, 7], [1, 2, 3, 5]).tolist() == [[1, 2, 6, 7]]  # 2 of 4 still beat the prediction's 1
+    assert correct(3, [8, 9, 10, 11], [1, 2, 6, 7]) is None  # none held: predict again
+    assert correct(4, [8, 9, 10, 12], [8, 9, 10, 12]) is None  # the prediction holds up
+    assert correct(5, [8, 9, 10, 13], [8, 0, 0, 0], corrects_next=False) is None  # uncorrected next: stale picks
+    sources.reset()
+    assert sources.before(0) is None
+
+
 def test_a_cap_bounds_the_extra_reads_and_the_guess_fills_in(model_dirs, tmp_path):
     # no reuse buffer: every corrected pick the guess lacks is a read
     capped = _run(model_dirs["llama"], tmp_path / "capped", correction="corrected", correction_reads=1, reuse=False)
