@@ -522,6 +522,7 @@ def run(platform: str | None = None, model: str | None = None, kv_paths: str | P
         "ttft_costs_path": str(ttft_costs),
         "correction": top.correction, "correction_reads": top.correction_reads, "score_reduce": top.score_reduce,
         "correction_recall": prof.correction_recall if top.correction == "corrected" else 1.0,
+        "guess_from_before": prof.guess_from_before and top.correction == "corrected",
         "solutions": [{**x.to_json(), "adapter_path": adapters[float(x.sigma)]} for x in solutions],
         "measurements": measurements, "edgekv_version": VERSION,
     }
@@ -536,6 +537,7 @@ def run(platform: str | None = None, model: str | None = None, kv_paths: str | P
     log(f"config: {out / 'config.json'}  (G={top.G} M={top.M} C={top.C} sigma={top.sigma:g} reuse={top.reuse} "
         f"S={top.sink_tokens} W={top.window_tokens} records {top.kv_record_dtype} {top.correction}"
         + (f" correction_recall {config['correction_recall']:g}" if config["correction_recall"] < 1 else "")
+        + (" guess_from_before" if config["guess_from_before"] else "")
         + f" ppl ratio {top.ppl_ratio} at batch {top.batch}, context {top.context}; {len(solutions)} solutions; tuning {tuning_s:.0f} s)")
 
     stats, chat = smoke_run(d.model_dir, d.kv_dirs, out / "config.json", prof, d.device, scorer) if smoke else (None, None)

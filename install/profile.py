@@ -50,6 +50,7 @@ SCHEMA = {
         "context_min": (int, True, None), "context_step": (int, True, None),
         "record_dtypes": (list, False, None), "record_ppl_max": (float, False, None),
         "corrections": (list, False, None), "correction_recall": (float, False, None),
+        "guess_from_before": (bool, False, None),
     },
     "profiling": {"disk_seconds": (float, True, None), "disk_file_mib": (int, True, None)},
     "power_meter": (str, True, POWER_METERS),
@@ -93,6 +94,7 @@ class Profile:
     record_ppl_max: float = 1.01  # without a quality target: the most loss a record format may cost
     corrections: tuple[str, ...] = ("guess", "corrected")  # selections the quality table measures (runtime 'correction')
     correction_recall: float = 1.0  # a corrected deployment's runtime 'correction_recall' (1: every layer, every step)
+    guess_from_before: bool = False  # a corrected deployment's runtime 'guess_from_before'
     slot_memory: str | None = None  # on a GPU: device slots fed by copies, or mapped host ones (None: the platform's)
     weights: tuple[str, ...] = ()  # weight formats the install step tries, fastest first (install/weights.py)
     weights_ppl_max: float = 1.01  # the most perplexity a weight format may cost against the model's own weights
@@ -150,6 +152,7 @@ def load_profile(source: str | Path, profiles_dir: Path = PROFILES_DIR) -> Profi
         weights_ppl_max=float(flat.get("compute.weights_ppl_max", 1.01)),
         corrections=tuple(flat.get("solver.corrections") or ("guess", "corrected")),
         correction_recall=float(flat.get("solver.correction_recall", 1.0)),
+        guess_from_before=flat.get("solver.guess_from_before", False),
         slot_memory=flat.get("memory.slot_memory"),
     )
 
@@ -180,8 +183,8 @@ def _check(path: Path, data: dict, schema: dict, prefix: str) -> dict:
                 raise ProfileError(f"{path}: missing required field '{name}' ({kind.__name__}); add it")
             continue
         value = data[key]
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool) if kind is float else (
-            isinstance(value, kind) and not isinstance(value, bool))
+        ok = isinstance(value, bool) if kind is bool else isinstance(value, (int, float)) and not isinstance(
+            value, bool) if kind is float else isinstance(value, kind) and not isinstance(value, bool)
         if not ok:
             raise ProfileError(f"{path}: field '{name}' must be {kind.__name__}, got {value!r}; write e.g. {_example(kind)}")
         if kind is float and not math.isfinite(value):  # YAML's .nan and .inf pass every comparison check below
@@ -296,4 +299,4 @@ def check_kv_paths(paths, where: str) -> tuple[str, ...]:
 
 
 def _example(kind) -> str:
-    return {str: "a string", int: "4", float: "0.1", list: "[a, b]"}[kind]
+    return {str: "a string", int: "4", float: "0.1", list: "[a, b]", bool: "true"}[kind]

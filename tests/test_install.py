@@ -507,6 +507,8 @@ def test_deploy_with_a_quality_target_measures_the_table_and_says_whether_it_is_
         assert {"sink_tokens", "window_tokens"} <= set(config)
         assert config["correction_recall"] == (data["solver"].get("correction_recall", 1.0)
                                                if config["correction"] == "corrected" else 1.0)
+        assert config["guess_from_before"] == (data["solver"].get("guess_from_before", False)
+                                               and config["correction"] == "corrected")
         met = [s["quality_met"] for s in config["solutions"]]
         report = (root / "q" / "local" / "report.txt").read_text()
         assert "quality table" in report
@@ -587,10 +589,12 @@ def test_a_table_of_fewer_selections_gives_its_points_and_only_the_rest_are_meas
                                                   ("quality_contexts", [0], "quality_contexts"),
                                                   ("corrections", ["oracle"], "solver.corrections"),
                                                   ("correction_recall", 0.0, "solver.correction_recall"),
-                                                  ("correction_recall", 1.2, "solver.correction_recall")])
+                                                  ("correction_recall", 1.2, "solver.correction_recall"),
+                                                  ("guess_from_before", "yes", "solver.guess_from_before' must be "
+                                                   "bool, got 'yes'; write e.g. true")])
 def test_bad_quality_fields_are_named(tmp_path, field, value, message):
     data = yaml.safe_load((PROFILES_DIR / "local.yaml").read_text())
-    (data["solver"] if field.startswith("correction") else data)[field] = value
+    (data["solver"] if field.startswith(("correction", "guess")) else data)[field] = value
     path = tmp_path / "mine.yaml"
     path.write_text(yaml.safe_dump(data))
     with pytest.raises(ProfileError, match=message):
