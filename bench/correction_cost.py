@@ -90,6 +90,8 @@ def main(argv=None) -> None:
     ap.add_argument("--recalls", default="", help="correction_recall thresholds, each a mode (e.g. 0.9,0.85)")
     ap.add_argument("--fixed-probes", action="store_true", help="each --recalls mode also with every passed probe "
                     "skipping PROBE_STEPS steps (no backoff: what ProbeSchedule's doubling saves)")
+    ap.add_argument("--from-before", action="store_true", help="each --recalls mode with guess_from_before off, "
+                    "and again on (a ',from before' mode)")
     ap.add_argument("--modes", default=",".join(MODES), help="which of MODES run (guess always does: the reference)")
     ap.add_argument("--weights", default=None, help="the linear layers' format (runtime/weights.py; default native)")
     ap.add_argument("--text", default="synthetic", help="the prompt: synthetic ids (bench.step_profile.prefilled), or "
@@ -108,9 +110,12 @@ def main(argv=None) -> None:
         raise SystemExit(f"--modes {args.modes}: each is one of {', '.join(MODES)}")
     modes = {m: overrides for m, overrides in MODES.items() if m in asked}
     for r in filter(None, args.recalls.split(",")):
-        modes[f"corrected,recall={r}"] = {"correction": "corrected", "correction_recall": float(r)}
+        skipping = {"correction": "corrected", "correction_recall": float(r)}
+        modes[f"corrected,recall={r}"] = {**skipping, "guess_from_before": False} if args.from_before else skipping
         if args.fixed_probes:
             modes[f"corrected,recall={r},fixed probes"] = modes[f"corrected,recall={r}"]
+        if args.from_before:
+            modes[f"corrected,recall={r},from before"] = {**skipping, "guess_from_before": True}
     probes_max = offload.PROBE_STEPS_MAX
     for mode, overrides in [item for _ in range(args.repeat) for item in modes.items()]:
         offload.PROBE_STEPS_MAX = offload.PROBE_STEPS if mode.endswith("fixed probes") else probes_max

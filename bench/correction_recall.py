@@ -1,6 +1,7 @@
 """What leaving well-guessed layers uncorrected costs in quality (``correction_recall``, runtime/offload.py): perplexity
 and top-1 agreement against ``full`` of a configuration an earlier eval chose (``--configs-from``), corrected at every
-layer, at each ``--recalls`` threshold, and guess-only, on the same windows of the eval text.  Its speed is
+layer, at each ``--recalls`` threshold, and guess-only, on the same windows of the eval text (with ``--from-before``, each corrected row with
+``guess_from_before`` off, and again on).  Its speed is
 ``bench.correction_cost --recalls``.
 
     python -m bench.correction_recall --model smollm2 --context 8192 --budget 1/13 \\
@@ -21,6 +22,8 @@ def main(argv=None) -> None:
     ap.add_argument("--budget", default="1/13")
     ap.add_argument("--configs-from", required=True, metavar="EVAL_JSON", help="the configuration to run (edgekv eval)")
     ap.add_argument("--recalls", default="0.9,0.85,0.8", help="correction_recall thresholds, each a row")
+    ap.add_argument("--from-before", action="store_true", help="each corrected row with guess_from_before off, and "
+                    "again with it on (a ',from before' row)")
     ap.add_argument("--ppl", default="builtin")
     ap.add_argument("--samples", type=int, default=4, help="windows")
     ap.add_argument("--ppl-tokens", type=int, default=256)
@@ -29,7 +32,12 @@ def main(argv=None) -> None:
     budget = common.parse_budget(args.budget)
     row = lambda name="", **over: Variant("kvswap", budget, rule="quality", ablation=name,  # noqa: E731
                                           overrides=tuple(over.items()))
-    variants = [row(), *(row(f"recall={r}", correction_recall=float(r)) for r in args.recalls.split(",")),
+    recalls = [float(r) for r in filter(None, args.recalls.split(","))]
+    corrected = [("", 1.0), *((f"recall={r:g}", r) for r in recalls)]
+    pinned = {"guess_from_before": False} if args.from_before else {}  # else the runtime's default
+    variants = [*(row(name, correction_recall=r, **pinned) if r < 1 or pinned else row() for name, r in corrected),
+                *(row(f"{name},from before".lstrip(","), correction_recall=r, guess_from_before=True)
+                  for name, r in corrected if args.from_before),
                 row("guess", correction="guess")]
     model = resolve_checkpoint(args.model)
     text, source = perplexity.load_text(args.ppl)
