@@ -1,8 +1,7 @@
 """What leaving well-guessed layers uncorrected costs in quality (``correction_recall``, runtime/offload.py): perplexity
 and top-1 agreement against ``full`` of a configuration an earlier eval chose (``--configs-from``), corrected at every
-layer, at each ``--recalls`` threshold, and guess-only, on the same windows of the eval text (with ``--from-before``, each corrected row with
-``guess_from_before`` off, and again on).  Its speed is
-``bench.correction_cost --recalls``.
+layer, at each ``--recalls`` threshold, and guess-only, on the same windows of the eval text (with ``--from-before``,
+each corrected row with ``guess_from_before`` off, and again on).  Its speed is ``bench.correction_cost --recalls``.
 
     python -m bench.correction_recall --model smollm2 --context 8192 --budget 1/13 \\
         --configs-from docs/results/chosen-smollm2-8k-deployed-top1.json --recalls 0.9,0.85,0.8 --json out.json
