@@ -20,7 +20,7 @@ import threading
 import time
 
 import torch
-from edgekv.runtime import Engine, disk_store, offload, slots
+from edgekv.runtime import Engine, disk_store, guesses, offload, slots
 
 from bench.step_profile import fields, prefilled
 
@@ -116,9 +116,9 @@ def main(argv=None) -> None:
             modes[f"corrected,recall={r},fixed probes"] = modes[f"corrected,recall={r}"]
         if args.from_before:
             modes[f"corrected,recall={r},from before"] = {**skipping, "guess_from_before": True}
-    probes_max = offload.PROBE_STEPS_MAX
+    probes_max = guesses.PROBE_STEPS_MAX
     for mode, overrides in [item for _ in range(args.repeat) for item in modes.items()]:
-        offload.PROBE_STEPS_MAX = offload.PROBE_STEPS if mode.endswith("fixed probes") else probes_max
+        guesses.PROBE_STEPS_MAX = guesses.PROBE_STEPS if mode.endswith("fixed probes") else probes_max
         with tempfile.TemporaryDirectory(dir=args.kv_path) as kv, Engine.from_pretrained(
                 args.model, kv_offload_path=kv, policy="kvswap", device="cpu", weights=args.weights,
                 config={**cfg, **overrides}) as engine, _prompted(engine, args.context, room, ids) as batch:
@@ -146,7 +146,7 @@ def main(argv=None) -> None:
             print(f"  {key:28s} {seconds / args.steps * 1e3:7.2f} ms a step")
         floor_of[mode].append(sum(spent[key] for key in (f"DiskKVStore.read (correction's, {FIX_THREAD})",
                                                          "OffloadedKV._pick")) / args.steps * 1e3)
-    offload.PROBE_STEPS_MAX = probes_max
+    guesses.PROBE_STEPS_MAX = probes_max
     guess = statistics.median(step_ms_of["guess"])
     for mode, runs in step_ms_of.items():
         print(f"{mode:40s} median {statistics.median(runs):6.1f} ms a step, {guess / statistics.median(runs):.2f} x "

@@ -183,8 +183,9 @@ def _check(path: Path, data: dict, schema: dict, prefix: str) -> dict:
                 raise ProfileError(f"{path}: missing required field '{name}' ({kind.__name__}); add it")
             continue
         value = data[key]
-        ok = isinstance(value, bool) if kind is bool else isinstance(value, (int, float)) and not isinstance(
-            value, bool) if kind is float else isinstance(value, kind) and not isinstance(value, bool)
+        # YAML's true/false are Python bools, which are ints too: a bool is neither a number nor a count here
+        ok = isinstance(value, bool) if kind is bool else (
+            not isinstance(value, bool) and isinstance(value, (int, float) if kind is float else kind))
         if not ok:
             raise ProfileError(f"{path}: field '{name}' must be {kind.__name__}, got {value!r}; write e.g. {_example(kind)}")
         if kind is float and not math.isfinite(value):  # YAML's .nan and .inf pass every comparison check below

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from edgekv.runtime import Engine, forward, offload
+from edgekv.runtime import Engine, forward, guesses, offload
 from edgekv.runtime.config import ConfigError, RuntimeConfig
 from edgekv.runtime.slots import PreloadSlots, SlotTable
 
@@ -49,8 +49,8 @@ def test_guesses_from_the_step_before_keep_the_uncapped_correction_the_oracles(m
     query = DecoderModel.query  # the layer-ahead prediction made poor (the lowest scores): the step before wins
     monkeypatch.setattr(DecoderModel, "query", lambda self, layer, x, rope: -query(self, layer, x, rope))
     guessed_before = []
-    before = offload.GuessSources.before
-    monkeypatch.setattr(offload.GuessSources, "before", lambda self, layer: guessed_before.append(
+    before = guesses.GuessSources.before
+    monkeypatch.setattr(guesses.GuessSources, "before", lambda self, layer: guessed_before.append(
         before(self, layer) is not None) or before(self, layer))
     oracle = _run(model_dirs["llama"], tmp_path / "oracle", reuse=reuse, selector="oracle")
     corrected = _run(model_dirs["llama"], tmp_path / "before", reuse=reuse, correction="corrected",
@@ -65,12 +65,12 @@ def test_a_layer_guesses_from_the_step_before_while_that_holds_more_than_the_pre
     """``GuessSources``: a layer corrected at two steps in a row takes its picks of the step before as its guess when
     they held more of the corrected picks than the prediction; back to predicting once they hold less than the
     prediction last did, or when the layer will not correct at the next step (the picks would go stale)."""
-    sources = offload.GuessSources(n_layers=1)
+    sources = guesses.GuessSources(n_layers=1)
     valid = np.ones((1, 4), dtype=bool)
 
     def correct(step, picks, guess, corrects_next=True):
         groups = np.array([picks])
-        sources.corrected(0, step, groups, valid, valid & offload._in_rows(groups, np.array([guess])), corrects_next)
+        sources.corrected(0, step, groups, valid, valid & guesses.in_rows(groups, np.array([guess])), corrects_next)
         return sources.before(0)
 
     assert correct(0, [1, 2, 3, 4], [1, 9, 9, 9]) is None  # nothing from the step before yet
@@ -169,11 +169,11 @@ def test_slot_tables_say_what_is_resident_and_place_corrections_without_counting
 
 
 def test_guess_recall_finds_each_rows_own_guesses_only():
-    """``_in_rows`` (the recall the stats report): a group counts where the same row guessed it; -1 pads a row."""
+    """``in_rows`` (the recall the stats report): a group counts where the same row guessed it; -1 pads a row."""
     groups = np.array([[3, 7, 9], [3, 4, 5]])
     guess = np.array([[9, 1, -1], [-1, 4, 3]])
-    assert offload._in_rows(groups, guess).tolist() == [[False, False, True], [True, True, False]]
-    assert not offload._in_rows(groups, np.full((2, 2), -1)).any()
+    assert guesses.in_rows(groups, guess).tolist() == [[False, False, True], [True, True, False]]
+    assert not guesses.in_rows(groups, np.full((2, 2), -1)).any()
 
 
 def test_a_layer_whose_guess_holds_up_goes_uncorrected_between_probes(model_dirs, tmp_path):
@@ -197,7 +197,7 @@ def test_a_layer_whose_guess_holds_up_goes_uncorrected_between_probes(model_dirs
 def test_a_layer_that_keeps_passing_its_probes_is_probed_ever_more_rarely():
     """``ProbeSchedule``: a passed probe skips PROBE_STEPS steps, doubling while the probes pass (up to
     PROBE_STEPS_MAX); a failed one corrects every step until a probe passes, then the skip starts short again."""
-    schedule = offload.ProbeSchedule(n_layers=2)
+    schedule = guesses.ProbeSchedule(n_layers=2)
 
     def corrected_steps(layer, steps, held=lambda step: True):
         out = []
@@ -209,13 +209,13 @@ def test_a_layer_that_keeps_passing_its_probes_is_probed_ever_more_rarely():
 
     probes = corrected_steps(0, range(400))
     gaps = np.diff(probes).tolist()
-    assert gaps[:4] == [offload.PROBE_STEPS * 2 ** i for i in range(4)]
-    assert max(gaps) == offload.PROBE_STEPS_MAX and gaps[-1] == offload.PROBE_STEPS_MAX
+    assert gaps[:4] == [guesses.PROBE_STEPS * 2 ** i for i in range(4)]
+    assert max(gaps) == guesses.PROBE_STEPS_MAX and gaps[-1] == guesses.PROBE_STEPS_MAX
     assert schedule.due(1, 0) and not schedule.due(0, probes[-1] + 1)  # layers are scheduled apart
     slipping = corrected_steps(0, range(400, 471), held=lambda step: step >= 470)  # the guess slips, then holds
-    assert slipping[0] == probes[-1] + offload.PROBE_STEPS_MAX  # noticed at the next probe ...
+    assert slipping[0] == probes[-1] + guesses.PROBE_STEPS_MAX  # noticed at the next probe ...
     assert slipping[1:] == list(range(slipping[0] + 1, 471))  # ... then corrected every step until it holds
-    assert corrected_steps(0, range(471, 500)) == [470 + offload.PROBE_STEPS, 470 + 3 * offload.PROBE_STEPS]  # and skipped briefly again
+    assert corrected_steps(0, range(471, 500)) == [470 + guesses.PROBE_STEPS, 470 + 3 * guesses.PROBE_STEPS]  # and skipped briefly again
     schedule.reset()
     assert schedule.due(0, 0) and corrected_steps(0, range(9)) == [0, 8]
 
