@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from edgekv.install import compute, disk, quality, report, solver, tables, weights
+from edgekv.install import compute, disk, dtypes, quality, report, solver, tables, weights
 from edgekv.install.iomodel import io_model
 from edgekv.install.profile import Profile, check_kv_paths, load_profile
 from edgekv.platforms.detect import detect_platform, jetson_module
@@ -28,6 +28,7 @@ from edgekv.runtime import Engine, RecordLayout
 from edgekv.runtime.adapter import LowRankAdapter
 from edgekv.runtime.checkpoints import cache_root as default_cache_root
 from edgekv.runtime.checkpoints import checkpoint_fingerprint, gguf_sha256, load_tokenizer, resolve_checkpoint
+from edgekv.runtime.devices import DTYPES
 from edgekv.runtime.model import ModelDims, load_model, read_model_config
 from edgekv.runtime.store.files import write_atomic, write_json_atomic
 from edgekv.runtime.weights import INT4_GRID_ERROR
@@ -140,14 +141,18 @@ class Deployment:
     kv_dirs: tuple[Path, ...]  # the KV paths, in order: the solver plans with all of them, the smoke run uses all
     out: Path
     device: torch.device
-    kv_dtype: torch.dtype
+    kv_dtype: torch.dtype  # what the deployment computes in: on the CPU, chosen by ``choose_dtype``
     reprofile: bool
     log: object
     weights: str = "native"  # the linear layers' format chosen for the compute phases, the config and the smoke run
     _model: object = None
-    _model_weights: str | None = None
+    _model_key: tuple | None = None
     _fp: str | None = None
     adapter_source: str | None = None  # what the lookup tables' adapters were fitted on (the quality table's key)
+    table_dtype: torch.dtype | None = None  # what the KV tables are measured in: float32 on the CPU, as shipped
+
+    def __post_init__(self):
+        self.table_dtype = self.table_dtype or self.kv_dtype
 
     @property
     def kv_dir(self) -> Path:
@@ -173,13 +178,15 @@ class Deployment:
     def sigmas(self) -> list[float]:
         return [s for s in solver.SIGMAS if s <= self.prof.sigma_max]
 
-    def model(self, weights: str = "native"):
-        """The model in ``weights``, loaded once and only by a phase that needs it (cached phases do not): the KV
-        tables on the model's own weights, the compute phases on the deployed format."""
-        if self._model is None or self._model_weights != weights:
+    def model(self, weights: str = "native", dtype: torch.dtype | None = None):
+        """The model in ``weights`` and ``dtype`` (default: the deployed one), loaded once and only by a phase that
+        needs it (cached phases do not): the KV tables on the model's own weights in ``table_dtype``, the compute
+        phases on the deployed format and dtype."""
+        key = (weights, dtype or self.kv_dtype)
+        if self._model is None or self._model_key != key:
             self._model = None  # one copy in memory at a time
-            self._model = load_model(self.model_dir, self.device, self.kv_dtype, self.prof.max_context + 64, weights)
-            self._model_weights = weights
+            self._model = load_model(self.model_dir, self.device, key[1], self.prof.max_context + 64, weights)
+            self._model_key = key
         return self._model
 
     def release_model(self) -> None:
@@ -214,7 +221,7 @@ def prepare(platform, model, kv_paths, out_root, reprofile, log, device: str | N
     out.mkdir(parents=True, exist_ok=True)
     if device.type != prof.device:
         log(f"profile {prof.platform} computes on {prof.device}; deploying on {device.type}, as asked (--device)")
-    kv_dtype = getattr(torch, prof.dtype) if device.type == "cuda" else torch.float32
+    kv_dtype = getattr(torch, prof.dtype) if device.type == "cuda" else torch.float32  # the CPU's: choose_dtype
     return Deployment(prof, detected, model_dir, tuple(Path(p) for p in given), out, device, kv_dtype, reprofile, log)
 
 
@@ -269,17 +276,19 @@ def lookup_tables(d: Deployment, cache_root: Path, calibration: str | None) -> t
     d.log(f"lookup tables: reuse rate vs C for G in {groups}, adapters for sigma in {d.sigmas}")
     start = time.perf_counter()
     prompts = adapter_prompts(d.model_dir, context, 2, calibration)  # read only when the tables are measured
-    adapters = tables.build_adapters(d.model(), prompts, d.sigmas, tables_dir)
+    model = d.model(dtype=d.table_dtype)
+    adapters = tables.build_adapters(model, prompts, d.sigmas, tables_dir)
     middle = min(adapters, key=lambda s: abs(s - 8))  # the reuse pattern barely depends on sigma
-    reuse = tables.reuse_table(d.model(), d.kv_dir, prompts, groups, d.prof.mg_const, adapters[middle])
+    reuse = tables.reuse_table(model, d.kv_dir, prompts, groups, d.prof.mg_const, adapters[middle])
     tables.save_tables(tables_dir / "tables.json", fp, reuse, adapters, {"seconds": round(time.perf_counter() - start, 1)})
     return reuse, adapters
 
 
 def quality_table(d: Deployment, cache_root: Path, adapters: dict, calibration: str | None,
                   limits: solver.Limits) -> list[quality.QualityPoint]:
-    """Measured loss per configuration at the profile's quality contexts (cached per model, grid and budget);
-    empty when the profile sets no quality target (the solver then keeps KVSwap's M*G = mg_const)."""
+    """Measured loss per configuration at the profile's quality contexts (cached per model, grid and budget), in
+    ``table_dtype`` as the shipped tables are: each point's loss is against ``full`` in the same dtype; empty when
+    the profile sets no quality target (the solver then keeps KVSwap's M*G = mg_const)."""
     prof = d.prof
     if prof.quality_target is None:
         return []
@@ -312,11 +321,12 @@ def quality_table(d: Deployment, cache_root: Path, adapters: dict, calibration: 
     points, start = [], time.perf_counter()
     for context in prof.quality_contexts:
         grid = [p for p in quality.candidates(context, groups, d.sigmas, prof.corrections) if solver.smallest_bytes(
-            dims, d.kv_dtype, limits, context, p) <= budget]
+            dims, d.table_dtype, limits, context, p) <= budget]
         windows, source = calibration_windows(d.model_dir, context, quality.WINDOWS, calibration)
         d.log(f"quality table at {context}: up to {len(grid)} configurations on {source}")
         with Progress(len(grid) + 1, f"quality table {context}") as progress:
-            scorer = ConfigScorer(d.model(), d.kv_dir, Adapters.from_files(d.model(), adapters), windows,
+            model = d.model(dtype=d.table_dtype)
+            scorer = ConfigScorer(model, d.kv_dir, Adapters.from_files(model, adapters), windows,
                                   quality.continuation(context), progress, max_batch=quality.WINDOWS, label=str(context))
             points += quality.measure(scorer, grid, context, prof.quality_target, known, prof.quality_top1_min)
     quality.save(path, fp, points, {"seconds": round(time.perf_counter() - start, 1)})
@@ -362,6 +372,35 @@ def record_table(d: Deployment, cache_root: Path, adapters: dict, calibration: s
         table = quality.record_table(scorer, context, groups, prof.record_dtypes)
     _save(path, fp, {"records": {str(g): rows for g, rows in table.items()}})
     return table
+
+
+def choose_dtype(d: Deployment, calibration: str | None) -> list[dict]:
+    """On the CPU, set ``d.kv_dtype`` to the profile's dtype where it holds perplexity within ``dtype_ppl_max`` of
+    float32 and decodes faster on this machine (install/dtypes.py), else float32 (cached per model, machine and
+    candidate); both trials, for the report.  On a GPU the profile's dtype stands."""
+    if d.device.type == "cuda" or d.prof.dtype == dtypes.BASELINE:
+        return []
+    source = adapter_source(d.model_dir, weights.WINDOW_TOKENS, 2, calibration)
+    fp = {"model": d.model_fp, "device": str(d.device), "candidate": d.prof.dtype, "ppl_max": d.prof.dtype_ppl_max,
+          "torch": torch.__version__, "cpu": _cpu_model(), "threads": torch.get_num_threads(),
+          "batch": d.prof.max_batch, "context": d.prof.max_context, "calibration": source, "edgekv": VERSION}
+    cached = _cached(d.out / "dtype.json", fp, d.reprofile, "model dtype", d.log)
+    if not cached:
+        windows = adapter_prompts(d.model_dir, weights.WINDOW_TOKENS, 2, calibration)
+        with _progress(2, "model dtype") as bar:
+            chosen, trials = dtypes.choose(lambda name: d.model(dtype=DTYPES[name]), d.prof.dtype,
+                                           d.prof.dtype_ppl_max, windows, d.prof.max_batch, d.prof.max_context,
+                                           progress=lambda: bar.update(1))
+        cached = {"chosen": chosen, "trials": [t.to_json() for t in trials]}
+        _save(d.out / "dtype.json", fp, cached)
+    d.kv_dtype = DTYPES[cached["chosen"]]
+    for t in cached["trials"]:
+        d.log(f"dtype {t['dtype']}: ppl {t['ppl_ratio']}x float32's, top-1 agreement {t['top1_agreement']}, one "
+              f"decode block at batch {d.prof.max_batch}, {d.prof.max_context} tokens {t['block_ms']} ms"
+              + (f" ({t['note']})" if t["note"] else ""))
+    d.log(f"dtype: {cached['chosen']} (the profile's {d.prof.dtype} where within ppl {d.prof.dtype_ppl_max:g}x of "
+          "float32 and faster here)")
+    return cached["trials"]
 
 
 def choose_weights(d: Deployment, calibration: str | None) -> list[dict]:
@@ -467,6 +506,7 @@ def run(platform: str | None = None, model: str | None = None, kv_paths: str | P
     disk_profiles = measure_disk(d, disk_seconds or prof.disk_seconds)
     cache_root = Path(cache_dir) if cache_dir else default_cache_root()
     reuse, adapters = lookup_tables(d, cache_root, calibration)
+    dtype_trials = choose_dtype(d, calibration)
     weight_trials = choose_weights(d, calibration)
     compute_profile = measure_compute(d, batches, contexts)
     ttft_costs, ttft_errors = measure_chunks(d, contexts)
@@ -474,6 +514,8 @@ def run(platform: str | None = None, model: str | None = None, kv_paths: str | P
     measurements = {
         "platform": platform_for(prof).facts(),
         "disk": disk_measurements(disk_profiles),
+        "dtype": {"chosen": str(d.kv_dtype).removeprefix("torch."), "trials": dtype_trials,
+                  "ppl_max": d.prof.dtype_ppl_max},
         "weights": {"chosen": d.weights, "trials": weight_trials, "ppl_max": d.prof.weights_ppl_max},
         "compute": {"device": str(d.device), "dtype": str(d.kv_dtype), "block_ms": compute_profile.block_ms,
                     "predict_ms": compute_profile.predict_ms, "reuse_ms": compute_profile.reuse_ms},

@@ -39,7 +39,7 @@ SCHEMA = {
     "platform": (str, True, None),
     "description": (str, False, None),
     "compute": {"device": (str, True, DEVICES), "dtype": (str, True, DTYPES), "weights": (list, False, None),
-                "weights_ppl_max": (float, False, None)},
+                "weights_ppl_max": (float, False, None), "dtype_ppl_max": (float, False, None)},
     "kv": {"paths": (list, False, None), "path": (str, False, None), "disk_type": (str, True, DISK_TYPES)},
     "memory": {"max_kv_mem_mib": (float, True, None), "max_batch": (int, True, None), "max_context": (int, True, None),
                "slot_memory": (str, False, SLOT_MEMORIES)},
@@ -98,6 +98,7 @@ class Profile:
     slot_memory: str | None = None  # on a GPU: device slots fed by copies, or mapped host ones (None: the platform's)
     weights: tuple[str, ...] = ()  # weight formats the install step tries, fastest first (install/weights.py)
     weights_ppl_max: float = 1.01  # the most perplexity a weight format may cost against the model's own weights
+    dtype_ppl_max: float = 1.01  # on the CPU: the most perplexity ``dtype`` may cost against float32 (install/dtypes.py)
 
     @property
     def batch_budget_mib(self) -> float:
@@ -150,6 +151,7 @@ def load_profile(source: str | Path, profiles_dir: Path = PROFILES_DIR) -> Profi
         record_ppl_max=float(flat.get("solver.record_ppl_max", 1.01)),
         weights=tuple(flat.get("compute.weights") or ()),
         weights_ppl_max=float(flat.get("compute.weights_ppl_max", 1.01)),
+        dtype_ppl_max=float(flat.get("compute.dtype_ppl_max", 1.01)),
         corrections=tuple(flat.get("solver.corrections") or ("guess", "corrected")),
         correction_recall=float(flat.get("solver.correction_recall", 1.0)),
         guess_from_before=flat.get("solver.guess_from_before", False),
@@ -259,6 +261,9 @@ def _check_ranges(path: Path, flat: dict) -> None:
     if flat.get("compute.weights_ppl_max", 1.0) < 1:
         raise ProfileError(f"{path}: field 'compute.weights_ppl_max' is a perplexity ratio to the model's own weights "
                            f"(>= 1, e.g. 1.01), got {flat['compute.weights_ppl_max']!r}")
+    if flat.get("compute.dtype_ppl_max", 1.0) < 1:
+        raise ProfileError(f"{path}: field 'compute.dtype_ppl_max' is a perplexity ratio to float32 (>= 1, e.g. 1.01), "
+                           f"got {flat['compute.dtype_ppl_max']!r}")
     bad = [s for s in flat["scorers"] if s not in SCORERS]
     if bad or not flat["scorers"]:
         raise ProfileError(f"{path}: field 'scorers' must list some of {list(SCORERS)}, got {flat['scorers']!r}")

@@ -47,6 +47,8 @@ def test_shipped_profiles_load(name):
     (lambda d: d.pop("memory"), "missing section 'memory'"),
     (lambda d: d["compute"].update(weights=["int4", "native"]), r"field 'compute.weights' lists .* \['int8', 'int4'\]"),
     (lambda d: d["compute"].update(weights_ppl_max=0.9), "field 'compute.weights_ppl_max' is a perplexity ratio"),
+    (lambda d: d["compute"].update(dtype_ppl_max=0.99), "field 'compute.dtype_ppl_max' is a perplexity ratio to float32"),
+    (lambda d: d["compute"].update(dtype="int8"), "field 'compute.dtype' is 'int8'; allowed values"),
 ])
 def test_bad_profile_names_file_and_field(tmp_path, edit, message):
     data = yaml.safe_load((PROFILES_DIR / "local.yaml").read_text())
@@ -273,6 +275,13 @@ def test_deploy_writes_config_report_and_smoke_stats_and_reuses_only_matching_pr
     assert config["weights"] == ("int4" if trial["chosen"] else "native")
     assert config["measurements"]["compute"]["block_ms"] and f"weights: {config['weights']}" in \
         (out_root / "local" / "report.txt").read_text()
+    # the profile's bfloat16 was measured against float32 on this CPU and deployed only where it held and ran faster
+    base, tried = config["measurements"]["dtype"]["trials"]
+    assert (base["dtype"], base["ppl_ratio"], tried["dtype"]) == ("float32", 1.0, "bfloat16")
+    assert tried["chosen"] == (tried["ppl_ratio"] <= 1.01 and tried["block_ms"] < base["block_ms"])
+    assert config["dtype"] == config["measurements"]["compute"]["dtype"].removeprefix("torch.") == \
+        ("bfloat16" if tried["chosen"] else "float32")
+    assert f"dtype: {config['dtype']}" in (out_root / "local" / "report.txt").read_text()
 
     logs.clear()
     deploy.run(str(path), "fixture", out_root=out_root, cache_dir=root / "cache", log=logs.append, smoke=False)
