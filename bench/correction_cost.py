@@ -94,6 +94,7 @@ def main(argv=None) -> None:
                     "and again on (a ',from before' mode)")
     ap.add_argument("--modes", default=",".join(MODES), help="which of MODES run (guess always does: the reference)")
     ap.add_argument("--weights", default=None, help="the linear layers' format (runtime/weights.py; default native)")
+    ap.add_argument("--dtype", default=None, help="float32, bfloat16 (default: the CPU's, float32)")
     ap.add_argument("--text", default="synthetic", help="the prompt: synthetic ids (bench.step_profile.prefilled), or "
                     "builtin / a text file: its first --context tokens, each step fed the next one (a guess's recall, "
                     "so what correction_recall skips, depends on the text)")
@@ -120,7 +121,7 @@ def main(argv=None) -> None:
     for mode, overrides in [item for _ in range(args.repeat) for item in modes.items()]:
         guesses.PROBE_STEPS_MAX = guesses.PROBE_STEPS if mode.endswith("fixed probes") else probes_max
         with tempfile.TemporaryDirectory(dir=args.kv_path) as kv, Engine.from_pretrained(
-                args.model, kv_offload_path=kv, policy="kvswap", device="cpu", weights=args.weights,
+                args.model, kv_offload_path=kv, policy="kvswap", device="cpu", dtype=args.dtype, weights=args.weights,
                 config={**cfg, **overrides}) as engine, _prompted(engine, args.context, room, ids) as batch:
             tokens = iter(ids[args.context :] if ids else [42] * (args.warmup + args.steps))
             for _ in range(args.warmup):

@@ -26,6 +26,8 @@ def main(argv=None) -> None:
     ap.add_argument("--ppl", default="builtin")
     ap.add_argument("--samples", type=int, default=4, help="windows")
     ap.add_argument("--ppl-tokens", type=int, default=256)
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
+                    help="what every row computes in (default float32 on the CPU: the dtype the tables were measured in)")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     budget = common.parse_budget(args.budget)
@@ -43,13 +45,13 @@ def main(argv=None) -> None:
     ids, tokens = perplexity.tokenize(model, text)
     with common.scratch_kv(None) as kv:
         results = perplexity.evaluate_ppl(model, kv, variants, [args.context], ids, args.samples, args.ppl_tokens,
-                                          configs_from=args.configs_from)
+                                          configs_from=args.configs_from, dtype=args.dtype)
     print(perplexity.table(results))
     if args.json:
         perplexity.write_json(args.json, results, {"model": args.model, "checkpoint": str(model), "text": source,
                                                    "tokens": tokens, "windows": args.samples,
                                                    "continuation_tokens": args.ppl_tokens,
-                                                   "configs_from": args.configs_from})
+                                                   "configs_from": args.configs_from, "dtype": args.dtype or "default"})
 
 
 if __name__ == "__main__":

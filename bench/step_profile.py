@@ -4,6 +4,8 @@ after a few unprofiled steps (their mean is printed too), on a GPU or the CPU.
     python -m bench.step_profile --context 16384 --kv-path /tmp/ekv        # synth:llama-3.1-8b on the GPU
     python -m bench.step_profile --model smollm2 --device cpu --context 8192 --kvswap G=4,M=100,C=100,sigma=32
     python -m bench.step_profile --model smollm2 --device cpu --context 8192 --kvswap G=4,M=100,C=100,sigma=32 --weights int4
+    python -m bench.step_profile --model smollm2 --device cpu --context 8192 --weights int4 --dtype bfloat16 \
+        --kvswap G=4,M=205,C=205,sigma=2,klr_dtype=int8,correction=corrected,correction_reads=52,score_reduce=softmax,reuse=false,correction_recall=0.85,guess_from_before=true,io_align_bytes=4096
 """
 import argparse
 import gc
@@ -61,6 +63,7 @@ def main(argv=None) -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--kvswap", default=KVSWAP, help="the kvswap row's geometry")
     ap.add_argument("--weights", default=None, help="the linear layers' format (runtime/weights.py; default native)")
+    ap.add_argument("--dtype", default=None, help="float32, bfloat16 (default: the device's, runtime/devices.py)")
     args = ap.parse_args(argv)
     gpu = args.device.startswith("cuda")
     sync = torch.cuda.synchronize if gpu else (lambda: None)
@@ -68,7 +71,7 @@ def main(argv=None) -> None:
     for policy, cfg in (("full", {}), ("kvswap", fields(args.kvswap))):
         with tempfile.TemporaryDirectory(dir=args.kv_path) as kv, Engine.from_pretrained(
                 args.model, kv_offload_path=kv, config={"max_context": args.context, "max_batch": 1, **cfg},
-                policy=policy, device=args.device, weights=args.weights) as engine:
+                policy=policy, device=args.device, dtype=args.dtype, weights=args.weights) as engine:
             started = time.perf_counter()
             batch = prefilled(engine, args.context)
             sync()
