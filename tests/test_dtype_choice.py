@@ -1,0 +1,52 @@
+"""The install step's CPU dtype (install/dtypes.py): the profile's dtype is chosen where its perplexity stays within
+the limit of float32's and its decode block is faster; otherwise float32, with the reason in the trial.  The
+block's time is set here (the real timing runs in the deploy test); the perplexities are the fixture's own."""
+import pytest
+import torch
+
+from edgekv.install import dtypes
+from edgekv.runtime.checkpoints import resolve_checkpoint
+from edgekv.runtime.devices import DTYPES
+from edgekv.runtime.model import load_model
+
+WINDOWS = [[(i * 7 + j) % 250 + 4 for i in range(96)] for j in range(2)]
+
+
+@pytest.fixture
+def loads():
+    """A loader of the fixture on the CPU, and the dtypes it was asked for, in order."""
+    asked = []
+
+    def load(name):
+        asked.append(name)
+        return load_model(resolve_checkpoint("fixture"), torch.device("cpu"), DTYPES[name], 128, "native")
+    return load, asked
+
+
+def _blocks(monkeypatch, ms_of: dict):
+    monkeypatch.setattr(dtypes, "time_block", lambda model, batch, tokens: ms_of[model.dtype])
+
+
+def test_a_faster_dtype_within_the_limit_is_chosen_and_both_trials_are_reported(loads, monkeypatch):
+    load, asked = loads
+    _blocks(monkeypatch, {torch.float32: 3.0, torch.bfloat16: 1.5})
+    chosen, (base, trial) = dtypes.choose(load, "bfloat16", 1.5, WINDOWS, batch=2, tokens=64)
+    assert chosen == "bfloat16" and asked == ["float32", "bfloat16"]
+    assert (base.dtype, base.ppl_ratio, base.top1_agreement, base.block_ms) == ("float32", 1.0, 1.0, 3.0)
+    assert trial.chosen and trial.block_ms == 1.5 and trial.note == ""
+    assert 0.9 < trial.ppl_ratio < 1.1 and 0.5 < trial.top1_agreement <= 1  # bf16 rounds the fixture's logits a little
+
+
+def test_a_dtype_that_is_not_faster_here_keeps_float32_and_says_why(loads, monkeypatch):
+    load, _ = loads
+    _blocks(monkeypatch, {torch.float32: 0.2, torch.bfloat16: 0.3})
+    chosen, (_, trial) = dtypes.choose(load, "bfloat16", 1.5, WINDOWS, batch=1, tokens=64)
+    assert chosen == "float32" and not trial.chosen
+    assert "its block (0.30 ms) is not faster than float32's (0.20 ms) here" in trial.note
+
+
+def test_a_dtype_above_the_perplexity_limit_keeps_float32_however_fast(loads, monkeypatch):
+    load, _ = loads
+    _blocks(monkeypatch, {torch.float32: 3.0, torch.bfloat16: 1.0})
+    chosen, (_, trial) = dtypes.choose(load, "bfloat16", 0.5, WINDOWS, batch=1, tokens=64)  # a limit nothing meets
+    assert chosen == "float32" and not trial.chosen and trial.note == "ppl ratio above 0.5"
