@@ -29,9 +29,10 @@ from edgekv.runtime.adapter import LowRankAdapter
 from edgekv.runtime.checkpoints import cache_root as default_cache_root
 from edgekv.runtime.checkpoints import checkpoint_fingerprint, gguf_sha256, load_tokenizer, resolve_checkpoint
 from edgekv.runtime.devices import DTYPES
+from edgekv.runtime.errors import ModelError
 from edgekv.runtime.model import ModelDims, load_model, read_model_config
 from edgekv.runtime.store.files import write_atomic, write_json_atomic
-from edgekv.runtime.weights import INT4_GRID_ERROR
+from edgekv.runtime.weights import INT4_GRID_ERROR, check_weight_format
 
 VERSION = "0.1.0"
 
@@ -375,31 +376,37 @@ def record_table(d: Deployment, cache_root: Path, adapters: dict, calibration: s
 
 
 def choose_dtype(d: Deployment, calibration: str | None) -> list[dict]:
-    """On the CPU, set ``d.kv_dtype`` to the profile's dtype where it holds perplexity within ``dtype_ppl_max`` of
-    float32 and decodes faster on this machine (install/dtypes.py), else float32 (cached per model, machine and
-    candidate); both trials, for the report.  On a GPU the profile's dtype stands."""
+    """On the CPU, set ``d.kv_dtype`` to the profile's dtype where, in the chosen weight format, it holds perplexity
+    within ``dtype_ppl_max`` of float32 and decodes faster on this machine (install/dtypes.py), else float32 (cached
+    per model, weights, machine and candidate); both trials, for the report.  On a GPU the profile's dtype stands."""
     if d.device.type == "cuda" or d.prof.dtype == dtypes.BASELINE:
         return []
+    try:
+        check_weight_format(d.weights, d.device, DTYPES[d.prof.dtype])
+    except ModelError as exc:
+        d.log(f"dtype: float32 (the profile's {d.prof.dtype} cannot run the weights chosen: {exc})")
+        return []
     source = adapter_source(d.model_dir, weights.WINDOW_TOKENS, 2, calibration)
-    fp = {"model": d.model_fp, "device": str(d.device), "candidate": d.prof.dtype, "ppl_max": d.prof.dtype_ppl_max,
-          "torch": torch.__version__, "cpu": _cpu_model(), "threads": torch.get_num_threads(),
-          "batch": d.prof.max_batch, "context": d.prof.max_context, "calibration": source, "edgekv": VERSION}
+    fp = {"model": d.model_fp, "device": str(d.device), "weights": d.weights, "candidate": d.prof.dtype,
+          "ppl_max": d.prof.dtype_ppl_max, "torch": torch.__version__, "cpu": _cpu_model(),
+          "threads": torch.get_num_threads(), "context": d.prof.max_context,
+          "calibration": source, "edgekv": VERSION}
     cached = _cached(d.out / "dtype.json", fp, d.reprofile, "model dtype", d.log)
     if not cached:
         windows = adapter_prompts(d.model_dir, weights.WINDOW_TOKENS, 2, calibration)
         with _progress(2, "model dtype") as bar:
-            chosen, trials = dtypes.choose(lambda name: d.model(dtype=DTYPES[name]), d.prof.dtype,
-                                           d.prof.dtype_ppl_max, windows, d.prof.max_batch, d.prof.max_context,
+            chosen, trials = dtypes.choose(lambda name: d.model(d.weights, DTYPES[name]), d.prof.dtype,
+                                           d.prof.dtype_ppl_max, windows, d.prof.max_context,
                                            progress=lambda: bar.update(1))
         cached = {"chosen": chosen, "trials": [t.to_json() for t in trials]}
         _save(d.out / "dtype.json", fp, cached)
     d.kv_dtype = DTYPES[cached["chosen"]]
     for t in cached["trials"]:
-        d.log(f"dtype {t['dtype']}: ppl {t['ppl_ratio']}x float32's, top-1 agreement {t['top1_agreement']}, one "
-              f"decode block at batch {d.prof.max_batch}, {d.prof.max_context} tokens {t['block_ms']} ms"
+        d.log(f"dtype {t['dtype']}: ppl {t['ppl_ratio']}x float32's, top-1 agreement {t['top1_agreement']}, full's "
+              f"decode step after {d.prof.max_context} tokens {t['step_ms']} ms"
               + (f" ({t['note']})" if t["note"] else ""))
     d.log(f"dtype: {cached['chosen']} (the profile's {d.prof.dtype} where within ppl {d.prof.dtype_ppl_max:g}x of "
-          "float32 and faster here)")
+          f"float32 with weights {d.weights} and faster here)")
     return cached["trials"]
 
 
@@ -506,8 +513,8 @@ def run(platform: str | None = None, model: str | None = None, kv_paths: str | P
     disk_profiles = measure_disk(d, disk_seconds or prof.disk_seconds)
     cache_root = Path(cache_dir) if cache_dir else default_cache_root()
     reuse, adapters = lookup_tables(d, cache_root, calibration)
+    weight_trials = choose_weights(d, calibration)  # in float32, the tables' dtype
     dtype_trials = choose_dtype(d, calibration)
-    weight_trials = choose_weights(d, calibration)
     compute_profile = measure_compute(d, batches, contexts)
     ttft_costs, ttft_errors = measure_chunks(d, contexts)
     d.release_model()

@@ -1,31 +1,39 @@
 """The dtype a CPU deployment computes in: the profile's where it holds quality and runs faster here, else float32.
 
 On a GPU the profile names the dtype the GPU computes natively and it is deployed as named.  On the CPU float32 is
-what every CPU computes well, but one with bf16 instructions (AVX512-BF16, AMX) decodes faster in bfloat16: half
-the bytes of weights and KV a token (SmolLM2 8K on a 2-core EPYC: edgekv full 0.89-0.93x llama.cpp in bfloat16,
-0.68-0.71x in float32; docs/results, issue 34), while a CPU without them converts every operand and runs slower.
-So the profile's dtype is measured against float32 on this machine, not assumed: its perplexity on calibration
-text (teacher-forced through the model's own forward, as the weight formats are) and one decode block at the
-deployment's longest context and largest batch.  The KV knobs' tables stay measured in float32: they hold each
-policy's loss against ``full`` in the same dtype.
+what every CPU computes well, but one with bf16 instructions (AVX512-BF16, AMX) decodes faster in bfloat16 where a
+step's bytes are its weights and KV (SmolLM2 8K on a 2-core EPYC: edgekv full 0.89-1.00x llama.cpp in bfloat16,
+0.68-0.81x in float32; docs/results, issue 34), while a CPU without them converts every operand and runs slower,
+and a model whose step is mostly its output head or short windows gains little.  So the profile's dtype is measured
+against float32 on this machine, with the weight format already chosen, not assumed: its perplexity on calibration
+text (teacher-forced through the model's own forward, as the weight formats are) and ``full``'s decode step of one
+sequence at ``max_context`` (one at a time, so a model that barely fits in float32 is never loaded twice).  The KV
+knobs' tables stay measured in float32: they hold each policy's loss against ``full`` in the same dtype.
 """
 from __future__ import annotations
 
 import math
+import statistics
+import time
 from dataclasses import asdict, dataclass
 
-from edgekv.install.compute import time_block
+import torch
+
 from edgekv.install.weights import scored
+from edgekv.runtime.config import RuntimeConfig
+from edgekv.runtime.engine import Engine
+from edgekv.runtime.model import DecoderModel
 
 BASELINE = "float32"
+STEPS = 8  # timed decode steps a dtype, after two
 
 
 @dataclass(frozen=True)
 class DtypeTrial:
     dtype: str
-    ppl_ratio: float  # to float32
+    ppl_ratio: float  # to float32, the same weight format
     top1_agreement: float  # argmax tokens equal to float32's
-    block_ms: float  # one decode block (layer 0) at the deployment's largest batch and longest context
+    step_ms: float  # full's decode step, one sequence at the deployment's longest context (``step_ms``)
     chosen: bool = False
     note: str = ""
 
@@ -33,21 +41,40 @@ class DtypeTrial:
         return asdict(self)
 
 
-def choose(load, candidate: str, ppl_max: float, windows: list[list[int]], batch: int, tokens: int,
+def step_ms(model: DecoderModel, tokens: int, steps: int = STEPS) -> float:
+    """Median milliseconds of ``full``'s decode step, one sequence after ``tokens`` prompt tokens: the model's whole
+    step as it runs (attention, norms, conversions, head), not a sum of parts (Gemma 3 270M's layers and head alone
+    were faster in bfloat16, its real step 0.84x as fast)."""
+    room = steps + 2
+    engine = Engine(model, RuntimeConfig.load({"max_context": tokens + room, "max_batch": 1}), policy="full")
+    ids = [(i * 7919) % (model.dims.vocab - 10) + 10 for i in range(tokens)]  # ids every vocabulary has
+    with engine, engine.open_batch(1, tokens + room) as batch:
+        batch.join(0, ids)
+        batch.end_prefill()
+        token, times = torch.tensor([ids[-1]]), []
+        for _ in range(room):
+            started = time.perf_counter()
+            batch.step(token)
+            times.append(time.perf_counter() - started)
+    return statistics.median(times[2:]) * 1e3  # the first steps warm up
+
+
+def choose(load, candidate: str, ppl_max: float, windows: list[list[int]], tokens: int,
            progress=lambda: None) -> tuple[str, list[DtypeTrial]]:
-    """(the chosen dtype, both trials): ``load(dtype)`` loads the model's own weights in a dtype, one at a time;
-    ``candidate`` is chosen when its perplexity is within ``ppl_max`` of float32's and its block is faster."""
+    """(the chosen dtype, both trials): ``load(dtype)`` loads the model, in the deployment's weight format, in a
+    dtype (one at a time); ``candidate`` is chosen when its perplexity is within ``ppl_max`` of float32's and its
+    step is faster."""
     measured = {}
     for dtype in (BASELINE, candidate):
         model = load(dtype)
         nll, top = scored(model, windows)
-        measured[dtype] = nll, top, time_block(model, batch, tokens)
+        measured[dtype] = nll, top, step_ms(model, tokens)
         del model
         progress()
     (base_nll, base_top, base_ms), (nll, top, ms) = measured[BASELINE], measured[candidate]
     ratio = math.exp(nll - base_nll)
     notes = ([f"ppl ratio above {ppl_max:g}"] if ratio > ppl_max else []) + \
-            ([f"its block ({ms:.2f} ms) is not faster than float32's ({base_ms:.2f} ms) here"] if ms >= base_ms else [])
+            ([f"its step ({ms:.2f} ms) is not faster than float32's ({base_ms:.2f} ms) here"] if ms >= base_ms else [])
     trial = DtypeTrial(candidate, round(ratio, 5), round((top == base_top).float().mean().item(), 4), round(ms, 3),
                        not notes, "; ".join(notes))
     return (candidate if trial.chosen else BASELINE), [DtypeTrial(BASELINE, 1.0, 1.0, round(base_ms, 3)), trial]

@@ -1,6 +1,6 @@
 """The install step's CPU dtype (install/dtypes.py): the profile's dtype is chosen where its perplexity stays within
 the limit of float32's and its decode block is faster; otherwise float32, with the reason in the trial.  The
-block's time is set here (the real timing runs in the deploy test); the perplexities are the fixture's own."""
+step's time is set here (the real timing runs in the deploy test and below); the perplexities are the fixture's own."""
 import pytest
 import torch
 
@@ -23,30 +23,37 @@ def loads():
     return load, asked
 
 
-def _blocks(monkeypatch, ms_of: dict):
-    monkeypatch.setattr(dtypes, "time_block", lambda model, batch, tokens: ms_of[model.dtype])
+def _steps(monkeypatch, ms_of: dict):
+    monkeypatch.setattr(dtypes, "step_ms", lambda model, tokens: ms_of[model.dtype])
 
 
 def test_a_faster_dtype_within_the_limit_is_chosen_and_both_trials_are_reported(loads, monkeypatch):
     load, asked = loads
-    _blocks(monkeypatch, {torch.float32: 3.0, torch.bfloat16: 1.5})
-    chosen, (base, trial) = dtypes.choose(load, "bfloat16", 1.5, WINDOWS, batch=2, tokens=64)
+    _steps(monkeypatch, {torch.float32: 3.0, torch.bfloat16: 1.5})
+    chosen, (base, trial) = dtypes.choose(load, "bfloat16", 1.5, WINDOWS, tokens=64)
     assert chosen == "bfloat16" and asked == ["float32", "bfloat16"]
-    assert (base.dtype, base.ppl_ratio, base.top1_agreement, base.block_ms) == ("float32", 1.0, 1.0, 3.0)
-    assert trial.chosen and trial.block_ms == 1.5 and trial.note == ""
+    assert (base.dtype, base.ppl_ratio, base.top1_agreement, base.step_ms) == ("float32", 1.0, 1.0, 3.0)
+    assert trial.chosen and trial.step_ms == 1.5 and trial.note == ""
     assert 0.9 < trial.ppl_ratio < 1.1 and 0.5 < trial.top1_agreement <= 1  # bf16 rounds the fixture's logits a little
 
 
 def test_a_dtype_that_is_not_faster_here_keeps_float32_and_says_why(loads, monkeypatch):
     load, _ = loads
-    _blocks(monkeypatch, {torch.float32: 0.2, torch.bfloat16: 0.3})
-    chosen, (_, trial) = dtypes.choose(load, "bfloat16", 1.5, WINDOWS, batch=1, tokens=64)
+    _steps(monkeypatch, {torch.float32: 0.2, torch.bfloat16: 0.3})
+    chosen, (_, trial) = dtypes.choose(load, "bfloat16", 1.5, WINDOWS, tokens=64)
     assert chosen == "float32" and not trial.chosen
-    assert "its block (0.30 ms) is not faster than float32's (0.20 ms) here" in trial.note
+    assert "its step (0.30 ms) is not faster than float32's (0.20 ms) here" in trial.note
 
 
 def test_a_dtype_above_the_perplexity_limit_keeps_float32_however_fast(loads, monkeypatch):
     load, _ = loads
-    _blocks(monkeypatch, {torch.float32: 3.0, torch.bfloat16: 1.0})
-    chosen, (_, trial) = dtypes.choose(load, "bfloat16", 0.5, WINDOWS, batch=1, tokens=64)  # a limit nothing meets
+    _steps(monkeypatch, {torch.float32: 3.0, torch.bfloat16: 1.0})
+    chosen, (_, trial) = dtypes.choose(load, "bfloat16", 0.5, WINDOWS, tokens=64)  # a limit nothing meets
     assert chosen == "float32" and not trial.chosen and trial.note == "ppl ratio above 0.5"
+
+
+
+def test_a_step_is_fulls_real_decode_step_after_the_context():
+    model = load_model(resolve_checkpoint("fixture"), torch.device("cpu"), torch.float32, 512, "native")
+    assert dtypes.step_ms(model, 300, steps=3) > 0
+    assert dtypes.step_ms(model, 300, steps=3) > 0  # the engine and its batch were closed: the model runs again

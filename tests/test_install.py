@@ -275,10 +275,11 @@ def test_deploy_writes_config_report_and_smoke_stats_and_reuses_only_matching_pr
     assert config["weights"] == ("int4" if trial["chosen"] else "native")
     assert config["measurements"]["compute"]["block_ms"] and f"weights: {config['weights']}" in \
         (out_root / "local" / "report.txt").read_text()
-    # the profile's bfloat16 was measured against float32 on this CPU and deployed only where it held and ran faster
+    # the profile's bfloat16 was measured against float32 on this CPU, in the weight format chosen, and deployed only
+    # where it held and ran faster
     base, tried = config["measurements"]["dtype"]["trials"]
     assert (base["dtype"], base["ppl_ratio"], tried["dtype"]) == ("float32", 1.0, "bfloat16")
-    assert tried["chosen"] == (tried["ppl_ratio"] <= 1.01 and tried["block_ms"] < base["block_ms"])
+    assert tried["chosen"] == (tried["ppl_ratio"] <= 1.01 and tried["step_ms"] < base["step_ms"])
     assert config["dtype"] == config["measurements"]["compute"]["dtype"].removeprefix("torch.") == \
         ("bfloat16" if tried["chosen"] else "float32")
     assert f"dtype: {config['dtype']}" in (out_root / "local" / "report.txt").read_text()
