@@ -150,10 +150,10 @@ class Deployment:
     _model_key: tuple | None = None
     _fp: str | None = None
     adapter_source: str | None = None  # what the lookup tables' adapters were fitted on (the quality table's key)
-    table_dtype: torch.dtype | None = None  # what the KV tables are measured in: float32 on the CPU, as shipped
 
-    def __post_init__(self):
-        self.table_dtype = self.table_dtype or self.kv_dtype
+    @property
+    def table_dtype(self) -> torch.dtype:
+        return table_dtype(self.prof, self.device)
 
     @property
     def kv_dir(self) -> Path:
@@ -222,8 +222,14 @@ def prepare(platform, model, kv_paths, out_root, reprofile, log, device: str | N
     out.mkdir(parents=True, exist_ok=True)
     if device.type != prof.device:
         log(f"profile {prof.platform} computes on {prof.device}; deploying on {device.type}, as asked (--device)")
-    kv_dtype = getattr(torch, prof.dtype) if device.type == "cuda" else torch.float32  # the CPU's: choose_dtype
-    return Deployment(prof, detected, model_dir, tuple(Path(p) for p in given), out, device, kv_dtype, reprofile, log)
+    return Deployment(prof, detected, model_dir, tuple(Path(p) for p in given), out, device,
+                      table_dtype(prof, device), reprofile, log)  # on the CPU until choose_dtype measures the profile's
+
+
+def table_dtype(prof: Profile, device: torch.device) -> torch.dtype:
+    """What the KV tables are measured in: the profile's dtype on a GPU, float32 on the CPU (as the shipped tables
+    are), whatever ``choose_dtype`` deploys there."""
+    return getattr(torch, prof.dtype) if device.type == "cuda" else torch.float32
 
 
 def measure_disk(d: Deployment, seconds: float) -> list[disk.DiskProfile]:

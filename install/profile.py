@@ -30,6 +30,11 @@ SCORERS = ("cpu", "smartssd")
 MAX_SOLVER_POINTS = 10_000  # deploy solves every (batch, context) pair: more would take hours or exhaust memory
 
 
+# the perplexity limits a profile sets: field -> what its ratio is to
+PPL_LIMITS = {"solver.record_ppl_max": "exact records", "compute.weights_ppl_max": "the model's own weights",
+              "compute.dtype_ppl_max": "float32"}
+
+
 class ProfileError(ValueError):
     """A profile file is missing, malformed or has a bad field; the message names it."""
 
@@ -251,19 +256,14 @@ def _check_ranges(path: Path, flat: dict) -> None:
         raise ProfileError(f"{path}: field 'solver.correction_recall' is the share of a layer's corrected picks its "
                            f"guess must hold for the layer to go uncorrected a few steps, in (0, 1] (1: always "
                            f"correct), e.g. 0.85; got {flat['solver.correction_recall']!r}")
-    if flat.get("solver.record_ppl_max", 1.0) < 1:
-        raise ProfileError(f"{path}: field 'solver.record_ppl_max' is a perplexity ratio to exact records (>= 1, "
-                           f"e.g. 1.01), got {flat['solver.record_ppl_max']!r}")
     formats = flat.get("compute.weights") or []
     if any(w not in WEIGHT_FORMATS[1:] for w in formats):
         raise ProfileError(f"{path}: field 'compute.weights' lists weight formats the install step tries (fastest "
                            f"first), some of {list(WEIGHT_FORMATS[1:])}; got {formats!r}")
-    if flat.get("compute.weights_ppl_max", 1.0) < 1:
-        raise ProfileError(f"{path}: field 'compute.weights_ppl_max' is a perplexity ratio to the model's own weights "
-                           f"(>= 1, e.g. 1.01), got {flat['compute.weights_ppl_max']!r}")
-    if flat.get("compute.dtype_ppl_max", 1.0) < 1:
-        raise ProfileError(f"{path}: field 'compute.dtype_ppl_max' is a perplexity ratio to float32 (>= 1, e.g. 1.01), "
-                           f"got {flat['compute.dtype_ppl_max']!r}")
+    for field, against in PPL_LIMITS.items():
+        if flat.get(field, 1.0) < 1:
+            raise ProfileError(f"{path}: field '{field}' is a perplexity ratio to {against} (>= 1, e.g. 1.01), "
+                               f"got {flat[field]!r}")
     bad = [s for s in flat["scorers"] if s not in SCORERS]
     if bad or not flat["scorers"]:
         raise ProfileError(f"{path}: field 'scorers' must list some of {list(SCORERS)}, got {flat['scorers']!r}")
