@@ -3,18 +3,27 @@
 ``LowRankSelector`` is KVSwap's grouped predictor: the low-rank queries of the coming layer
 against the in-memory K_lr, scores summed over heads, ReduceMax per group of G tokens,
 top-M groups.  Summing over heads commutes with the projection, so the heads of one KV
-group are summed before projecting: one [r]-vector per sequence instead of H of them.
+group are summed before projecting: one [r]-vector per sequence instead of H of them.  On a
+CPU one native call (runtime/native/ekv_score.c) scores the rows, reduces over heads and takes
+each group's maximum; a GPU, or a CPU without a compiler, takes the torch path to the same scores.
 ``AllGroupsSelector`` picks every group (FlexGen: the whole layer is loaded).
 """
 from __future__ import annotations
+
+import ctypes
+import functools
+import logging
 
 import numpy as np
 import torch
 
 from typing import TYPE_CHECKING
 
+from . import native_build
 from .adapter import LowRankAdapter
 from .transfer import to_device
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from .config import PredictorConfig
@@ -103,6 +112,23 @@ CPU_BLOCK_BYTES = 2 << 20  # float32 K_lr rows a CPU select converts at a time (
 KLR_FORMATS = {"bfloat16": (torch.bfloat16, 16, 0), "float16": (torch.float16, 16, 0),
                "float32": (torch.float32, 32, 0), "int8": (torch.int8, 8, 2), "int4": (torch.uint8, 4, 2)}
 INT_LEVELS = {8: 127, 4: 7}  # the largest magnitude of a symmetric integer row element
+NATIVE_ROWS = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2, "int4": 3}  # K_lr formats ekv_score.c reads
+
+
+@functools.cache
+def native_scorer() -> ctypes.CDLL | None:
+    """The native group scorer, or None (logged once) when it cannot be built: the torch path serves instead."""
+    try:
+        lib = native_build.load("score")
+    except OSError as exc:
+        log.warning("the native K_lr group scorer is unavailable, scoring through torch: %s", exc)
+        return None
+    lib.ekv_group_scores.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
+                                     ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                                     ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
+                                     ctypes.c_int64]
+    lib.ekv_group_scores.restype = ctypes.c_int
+    return lib
 
 
 def klr_token_bytes(rank: int, klr_dtype: str) -> int:
@@ -133,6 +159,7 @@ class LowRankSelector(Selector):
         self.M = groups_per_step
         self.max_groups = -(-max_context // group_tokens)
         self._group_scores = torch.empty(batch, self.max_groups, device=device)  # reused every select
+        self._scratch = torch.empty(1, 0)  # the native scorer's [c, tokens] floats, grown once
         self._outside_key, self._outside_mask = None, None  # (first, counts) -> the groups no row may pick
         stored, self.bits, scale_bytes = KLR_FORMATS[predictor.klr_dtype]
         self.quantized = scale_bytes > 0
@@ -202,18 +229,22 @@ class LowRankSelector(Selector):
     def token_scores(self, layer: int, q: torch.Tensor, n_tokens: int) -> torch.Tensor:
         """Approximate attention, [B, n_tokens]: logits summed over heads ("sum", KVSwap), or each
         head's softmax summed ("softmax": every head gets one vote, whatever its logit scale)."""
+        scores = self._times_rows(layer, n_tokens, self._low_rank_queries(layer, q))
+        return scores[:, 0] if self.score_reduce == "sum" else scores.softmax(dim=-1).sum(dim=1)
+
+    def _low_rank_queries(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """The queries q [B, H, 1, d] projected to rank r, float32 [B, c, r]: one summed query ("sum": summing over
+        heads commutes with the projection), or every head's, scaled as attention scales it ("softmax")."""
         b, h, _, d = q.shape
         grouped = q.reshape(b, self.n_kv_heads, h // self.n_kv_heads, d)
         adapter = self.adapter[layer].view(self.n_kv_heads, d, -1)
         if self.score_reduce == "sum":
-            q_lr = torch.einsum("bgd,gdr->br", grouped.sum(dim=2).to(self.dtype), adapter)
-            return self._times_rows(layer, n_tokens, q_lr[:, None, :])[:, 0]
-        q_lr = torch.einsum("bgnd,gdr->bgnr", grouped.to(self.dtype), adapter).reshape(b, h, -1)
-        return self._times_rows(layer, n_tokens, q_lr * self.scaling).softmax(dim=-1).sum(dim=1)  # scaled first
+            return torch.einsum("bgd,gdr->br", grouped.sum(dim=2).to(self.dtype), adapter)[:, None, :]
+        return torch.einsum("bgnd,gdr->bgnr", grouped.to(self.dtype), adapter).reshape(b, h, -1) * self.scaling
 
     def _times_rows(self, layer: int, n_tokens: int, lhs: torch.Tensor) -> torch.Tensor:
         """``lhs`` [B, c, r] times the K_lr rows [B, n_tokens, r] in float32 -> [B, c, n_tokens], int8 rows scaled per
-        token.  The queries on the left and the tokens last: a softmax over tokens then runs on contiguous memory, and
+        token (the torch path: a CPU selection calls the native scorer where it serves).  The queries on the left and the tokens last: a softmax over tokens then runs on contiguous memory, and
         on a CPU this order is 1-4x faster than the rows times the queries (one thread, SmolLM2's shapes, 8K: 0.22
         against 0.83 ms for 9 heads at rank 96, batch 1; 0.50 against 1.73 ms for one summed query at batch 4).  On a
         CPU the rows are converted a block at a time (a whole float copy is fresh memory every select: at 4 x 32K its
@@ -245,11 +276,12 @@ class LowRankSelector(Selector):
         if max_groups == 0:
             return (torch.zeros(batch, self.M, dtype=torch.long, device=q.device),
                     torch.zeros(batch, self.M, dtype=torch.bool, device=q.device))
-        scores = self.token_scores(layer, q, max_groups * self.G)
         # top-k over every group a sequence can have, whatever the batch's longest: how topk breaks ties depends
         # on the width, and a row's picks must depend on its own scores only, not on the rows beside it
         group_scores = self._group_scores[:batch]
-        group_scores[:, :max_groups] = scores.view(batch, max_groups, self.G).amax(dim=-1)
+        if not self._native_group_scores(layer, q, max_groups, group_scores):
+            scores = self.token_scores(layer, q, max_groups * self.G)
+            group_scores[:, :max_groups] = scores.view(batch, max_groups, self.G).amax(dim=-1)
         top = group_scores.masked_fill_(self._outside(counts, first), float("-inf")).topk(
             min(self.M, self.max_groups), dim=-1)
         groups, valid = top.indices, top.values > float("-inf")
@@ -258,6 +290,25 @@ class LowRankSelector(Selector):
             groups = torch.cat([groups, groups.new_zeros(batch, short)], dim=1)
             valid = torch.cat([valid, valid.new_zeros(batch, short)], dim=1)
         return groups, valid
+
+    def _native_group_scores(self, layer: int, q: torch.Tensor, max_groups: int, out: torch.Tensor) -> bool:
+        """Each group's score into ``out[:, :max_groups]`` by the native scorer (one pass over the rows, no float
+        copy of them: runtime/native/ekv_score.c); False where it does not serve (a GPU, float16 rows, no
+        compiler), and the torch path computes the same."""
+        kind = NATIVE_ROWS.get(self.k_lr.dtype if self.bits != 4 else "int4")
+        lib = native_scorer() if self.k_lr.device.type == "cpu" and kind is not None else None
+        if lib is None:
+            return False
+        n_tokens = max_groups * self.G
+        queries = self._low_rank_queries(layer, q).contiguous()
+        if self._scratch.shape[1] < queries.shape[1] * n_tokens:
+            self._scratch = torch.empty(1, queries.shape[1] * n_tokens)
+        rows, scales = self.k_lr[layer], self.k_scale[layer] if self.quantized else None
+        return lib.ekv_group_scores(
+            rows.data_ptr(), rows.stride(1) * rows.element_size(), rows.stride(0) * rows.element_size(),
+            None if scales is None else scales.data_ptr(), 0 if scales is None else scales.stride(0),
+            queries.data_ptr(), queries.shape[0], queries.shape[1], self.rank, n_tokens, self.G, kind,
+            int(self.score_reduce == "softmax"), self._scratch.data_ptr(), out.data_ptr(), out.stride(0)) == 0
 
     def _outside(self, counts: np.ndarray, first: int) -> torch.Tensor:
         """[B, max_groups] bool on the device: the groups a row may not pick (before ``first`` or at/after its count).

@@ -1,0 +1,86 @@
+"""The native K_lr group scorer (runtime/native/ekv_score.c) against the torch path it stands in for: the same group
+scores within float32 rounding and the same picks, for every row format, both score reduces, odd ranks, several
+sequences of different lengths, and group sizes from 1 to 16."""
+import numpy as np
+import pytest
+import torch
+
+from edgekv.runtime import selector as selector_module
+from edgekv.runtime.adapter import LowRankAdapter
+from edgekv.runtime.config import PredictorConfig
+from edgekv.runtime.model import ModelDims
+from edgekv.runtime.selector import LowRankSelector, native_scorer
+
+pytestmark = pytest.mark.skipif(native_scorer() is None, reason="no C compiler for the native scorer")
+
+
+def filled_selector(klr_dtype, score_reduce, rank, G, batch, lengths, head_dim=16, n_kv_heads=2, n_heads=6, M=5):
+    """A selector whose K_lr holds ``lengths[b]`` random keys for each sequence (one layer), the adapter fitted on them."""
+    dims = ModelDims(n_layers=1, hidden=n_heads * head_dim, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim,
+                     vocab=10)
+    keys = [torch.randn(n_kv_heads, n, head_dim) for n in lengths]
+    adapter = LowRankAdapter.fit([k.transpose(0, 1).reshape(k.shape[1], -1) for k in keys], n_kv_heads, head_dim,
+                                 rank=rank)
+    selector = LowRankSelector(adapter, rank, dims, batch, max(lengths) + G, G, M,
+                               PredictorConfig(klr_dtype=klr_dtype, score_reduce=score_reduce), torch.device("cpu"),
+                               head_dim ** -0.5)
+    for seq, k in enumerate(keys):
+        selector.append(0, seq, 0, k)
+    return selector
+
+
+def both_paths(selector, q, counts, monkeypatch):
+    """(group scores, groups, valid) through the native scorer, then through torch."""
+    assert selector._native_group_scores(0, q, int(counts.max()), selector._group_scores)  # the native path serves
+    out = []
+    for native in (True, False):
+        if not native:
+            monkeypatch.setattr(selector_module, "native_scorer", lambda: None)
+        groups, valid = selector.select(0, q, counts)
+        out.append((selector._group_scores[:, : int(counts.max())].clone(), groups, valid))
+    return out
+
+
+@pytest.mark.parametrize("klr_dtype", ["float32", "bfloat16", "int8", "int4"])
+@pytest.mark.parametrize("score_reduce", ["sum", "softmax"])
+@pytest.mark.parametrize("rank,G", [(8, 4), (7, 1), (33, 16)])
+def test_native_scores_and_picks_equal_the_torch_paths(klr_dtype, score_reduce, rank, G, monkeypatch):
+    torch.manual_seed(rank * G)
+    lengths = [8 * G + 3, 5 * G]  # one sequence longer than the other, neither a whole number of groups
+    selector = filled_selector(klr_dtype, score_reduce, rank, G, 2, lengths)
+    q = torch.randn(2, 6, 1, 16)
+    counts = np.array([n // G for n in lengths])
+    (native, n_groups, n_valid), (torch_scores, t_groups, t_valid) = both_paths(selector, q, counts, monkeypatch)
+    inside = torch.from_numpy(np.arange(native.shape[1]) < counts[:, None])
+    torch.testing.assert_close(native[inside], torch_scores[inside], rtol=2e-5, atol=1e-6)
+    assert torch.equal(n_valid, t_valid) and torch.equal(n_groups[n_valid], t_groups[t_valid])
+
+
+def test_batch_of_one_at_a_long_context_with_deployed_shapes(monkeypatch):
+    """SmolLM2's deployed scorer: 9 heads over 3 KV heads of 64, rank 96 in int8, softmax votes, G=4, 2,048 groups."""
+    torch.manual_seed(7)
+    selector = filled_selector("int8", "softmax", 96, 4, 1, [8192], head_dim=64, n_kv_heads=3, n_heads=9, M=205)
+    counts = np.array([2048])
+    (native, n_groups, _), (torch_scores, t_groups, _) = both_paths(selector, torch.randn(1, 9, 1, 64), counts,
+                                                                     monkeypatch)
+    torch.testing.assert_close(native, torch_scores, rtol=2e-5, atol=1e-7)
+    assert sorted(n_groups[0].tolist()) == sorted(t_groups[0].tolist())
+
+
+def test_rows_the_scorer_cannot_read_take_the_torch_path():
+    """float16 rows are not among the native formats: the torch path scores them (and the selection still works)."""
+    selector = filled_selector("float16", "softmax", 8, 4, 1, [40])
+    assert not selector._native_group_scores(0, torch.randn(1, 6, 1, 16), 10, selector._group_scores)
+    groups, valid = selector.select(0, torch.randn(1, 6, 1, 16), np.array([10]))
+    assert valid.all() and len(set(groups[0].tolist())) == 5
+
+
+def test_loading_the_native_libraries_keeps_subnormal_floats():
+    """A library linked with -ffast-math sets the CPU to flush subnormals to zero for the whole process when it loads
+    (the first version of the scorer did): torch's and numpy's arithmetic would change under every caller."""
+    from edgekv.runtime import native_build
+    for name, path in native_build.build_all().items():
+        if not path.startswith("unavailable"):
+            native_build.load(name)
+    tiny = np.float32(1e-45)  # the smallest float32 subnormal
+    assert tiny * np.float32(1.0) > 0 and torch.tensor(1e-45) * 1.0 > 0
