@@ -128,6 +128,8 @@ def native_scorer() -> ctypes.CDLL | None:
                                      ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
                                      ctypes.c_int64]
     lib.ekv_group_scores.restype = ctypes.c_int
+    lib.ekv_score_scratch_floats.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int]
+    lib.ekv_score_scratch_floats.restype = ctypes.c_int64
     return lib
 
 
@@ -159,7 +161,7 @@ class LowRankSelector(Selector):
         self.M = groups_per_step
         self.max_groups = -(-max_context // group_tokens)
         self._group_scores = torch.empty(batch, self.max_groups, device=device)  # reused every select
-        self._scratch = torch.empty(1, 0)  # the native scorer's [c, tokens] floats, grown once
+        self._scratch = torch.empty(0)  # the native scorer's floats (ekv_score_scratch_floats), grown once
         self._outside_key, self._outside_mask = None, None  # (first, counts) -> the groups no row may pick
         stored, self.bits, scale_bytes = KLR_FORMATS[predictor.klr_dtype]
         self.quantized = scale_bytes > 0
@@ -169,7 +171,9 @@ class LowRankSelector(Selector):
         self.n_kv_heads = n_kv_heads
         self.head_dim = head_dim
         self.adapter = [None] * n_layers if adapter is None else [a.to(device, self.dtype) for a in adapter.matrices]
-        self.k_lr = torch.zeros(n_layers, batch, max_context, -(-rank * self.bits // stored.itemsize // 8), dtype=stored,
+        # rank-major: a token's row is a column, so scoring runs along the tokens (a query element times a stretch of
+        # tokens, no sum across a row); int4 packs two consecutive rank positions a byte
+        self.k_lr = torch.zeros(n_layers, batch, -(-rank * self.bits // stored.itemsize // 8), max_context, dtype=stored,
                                 device=device)
         self.k_scale = torch.zeros(n_layers, batch, max_context if self.quantized else 0, dtype=torch.bfloat16, device=device)
         self.resident_bytes = self.k_lr.numel() * self.k_lr.element_size() + self.k_scale.numel() * self.k_scale.element_size()
@@ -202,12 +206,12 @@ class LowRankSelector(Selector):
         rows = slice(first_token, first_token + flat.shape[0])
         projected = flat.to(self.dtype) @ self.adapter[layer]
         if not self.quantized:
-            self.k_lr[layer, seq, rows] = projected
+            self.k_lr[layer, seq, :, rows] = projected.T
             return
         levels = INT_LEVELS[self.bits]
         scale = projected.float().abs().amax(dim=-1).clamp_min(1e-12) / levels
         q = (projected.float() / scale[:, None]).round().clamp_(-levels - 1, levels)
-        self.k_lr[layer, seq, rows] = q.to(torch.int8) if self.bits == 8 else _pack_nibbles(q)
+        self.k_lr[layer, seq, :, rows] = (q.to(torch.int8) if self.bits == 8 else _pack_nibbles(q)).T
         self.k_scale[layer, seq, rows] = scale.to(torch.bfloat16)
 
     def end_prefill(self) -> None:
@@ -243,31 +247,31 @@ class LowRankSelector(Selector):
         return torch.einsum("bgnd,gdr->bgnr", grouped.to(self.dtype), adapter).reshape(b, h, -1) * self.scaling
 
     def _times_rows(self, layer: int, n_tokens: int, lhs: torch.Tensor) -> torch.Tensor:
-        """``lhs`` [B, c, r] times the K_lr rows [B, n_tokens, r] in float32 -> [B, c, n_tokens], int8 rows scaled per
-        token (the torch path: a CPU selection calls the native scorer where it serves).  The queries on the left and the tokens last: a softmax over tokens then runs on contiguous memory, and
-        on a CPU this order is 1-4x faster than the rows times the queries (one thread, SmolLM2's shapes, 8K: 0.22
-        against 0.83 ms for 9 heads at rank 96, batch 1; 0.50 against 1.73 ms for one summed query at batch 4).  On a
-        CPU the rows are converted a block at a time (a whole float copy is fresh memory every select: at 4 x 32K its
+        """``lhs`` [B, c, r] times the K_lr rows (rank-major, [B, r, n_tokens]) in float32 -> [B, c, n_tokens], int8 rows
+        scaled per token (the torch path: a CPU selection calls the native scorer where it serves).  The queries on
+        the left and the tokens last: a softmax over tokens then runs on contiguous memory, and on a CPU this order is
+        1-4x faster than the rows times the queries (one thread, SmolLM2's shapes, 8K: 0.22 against 0.83 ms for 9
+        heads at rank 96, batch 1; 0.50 against 1.73 ms for one summed query at batch 4).  On a CPU the rows are converted a block at a time (a whole float copy is fresh memory every select: at 4 x 32K its
         page faults tripled the select's time), on a GPU at once (one kernel; its allocator reuses the memory)."""
-        rows = self.k_lr[layer, :, :n_tokens]
+        rows = self.k_lr[layer, :, :, :n_tokens]
         batch, rank = rows.shape[0], self.rank
         block = max(256, CPU_BLOCK_BYTES // (4 * batch * rank)) if rows.device.type == "cpu" else n_tokens
         if block >= n_tokens:
-            out = torch.bmm(lhs, self._as_float(rows).transpose(1, 2))
+            out = torch.bmm(lhs, self._as_float(rows))
         else:
             out = torch.empty(batch, lhs.shape[1], n_tokens, dtype=self.dtype, device=rows.device)
             for start in range(0, n_tokens, block):
-                out[:, :, start : start + block] = torch.bmm(lhs, self._as_float(rows[:, start : start + block])
-                                                             .transpose(1, 2))
+                out[:, :, start : start + block] = torch.bmm(lhs, self._as_float(rows[..., start : start + block]))
         if self.quantized:  # per-token scales factor out of the dot product
             out.mul_(self.k_scale[layer, :, None, :n_tokens])
         return out
 
     def _as_float(self, rows: torch.Tensor) -> torch.Tensor:
-        """Stored K_lr rows [..., stored width] as float32 [..., rank] (int4: the nibbles unpacked, unscaled)."""
+        """Stored K_lr rows [..., stored width, tokens] as float32 [..., rank, tokens] (int4: the nibbles unpacked,
+        unscaled)."""
         if self.bits != 4:
             return rows.to(self.dtype)
-        return torch.stack([rows & 15, rows >> 4], dim=-1).flatten(-2)[..., : self.rank].to(self.dtype) - 8
+        return torch.stack([rows & 15, rows >> 4], dim=-2).flatten(-3, -2)[..., : self.rank, :].to(self.dtype) - 8
 
     def select(self, layer, q, n_groups, first=0):
         self._fit(layer)
@@ -292,8 +296,8 @@ class LowRankSelector(Selector):
         return groups, valid
 
     def _native_group_scores(self, layer: int, q: torch.Tensor, max_groups: int, out: torch.Tensor) -> bool:
-        """Each group's score into ``out[:, :max_groups]`` by the native scorer (one pass over the rows, no float
-        copy of them: runtime/native/ekv_score.c); False where it does not serve (a GPU, float16 rows, no
+        """Each group's score into ``out[:, :max_groups]`` by the native scorer (one pass over the rank-major rows, no
+        float copy of them: runtime/native/ekv_score.c); False where it does not serve (a GPU, float16 rows, no
         compiler), and the torch path computes the same."""
         kind = NATIVE_ROWS.get(self.k_lr.dtype if self.bits != 4 else "int4")
         lib = native_scorer() if self.k_lr.device.type == "cpu" and kind is not None else None
@@ -301,8 +305,9 @@ class LowRankSelector(Selector):
             return False
         n_tokens = max_groups * self.G
         queries = self._low_rank_queries(layer, q).contiguous()
-        if self._scratch.shape[1] < queries.shape[1] * n_tokens:
-            self._scratch = torch.empty(1, queries.shape[1] * n_tokens)
+        need = lib.ekv_score_scratch_floats(queries.shape[1], self.rank, n_tokens)
+        if self._scratch.numel() < need:
+            self._scratch = torch.empty(need)
         rows, scales = self.k_lr[layer], self.k_scale[layer] if self.quantized else None
         return lib.ekv_group_scores(
             rows.data_ptr(), rows.stride(1) * rows.element_size(), rows.stride(0) * rows.element_size(),

@@ -75,6 +75,18 @@ def test_rows_the_scorer_cannot_read_take_the_torch_path():
     assert valid.all() and len(set(groups[0].tolist())) == 5
 
 
+def test_a_rank_past_the_native_limit_takes_the_torch_path():
+    """The scorer widens a block of rows on its stack for up to 256 rank positions; a larger rank (sigma 1 or 2 of an
+    8-KV-head model) is scored by torch, with the same picks as the rule asks."""
+    torch.manual_seed(11)
+    selector = filled_selector("int8", "softmax", 300, 4, 1, [400], head_dim=64, n_kv_heads=8, n_heads=8)
+    q = torch.randn(1, 8, 1, 64)
+    assert not selector._native_group_scores(0, q, 100, selector._group_scores)
+    groups, valid = selector.select(0, q, np.array([100]))
+    expected = selector.token_scores(0, q, 400).view(1, 100, 4).amax(-1).topk(5).indices
+    assert valid.all() and sorted(groups[0].tolist()) == sorted(expected[0].tolist())
+
+
 def test_loading_the_native_libraries_keeps_subnormal_floats():
     """A library linked with -ffast-math sets the CPU to flush subnormals to zero for the whole process when it loads
     (the first version of the scorer did): torch's and numpy's arithmetic would change under every caller."""

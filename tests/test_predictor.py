@@ -49,7 +49,7 @@ def test_bf16_rows_are_rounded_once_and_scored_in_fp32(score_reduce):
     selector = make_selector(adapter, 8, max_context=40, klr_dtype="bfloat16", score_reduce=score_reduce, scaling=0.25)
     selector.append(0, 0, 0, k)
     rows = (k.transpose(0, 1).reshape(40, -1) @ adapter.matrices[0].float()).to(torch.bfloat16)
-    assert torch.equal(selector.k_lr[0, 0], rows)
+    assert torch.equal(selector.k_lr[0, 0].T, rows)  # stored rank-major
     basis = adapter.matrices[0].float().view(2, 16, 8)
     per_head = torch.stack([q[0, h, 0] @ basis[h // 2] for h in range(4)])  # [H, r] in float32
     logits = rows.float() @ per_head.T  # [T, H]
@@ -141,7 +141,8 @@ def test_int4_k_lowrank_rows_are_the_nibbles_of_the_rounded_projection_at_a_quar
     projected = k.transpose(0, 1).reshape(64, -1) @ adapter.matrices[0].float()
     scale = projected.abs().amax(-1) / 7
     levels = (projected / scale[:, None]).round()  # in [-7, 7]
-    unpacked = torch.stack([int4.k_lr[0, 0] & 15, int4.k_lr[0, 0] >> 4], -1).flatten(-2).float() - 8
+    packed = int4.k_lr[0, 0].T  # stored rank-major
+    unpacked = torch.stack([packed & 15, packed >> 4], -1).flatten(-2).float() - 8
     assert torch.equal(unpacked[:, :rank], levels) and (unpacked[:, rank:] == 0).all()
     assert int4.resident_bytes == 64 * ((rank + 1) // 2 + 2)  # half a byte per element and a 2-byte scale per token
     want, got = exact.token_scores(0, q, 64)[0], int4.token_scores(0, q, 64)[0]

@@ -1,8 +1,9 @@
 /* The low-rank predictor's group scores in one call (runtime/selector.py LowRankSelector, on a CPU).
  *
- * For each sequence b: the c low-rank queries q[b] [c, rank] against its K_lr rows [n_tokens, rank], each row
- * widened to float once and reused by every query (float32, bfloat16, int8, or int4 nibbles offset by 8, low nibble
- * first; integer rows times their bfloat16 per-token scale), then either
+ * For each sequence b: the c low-rank queries q[b] [c, rank] against its K_lr rows, stored rank-major (a token's row
+ * is a column), widened to float a block of tokens at a time and reused by every query (float32, bfloat16, int8, or
+ * int4 nibbles offset by 8, the even rank position in the low nibble; integer rows times their bfloat16 per-token
+ * scale), then either
  *   - "sum" (c == 1): the logits as they are, or
  *   - "softmax": each query's softmax over the tokens, summed over the queries (one vote per head),
  * and the maximum over each group of G tokens -> out[b, n_tokens / G].  The torch path computes the same in float32
@@ -19,6 +20,7 @@
 #include <string.h>
 
 enum { ROWS_F32, ROWS_BF16, ROWS_I8, ROWS_I4 };
+enum { BLOCK = 64, MAX_RANK = 256 }; /* tokens scored together; the largest rank (64 KiB of widened floats) */
 
 static inline float bf16_to_float(uint16_t h) {
     uint32_t bits = (uint32_t)h << 16;
@@ -42,36 +44,45 @@ static inline float exp_nonpositive(float x) {
     return p * scale;
 }
 
-/* one token's row as float [rank], integer rows unscaled */
-static inline void widen(float *restrict out, const uint8_t *restrict row, int rank, int kind) {
+/* rank row i of a block of `n` tokens from `first` as float (integer rows unscaled), zero past n up to BLOCK */
+static inline void widen(float *restrict out, const uint8_t *restrict rows, int64_t rank_row_bytes, int i, int64_t first,
+                         int n, int kind) {
     if (kind == ROWS_F32) {
-        memcpy(out, row, (size_t)rank * sizeof(float));
+        const float *r = (const float *)(rows + i * rank_row_bytes) + first;
+        for (int j = 0; j < n; j++) out[j] = r[j];
     } else if (kind == ROWS_BF16) {
-        const uint16_t *r = (const uint16_t *)row;
-        for (int i = 0; i < rank; i++) out[i] = bf16_to_float(r[i]);
+        const uint16_t *r = (const uint16_t *)(rows + i * rank_row_bytes) + first;
+        for (int j = 0; j < n; j++) out[j] = bf16_to_float(r[j]);
     } else if (kind == ROWS_I8) {
-        const int8_t *r = (const int8_t *)row;
-        for (int i = 0; i < rank; i++) out[i] = (float)r[i];
+        const int8_t *r = (const int8_t *)(rows + i * rank_row_bytes) + first;
+        for (int j = 0; j < n; j++) out[j] = (float)r[j];
     } else {
-        for (int i = 0; i < rank / 2; i++) {
-            out[2 * i] = (float)(row[i] & 15) - 8.0f;
-            out[2 * i + 1] = (float)(row[i] >> 4) - 8.0f;
-        }
-        if (rank % 2) out[rank - 1] = (float)(row[rank / 2] & 15) - 8.0f;
+        const uint8_t *r = rows + (i / 2) * rank_row_bytes + first;
+        int shift = (i % 2) * 4;
+        for (int j = 0; j < n; j++) out[j] = (float)((r[j] >> shift) & 15) - 8.0f;
     }
+    for (int j = n; j < BLOCK; j++) out[j] = 0.0f;
 }
 
-/* logits[h, t] = scale_t * (q_h . row_t) for every query h of one sequence */
-static void logits_of(const uint8_t *rows, int64_t row_bytes, const uint16_t *scales, const float *q, int queries,
-                      int rank, int n_tokens, int kind, float *restrict widened, float *restrict logits) {
-    for (int t = 0; t < n_tokens; t++) {
-        widen(widened, rows + t * row_bytes, rank, kind);
-        float scale = scales ? bf16_to_float(scales[t]) : 1.0f;
+/* logits[h, t] = scale_t * (q_h . row_t) for every query h of one sequence, BLOCK tokens at a time: the block's rank
+ * rows are widened once into a buffer on the stack (one the compiler knows no other store aliases: in the caller's
+ * scratch, or filled RANK_CHUNK rows at a time, the same loops ran half as fast), then each query's sums run along
+ * the tokens (a query element times a stretch of one rank row: whole vectors, no sum across a row) */
+static void logits_of(const uint8_t *rows, int64_t rank_row_bytes, const uint16_t *scales, const float *q, int queries,
+                      int rank, int n_tokens, int kind, float *restrict logits) {
+    float widened[MAX_RANK * BLOCK];
+    for (int64_t first = 0; first < n_tokens; first += BLOCK) {
+        int n = n_tokens - first < BLOCK ? (int)(n_tokens - first) : BLOCK;
+        for (int i = 0; i < rank; i++) widen(widened + i * BLOCK, rows, rank_row_bytes, i, first, n, kind);
         for (int h = 0; h < queries; h++) {
             const float *restrict qh = q + (int64_t)h * rank;
-            float acc = 0.0f;
-            for (int i = 0; i < rank; i++) acc += qh[i] * widened[i];
-            logits[(int64_t)h * n_tokens + t] = acc * scale;
+            float acc[BLOCK] = {0};
+            for (int i = 0; i < rank; i++) {
+                const float qi = qh[i], *restrict w = widened + i * BLOCK;
+                for (int j = 0; j < BLOCK; j++) acc[j] += qi * w[j];
+            }
+            float *restrict l = logits + (int64_t)h * n_tokens + first;
+            for (int j = 0; j < n; j++) l[j] = scales ? acc[j] * bf16_to_float(scales[first + j]) : acc[j];
         }
     }
 }
@@ -95,19 +106,28 @@ static void softmax_votes(float *restrict logits, int queries, int n_tokens) {
     }
 }
 
-/* Returns 0, or -1 when rank exceeds the widened row's room (the caller takes the torch path). */
-int ekv_group_scores(const uint8_t *rows, int64_t row_bytes, int64_t seq_stride_bytes, const uint16_t *scales,
+/* Floats of scratch a call needs: the logits [queries, n_tokens]. */
+int64_t ekv_score_scratch_floats(int queries, int rank, int n_tokens) {
+    (void)rank;
+    return (int64_t)queries * n_tokens;
+}
+
+/* rows: K_lr rank-major, rank row i of sequence b at rows + b * seq_stride_bytes + i * rank_row_bytes (int4: row
+ * i / 2, nibble i % 2); scales: bfloat16 [n] a sequence, or NULL for float rows.  Returns 0, or -1 (nothing
+ * computed: the caller takes the torch path) when the rank exceeds MAX_RANK or n_tokens is not a whole number of
+ * groups. */
+int ekv_group_scores(const uint8_t *rows, int64_t rank_row_bytes, int64_t seq_stride_bytes, const uint16_t *scales,
                      int64_t scale_seq_stride, const float *q, int batch, int queries, int rank, int n_tokens,
                      int group_tokens, int kind, int softmax, float *scratch, float *out, int64_t out_seq_stride) {
-    float widened[4096];
-    if (rank > 4096 || n_tokens % group_tokens) return -1;
+    if (rank > MAX_RANK || n_tokens % group_tokens) return -1;
+    float *logits = scratch;
     for (int b = 0; b < batch; b++) {
-        logits_of(rows + b * seq_stride_bytes, row_bytes, scales ? scales + b * scale_seq_stride : NULL,
-                  q + (int64_t)b * queries * rank, queries, rank, n_tokens, kind, widened, scratch);
-        if (softmax) softmax_votes(scratch, queries, n_tokens);
+        logits_of(rows + b * seq_stride_bytes, rank_row_bytes, scales ? scales + b * scale_seq_stride : NULL,
+                  q + (int64_t)b * queries * rank, queries, rank, n_tokens, kind, logits);
+        if (softmax) softmax_votes(logits, queries, n_tokens);
         float *o = out + b * out_seq_stride;
         for (int g = 0; g < n_tokens / group_tokens; g++) {
-            const float *s = scratch + (int64_t)g * group_tokens;
+            const float *s = logits + (int64_t)g * group_tokens;
             float top = s[0];
             for (int j = 1; j < group_tokens; j++) top = s[j] > top ? s[j] : top;
             o[g] = top;
