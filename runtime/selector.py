@@ -173,8 +173,8 @@ class LowRankSelector(Selector):
         self.adapter = [None] * n_layers if adapter is None else [a.to(device, self.dtype) for a in adapter.matrices]
         # rank-major: a token's row is a column, so scoring runs along the tokens (a query element times a stretch of
         # tokens, no sum across a row); int4 packs two consecutive rank positions a byte
-        self.k_lr = torch.zeros(n_layers, batch, -(-rank * self.bits // stored.itemsize // 8), max_context, dtype=stored,
-                                device=device)
+        width = -(-rank * self.bits // stored.itemsize // 8)
+        self.k_lr = torch.zeros(n_layers, batch, width, max_context, dtype=stored, device=device)
         self.k_scale = torch.zeros(n_layers, batch, max_context if self.quantized else 0, dtype=torch.bfloat16, device=device)
         self.resident_bytes = self.k_lr.numel() * self.k_lr.element_size() + self.k_scale.numel() * self.k_scale.element_size()
         self.fitted_on = [0] * n_layers
@@ -247,12 +247,13 @@ class LowRankSelector(Selector):
         return torch.einsum("bgnd,gdr->bgnr", grouped.to(self.dtype), adapter).reshape(b, h, -1) * self.scaling
 
     def _times_rows(self, layer: int, n_tokens: int, lhs: torch.Tensor) -> torch.Tensor:
-        """``lhs`` [B, c, r] times the K_lr rows (rank-major, [B, r, n_tokens]) in float32 -> [B, c, n_tokens], int8 rows
-        scaled per token (the torch path: a CPU selection calls the native scorer where it serves).  The queries on
-        the left and the tokens last: a softmax over tokens then runs on contiguous memory, and on a CPU this order is
-        1-4x faster than the rows times the queries (one thread, SmolLM2's shapes, 8K: 0.22 against 0.83 ms for 9
-        heads at rank 96, batch 1; 0.50 against 1.73 ms for one summed query at batch 4).  On a CPU the rows are converted a block at a time (a whole float copy is fresh memory every select: at 4 x 32K its
-        page faults tripled the select's time), on a GPU at once (one kernel; its allocator reuses the memory)."""
+        """``lhs`` [B, c, r] times the K_lr rows (rank-major, [B, r, n_tokens]) in float32 -> [B, c, n_tokens], int8
+        rows scaled per token (the torch path: a CPU selection calls the native scorer where it serves).  The queries
+        on the left and the tokens last: a softmax over tokens then runs on contiguous memory, and on a CPU this order
+        was 1-4x faster than the rows times the queries (one thread, SmolLM2's shapes, 8K: 0.22 against 0.83 ms for 9
+        heads at rank 96, batch 1; 0.50 against 1.73 ms for one summed query at batch 4).  On a CPU the rows are
+        converted a block at a time (a whole float copy is fresh memory every select: at 4 x 32K its page faults
+        tripled the select's time), on a GPU at once (one kernel; its allocator reuses the memory)."""
         rows = self.k_lr[layer, :, :, :n_tokens]
         batch, rank = rows.shape[0], self.rank
         block = max(256, CPU_BLOCK_BYTES // (4 * batch * rank)) if rows.device.type == "cpu" else n_tokens

@@ -15,7 +15,8 @@ pytestmark = pytest.mark.skipif(native_scorer() is None, reason="no C compiler f
 
 
 def filled_selector(klr_dtype, score_reduce, rank, G, batch, lengths, head_dim=16, n_kv_heads=2, n_heads=6, M=5):
-    """A selector whose K_lr holds ``lengths[b]`` random keys for each sequence (one layer), the adapter fitted on them."""
+    """A selector whose K_lr holds ``lengths[b]`` random keys for each sequence (one layer), the adapter fitted on
+    them."""
     dims = ModelDims(n_layers=1, hidden=n_heads * head_dim, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim,
                      vocab=10)
     keys = [torch.randn(n_kv_heads, n, head_dim) for n in lengths]
