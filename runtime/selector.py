@@ -128,7 +128,7 @@ def native_scorer() -> ctypes.CDLL | None:
                                      ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
                                      ctypes.c_int64]
     lib.ekv_group_scores.restype = ctypes.c_int
-    lib.ekv_score_scratch_floats.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int]
+    lib.ekv_score_scratch_floats.argtypes = [ctypes.c_int, ctypes.c_int]
     lib.ekv_score_scratch_floats.restype = ctypes.c_int64
     return lib
 
@@ -298,15 +298,15 @@ class LowRankSelector(Selector):
 
     def _native_group_scores(self, layer: int, q: torch.Tensor, max_groups: int, out: torch.Tensor) -> bool:
         """Each group's score into ``out[:, :max_groups]`` by the native scorer (one pass over the rank-major rows, no
-        float copy of them: runtime/native/ekv_score.c); False where it does not serve (a GPU, float16 rows, no
-        compiler), and the torch path computes the same."""
+        float copy of them: runtime/native/ekv_score.c); False where it does not serve (a GPU, float16 rows, a rank
+        above 256, no compiler), and the torch path computes the same."""
         kind = NATIVE_ROWS.get(self.k_lr.dtype if self.bits != 4 else "int4")
         lib = native_scorer() if self.k_lr.device.type == "cpu" and kind is not None else None
         if lib is None:
             return False
         n_tokens = max_groups * self.G
         queries = self._low_rank_queries(layer, q).contiguous()
-        need = lib.ekv_score_scratch_floats(queries.shape[1], self.rank, n_tokens)
+        need = lib.ekv_score_scratch_floats(queries.shape[1], n_tokens)
         if self._scratch.numel() < need:
             self._scratch = torch.empty(need)
         rows, scales = self.k_lr[layer], self.k_scale[layer] if self.quantized else None

@@ -66,8 +66,8 @@ static inline void widen(float *restrict out, const uint8_t *restrict rows, int6
 
 /* logits[h, t] = scale_t * (q_h . row_t) for every query h of one sequence, BLOCK tokens at a time: the block's rank
  * rows are widened once into a buffer on the stack (one the compiler knows no other store aliases: in the caller's
- * scratch, or filled RANK_CHUNK rows at a time, the same loops ran half as fast), then each query's sums run along
- * the tokens (a query element times a stretch of one rank row: whole vectors, no sum across a row) */
+ * scratch, or filled a chunk of rank rows at a time, the same loops ran half as fast), then each query's sums run
+ * along the tokens (a query element times a stretch of one rank row: whole vectors, no sum across a row) */
 static void logits_of(const uint8_t *rows, int64_t rank_row_bytes, const uint16_t *scales, const float *q, int queries,
                       int rank, int n_tokens, int kind, float *restrict logits) {
     float widened[MAX_RANK * BLOCK];
@@ -107,8 +107,7 @@ static void softmax_votes(float *restrict logits, int queries, int n_tokens) {
 }
 
 /* Floats of scratch a call needs: the logits [queries, n_tokens]. */
-int64_t ekv_score_scratch_floats(int queries, int rank, int n_tokens) {
-    (void)rank;
+int64_t ekv_score_scratch_floats(int queries, int n_tokens) {
     return (int64_t)queries * n_tokens;
 }
 
