@@ -113,6 +113,7 @@ KLR_FORMATS = {"bfloat16": (torch.bfloat16, 16, 0), "float16": (torch.float16, 1
                "float32": (torch.float32, 32, 0), "int8": (torch.int8, 8, 2), "int4": (torch.uint8, 4, 2)}
 INT_LEVELS = {8: 127, 4: 7}  # the largest magnitude of a symmetric integer row element
 NATIVE_ROWS = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2, "int4": 3}  # K_lr formats ekv_score.c reads
+NATIVE_MAX_RANK = 256  # ekv_score.c's MAX_RANK: the rows it widens on its stack
 
 
 @functools.cache
@@ -162,6 +163,7 @@ class LowRankSelector(Selector):
         self.max_groups = -(-max_context // group_tokens)
         self._group_scores = torch.empty(batch, self.max_groups, device=device)  # reused every select
         self._scratch = torch.empty(0)  # the native scorer's floats (ekv_score_scratch_floats), grown once
+        self.fallback = None  # on a CPU, why a select scored through torch instead of the native scorer
         self._outside_key, self._outside_mask = None, None  # (first, counts) -> the groups no row may pick
         stored, self.bits, scale_bytes = KLR_FORMATS[predictor.klr_dtype]
         self.quantized = scale_bytes > 0
@@ -300,10 +302,14 @@ class LowRankSelector(Selector):
         """Each group's score into ``out[:, :max_groups]`` by the native scorer (one pass over the rank-major rows, no
         float copy of them: runtime/native/ekv_score.c); False where it does not serve (a GPU, float16 rows, a rank
         above 256, no compiler), and the torch path computes the same."""
-        kind = NATIVE_ROWS.get(self.k_lr.dtype if self.bits != 4 else "int4")
-        lib = native_scorer() if self.k_lr.device.type == "cpu" and kind is not None else None
-        if lib is None:
+        if self.k_lr.device.type != "cpu":
             return False
+        kind = NATIVE_ROWS.get(self.k_lr.dtype if self.bits != 4 else "int4")
+        why = self._why_not_native(kind)
+        if why is not None:
+            self.fallback = f"{why}: scored through torch"
+            return False
+        lib = native_scorer()
         n_tokens = max_groups * self.G
         queries = self._low_rank_queries(layer, q).contiguous()
         need = lib.ekv_score_scratch_floats(queries.shape[1], n_tokens)
@@ -315,6 +321,19 @@ class LowRankSelector(Selector):
             None if scales is None else scales.data_ptr(), 0 if scales is None else scales.stride(0),
             queries.data_ptr(), queries.shape[0], queries.shape[1], self.rank, n_tokens, self.G, kind,
             int(self.score_reduce == "softmax"), self._scratch.data_ptr(), out.data_ptr(), out.stride(0)) == 0
+
+    def _why_not_native(self, kind: int | None) -> str | None:
+        """Why a CPU select cannot take the native scorer (its row format, its rank, no library), or None."""
+        if kind is None:
+            return f"{self.k_lr.dtype} K_lr rows"
+        if self.rank > NATIVE_MAX_RANK:
+            return f"rank {self.rank} > {NATIVE_MAX_RANK}"
+        if native_scorer() is None:
+            return "the native K_lr scorer could not be built (the log says why)"
+        return None
+
+    def stats(self) -> dict:
+        return {"scorer_fallback": self.fallback}
 
     def _outside(self, counts: np.ndarray, first: int) -> torch.Tensor:
         """[B, max_groups] bool on the device: the groups a row may not pick (before ``first`` or at/after its count).

@@ -74,6 +74,17 @@ def test_rows_the_scorer_cannot_read_take_the_torch_path():
     assert not selector._native_group_scores(0, torch.randn(1, 6, 1, 16), 10, selector._group_scores)
     groups, valid = selector.select(0, torch.randn(1, 6, 1, 16), np.array([10]))
     assert valid.all() and len(set(groups[0].tolist())) == 5
+    assert selector.stats()["scorer_fallback"] == "torch.float16 K_lr rows: scored through torch"
+
+
+def test_a_selection_that_scores_natively_reports_no_fallback_and_a_missing_compiler_is_reported(monkeypatch):
+    """The result's stats say when a CPU select scored through torch, so a slow run is not a mystery."""
+    selector = filled_selector("int8", "softmax", 8, 4, 1, [40])
+    selector.select(0, torch.randn(1, 6, 1, 16), np.array([10]))
+    assert selector.stats() == {"scorer_fallback": None}
+    monkeypatch.setattr(selector_module, "native_scorer", lambda: None)
+    selector.select(0, torch.randn(1, 6, 1, 16), np.array([10]))
+    assert "could not be built" in selector.stats()["scorer_fallback"]
 
 
 def test_a_rank_past_the_native_limit_takes_the_torch_path():
@@ -83,6 +94,7 @@ def test_a_rank_past_the_native_limit_takes_the_torch_path():
     selector = filled_selector("int8", "softmax", 300, 4, 1, [400], head_dim=64, n_kv_heads=8, n_heads=8)
     q = torch.randn(1, 8, 1, 64)
     assert not selector._native_group_scores(0, q, 100, selector._group_scores)
+    assert selector.stats()["scorer_fallback"] == "rank 300 > 256: scored through torch"
     groups, valid = selector.select(0, q, np.array([100]))
     expected = selector.token_scores(0, q, 400).view(1, 100, 4).amax(-1).topk(5).indices
     assert valid.all() and sorted(groups[0].tolist()) == sorted(expected[0].tolist())
