@@ -39,10 +39,8 @@ def build_crc32c() -> Path:
 @functools.cache
 def native() -> ctypes.CDLL | None:
     """The C library, or None (logged once) when it cannot be built: the crc32c package serves instead."""
-    try:
-        lib = native_build.load("crc32c")
-    except OSError as exc:
-        log.warning("CRC-32C library unavailable, checking KV records with the crc32c package (slower): %s", exc)
+    lib = native_build.load_or_none("crc32c", log, "checking KV records with the crc32c package (slower)")
+    if lib is None:
         return None
     lib.ekv_crc32c.argtypes = [ctypes.c_uint32, ctypes.c_void_p, ctypes.c_size_t]
     lib.ekv_crc32c.restype = ctypes.c_uint32

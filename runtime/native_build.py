@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import logging
 import os
 import platform
 import subprocess
@@ -104,6 +105,16 @@ def build(name: str) -> Path:
 
 def load(name: str) -> ctypes.CDLL:
     return ctypes.CDLL(str(build(name)))
+
+
+def load_or_none(name: str, log: logging.Logger, instead: str) -> ctypes.CDLL | None:
+    """The library, or None when it cannot be built, warning once through the caller's ``log`` what serves
+    ``instead`` (callers cache the result)."""
+    try:
+        return load(name)
+    except OSError as exc:
+        log.warning("%s unavailable, %s: %s", LIBRARIES[name].what, instead, exc)
+        return None
 
 
 def compile_library(command, target: Path, what: str) -> Path:

@@ -80,10 +80,8 @@ def build_qattn() -> Path:
 @functools.cache
 def native_kernel() -> ctypes.CDLL | None:
     """The loaded kernel, or None (logged once) when it cannot be built: the torch path serves instead."""
-    try:
-        lib = native_build.load("qattn")
-    except OSError as exc:
-        log.warning("quantized attention kernel unavailable, using the torch path: %s", exc)
+    lib = native_build.load_or_none("qattn", log, "using the torch path")
+    if lib is None:
         return None
     common = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
               ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]

@@ -119,10 +119,8 @@ NATIVE_MAX_RANK = 256  # ekv_score.c's MAX_RANK: the rows it widens on its stack
 @functools.cache
 def native_scorer() -> ctypes.CDLL | None:
     """The native group scorer, or None (logged once) when it cannot be built: the torch path serves instead."""
-    try:
-        lib = native_build.load("score")
-    except OSError as exc:
-        log.warning("the native K_lr group scorer is unavailable, scoring through torch: %s", exc)
+    lib = native_build.load_or_none("score", log, "scoring through torch")
+    if lib is None:
         return None
     lib.ekv_group_scores.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
                                      ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
