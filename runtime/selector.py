@@ -113,7 +113,6 @@ KLR_FORMATS = {"bfloat16": (torch.bfloat16, 16, 0), "float16": (torch.float16, 1
                "float32": (torch.float32, 32, 0), "int8": (torch.int8, 8, 2), "int4": (torch.uint8, 4, 2)}
 INT_LEVELS = {8: 127, 4: 7}  # the largest magnitude of a symmetric integer row element
 NATIVE_ROWS = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2, "int4": 3}  # K_lr formats ekv_score.c reads
-NATIVE_MAX_RANK = 256  # ekv_score.c's MAX_RANK: the rows it widens on its stack
 
 
 @functools.cache
@@ -127,8 +126,9 @@ def native_scorer() -> ctypes.CDLL | None:
                                      ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
                                      ctypes.c_int64]
     lib.ekv_group_scores.restype = ctypes.c_int
-    lib.ekv_score_scratch_floats.argtypes = [ctypes.c_int, ctypes.c_int]
-    lib.ekv_score_scratch_floats.restype = ctypes.c_int64
+    lib.ekv_score_max_rank.argtypes = []
+    lib.ekv_score_max_rank.restype = ctypes.c_int
+    lib.max_rank = lib.ekv_score_max_rank()  # the rank rows it widens on its stack; larger ranks score through torch
     return lib
 
 
@@ -160,7 +160,7 @@ class LowRankSelector(Selector):
         self.M = groups_per_step
         self.max_groups = -(-max_context // group_tokens)
         self._group_scores = torch.empty(batch, self.max_groups, device=device)  # reused every select
-        self._scratch = torch.empty(0)  # the native scorer's floats (ekv_score_scratch_floats), grown once
+        self._scratch = torch.empty(0)  # the native scorer's logits, grown once
         self.fallback = None  # on a CPU, why a select scored through torch instead of the native scorer
         self._outside_key, self._outside_mask = None, None  # (first, counts) -> the groups no row may pick
         stored, self.bits, scale_bytes = KLR_FORMATS[predictor.klr_dtype]
@@ -310,9 +310,8 @@ class LowRankSelector(Selector):
         lib = native_scorer()
         n_tokens = max_groups * self.G
         queries = self._low_rank_queries(layer, q).contiguous()
-        need = lib.ekv_score_scratch_floats(queries.shape[1], n_tokens)
-        if self._scratch.numel() < need:
-            self._scratch = torch.empty(need)
+        if self._scratch.numel() < queries.shape[1] * n_tokens:  # the logits of every query
+            self._scratch = torch.empty(queries.shape[1] * n_tokens)
         rows, scales = self.k_lr[layer], self.k_scale[layer] if self.quantized else None
         return lib.ekv_group_scores(
             rows.data_ptr(), rows.stride(1) * rows.element_size(), rows.stride(0) * rows.element_size(),
@@ -324,11 +323,10 @@ class LowRankSelector(Selector):
         """Why a CPU select cannot take the native scorer (its row format, its rank, no library), or None."""
         if kind is None:
             return f"{self.k_lr.dtype} K_lr rows"
-        if self.rank > NATIVE_MAX_RANK:
-            return f"rank {self.rank} > {NATIVE_MAX_RANK}"
-        if native_scorer() is None:
+        lib = native_scorer()
+        if lib is None:
             return "the native K_lr scorer could not be built (the log says why)"
-        return None
+        return f"rank {self.rank} > {lib.max_rank}" if self.rank > lib.max_rank else None
 
     def stats(self) -> dict:
         return {"scorer_fallback": self.fallback}

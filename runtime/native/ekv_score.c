@@ -106,12 +106,10 @@ static void softmax_votes(float *restrict logits, int queries, int n_tokens) {
     }
 }
 
-/* Floats of scratch a call needs: the logits [queries, n_tokens]. */
-int64_t ekv_score_scratch_floats(int queries, int n_tokens) {
-    return (int64_t)queries * n_tokens;
-}
+/* The largest rank a call takes (the caller scores larger ones through torch). */
+int ekv_score_max_rank(void) { return MAX_RANK; }
 
-/* rows: K_lr rank-major, rank row i of sequence b at rows + b * seq_stride_bytes + i * rank_row_bytes (int4: row
+/* scratch: [queries, n_tokens] floats, the logits.  rows: K_lr rank-major, rank row i of sequence b at rows + b * seq_stride_bytes + i * rank_row_bytes (int4: row
  * i / 2, nibble i % 2); scales: bfloat16 [n] a sequence, or NULL for float rows.  Returns 0, or -1 (nothing
  * computed: the caller takes the torch path) when the rank exceeds MAX_RANK or n_tokens is not a whole number of
  * groups. */
