@@ -39,7 +39,7 @@ from edgekv.install import solver, tables
 from edgekv.install.compute import profile_compute
 from edgekv.evals.harness import recorded_configs
 from edgekv.evals.progress import Progress
-from edgekv.install.iomodel import io_model
+from edgekv.install.iomodel import gap_bytes, io_model
 from edgekv.runtime import Engine, RecordLayout, RuntimeConfig
 from edgekv.runtime.adapter import LowRankAdapter
 from edgekv.runtime.checkpoints import gguf_source
@@ -286,8 +286,15 @@ def policy_configs(model: DecoderModel, batch: int, context: int, budgets: list[
                 geometry = spec.budget_geometry(fit)
             if geometry is not None:
                 out.append((r.name, label, {**base, **geometry, **dict(r.overrides), "max_kv_mem_mib": budget_mib}))
-    return [(name, label, {**cfg, "kv_record_dtype": record}) for name, label, cfg in out
-            for record in (record_dtypes if registry.get(row_policy(name)).on_disk else ("auto",))]
+    def gap(cfg: dict, record: str) -> dict:  # what the install step sets from the disk (install/iomodel.gap_bytes)
+        stride = RecordLayout(cfg["G"], dims.n_kv_heads, dims.head_dim, model.dtype, limits.io_align_bytes,
+                              record).stride_bytes
+        return {"io_gap_bytes": gap_bytes(disk_profile, stride, QUEUE_DEPTH)}
+
+    return [(name, label, {**(gap(cfg, record) if on_disk else {}), **cfg, "kv_record_dtype": record})
+            for name, label, cfg in out
+            for on_disk in [registry.get(row_policy(name)).on_disk]
+            for record in (record_dtypes if on_disk else ("auto",))]
 
 
 class TraceRecorder:

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from edgekv.install import compute, disk, dtypes, quality, report, solver, tables, weights
-from edgekv.install.iomodel import io_model
+from edgekv.install.iomodel import gap_bytes, io_model
 from edgekv.install.profile import Profile, check_kv_paths, load_profile
 from edgekv.platforms.detect import detect_platform, jetson_module
 from edgekv.platforms.devices import platform_for
@@ -563,6 +563,7 @@ def run(platform: str | None = None, model: str | None = None, kv_paths: str | P
     record_bytes = RecordLayout(top.G, dims.n_kv_heads, dims.head_dim, d.kv_dtype, limits.io_align_bytes,
                                 top.kv_record_dtype).stride_bytes
     measurements["disk"]["at_record"] = rates_at(disk_profiles, record_bytes, queue_depth)
+    measurements["disk"]["gap_bytes"] = io_gap_bytes = gap_bytes(disk_profiles, record_bytes, queue_depth)
     config = {
         "platform": prof.platform, "model": str(d.model_dir), "kv_path": str(d.kv_dir),
         "device": d.device.type, "dtype": str(d.kv_dtype).removeprefix("torch."),  # what serve, bench, eval run in
@@ -573,6 +574,7 @@ def run(platform: str | None = None, model: str | None = None, kv_paths: str | P
         "sink_tokens": top.sink_tokens, "window_tokens": top.window_tokens,
         "max_kv_mem_mib": prof.max_kv_mem_mib, "max_batch": prof.max_batch, "max_context": prof.max_context,
         "adapter_path": adapters[float(top.sigma)], "io_align_bytes": limits.io_align_bytes, "io_queue_depth": queue_depth,
+        "io_gap_bytes": io_gap_bytes,
         "slot_memory": slot_memory, "klr_dtype": top.klr_dtype, "kv_record_dtype": top.kv_record_dtype,
         "ttft_costs_path": str(ttft_costs),
         "correction": top.correction, "correction_reads": top.correction_reads, "score_reduce": top.score_reduce,

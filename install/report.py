@@ -79,6 +79,9 @@ def _disk_lines(d: dict) -> list[str]:
                   f"{fp.get('disk', fp.get('dev'))}), reference {p['reference']}, reader {p['reader']}, "
                   f"O_DIRECT={p['o_direct']}{rate}",
                   *_rate_table(p["points"])]
+    if d.get("gap_bytes") is not None:
+        lines.append(f"gaps read through: records up to {_size(d['gap_bytes'])} apart are read as one request "
+                     "(a request costs as much as that many bytes more)")
     for dev, on in d.get("shared_devices", {}).items():
         lines.append(f"WARNING: KV paths {', '.join(on)} are on one device ({dev}): no extra bandwidth, counted once")
     if len(paths) > 1:

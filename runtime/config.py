@@ -190,6 +190,8 @@ class IOConfig(Section):
     io_align_bytes: int = setting(4096, PowerOfTwo(512), "records are padded to this (O_DIRECT's alignment)")
     io_queue_depth: int = setting(64, Whole(1), "reads in flight per KV path")
     max_request_bytes: int = setting(262144, Whole(1), "adjacent records of one file are read as one request")
+    io_gap_bytes: int = setting(0, Whole(0), "records of one file at most this far apart are read as one request "
+                                "too, the gap dropped: what a request more costs in bytes (the install step measures it)")
     read_deadline_s: float = setting(60.0, Real(0, wants="a number of seconds > 0"),
                                      "a read not done by then fails its request (a hung device)")
     kv_record_dtype: str = setting("auto", OneOf(RECORD_DTYPES), "the records' format (runtime/quant.py)")

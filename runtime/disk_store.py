@@ -61,6 +61,7 @@ class VerifiedBatch(ReadBatch):
     groups: np.ndarray | None = None
     expected: np.ndarray | None = None
     check: np.ndarray | None = None
+    gap_counts: np.ndarray | None = None  # int32 [n]: records per request read only to bridge a gap (seqs -1 there)
 
 
 def aligned_zeros(shape: tuple[int, ...], align: int) -> np.ndarray:
@@ -173,11 +174,13 @@ class DiskKVStore:
 
     With several paths (devices) each (sequence, layer) has one file per path and a ``Placement`` says
     which records each holds (runtime/placement.py).  A step's reads are routed to the least-loaded copy
-    and adjacent records of one file become one request of at most ``max_request_bytes`` (``batch``).
+    and adjacent records of one file become one request of at most ``max_request_bytes`` (``batch``); so do
+    records at most ``gap_bytes`` apart, the gap read and dropped: on a disk where a request costs as much as
+    reading that many bytes more (virtio, SATA), fewer requests outweigh the extra bytes.
     """
 
     def __init__(self, roots, n_layers: int, layout: RecordLayout, reader: KVReader, max_groups: int = 1 << 20,
-                 max_request_bytes: int | None = None, verify_fraction: float = 1.0):
+                 max_request_bytes: int | None = None, verify_fraction: float = 1.0, gap_bytes: int = 0):
         self.roots = [check_offload_path(root) for root in kv_path_list(roots) or [None]]
         for root in self.roots:
             remove_dead_sequences(root)
@@ -192,6 +195,8 @@ class DiskKVStore:
         self.dirs = [root / name for root in self.roots]
         self.dir = self.dirs[0]
         self.max_request_records = max(1, (max_request_bytes or layout.stride_bytes) // layout.stride_bytes)
+        self.gap_records = gap_bytes // layout.stride_bytes  # a gap read through: cheaper than a request more
+        self._gaps: np.ndarray | None = None  # the gap sink, made on first need
         self.o_direct: bool | None = None
         self._fds = np.full((0, n_layers, self.n_paths), -1, dtype=np.int32)  # [sequence, layer, path], -1 closed
         self._placement: dict[int, Placement] = {}
@@ -202,6 +207,7 @@ class DiskKVStore:
         self.bytes_written = 0
         self.requests = 0
         self.records_read = 0
+        self.gap_records_read = 0  # read only to bridge a gap between wanted records, and dropped
         self.records_by_path = np.zeros(self.n_paths, dtype=np.int64)
         self.records_relocated = 0
         self.verify_fraction = verify_fraction
@@ -337,10 +343,13 @@ class DiskKVStore:
         batch = self._requests(layer, seqs, groups, addresses)
         self.requests += len(batch)
         self.records_read += len(seqs)
+        if batch.gap_counts is not None:
+            self.gap_records_read += int(batch.gap_counts.sum())
         if self.n_paths == 1:
             self.records_by_path[0] += len(seqs)
         else:
-            self.records_by_path += np.bincount(batch.paths, weights=batch.counts, minlength=self.n_paths).astype(np.int64)
+            wanted = batch.counts if batch.gap_counts is None else batch.counts - batch.gap_counts
+            self.records_by_path += np.bincount(batch.paths, weights=wanted, minlength=self.n_paths).astype(np.int64)
         return batch
 
     def relocate(self, seq: int, layer: int, per_path: list[np.ndarray], in_memory=None) -> None:
@@ -411,7 +420,7 @@ class DiskKVStore:
             paths[mine] = chosen
         order = np.argsort((fds.astype(np.int64) << 40) | (offsets // stride), kind="stable")  # by file, then offset
         fds, offsets, paths, addresses = fds[order], offsets[order], paths[order], np.asarray(addresses)[order]
-        starts = request_starts(fds, offsets, stride, self.max_request_records)
+        starts = request_starts(fds, offsets, stride, self.max_request_records, self.gap_records)
         counts = np.diff(starts, append=n).astype(np.int32)
         seqs, groups = seqs[order], groups[order]
         check = np.ones(n, dtype=bool) if self.verify_fraction >= 1 else self._rng.random(n) < self.verify_fraction
@@ -419,8 +428,31 @@ class DiskKVStore:
         for seq in owners if self.verify_fraction > 0 else ():
             mine = check if len(owners) == 1 else check & (seqs == seq)
             expected[mine] = self._sums[seq][layer, groups[mine]]
-        return VerifiedBatch(fds[starts], offsets[starts], addresses, stride, counts, paths[starts],
-                             layer, seqs, groups, expected, check)
+        gaps = None
+        if self.gap_records and n:
+            gaps = gap_sizes(offsets, stride)
+            gaps[starts] = 0
+        if gaps is None or not gaps.any():
+            return VerifiedBatch(fds[starts], offsets[starts], addresses, stride, counts, paths[starts],
+                                 layer, seqs, groups, expected, check)
+        # the records of the gaps a request reads through land in the gap sink, unchecked, and are dropped
+        at = np.arange(n) + np.cumsum(gaps)  # each wanted record's place among all the records read
+        total = n + int(gaps.sum())
+        all_addresses = np.full(total, self._gap_sink().ctypes.data, dtype=np.int64)
+        all_seqs, all_groups = np.full(total, -1, dtype=np.int64), np.full(total, -1, dtype=np.int64)
+        all_expected, all_check = np.zeros(total, dtype=np.uint32), np.zeros(total, dtype=bool)
+        all_addresses[at], all_seqs[at], all_groups[at], all_expected[at], all_check[at] = (
+            addresses, seqs, groups, expected, check)
+        gap_counts = np.add.reduceat(gaps, starts).astype(np.int32)
+        return VerifiedBatch(fds[starts], offsets[starts], all_addresses, stride, counts + gap_counts, paths[starts],
+                             layer, all_seqs, all_groups, all_expected, all_check, gap_counts)
+
+    def _gap_sink(self) -> np.ndarray:
+        """Where every record of a gap read through lands: one record, written over and over, never read (scratch,
+        not KV: not in ``table_bytes``)."""
+        if self._gaps is None:
+            self._gaps = aligned_zeros((1, self.layout.stride_bytes), self.layout.align_bytes)
+        return self._gaps
 
     def read(self, batch: ReadBatch) -> None:
         """A failed read names the KV folder it came from (a device that vanished, an unmounted path); a record
@@ -515,16 +547,28 @@ def _aligned_take(records: np.ndarray, rows: np.ndarray, align: int) -> np.ndarr
     return out
 
 
-def request_starts(fds: np.ndarray, offsets: np.ndarray, stride: int, max_records: int) -> np.ndarray:
-    """First read of each request over reads sorted by (fd, offset): a request continues while the next record
-    follows in the same file, up to ``max_records`` records."""
+def request_starts(fds: np.ndarray, offsets: np.ndarray, stride: int, max_records: int, gap_records: int = 0
+                   ) -> np.ndarray:
+    """First read of each request over reads sorted by (fd, offset): a request continues while the next record is in
+    the same file at most ``gap_records`` records past the one before (the gap is read too, and dropped), as long as
+    the request spans at most ``max_records`` records."""
     n = len(fds)
     if n == 0:
         return np.zeros(0, dtype=np.int64)
+    gaps = gap_sizes(offsets, stride)
     breaks = np.ones(n, dtype=bool)
-    breaks[1:] = (fds[1:] != fds[:-1]) | (offsets[1:] != offsets[:-1] + stride)
-    if max_records >= n:  # no run can outgrow a request
-        return np.flatnonzero(breaks)
-    index = np.arange(n)
-    run_start = np.maximum.accumulate(np.where(breaks, index, 0))
-    return np.flatnonzero(breaks | ((index - run_start) % max_records == 0))
+    breaks[1:] = (fds[1:] != fds[:-1]) | (gaps[1:] < 0) | (gaps[1:] > gap_records)
+    first = np.flatnonzero(breaks)
+    span = (offsets - np.repeat(offsets[first], np.diff(first, append=n))) // stride  # records past the run's first
+    if int(span.max()) < max_records:  # no run outgrows a request
+        return first
+    piece = span // max_records
+    breaks[1:] |= piece[1:] != piece[:-1]
+    return np.flatnonzero(breaks)
+
+
+def gap_sizes(offsets: np.ndarray, stride: int) -> np.ndarray:
+    """int64 [n]: records between each sorted read and the one before (-1: the same record again; 0 at the first)."""
+    gaps = np.zeros(len(offsets), dtype=np.int64)
+    gaps[1:] = np.diff(offsets) // stride - 1
+    return gaps

@@ -105,7 +105,7 @@ class KVPolicy:
                 "reuse_hits": int(hits[seq]), "reuse_lookups": int(lookups[seq]),
                 "io_stall_s": self.io_stall_s, "io_read_s": self.io_read_s, "select_s": self.select_s,
                 "kv_resident_bytes": self.resident_bytes, "kv_window_bytes": 0, "o_direct": None, "n_paths": 0, "kv_read_requests": 0,
-                "kv_records_read": 0, "kv_records_by_path": [], "kv_records_verified": 0, "kv_records_reread": 0,
+                "kv_records_read": 0, "kv_gap_records_read": 0, "kv_records_by_path": [], "kv_records_verified": 0, "kv_records_reread": 0,
                 "scorer_fallback": None, "kv_correction_records": 0, "correction_s": 0.0, "guess_recall": None,
                 "corrected_layer_share": None,
                 "kv_bytes_copied": 0}

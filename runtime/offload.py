@@ -487,6 +487,7 @@ class OffloadedKV(KVPolicy):
         corrected_layers, attended = self.corrected_layer_steps
         return {**super().stats(seq), "o_direct": store.o_direct, "n_paths": store.n_paths,
                 "kv_read_requests": store.requests, "kv_records_read": store.records_read,
+                "kv_gap_records_read": store.gap_records_read,
                 "kv_records_by_path": store.records_by_path.tolist(), "kv_records_verified": store.records_verified,
                 "kv_records_reread": store.records_reread, "scorer_fallback": None,
                 "kv_correction_records": int(self.correction_records[seq]), "correction_s": self.correction_s,

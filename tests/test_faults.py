@@ -189,11 +189,12 @@ def test_a_kv_path_that_disappears_mid_decode(engine, kv_dir):
 
 # ---- the store's own checks, many faults at a time -----------------------------------------------
 
-def test_a_thousand_flipped_torn_and_misplaced_records_are_all_caught(tmp_path):
+@pytest.mark.parametrize("gap_records", [0, 4])  # 4: a damaged record may sit between gaps read through
+def test_a_thousand_flipped_torn_and_misplaced_records_are_all_caught(tmp_path, gap_records):
     layout = RecordLayout(4, 2, 16, torch.float16)
     rng = np.random.default_rng(0)
     reader = open_reader("python", 8)
-    store = DiskKVStore(tmp_path, 2, layout, reader, max_groups=64)
+    store = DiskKVStore(tmp_path, 2, layout, reader, max_groups=64, gap_bytes=gap_records * layout.stride_bytes)
     try:
         store.open_sequence(0)
         for layer in range(2):

@@ -104,6 +104,40 @@ def test_coalescing_stops_at_gaps_files_and_the_request_size():
     assert request_starts(fds, offsets, stride, max_records=8).tolist() == [0, 3, 5]
     assert request_starts(fds, offsets, stride, max_records=2).tolist() == [0, 2, 3, 5]
     assert request_starts(fds, offsets, stride, max_records=1).tolist() == list(range(7))
+    # with gaps bridged: through the one-record gap, never across files, and no request spans over max_records
+    assert request_starts(fds, offsets, stride, max_records=8, gap_records=1).tolist() == [0, 5]
+    assert request_starts(fds, offsets, stride, max_records=4, gap_records=1).tolist() == [0, 3, 5]
+    assert request_starts(fds, offsets, stride, max_records=8, gap_records=0).tolist() == [0, 3, 5]
+    twice = np.array([0, 0, 2, 9]) * stride  # the same record twice (two readers of a shared group) is two requests
+    assert request_starts(np.zeros(4, np.int32), twice, stride, max_records=16, gap_records=6).tolist() == [0, 1]
+
+
+@pytest.mark.parametrize("n_paths,backend", [(1, "python"), (2, "python"), (1, "pthread"), (2, "io_uring")])
+def test_gaps_bridged_read_every_wanted_record_right_in_fewer_requests(tmp_path, n_paths, backend):
+    """Every gap record of every request lands in one sink record (the same memory many times in one readv, with
+    O_DIRECT where the filesystem takes it)."""
+    from tests.test_reader_paths import reader_or_skip
+
+    reader = reader_or_skip(backend, n_paths=n_paths)
+    store = DiskKVStore(paths(tmp_path, n_paths), 1, layout(), reader, max_groups=64, max_request_bytes=6 * 4096,
+                        gap_bytes=2 * 4096 + 100)
+    try:
+        for seq in (0, 1):
+            store.open_sequence(seq)
+            store.write_groups(seq, 0, 0, records(40, first=100 * seq))
+        seqs = np.array([0] * 7 + [1] * 3)
+        groups = np.array([9, 0, 3, 5, 6, 20, 24, 1, 2, 39])
+        got, batch = read(store, 0, seqs, groups)
+        assert (got == ((100 * seqs + groups) % 251 + 1)[:, None]).all(), "each wanted record at its own address"
+        assert store.records_read == 10 and store.records_by_path.sum() == 10, "gap records are not records read"
+        assert store.gap_records_read == int(batch.gap_counts.sum()) > 0
+        assert (batch.counts - batch.gap_counts).sum() == 10
+        assert batch.counts.max() <= 6 and len(batch) < len(groups)
+        assert batch.check.sum() == 10 and (batch.seqs[~batch.check] == -1).all(), "gap records are never checked"
+        assert (batch.counts - batch.gap_counts).min() >= 1 and batch.gap_counts.max() >= 2, "a request bridges two"
+    finally:
+        store.close()
+        reader.close()
 
 
 def test_replicated_records_go_to_the_least_loaded_path(tmp_path):
@@ -175,6 +209,7 @@ def full_reference(model_dirs, tmp_path_factory):
     (1, "kvswap", {}), (3, "kvswap", {}), (1, "kvswap", {"clustering": True}),
     (2, "kvswap", {"clustering": True, "replacement": "cost"}), (3, "kvswap", {"clustering": True, "replica_share": 0.5}),
     (2, "kvswap", {"replacement": "lru"}), (3, "flexgen", {}), (2, "token", {"clustering": True}),
+    (1, "kvswap", {"io_gap_bytes": 3 * 4096}), (2, "token", {"io_gap_bytes": 2 * 4096}),
 ])
 def test_disk_policies_over_several_paths_match_full(model_dirs, tmp_path, full_reference, n_paths, policy, extra):
     config = {**EXACT, "max_request_bytes": 4 * 4096, "cluster_queries": 8, "recluster_steps": 5, **extra}
@@ -187,6 +222,22 @@ def test_disk_policies_over_several_paths_match_full(model_dirs, tmp_path, full_
     assert stats["n_paths"] == n_paths and len(stats["kv_records_by_path"]) == n_paths
     assert min(stats["kv_records_by_path"]) > 0, "every path serves reads"
     assert stats["kv_read_requests"] < stats["kv_records_read"], "adjacent records are read as one request"
+    assert sum(stats["kv_records_by_path"]) == stats["kv_records_read"]
+
+
+@pytest.mark.parametrize("policy", ["kvswap", "token"])
+def test_reading_through_gaps_changes_no_token_and_takes_fewer_requests(model_dirs, tmp_path, policy):
+    """A subset picked (M of 64 groups): the picks leave gaps, and bridging them reads the same records."""
+    config = {**EXACT, "M": 10, "C": 10, "reuse": False}
+    (tmp_path / "plain").mkdir(), (tmp_path / "bridged").mkdir()
+    plain = run(model_dirs["llama"], paths(tmp_path / "plain", 1), policy, config)
+    bridged = run(model_dirs["llama"], paths(tmp_path / "bridged", 1), policy, {**config, "io_gap_bytes": 3 * 4096})
+    for a, b in zip(plain, bridged):
+        assert a.token_ids == b.token_ids
+        torch.testing.assert_close(a.logits, b.logits, rtol=0, atol=0)
+    a, b = plain[0].stats, bridged[0].stats
+    assert b["kv_records_read"] == a["kv_records_read"] and a["kv_gap_records_read"] == 0 < b["kv_gap_records_read"]
+    assert b["kv_read_requests"] < a["kv_read_requests"]
 
 
 def test_sequences_sharing_a_document_read_it_once_and_decode_the_same_tokens(model_dirs, tmp_path):

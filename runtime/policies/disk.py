@@ -52,7 +52,7 @@ def disk_parts(cfg: RuntimeConfig, dims: ModelDims, kv_itemsize: int, rank: int,
 def open_store(env: PolicyEnv, cfg: RuntimeConfig) -> DiskKVStore:
     dims = env.model.dims
     return DiskKVStore(env.kv_paths, dims.n_layers, record_layout(cfg, dims, env.model.dtype), env.reader,
-                       cfg.max_groups, cfg.io.max_request_bytes, cfg.integrity.verify_fraction)
+                       cfg.max_groups, cfg.io.max_request_bytes, cfg.integrity.verify_fraction, cfg.io.io_gap_bytes)
 
 
 def offloaded(env: PolicyEnv, batch: int, cfg: RuntimeConfig, store: DiskKVStore, selector: Selector,
