@@ -85,7 +85,9 @@ class Run:
     n_paths: int | None = None  # KV paths the records are spread over (None: nothing is read from disk)
     eff_bw_mib_s: float | None = None  # all paths together: bytes read / time the I/O thread spent in reads
     requests_per_step: float | None = None  # read requests per decode step: the whole batch, every layer
-    bytes_per_request: float | None = None  # what coalescing adjacent records achieved
+    bytes_per_request: float | None = None  # what coalescing adjacent records achieved (wanted bytes)
+    io_gap_bytes: int | None = None  # records at most this far apart were read as one request (the disk rows)
+    gap_records_per_step: float | None = None  # records read only to bridge those gaps, per decode step
     clustering: str | None = None  # "on"/"off": groups laid out by co-activation or striped in token order
     replacement: str | None = None  # the reuse buffer's policy (kvswap rows)
     share_prefix: bool | None = None  # prompt groups shared by several sequences read once
@@ -375,6 +377,8 @@ class RowRunner:
             n_paths=s[0]["n_paths"] if on_disk else None, eff_bw_mib_s=eff,
             requests_per_step=requests / len(timer.steps) if on_disk else None,
             bytes_per_request=read / requests if requests else None,
+            io_gap_bytes=config.io.io_gap_bytes if on_disk else None,
+            gap_records_per_step=s[0]["kv_gap_records_read"] / len(timer.steps) if on_disk else None,
             clustering=("on" if config.placement.clustering else "off") if on_disk else None,
             replacement=config.replacement if selects and config.reuse else None,
             share_prefix=config.placement.share_prefix if on_disk else None, path_limit_mib_s=path_limit_mib_s,
