@@ -36,19 +36,26 @@ def io_model(disk: DiskProfile | list[DiskProfile], dims: ModelDims, kv_dtype: t
     return t_io_ms
 
 
-SPAN_RECORDS = 16  # the request sizes the gap's worth is measured over: one record to this many (a merged read)
+SPAN_RECORDS = 4  # the request sizes the gap's worth is measured over: one record to this many (a merged read's)
 
 
 def gap_bytes(disk: DiskProfile | list[DiskProfile], record_bytes: int, queue_depth: int) -> int:
     """``io_gap_bytes``: how far apart two records of a file may be and still be read as one request, the gap read
     and dropped.  A request of b bytes holds the disk for b / rate(b) (the profile's rate at ``queue_depth``);
     along the sizes a merged read has (one record to ``SPAN_RECORDS``) that is a fixed cost plus a cost per byte,
-    and a gap is worth reading while its bytes cost less than the fixed cost of the request it saves.  On this
-    machine's virtio disk a request costs as much as ~27 KiB more (6 records of 4 KiB); on an NVMe SSD about
-    one record; 0 where a request costs nothing over its bytes."""
+    and a gap is worth reading while its bytes cost less than the fixed cost of the request it saves.
+
+    The rates are fio's where it ran (the disk's own random reads), not our reader's, and the sizes stop at
+    ``SPAN_RECORDS`` records, where merged reads are (2-3 records of 4 KiB bridged: 19 KiB a request on average): on
+    this machine's virtio disk the reader's rates and the 64 KiB points vary from profile to profile (fio 1,175 to
+    2,222 MiB/s at 64 KiB), and a fit that leaned on them chose gaps of 8-11 records, measured 0.90x no gap at 11
+    (docs/results, issue 34).  Over 4-16 KiB fio's rates give 9-11 KiB in four profiles of five (2 records, measured
+    1.11-1.20x; the fifth 4 records, 1.05x); an NVMe SSD's none (a request costs less than a record); a disk whose
+    requests cost nothing over their bytes none."""
     profiles = list(disk) if isinstance(disk, (list, tuple)) else [disk]
     small, large = record_bytes, SPAN_RECORDS * record_bytes
-    cost_small, cost_large = (size / (planned_mib_s(profiles, size, queue_depth) * 2**20) for size in (small, large))
+    cost_small, cost_large = (size / (planned_mib_s(profiles, size, queue_depth, source="disk") * 2**20)
+                              for size in (small, large))
     per_byte = (cost_large - cost_small) / (large - small)
     fixed = cost_small - small * per_byte
     if fixed <= 0:
