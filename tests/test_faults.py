@@ -63,6 +63,23 @@ def test_a_damaged_record_is_caught_and_the_answer_is_unchanged(engine, kv_dir, 
     assert files_under(kv_dir) == []
 
 
+@pytest.mark.parametrize("fault", DAMAGE)
+def test_damage_is_caught_with_gaps_read_through(model_dirs, kv_dir, fault, caplog):
+    """Requests bridge gaps (io_gap_bytes): the damage lands in a wanted record, never in one only read to bridge."""
+    with Engine.from_pretrained(model_dirs["llama"], kv_offload_path=kv_dir, config={**CFG, "io_gap_bytes": 3 * 4096},
+                                policy="kvswap", device="cpu") as engine:
+        want = run(engine)
+        stores = []
+        open_batch = engine.open_batch
+        engine.open_batch = lambda *a: _keep_store(open_batch(*a), stores)
+        reader = inject(engine, fault, 4)
+        with caplog.at_level(logging.WARNING, logger="edgekv"):
+            got = run(engine)
+    assert reader.injected is not None and got == want
+    assert stores[0].gap_records_read > 0, "the requests bridged gaps"
+    assert ("then read back intact" if fault == "flip_memory" else "failed its checksum twice") in caplog.text
+
+
 def test_without_verification_damage_goes_through_and_a_warning_says_so(model_dirs, kv_dir, caplog):
     with caplog.at_level(logging.WARNING, logger="edgekv"):
         with Engine.from_pretrained(model_dirs["llama"], kv_offload_path=kv_dir, config={**CFG, "verify_fraction": 0},
