@@ -79,9 +79,11 @@ def _disk_lines(d: dict) -> list[str]:
                   f"{fp.get('disk', fp.get('dev'))}), reference {p['reference']}, reader {p['reader']}, "
                   f"O_DIRECT={p['o_direct']}{rate}",
                   *_rate_table(p["points"])]
-    if d.get("gap_bytes") is not None:
-        lines.append(f"gaps read through: records up to {_size(d['gap_bytes'])} apart are read as one request "
-                     "(a request costs as much as that many bytes more)")
+    if d.get("gap_bytes") is not None and at:
+        records = d["gap_bytes"] // at["block_bytes"]
+        lines.append(f"gaps read through: {records} records of {_size(at['block_bytes'])} (io_gap_bytes "
+                     f"{d['gap_bytes']}: a request costs as much as that many bytes more)" if records else
+                     f"gaps read through: none (io_gap_bytes {d['gap_bytes']}: a request costs less than a record more)")
     for dev, on in d.get("shared_devices", {}).items():
         lines.append(f"WARNING: KV paths {', '.join(on)} are on one device ({dev}): no extra bandwidth, counted once")
     if len(paths) > 1:

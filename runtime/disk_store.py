@@ -551,7 +551,8 @@ def request_starts(fds: np.ndarray, offsets: np.ndarray, stride: int, max_record
                    ) -> np.ndarray:
     """First read of each request over reads sorted by (fd, offset): a request continues while the next record is in
     the same file at most ``gap_records`` records past the one before (the gap is read too, and dropped), as long as
-    the request spans at most ``max_records`` records."""
+    the request spans at most ``max_records`` records (a longer run is cut on a grid from its first record: never
+    over the cap, at times one request more than cutting where each request fills)."""
     n = len(fds)
     if n == 0:
         return np.zeros(0, dtype=np.int64)
