@@ -293,10 +293,13 @@ def policy_configs(model: DecoderModel, batch: int, context: int, budgets: list[
                               record).stride_bytes
         return {"io_gap_bytes": gap_bytes(disk_profile, stride, QUEUE_DEPTH)}
 
-    return [(name, label, {**(gap(cfg, record) if on_disk else {}), **cfg, "kv_record_dtype": record})
-            for name, label, cfg in out
-            for on_disk in [registry.get(row_policy(name)).on_disk]
-            for record in (record_dtypes if on_disk else ("auto",))]
+    configs = []
+    for name, label, cfg in out:
+        if not registry.get(row_policy(name)).on_disk:
+            configs.append((name, label, {**cfg, "kv_record_dtype": "auto"}))
+            continue
+        configs += [(name, label, {**gap(cfg, record), **cfg, "kv_record_dtype": record}) for record in record_dtypes]
+    return configs
 
 
 class TraceRecorder:

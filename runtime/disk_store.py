@@ -560,9 +560,9 @@ def request_starts(fds: np.ndarray, offsets: np.ndarray, stride: int, max_record
     breaks = np.ones(n, dtype=bool)
     breaks[1:] = (fds[1:] != fds[:-1]) | (gaps[1:] < 0) | (gaps[1:] > gap_records)
     first = np.flatnonzero(breaks)
-    span = (offsets - np.repeat(offsets[first], np.diff(first, append=n))) // stride  # records past the run's first
-    if int(span.max()) < max_records:  # no run outgrows a request
+    if (n - 1) * (gap_records + 1) < max_records:  # no run can span more records than a request holds
         return first
+    span = (offsets - np.repeat(offsets[first], np.diff(first, append=n))) // stride  # records past the run's first
     piece = span // max_records
     breaks[1:] |= piece[1:] != piece[:-1]
     return np.flatnonzero(breaks)
