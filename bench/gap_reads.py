@@ -50,7 +50,7 @@ def main(argv=None) -> None:
             batch.join(row, ids[start : start + args.context])
         batch.end_prefill()
         with batch:
-            policy, made = batch.policy, [0]
+            policy, made = getattr(batch.policy, "inner", None) or batch.policy, [0]  # a hybrid model: its global layers
             store = policy.store
 
             def step() -> None:
