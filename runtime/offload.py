@@ -247,9 +247,10 @@ class OffloadedKV(KVPolicy):
 
     def _fetch(self, layer: int, buffer: int, misses, reads, after: threading.Event | None = None) -> None:
         """On an I/O thread: the misses read from disk (checksums checked), then moved where attention reads them.
-        ``after`` (with correction): set once the layer before has corrected; that layer's few reads hold up its
-        attention, so they go first instead of sharing the disk with this whole layer's, and this read still
-        overlaps that layer's attention and MLP."""
+        ``after`` (with correction): set once the layer before's correction has landed (or needed no reads); that
+        layer's few reads hold up its attention, so they go first instead of sharing the disk with this whole
+        layer's (sharing: 0.86x the step), and this read starts the moment they land, overlapping that layer's
+        attention and MLP (set once that layer had attended instead: 0.93x at batch 1, 0.90x at batch 4)."""
         if after is not None:
             after.wait(timeout=self.read_deadline_s)
         self.slot_memory.before_read(layer, buffer)
@@ -394,14 +395,19 @@ class OffloadedKV(KVPolicy):
         self.guess_recall_counts += [int(guessed.sum()), int(valid.sum())]
         slots, misses = self.slots.correct(layer, groups, valid, owners)
         late = None
+        gate = self._corrected.get(layer)  # the next layer's read, waiting for this one's (set again in attend)
         if len(misses.seq):
             future = self._read_misses(layer, misses, self._correct_io)
+            if gate is not None:  # it starts as this one lands, not once this layer has attended
+                future.add_done_callback(lambda _: gate.set())
             self.correction_records += np.bincount(misses.seq, minlength=self.batch)
             safe_slot = _free_slot(misses.slot) if self.correction_overlap else -1
             if 0 <= safe_slot < self.batch * self.slots.capacity:
                 late = CorrectionReads(future, safe_slot), missing
             else:  # one attention once they land (no overlap asked, or every slot is landing)
                 self._wait(layer, future)
+        elif gate is not None:
+            gate.set()
         self.correction_s += time.perf_counter() - started
         return slots, valid, late
 

@@ -93,6 +93,40 @@ def test_a_cap_bounds_the_extra_reads_and_the_guess_fills_in(model_dirs, tmp_pat
         assert c.stats["kv_correction_records"] < f.stats["kv_correction_records"]
 
 
+@pytest.mark.parametrize("reuse", [True, False])
+def test_the_next_layers_read_starts_once_the_correction_lands_before_this_layer_attends(model_dirs, tmp_path,
+                                                                                        monkeypatch, reuse):
+    """A correcting layer's reads go first and the next layer's read waits for them, but no longer: it starts as
+    they land (or at once when the correction reads nothing), while this layer still attends.  Each attention of a
+    layer holding up the next one's read waits here until that read has started; had the read waited for the
+    attention, it would time out."""
+    import threading
+    passed, started = threading.Event, {}
+    fetch, attend, attention = offload.OffloadedKV._fetch, offload.OffloadedKV.attend, offload.decode_attention
+    attending, waits = [], []
+
+    def gated_fetch(self, layer, buffer, misses, reads, after=None):
+        if after is not None:
+            after.wait(timeout=30)
+            started.setdefault(layer, passed()).set()
+        return fetch(self, layer, buffer, misses, reads, after)
+
+    def attention_after_next_read(model, q, keys, values, mask):
+        policy, layer = attending[-1]
+        if layer in policy._corrected:  # the next layer's read waits for this one's correction
+            waits.append(started.setdefault(layer + 1, passed()).wait(timeout=10))
+            started.pop(layer + 1)
+        return attention(model, q, keys, values, mask)
+
+    monkeypatch.setattr(offload.OffloadedKV, "_fetch", gated_fetch)
+    monkeypatch.setattr(offload.OffloadedKV, "attend", lambda self, layer, q, k, v: attending.append(
+        (self, layer)) or attend(self, layer, q, k, v))
+    monkeypatch.setattr(offload, "decode_attention", attention_after_next_read)
+    runs = _run(model_dirs["llama"], tmp_path / "kv", correction="corrected", reuse=reuse)
+    assert all(r.stats["kv_correction_records"] > 0 for r in runs)
+    assert len(waits) == 11 and all(waits)  # each decode step's layer 0 held up layer 1's read, and let it go first
+
+
 def test_the_token_policy_corrects_through_its_preload_slots(model_dirs, tmp_path):
     oracle = _run(model_dirs["llama"], tmp_path / "o", policy="token", selector="oracle", M=3)
     corrected = _run(model_dirs["llama"], tmp_path / "c", policy="token", correction="corrected", M=3)
