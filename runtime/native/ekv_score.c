@@ -64,6 +64,19 @@ static inline void widen(float *restrict out, const uint8_t *restrict rows, int6
     for (int j = n; j < BLOCK; j++) out[j] = 0.0f;
 }
 
+/* The next block's stretch of every stored rank row, asked for ahead: a block reads one short stretch from each of
+ * up to `rank` rows a whole row apart (rank-major rows, max_context bytes or more between them), more streams than
+ * the hardware prefetcher follows, so each stretch was a demand miss.  SmolLM2 8K, int8 rank 96, 9 queries: rows
+ * out of cache 377 -> 275 us a call (in cache: 210 us; their 0.8 MB take ~20 us at this machine's bandwidth), one
+ * layer after another as a decode step selects 293 -> 236 us. */
+static inline void prefetch_block(const uint8_t *rows, int64_t rank_row_bytes, int rank, int64_t first, int kind) {
+    static const int token_bytes[] = {4, 2, 1, 1}; /* of one stored row (an int4 row byte holds two rank rows) */
+    int64_t start = first * token_bytes[kind], bytes = (int64_t)BLOCK * token_bytes[kind];
+    int stored = kind == ROWS_I4 ? (rank + 1) / 2 : rank;
+    for (int i = 0; i < stored; i++)
+        for (int64_t at = 0; at < bytes; at += 64) __builtin_prefetch(rows + i * rank_row_bytes + start + at, 0, 0);
+}
+
 /* logits[h, t] = scale_t * (q_h . row_t) for every query h of one sequence, BLOCK tokens at a time: the block's rank
  * rows are widened once into a buffer on the stack (one the compiler knows no other store aliases: in the caller's
  * scratch, or filled a chunk of rank rows at a time, the same loops ran half as fast), then each query's sums run
@@ -73,6 +86,7 @@ static void logits_of(const uint8_t *rows, int64_t rank_row_bytes, const uint16_
     float widened[MAX_RANK * BLOCK];
     for (int64_t first = 0; first < n_tokens; first += BLOCK) {
         int n = n_tokens - first < BLOCK ? (int)(n_tokens - first) : BLOCK;
+        if (first + BLOCK < n_tokens) prefetch_block(rows, rank_row_bytes, rank, first + BLOCK, kind);
         for (int i = 0; i < rank; i++) widen(widened + i * BLOCK, rows, rank_row_bytes, i, first, n, kind);
         for (int h = 0; h < queries; h++) {
             const float *restrict qh = q + (int64_t)h * rank;
