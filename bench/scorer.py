@@ -5,41 +5,29 @@ the disk, the machine's load and the context length are the same for both; the m
     python -m bench.scorer --model smollm2 --context 8192 --batch 1 --weights int4 --dtype bfloat16
 """
 import argparse
-import json
 import statistics
 import tempfile
 
 import torch
 
 from edgekv.runtime import Engine, selector
-from bench.step_profile import fields, prefilled, step_ms
-
-# what `make deploy` chose for SmolLM2 on the local profile (docs/results/chosen-smollm2-8k-deployed-bf16.json)
-DEPLOYED = ("G=4,M=205,C=205,sigma=2", '{"reuse": false, "klr_dtype": "int8", "score_reduce": "softmax", '
-            '"correction": "corrected", "correction_reads": 52, "correction_recall": 0.85, "guess_from_before": true}')
+from bench.deployed_batch import add_options, engine_config
+from bench.step_profile import prefilled, step_ms
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="smollm2")
-    ap.add_argument("--context", type=int, default=8192)
-    ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--kvswap", default=DEPLOYED[0])
-    ap.add_argument("--extra", default=DEPLOYED[1], help="JSON fields")
+    add_options(ap, batch=1, text=False)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=8, help="timed decode steps a scorer takes per round")
-    ap.add_argument("--weights", default=None, help="the linear layers' format (runtime/weights.py; default native)")
-    ap.add_argument("--dtype", default=None, help="float32, bfloat16 (default: the CPU's, float32)")
-    ap.add_argument("--kv-path", default=None)
     args = ap.parse_args(argv)
     if selector.native_scorer() is None:
         raise SystemExit("the native scorer could not be built here (see the warning above): nothing to compare")
     room = 8 + 2 * args.rounds * (args.steps + 1)
-    cfg = {**fields(args.kvswap), **json.loads(args.extra), "max_batch": args.batch, "max_context": args.context + room}
     native, ms = selector.native_scorer, {"torch": [], "native": []}
     with tempfile.TemporaryDirectory(dir=args.kv_path) as kv, Engine.from_pretrained(
             args.model, kv_offload_path=kv, policy="kvswap", device="cpu", dtype=args.dtype, weights=args.weights,
-            config=cfg) as engine, prefilled(engine, args.context + room, rows=args.batch, room=room) as batch:
+            config=engine_config(args, room)) as engine, prefilled(engine, args.context + room, rows=args.batch, room=room) as batch:
         token = torch.tensor([42] * args.batch)
         try:
             for _ in range(8):
