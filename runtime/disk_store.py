@@ -420,19 +420,20 @@ class DiskKVStore:
             paths[mine] = chosen
         order = np.argsort((fds.astype(np.int64) << 40) | (offsets // stride), kind="stable")  # by file, then offset
         fds, offsets, paths, addresses = fds[order], offsets[order], paths[order], np.asarray(addresses)[order]
-        starts = request_starts(fds, offsets, stride, self.max_request_records, self.gap_records)
-        counts = np.diff(starts, append=n).astype(np.int32)
+        gaps = gap_sizes(offsets, stride)
+        starts = request_starts(fds, offsets, stride, self.max_request_records, self.gap_records, gaps)
+        counts = np.empty(len(starts), dtype=np.int32)
+        if len(starts):
+            counts[:-1], counts[-1] = starts[1:] - starts[:-1], n - starts[-1]
         seqs, groups = seqs[order], groups[order]
         check = np.ones(n, dtype=bool) if self.verify_fraction >= 1 else self._rng.random(n) < self.verify_fraction
         expected = np.zeros(n, dtype=np.uint32)
         for seq in owners if self.verify_fraction > 0 else ():
             mine = check if len(owners) == 1 else check & (seqs == seq)
             expected[mine] = self._sums[seq][layer, groups[mine]]
-        gaps = None
         if self.gap_records and n:
-            gaps = gap_sizes(offsets, stride)
-            gaps[starts] = 0
-        if gaps is None or not gaps.any():
+            gaps[starts] = 0  # a request's first record bridges nothing
+        if not self.gap_records or not gaps.any():
             return VerifiedBatch(fds[starts], offsets[starts], addresses, stride, counts, paths[starts],
                                  layer, seqs, groups, expected, check)
         # the records of the gaps a request reads through land in the gap sink, unchecked, and are dropped
@@ -547,22 +548,28 @@ def _aligned_take(records: np.ndarray, rows: np.ndarray, align: int) -> np.ndarr
     return out
 
 
-def request_starts(fds: np.ndarray, offsets: np.ndarray, stride: int, max_records: int, gap_records: int = 0
-                   ) -> np.ndarray:
+def request_starts(fds: np.ndarray, offsets: np.ndarray, stride: int, max_records: int, gap_records: int = 0,
+                   gaps: np.ndarray | None = None) -> np.ndarray:
     """First read of each request over reads sorted by (fd, offset): a request continues while the next record is in
     the same file at most ``gap_records`` records past the one before (the gap is read too, and dropped), as long as
     the request spans at most ``max_records`` records (a longer run is cut on a grid from its first record: never
-    over the cap, at times one request more than cutting where each request fills)."""
+    over the cap, at times one request more than cutting where each request fills).  ``gaps``: ``gap_sizes`` of the
+    offsets, when the caller has them."""
     n = len(fds)
     if n == 0:
         return np.zeros(0, dtype=np.int64)
-    gaps = gap_sizes(offsets, stride)
-    breaks = np.ones(n, dtype=bool)
+    gaps = gap_sizes(offsets, stride) if gaps is None else gaps
+    breaks = np.empty(n, dtype=bool)
+    breaks[0] = True
     breaks[1:] = (fds[1:] != fds[:-1]) | (gaps[1:] < 0) | (gaps[1:] > gap_records)
     first = np.flatnonzero(breaks)
     if (n - 1) * (gap_records + 1) < max_records:  # no run can span more records than a request holds
         return first
-    span = (offsets - np.repeat(offsets[first], np.diff(first, append=n))) // stride  # records past the run's first
+    last = np.empty_like(first)
+    last[:-1], last[-1] = first[1:] - 1, n - 1
+    if ((offsets[last] - offsets[first]) // stride < max_records).all():  # none does (offsets rise within a run)
+        return first
+    span = (offsets - np.repeat(offsets[first], last - first + 1)) // stride  # records past the run's first
     piece = span // max_records
     breaks[1:] |= piece[1:] != piece[:-1]
     return np.flatnonzero(breaks)
