@@ -28,12 +28,12 @@ def main(argv=None) -> None:
             for gap in gaps:
                 store.gap_records = gap
                 step()
-                before = (store.requests, store.records_read, store.gap_records_read, policy.read_time.total_s)
+                before = (store.requests, store.records_read, store.gap_records_read, policy.io_read_s)
                 started = time.perf_counter()
                 for _ in range(args.steps):
                     step()
                 ms[gap].append((time.perf_counter() - started) / args.steps * 1e3)
-                after = (store.requests, store.records_read, store.gap_records_read, policy.read_time.total_s)
+                after = (store.requests, store.records_read, store.gap_records_read, policy.io_read_s)
                 counts[gap] = [counts[gap][0] + args.steps] + [c + b - a for c, a, b in zip(counts[gap][1:], before, after)]
                 print(f"round {r} gap {gap}: {ms[gap][-1]:.1f} ms a step", flush=True)
     base = statistics.median(ms[gaps[0]])
@@ -41,8 +41,8 @@ def main(argv=None) -> None:
         steps, requests, records, bridged, reading_s = counts[gap]
         print(f"batch {args.batch} gap {gap} records: median {statistics.median(ms[gap]):.1f} ms a step "
               f"({', '.join(f'{x:.1f}' for x in ms[gap])}); {requests / steps:.0f} requests, {records / steps:.0f} "
-              f"records + {bridged / steps:.0f} read through gaps, reads running {reading_s / steps * 1e3:.0f} ms a step; {base / statistics.median(ms[gap]):.3f} x "
-              f"gap {gaps[0]}'s tok/s")
+              f"records + {bridged / steps:.0f} read through gaps, reads running {reading_s / steps * 1e3:.0f} ms a "
+              f"step; {base / statistics.median(ms[gap]):.3f} x gap {gaps[0]}'s tok/s")
 
 
 if __name__ == "__main__":

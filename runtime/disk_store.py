@@ -431,9 +431,8 @@ class DiskKVStore:
         for seq in owners if self.verify_fraction > 0 else ():
             mine = check if len(owners) == 1 else check & (seqs == seq)
             expected[mine] = self._sums[seq][layer, groups[mine]]
-        if self.gap_records and n:
-            gaps[starts] = 0  # a request's first record bridges nothing
-        if not self.gap_records or not gaps.any():
+        gaps[starts] = 0  # a request's first record bridges nothing; the others at most gap_records each
+        if not gaps.any():
             return VerifiedBatch(fds[starts], offsets[starts], addresses, stride, counts, paths[starts],
                                  layer, seqs, groups, expected, check)
         # the records of the gaps a request reads through land in the gap sink, unchecked, and are dropped
@@ -563,8 +562,6 @@ def request_starts(fds: np.ndarray, offsets: np.ndarray, stride: int, max_record
     breaks[0] = True
     breaks[1:] = (fds[1:] != fds[:-1]) | (gaps[1:] < 0) | (gaps[1:] > gap_records)
     first = np.flatnonzero(breaks)
-    if (n - 1) * (gap_records + 1) < max_records:  # no run can span more records than a request holds
-        return first
     last = np.empty_like(first)
     last[:-1], last[-1] = first[1:] - 1, n - 1
     if ((offsets[last] - offsets[first]) // stride < max_records).all():  # none does (offsets rise within a run)
