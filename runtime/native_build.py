@@ -1,6 +1,6 @@
 """Every native library the runtime loads, compiled and loaded in one place (``edgekv build-native``, or on first
 use): the KV reader's io_uring and pthread backends, the records' CRC-32C, arkv's quantized attention kernel, the
-low-rank predictor's group scorer.
+low-rank predictor's group scorer, the disk policies' decode attention over their slots' records.
 
 A library is built into the cache under a name that carries its source's hash (and the machine, for code built
 with -march=native), so an edited source is rebuilt and a stale library is never loaded; a failed or interrupted
@@ -48,6 +48,10 @@ class NativeLibrary:
     what: str  # named when the build fails
     per_machine: bool = False  # -march=native code: the machine is part of its name
     machine_flags: tuple[tuple[str, tuple[str, ...]], ...] = ()  # (platform.machine(), flags) added there
+    headers: tuple[str, ...] = ()  # files in runtime/native/ the source includes: part of its hash
+
+    def sources_bytes(self) -> bytes:
+        return b"".join((SOURCES / name).read_bytes() for name in (self.source, *self.headers))
 
     def flags_here(self) -> tuple[str, ...]:
         return self.flags + dict(self.machine_flags).get(platform.machine(), ())
@@ -63,7 +67,10 @@ LIBRARIES = {
     # never -ffast-math in a library: its startup code would flush subnormals to zero in the whole process
     "score": NativeLibrary("score", "ekv_score.c", ("-O3", "-march=native", "-fassociative-math", "-fno-signed-zeros",
                                                     "-fno-trapping-math", "-fno-math-errno"), ("-lm",),
-                           "the K_lr group scorer", per_machine=True),
+                           "the K_lr group scorer", per_machine=True, headers=("ekv_float.h",)),
+    "attend": NativeLibrary("attend", "ekv_attend.c", ("-O3", "-march=native", "-fassociative-math",
+                                                      "-fno-signed-zeros", "-fno-trapping-math", "-fno-math-errno"),
+                            ("-lm",), "the records' decode attention", per_machine=True, headers=("ekv_float.h",)),
     # aarch64: the ARMv8 CRC32C instruction (every ARMv8.1+ core, Orin's A78AE included), not the table
     "crc32c": NativeLibrary("crc32c", "ekv_crc32c.c", ("-O2",), (), "the CRC-32C library",
                             machine_flags=(("aarch64", ("-march=armv8-a+crc",)),)),
@@ -77,7 +84,7 @@ def cache_dir() -> Path:
 def library_path(name: str) -> Path:
     """Where ``name`` is (or will be) cached."""
     lib = LIBRARIES[name]
-    digest = hashlib.sha256((SOURCES / lib.source).read_bytes() + " ".join(lib.flags_here()).encode()).hexdigest()[:12]
+    digest = hashlib.sha256(lib.sources_bytes() + " ".join(lib.flags_here()).encode()).hexdigest()[:12]
     machine = f"-{platform.machine()}" if lib.per_machine else ""
     return cache_dir() / f"libekv_{lib.stem}{machine}-{digest}.so"
 

@@ -35,6 +35,7 @@ from .forward import decode_attention, decode_attention_part, merge_attention
 from .kv_policy import KVPolicy
 from .config import RuntimeConfig
 from .model import DecoderModel
+from .record_attention import RecordAttention
 from .selector import Selector
 from .transfer import to_device
 from .slot_memory import LAYERS_IN_FLIGHT, slot_memory
@@ -80,6 +81,8 @@ class OffloadedKV(KVPolicy):
         # memory and only misses cross the bus, or pinned host memory it reads in place (runtime/slot_memory.py)
         self.slot_memory = slot_memory(slots.n_buffers(dims.n_layers), batch, slots.capacity, self.layout,
                                        model.device, batch * self.M, cfg.io.slot_memory)
+        self.record_attention = RecordAttention.for_layout(self.layout, dims.n_heads, model.scaling, model.device,
+                                                           model.dtype)
         self.owner = np.arange(batch)  # whose records a sequence's shared leading groups are (share_prefix)
         self.shared_groups = np.zeros(batch, dtype=np.int64)
         self.sink_groups = cfg.sink_groups
@@ -318,8 +321,7 @@ class OffloadedKV(KVPolicy):
             if correcting:
                 slots, valid, late = self._correct(layer, *corrected)
             if late is None:
-                keys, values, mask = self._keys_values(layer, q, slots, valid, resident)
-                return decode_attention(self.model, q, keys, values, mask)
+                return self._attention(layer, q, slots, valid, resident)
             reads, arriving = late
             parts = [decode_attention_part(self.model, q, *self._keys_values(
                 layer, q, np.where(arriving, reads.safe_slot, slots), valid & ~arriving, resident))]
@@ -333,6 +335,16 @@ class OffloadedKV(KVPolicy):
         parts.append(decode_attention_part(self.model, q, *self._keys_values(
             layer, q, np.take_along_axis(slots, columns, 1), np.take_along_axis(arriving, columns, 1))))
         return merge_attention(parts, q.dtype)
+
+    def _attention(self, layer: int, q: torch.Tensor, slots: np.ndarray, valid: np.ndarray,
+                   resident: torch.Tensor) -> torch.Tensor:
+        """The layer's attention over its picks in flat ``slots`` [B, M] (where ``valid``), the sinks and the window:
+        straight from the slots where the native kernel serves, else through a gathered copy."""
+        if self.record_attention is not None:
+            records = self.slot_memory.buffer_records(self.slots.buffer_index(layer))
+            return self.record_attention(q, records, slots, valid, [self.sinks[layer], self.rolling[layer]], resident)
+        keys, values, mask = self._keys_values(layer, q, slots, valid, resident)
+        return decode_attention(self.model, q, keys, values, mask)
 
     def _keys_values(self, layer: int, q: torch.Tensor, slots: np.ndarray, valid: np.ndarray,
                      resident: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

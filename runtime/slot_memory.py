@@ -53,6 +53,10 @@ class HostSlots:
         rows = self._records[buffer].index_select(0, slots.flatten())
         return rows.unflatten(0, slots.shape).to(self.device)
 
+    def buffer_records(self, buffer: int) -> np.ndarray:
+        """Every slot of ``buffer``, uint8 [slots, stride] (no copy): what attention reads in place."""
+        return self._bytes[buffer]
+
     def records(self, buffer: int, slots: np.ndarray) -> np.ndarray:
         """Whole records [n, stride] (host numpy) of flat ``slots``: what re-clustering writes elsewhere."""
         return self._bytes[buffer][slots]

@@ -103,8 +103,8 @@ def test_the_next_layers_read_starts_once_the_correction_lands_before_this_layer
     layer holding up the next one's read waits here until that read has started; had the read waited for the
     attention, it would time out."""
     started: dict[int, threading.Event] = {}  # layer -> set once its read is past its gate
-    fetch, attend, attention = offload.OffloadedKV._fetch, offload.OffloadedKV.attend, offload.decode_attention
-    attending, waits = [], []
+    fetch, attention = offload.OffloadedKV._fetch, offload.OffloadedKV._attention
+    waits = []
 
     def gated_fetch(self, layer, buffer, misses, reads, after=None):
         if after is not None:
@@ -112,17 +112,14 @@ def test_the_next_layers_read_starts_once_the_correction_lands_before_this_layer
             started.setdefault(layer, threading.Event()).set()
         return fetch(self, layer, buffer, misses, reads, after)
 
-    def attention_after_next_read(model, q, keys, values, mask):
-        policy, layer = attending[-1]
-        if layer in policy._corrected:  # the next layer's read waits for this one's correction
+    def attention_after_next_read(self, layer, *args):
+        if layer in self._corrected:  # the next layer's read waits for this one's correction
             waits.append(started.setdefault(layer + 1, threading.Event()).wait(timeout=10))
             started.pop(layer + 1)
-        return attention(model, q, keys, values, mask)
+        return attention(self, layer, *args)
 
     monkeypatch.setattr(offload.OffloadedKV, "_fetch", gated_fetch)
-    monkeypatch.setattr(offload.OffloadedKV, "attend", lambda self, layer, q, k, v: attending.append(
-        (self, layer)) or attend(self, layer, q, k, v))
-    monkeypatch.setattr(offload, "decode_attention", attention_after_next_read)
+    monkeypatch.setattr(offload.OffloadedKV, "_attention", attention_after_next_read)
     runs = _run(model_dirs["llama"], tmp_path / "kv", correction="corrected", reuse=reuse)
     assert all(r.stats["kv_correction_records"] > 0 for r in runs)
     assert len(waits) == 11 and all(waits)  # each decode step's layer 0 held up layer 1's read, and let it go first

@@ -15,34 +15,13 @@
  * numbers included).  expf is a polynomial the compiler vectorises (exp_nonpositive).  Single-threaded: a disk
  * policy's decode step runs torch on one core and leaves the other to the reads.
  */
-#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
+#include "ekv_float.h"
+
 enum { ROWS_F32, ROWS_BF16, ROWS_I8, ROWS_I4 };
 enum { BLOCK = 64, MAX_RANK = 256 }; /* tokens scored together; the largest rank (64 KiB of widened floats) */
-
-static inline float bf16_to_float(uint16_t h) {
-    uint32_t bits = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-/* e^x for x <= 0, within 1.3 ulp of the exact value for every float in [-87, 0]: x = n ln2 + r with |r| <= ln2 / 2
- * (ln2 split in two so n ln2 is exact), e^r by its Taylor series to r^7 / 7!, times 2^n built in the exponent bits.
- * Below -87 (e^x < 2^-125, nothing beside the row's maximum, whose term is 1) it returns e^-87, not a subnormal. */
-static inline float exp_nonpositive(float x) {
-    x = x < -87.0f ? -87.0f : x;
-    float n = rintf(x * 1.44269504088896341f);
-    float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
-    float p = 1.0f + r * (1.0f + r * (0.5f + r * (1.0f / 6 + r * (1.0f / 24 + r * (1.0f / 120 + r * (1.0f / 720
-              + r * (1.0f / 5040)))))));
-    int32_t bits = ((int32_t)n + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, sizeof scale);
-    return p * scale;
-}
 
 /* rank row i of a block of `n` tokens from `first` as float (integer rows unscaled), zero past n up to BLOCK */
 static inline void widen(float *restrict out, const uint8_t *restrict rows, int64_t rank_row_bytes, int i,

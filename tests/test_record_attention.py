@@ -1,0 +1,137 @@
+"""The native decode attention over a disk policy's slots (runtime/record_attention.py) against the torch path's
+gather and ``decode_attention``, on the CPU."""
+import numpy as np
+import pytest
+import torch
+
+from edgekv.runtime.disk_store import RecordLayout, aligned_zeros
+from edgekv.runtime.forward import decode_attention
+from edgekv.runtime.record_attention import RecordAttention
+
+
+class _Model:
+    def __init__(self, head_dim):
+        self.scaling = head_dim ** -0.5
+
+
+def _case(batch, n_heads, n_kv, head_dim, G, picks, dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    layout = RecordLayout(G, n_kv, head_dim, dtype)
+    n_slots = batch * picks + 3
+    records = aligned_zeros((n_slots, layout.stride_bytes), layout.align_bytes)
+    typed = layout.typed(records)  # [n_slots, 2, H_kv, G, d]
+    typed.copy_(torch.randn(typed.shape, generator=gen).to(dtype))
+    slots = torch.randperm(n_slots, generator=gen)[: batch * picks].view(batch, picks).numpy()
+    valid = (torch.rand(batch, picks, generator=gen) < 0.8).numpy()
+    sinks = torch.randn(batch, 2, n_kv, 2 * G, head_dim, generator=gen).to(dtype)
+    ring = torch.randn(batch, 2, n_kv, 3 * G, head_dim, generator=gen).to(dtype)
+    resident = torch.rand(batch, 5 * G, generator=gen) < 0.7
+    resident[:, -1] = True  # the step's own token
+    q = torch.randn(batch, n_heads, 1, head_dim, generator=gen).to(dtype)
+    return layout, records, slots, valid, [sinks, ring], resident, q
+
+
+def _torch_attention(layout, records, slots, valid, dense, resident, q):
+    """What OffloadedKV._keys_values gathers, then forward.decode_attention, in float64."""
+    picked = layout.typed(records)[torch.from_numpy(slots)].double()  # [B, M, 2, H_kv, G, d]
+    b, m, _, h_kv, g, d = picked.shape
+    kv = picked.permute(2, 0, 3, 1, 4, 5).reshape(2, b, h_kv, m * g, d)
+    kv = torch.cat([kv, *[s.double().transpose(0, 1) for s in dense]], dim=3)
+    mask = torch.cat([torch.from_numpy(np.repeat(valid, g, axis=1)), resident], dim=1)[:, None, None, :]
+    return decode_attention(_Model(d), q.double(), kv[0], kv[1], mask)
+
+
+@pytest.mark.parametrize("batch, n_heads, n_kv, head_dim, G, picks", [
+    (1, 9, 3, 64, 4, 50),  # SmolLM2's heads
+    (3, 4, 4, 128, 3, 7),  # MHA, a group of 3 tokens
+    (2, 8, 1, 256, 8, 5),  # one KV head, head_dim 256
+    (1, 16, 2, 80, 4, 1),  # head_dim off the vector width
+])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_native_attention_equals_attention_over_the_gathered_copy(batch, n_heads, n_kv, head_dim, G, picks, dtype):
+    layout, records, slots, valid, dense, resident, q = _case(batch, n_heads, n_kv, head_dim, G, picks, dtype)
+    attention = RecordAttention.for_layout(layout, n_heads, head_dim ** -0.5, torch.device("cpu"), dtype)
+    assert attention is not None
+    out = attention(q, records, slots, valid, dense, resident)
+    assert out.dtype == dtype and out.shape == q.shape
+    expected = _torch_attention(layout, records, slots, valid, dense, resident, q)
+    # float32 sums in another order; bfloat16: the output rounded once
+    tol = dict(atol=2e-6, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(out.double(), expected, **tol)
+
+
+def test_a_sequence_with_nothing_to_attend_gets_zeros_and_the_others_their_attention():
+    layout, records, slots, valid, dense, resident, q = _case(2, 4, 2, 64, 4, 6, torch.float32)
+    valid[0], resident[0] = False, False
+    out = RecordAttention.for_layout(layout, 4, 0.125, torch.device("cpu"), torch.float32)(
+        q, records, slots, valid, dense, resident)
+    assert torch.equal(out[0], torch.zeros_like(out[0]))
+    torch.testing.assert_close(out[1:].double(), _torch_attention(layout, records, slots, valid, dense, resident, q)[1:],
+                               atol=2e-6, rtol=1e-5)
+
+
+def test_a_pick_outside_the_slots_is_an_error_not_a_read_past_them():
+    layout, records, slots, valid, dense, resident, q = _case(1, 4, 2, 64, 4, 6, torch.float32)
+    slots[0, 0], valid[0, 0] = records.shape[0], True
+    with pytest.raises(RuntimeError, match="outside the slots"):
+        RecordAttention.for_layout(layout, 4, 0.125, torch.device("cpu"), torch.float32)(
+            q, records, slots, valid, dense, resident)
+
+
+@pytest.mark.parametrize("record_dtype, dtype, device", [
+    ("int8", torch.float32, "cpu"), ("fp16", torch.float32, "cpu"),  # codes, float16: torch decodes them
+    ("auto", torch.float16, "cpu"),  # a dtype the kernel does not read
+    ("auto", torch.float32, "cuda"),  # a GPU's slots
+])
+def test_the_torch_path_attends_what_the_kernel_does_not_read(record_dtype, dtype, device):
+    layout = RecordLayout(4, 2, 64, dtype, record_dtype=record_dtype)
+    assert RecordAttention.for_layout(layout, 4, 0.125, torch.device(device), dtype) is None
+
+
+def test_records_of_another_dtype_than_the_dense_segments_attend_through_torch():
+    layout = RecordLayout(4, 2, 64, torch.float32)
+    assert RecordAttention.for_layout(layout, 4, 0.125, torch.device("cpu"), torch.bfloat16) is None
+
+
+def test_an_edited_shared_header_renames_the_libraries_that_include_it(tmp_path, monkeypatch):
+    """A cached library is named by the hash of its source and its headers: an edit to ekv_float.h must rebuild the
+    scorer and the attention, never load them stale."""
+    import shutil
+
+    from edgekv.runtime import native_build
+
+    shutil.copytree(native_build.SOURCES, tmp_path / "native")
+    monkeypatch.setattr(native_build, "SOURCES", tmp_path / "native")
+    before = {name: native_build.library_path(name) for name in ("score", "attend", "crc32c")}
+    with open(tmp_path / "native" / "ekv_float.h", "a") as header:
+        header.write("/* edited */\n")
+    after = {name: native_build.library_path(name) for name in before}
+    assert after["score"] != before["score"] and after["attend"] != before["attend"]
+    assert after["crc32c"] == before["crc32c"]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_disk_policy_decodes_the_same_through_the_kernel_as_through_the_gathered_copy(model_dirs, tmp_path,
+                                                                                       monkeypatch, arch, dtype):
+    from edgekv.runtime import Engine, offload
+
+    prompts = [[3 + i % 150 for i in range(157)], [7 + (i * 13) % 150 for i in range(141)]]  # not a multiple of G
+    config = {"G": 4, "M": 6, "C": 12, "sigma": 2, "max_context": 256, "max_batch": 2, "window_tokens": 4}
+    runs, used = {}, []
+    native_attention = offload.OffloadedKV._attention
+    monkeypatch.setattr(offload.OffloadedKV, "_attention", lambda self, *a: used.append(
+        self.record_attention is not None) or native_attention(self, *a))
+    for name, for_layout in {"native": RecordAttention.for_layout, "torch": lambda *a: None}.items():
+        monkeypatch.setattr(RecordAttention, "for_layout", for_layout)
+        (tmp_path / name).mkdir()
+        with Engine.from_pretrained(model_dirs[arch], kv_offload_path=tmp_path / name, config=config, policy="kvswap",
+                                    device="cpu", dtype=dtype) as engine:
+            runs[name] = engine.generate(prompts, max_new_tokens=8, stop_token_ids=[], output_logits=True)
+        assert used and all(used) == (name == "native")
+        used.clear()
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == "float32" else dict(atol=0.03, rtol=0.03)
+    for native, gathered in zip(runs["native"], runs["torch"]):
+        assert native.token_ids == gathered.token_ids
+        for a, b in zip(native.logits, gathered.logits):
+            torch.testing.assert_close(a.float(), b.float(), **tol)
