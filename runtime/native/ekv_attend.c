@@ -30,11 +30,6 @@ static inline void widen_row(float *restrict out, const uint8_t *restrict row, i
     }
 }
 
-/* CHUNK floats as one vector (GCC and Clang vector extensions: whole registers where the target has them, split
- * where it has narrower ones); head_dim must be a multiple of CHUNK for the vector path */
-enum { CHUNK = 16 };
-typedef float vfloat __attribute__((vector_size(CHUNK * sizeof(float))));
-
 static inline float dot(const float *restrict a, const float *restrict b, int d) {
     float acc = 0.0f;
     for (int j = 0; j < d; j++) acc += a[j] * b[j];

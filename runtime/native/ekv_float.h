@@ -1,11 +1,16 @@
-/* Float helpers the native kernels share (ekv_score.c, ekv_attend.c): bfloat16 widening and an e^x the compiler
- * vectorises.  A change here rebuilds every library that includes it (runtime/native_build.py hashes its headers). */
+/* Float helpers the native kernels share (ekv_score.c, ekv_attend.c): bfloat16 widening, an e^x the compiler
+ * vectorises, and a vector of floats.  A change here rebuilds every library that includes it (runtime/native_build.py hashes its headers). */
 #ifndef EKV_FLOAT_H
 #define EKV_FLOAT_H
 
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+
+/* CHUNK floats as one vector (GCC and Clang vector extensions: whole registers where the target has them, split
+ * where it has narrower ones); loops over an array of them with constant bounds keep it in registers */
+enum { CHUNK = 16 };
+typedef float vfloat __attribute__((vector_size(CHUNK * sizeof(float))));
 
 static inline float bf16_to_float(uint16_t h) {
     uint32_t bits = (uint32_t)h << 16;

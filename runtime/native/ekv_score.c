@@ -21,7 +21,8 @@
 #include "ekv_float.h"
 
 enum { ROWS_F32, ROWS_BF16, ROWS_I8, ROWS_I4 };
-enum { BLOCK = 64, MAX_RANK = 256 }; /* tokens scored together; the largest rank (64 KiB of widened floats) */
+enum { BLOCK = 64, MAX_RANK = 256, QUERY_BLOCK = 3 }; /* tokens scored together; the largest rank (64 KiB of
+                                                      * widened floats); queries a pass */
 
 /* rank row i of a block of `n` tokens from `first` as float (integer rows unscaled), zero past n up to BLOCK */
 static inline void widen(float *restrict out, const uint8_t *restrict rows, int64_t rank_row_bytes, int i,
@@ -56,26 +57,46 @@ static inline void prefetch_block(const uint8_t *rows, int64_t rank_row_bytes, i
         for (int64_t at = 0; at < bytes; at += 64) __builtin_prefetch(rows + i * rank_row_bytes + start + at, 0, 0);
 }
 
+/* The sums of `nq` queries (rank-long, `rank` apart) over one widened block, into sums [nq, BLOCK]: each stretch of
+ * the block feeds every query's sums, which stay in registers (one query at a time, each multiply-add waited on its
+ * own load: with 3 queries a pass, SmolLM2 8K, 9 queries, rank 96, int8 rows, a call in cache 182 -> 157 us, one
+ * layer after another 199 -> 173 us).  Each sum still runs over the rank in order: the scores are the same bits. */
+static inline __attribute__((always_inline)) void block_sums(const float *q, int rank, const float *widened, int nq,
+                                                             float *restrict sums) {
+    vfloat acc[QUERY_BLOCK][BLOCK / CHUNK] = {{{0}}};
+    for (int i = 0; i < rank; i++) {
+        const vfloat *w = (const vfloat *)(widened + i * BLOCK); /* widened: CHUNK-aligned rows of BLOCK */
+        for (int a = 0; a < nq; a++) {
+            const float qi = q[(int64_t)a * rank + i];
+            for (int c = 0; c < BLOCK / CHUNK; c++) acc[a][c] += qi * w[c];
+        }
+    }
+    memcpy(sums, acc, (size_t)nq * sizeof acc[0]);
+}
+
 /* logits[h, t] = scale_t * (q_h . row_t) for every query h of one sequence, BLOCK tokens at a time: the block's rank
  * rows are widened once into a buffer on the stack (one the compiler knows no other store aliases: in the caller's
- * scratch, or filled a chunk of rank rows at a time, the same loops ran half as fast), then each query's sums run
- * along the tokens (a query element times a stretch of one rank row: whole vectors, no sum across a row) */
+ * scratch, or filled a chunk of rank rows at a time, the same loops ran half as fast), then the queries' sums run
+ * along the tokens, QUERY_BLOCK queries a pass (a query element times a stretch of one rank row: whole vectors, no
+ * sum across a row) */
 static void logits_of(const uint8_t *rows, int64_t rank_row_bytes, const uint16_t *scales, const float *q, int queries,
                       int rank, int n_tokens, int kind, float *restrict logits) {
-    float widened[MAX_RANK * BLOCK];
+    float widened[MAX_RANK * BLOCK] __attribute__((aligned(sizeof(vfloat)))), sums[QUERY_BLOCK * BLOCK];
     for (int64_t first = 0; first < n_tokens; first += BLOCK) {
         int n = n_tokens - first < BLOCK ? (int)(n_tokens - first) : BLOCK;
         if (first + BLOCK < n_tokens) prefetch_block(rows, rank_row_bytes, rank, first + BLOCK, kind);
         for (int i = 0; i < rank; i++) widen(widened + i * BLOCK, rows, rank_row_bytes, i, first, n, kind);
-        for (int h = 0; h < queries; h++) {
-            const float *restrict qh = q + (int64_t)h * rank;
-            float acc[BLOCK] = {0};
-            for (int i = 0; i < rank; i++) {
-                const float qi = qh[i], *restrict w = widened + i * BLOCK;
-                for (int j = 0; j < BLOCK; j++) acc[j] += qi * w[j];
+        for (int h = 0; h < queries;) {
+            int nq = queries - h >= QUERY_BLOCK ? QUERY_BLOCK : 1;
+            if (nq == QUERY_BLOCK)
+                block_sums(q + (int64_t)h * rank, rank, widened, QUERY_BLOCK, sums);
+            else
+                block_sums(q + (int64_t)h * rank, rank, widened, 1, sums);
+            for (int a = 0; a < nq; a++, h++) {
+                const float *s = sums + a * BLOCK;
+                float *restrict l = logits + (int64_t)h * n_tokens + first;
+                for (int j = 0; j < n; j++) l[j] = scales ? s[j] * bf16_to_float(scales[first + j]) : s[j];
             }
-            float *restrict l = logits + (int64_t)h * n_tokens + first;
-            for (int j = 0; j < n; j++) l[j] = scales ? acc[j] * bf16_to_float(scales[first + j]) : acc[j];
         }
     }
 }
