@@ -44,8 +44,8 @@ class RecordAttention:
     """One query token per sequence over its picked records and the dense segments held in memory; ``for_layout``
     says whether it serves."""
 
-    def __init__(self, lib: ctypes.CDLL, layout: RecordLayout, n_heads: int, scaling: float):
-        self.lib, self.layout, self.n_heads, self.scaling = lib, layout, n_heads, scaling
+    def __init__(self, lib: ctypes.CDLL, layout: RecordLayout, scaling: float):
+        self.lib, self.layout, self.scaling = lib, layout, scaling
         self.kind = KINDS[layout.codec.dtype]
         self._scratch = np.empty(0, dtype=np.uint8)
 
@@ -61,7 +61,7 @@ class RecordAttention:
         lib = native_attention()
         if lib is None or layout.head_dim > lib.max_head_dim or n_heads // layout.n_kv_heads > lib.max_group_queries:
             return None
-        return cls(lib, layout, n_heads, scaling)
+        return cls(lib, layout, scaling)
 
     def __call__(self, q: torch.Tensor, records: np.ndarray, slots: np.ndarray, valid: np.ndarray,
                  dense: list[torch.Tensor], dense_mask: torch.Tensor) -> torch.Tensor:
@@ -70,10 +70,10 @@ class RecordAttention:
         Returns the attention output [B, H, 1, d] in q's dtype."""
         b, h, _, d = q.shape
         layout, group_queries = self.layout, h // self.layout.n_kv_heads
-        query = q.reshape(b, h, d).float()  # a copy, so contiguous
+        query = q.reshape(b, h, d).float().contiguous()
         out = torch.empty(b, h, d)
         slots = np.ascontiguousarray(slots, dtype=np.int64)
-        valid = np.ascontiguousarray(valid).view(np.uint8)
+        valid = np.ascontiguousarray(valid, dtype=bool).view(np.uint8)
         mask = dense_mask.contiguous().view(torch.uint8)
         if any(segment.dtype != layout.codec.dtype or not segment.is_contiguous() for segment in dense):
             raise ValueError(f"dense segments of {[(s.dtype, s.is_contiguous()) for s in dense]} (dtype, contiguous): "
@@ -88,6 +88,7 @@ class RecordAttention:
             records.strides[0], records.shape[0], slots.ctypes.data, valid.ctypes.data, slots.shape[1],
             layout.group_tokens, segments.ctypes.data, len(dense), mask.data_ptr(), mask.stride(0), self.kind,
             self._scratch.ctypes.data, out.data_ptr())
-        if code != 0:
-            raise RuntimeError(f"native records' attention failed ({'a pick outside the slots' if code == -1 else 'head shape above its maxima'})")
+        if code != 0:  # for_layout checked the head shape, the slot table gives slots inside the buffer: a bug
+            raise RuntimeError("the native attention refused its input: " + (
+                "a valid pick's slot lies outside the slots" if code == -1 else "a head shape above its maxima"))
         return out.to(q.dtype).view(b, h, 1, d)

@@ -73,7 +73,7 @@ def test_a_sequence_with_nothing_to_attend_gets_zeros_and_the_others_their_atten
 def test_a_pick_outside_the_slots_is_an_error_not_a_read_past_them():
     layout, records, slots, valid, dense, resident, q = _case(1, 4, 2, 64, 4, 6, torch.float32)
     slots[0, 0], valid[0, 0] = records.shape[0], True
-    with pytest.raises(RuntimeError, match="outside the slots"):
+    with pytest.raises(RuntimeError, match="slot lies outside the slots"):
         RecordAttention.for_layout(layout, 4, 0.125, torch.device("cpu"), torch.float32)(
             q, records, slots, valid, dense, resident)
 
@@ -152,3 +152,13 @@ def test_the_record_attention_bench_times_both_paths_on_one_batch(capsys):
     for _, median_ms, rounds, stall_ms, ratio in rows:
         assert float(median_ms) > 0 and len(rounds.split(", ")) == 2 and float(stall_ms) >= 0 and float(ratio) > 0
     assert float(rows[1][4]) == 1.0
+
+
+def test_a_strided_query_attends_as_its_contiguous_copy():
+    """A float32 query that is a view (every other element of a wider row) is read by its values, not its memory."""
+    layout, records, slots, valid, dense, resident, q = _case(2, 4, 2, 64, 4, 6, torch.float32)
+    wide = torch.zeros(*q.shape[:-1], 2 * q.shape[-1])
+    wide[..., ::2] = q
+    attention = RecordAttention.for_layout(layout, 4, 0.125, torch.device("cpu"), torch.float32)
+    assert torch.equal(attention(wide[..., ::2], records, slots, valid, dense, resident),
+                       attention(q, records, slots, valid, dense, resident))
