@@ -5,6 +5,8 @@ import argparse
 import contextlib
 import json
 import tempfile
+import time
+from typing import Callable
 
 import torch
 
@@ -15,6 +17,13 @@ from bench.step_profile import fields
 # what `make deploy` chose for SmolLM2 on the local profile (docs/results/chosen-smollm2-8k-deployed-bf16.json)
 DEPLOYED = ("G=4,M=205,C=205,sigma=2", '{"reuse": false, "klr_dtype": "int8", "score_reduce": "softmax", '
             '"correction": "corrected", "correction_reads": 52, "correction_recall": 0.85, "guess_from_before": true}')
+
+
+def parser(doc: str, batch: int, text: bool = True) -> argparse.ArgumentParser:
+    """A bench's parser, described by the first paragraph of its ``doc``, with the options below."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    add_options(ap, batch, text)
+    return ap
 
 
 def add_options(ap: argparse.ArgumentParser, batch: int, text: bool = True) -> None:
@@ -60,3 +69,23 @@ def text_batch(args: argparse.Namespace, room: int):
             for _ in range(8):
                 step()
             yield getattr(batch.policy, "inner", None) or batch.policy, step
+
+
+def alternate(step: Callable[[], None], settings: dict[str, Callable[[], None]], rounds: int, steps: int,
+              counters: Callable[[], tuple] = tuple) -> tuple[dict[str, list[float]], dict[str, list]]:
+    """Each setting applied in turn for ``rounds`` rounds (the order reversed every other round), its first step after
+    the switch untimed, then ``steps`` timed: the settings share the files, the picks' spread and the machine's drift.
+    Returns {setting: ms a step, per round} and {setting: the summed change of ``counters()`` over its timed steps}."""
+    ms = {name: [] for name in settings}
+    totals = {name: [0] * len(counters()) for name in settings}
+    for r in range(rounds):
+        for name in list(settings)[:: 1 if r % 2 == 0 else -1]:
+            settings[name]()
+            step()
+            before, started = counters(), time.perf_counter()
+            for _ in range(steps):
+                step()
+            ms[name].append((time.perf_counter() - started) / steps * 1e3)
+            totals[name] = [t + b - a for t, a, b in zip(totals[name], before, counters())]
+            print(f"round {r} {name}: {ms[name][-1]:.1f} ms a step", flush=True)
+    return ms, totals

@@ -5,15 +5,13 @@ compare what the pipeline overlaps; windows of one run show the machine's spread
 
     python -m bench.read_share --model smollm2 --context 8192 --batch 1 --weights int4 --dtype bfloat16
 """
-import argparse
 import time
 
-from bench.deployed_batch import add_options, text_batch
+from bench.deployed_batch import parser, text_batch
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_options(ap, batch=1)
+    ap = parser(__doc__, batch=1)
     ap.add_argument("--windows", type=int, default=3)
     ap.add_argument("--steps", type=int, default=10, help="decode steps a window times")
     args = ap.parse_args(argv)

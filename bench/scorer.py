@@ -4,20 +4,18 @@ the disk, the machine's load and the context length are the same for both; the m
 
     python -m bench.scorer --model smollm2 --context 8192 --batch 1 --weights int4 --dtype bfloat16
 """
-import argparse
 import statistics
 import tempfile
 
 import torch
 
 from edgekv.runtime import Engine, selector
-from bench.deployed_batch import add_options, engine_config
+from bench.deployed_batch import parser, engine_config
 from bench.step_profile import prefilled, step_ms
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_options(ap, batch=1, text=False)
+    ap = parser(__doc__, batch=1, text=False)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=8, help="timed decode steps a scorer takes per round")
     args = ap.parse_args(argv)
