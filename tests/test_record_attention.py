@@ -45,7 +45,8 @@ def _torch_attention(layout, records, slots, valid, dense, resident, q):
     (1, 9, 3, 64, 4, 50),  # SmolLM2's heads
     (3, 4, 4, 128, 3, 7),  # MHA, a group of 3 tokens
     (2, 8, 1, 256, 8, 5),  # one KV head, head_dim 256
-    (1, 16, 2, 80, 4, 1),  # head_dim off the vector width
+    (1, 16, 2, 80, 4, 1),  # head_dim neither 64, 128 nor 256: its loops run with a variable bound
+    (2, 6, 3, 72, 2, 9),  # head_dim not a whole number of vectors: the scalar sums
 ])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_native_attention_equals_attention_over_the_gathered_copy(batch, n_heads, n_kv, head_dim, G, picks, dtype):
