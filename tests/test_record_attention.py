@@ -1,12 +1,14 @@
 """The native decode attention over a disk policy's slots (runtime/record_attention.py) against the torch path's
 gather and ``decode_attention``, on the CPU."""
+import platform
+
 import numpy as np
 import pytest
 import torch
 
 from edgekv.runtime.disk_store import RecordLayout, aligned_zeros
 from edgekv.runtime.forward import decode_attention
-from edgekv.runtime.record_attention import RecordAttention
+from edgekv.runtime.record_attention import RecordAttention, native_attention
 
 
 class _Model:
@@ -163,3 +165,55 @@ def test_a_strided_query_attends_as_its_contiguous_copy():
     attention = RecordAttention.for_layout(layout, 4, 0.125, torch.device("cpu"), torch.float32)
     assert torch.equal(attention(wide[..., ::2], records, slots, valid, dense, resident),
                        attention(q, records, slots, valid, dense, resident))
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as info:
+            return next((set(line.split(":")[1].split()) for line in info if line.startswith("flags")), set())
+    except OSError:
+        return set()
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="x86 targets")
+@pytest.mark.parametrize("march, flag, fused", [("x86-64", "sse2", False), ("x86-64-v3", "avx2", True)])
+def test_the_kernels_built_for_narrower_vectors_compute_the_same(tmp_path, march, flag, fused):
+    """The scorer and the attention built for SSE (4 floats a vector) and AVX2 (8), as a machine without AVX-512 (16)
+    builds them: the scorer's scores to the bit where the target fuses multiply-adds as this one does (each sum still
+    runs over the rank in order), within float32 rounding where it does not; the attention within float32 rounding."""
+    import ctypes
+
+    from edgekv.runtime import native_build, selector
+
+    if flag not in _cpu_flags():
+        pytest.skip(f"this CPU lacks {flag}")
+    built = {}
+    for name, native in (("score", selector.native_scorer()), ("attend", native_attention())):
+        lib = native_build.LIBRARIES[name]
+        flags = [f if f != "-march=native" else f"-march={march}" for f in lib.flags]
+        source = str(native_build.SOURCES / lib.source)
+        path = native_build.compile_library(lambda out: ["cc", *flags, "-shared", "-fPIC", source, "-o", out, *lib.libs],
+                                            tmp_path / f"{name}-{march}.so", lib.what)
+        built[name] = ctypes.CDLL(str(path))
+        for function in ("ekv_group_scores", "ekv_attend"):
+            if hasattr(native, function):
+                getattr(built[name], function).argtypes = getattr(native, function).argtypes
+        built[name].max_head_dim, built[name].max_group_queries = 256, 32
+    torch.manual_seed(3)
+    rows, scales = torch.randint(-127, 128, (2, 33, 704), dtype=torch.int8), torch.rand(2, 704).bfloat16()
+    q = torch.randn(2, 9, 33)
+    scores = []
+    for lib in (selector.native_scorer(), built["score"]):
+        out, scratch = torch.empty(2, 176), torch.empty(9 * 704)
+        assert lib.ekv_group_scores(rows.data_ptr(), rows.stride(1), rows.stride(0), scales.data_ptr(), scales.stride(0),
+                                    q.data_ptr(), 2, 9, 33, 704, 4, 2, 1, scratch.data_ptr(), out.data_ptr(), 176) == 0
+        scores.append(out)
+    if fused:
+        assert torch.equal(scores[0], scores[1])
+    torch.testing.assert_close(scores[0], scores[1], atol=1e-6, rtol=2e-5)
+    for shape in [(1, 9, 3, 64, 4, 50), (2, 8, 1, 256, 8, 5), (2, 6, 3, 72, 2, 9)]:
+        layout, records, slots, valid, dense, resident, q = _case(*shape, torch.float32)
+        native = RecordAttention.for_layout(layout, shape[1], shape[3] ** -0.5, torch.device("cpu"), torch.float32)
+        narrow = RecordAttention(built["attend"], layout, shape[3] ** -0.5)
+        torch.testing.assert_close(narrow(q, records, slots, valid, dense, resident),
+                                   native(q, records, slots, valid, dense, resident), atol=2e-6, rtol=1e-5)

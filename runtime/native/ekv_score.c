@@ -21,8 +21,15 @@
 #include "ekv_float.h"
 
 enum { ROWS_F32, ROWS_BF16, ROWS_I8, ROWS_I4 };
-enum { BLOCK = 64, MAX_RANK = 256, QUERY_BLOCK = 3 }; /* tokens scored together; the largest rank (64 KiB of
-                                                      * widened floats); queries a pass */
+enum { BLOCK = 64, MAX_RANK = 256 }; /* tokens scored together; the largest rank (64 KiB of widened floats) */
+_Static_assert(BLOCK % CHUNK == 0, "a block is whole vectors");
+/* queries a pass: 3 keep 12 vectors of sums in AVX-512's 32 registers; with AVX2's 16 registers or NEON's 16-byte
+ * ones a query's sums alone take 8 or 16 of them, so one */
+#if defined(__AVX512F__)
+enum { QUERY_BLOCK = 3 };
+#else
+enum { QUERY_BLOCK = 1 };
+#endif
 
 /* rank row i of a block of `n` tokens from `first` as float (integer rows unscaled), zero past n up to BLOCK */
 static inline void widen(float *restrict out, const uint8_t *restrict rows, int64_t rank_row_bytes, int i,
@@ -88,7 +95,7 @@ static void logits_of(const uint8_t *rows, int64_t rank_row_bytes, const uint16_
         for (int i = 0; i < rank; i++) widen(widened + i * BLOCK, rows, rank_row_bytes, i, first, n, kind);
         for (int h = 0; h < queries;) {
             int nq = queries - h >= QUERY_BLOCK ? QUERY_BLOCK : 1;
-            if (nq == QUERY_BLOCK)
+            if (nq == QUERY_BLOCK) /* constant counts, so the sums' loops unroll into registers */
                 block_sums(q + (int64_t)h * rank, rank, widened, QUERY_BLOCK, sums);
             else
                 block_sums(q + (int64_t)h * rank, rank, widened, 1, sums);
