@@ -1,6 +1,6 @@
 """What the one-process benches of the deployed configuration share: their model and configuration options, and a
 batch of text prompts prefilled and ready to decode (row r from token 997 r of the text), each step feeding every
-row its text's next token, so the picks move as they do on real text."""
+row its text's next token, so the picks move as they do on real text; and the settings an A/B alternates on it."""
 import argparse
 import contextlib
 import json
