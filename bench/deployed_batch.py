@@ -48,7 +48,7 @@ def engine_config(args: argparse.Namespace, room: int) -> dict:
 @contextlib.contextmanager
 def text_batch(args: argparse.Namespace, room: int):
     """(the kvswap policy, a function taking one decode step) over a prefilled batch with ``room`` steps to decode, 8
-    of them taken; a hybrid model's policy is its global layers' one."""
+    of them taken, the run's model and configuration printed; a hybrid model's policy is its global layers' one."""
     ids = _text_ids(argparse.Namespace(model=args.model, text=args.text, context=args.context + 997 * (args.batch - 1),
                                        warmup=0, steps=room))
     starts = [997 * row for row in range(args.batch)]
@@ -68,6 +68,7 @@ def text_batch(args: argparse.Namespace, room: int):
 
             for _ in range(8):
                 step()
+            print(f"{args.model} {args.context} tokens, batch {args.batch}, {args.kvswap} {args.extra}")
             yield getattr(batch.policy, "inner", None) or batch.policy, step
 
 

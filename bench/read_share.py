@@ -16,7 +16,6 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", type=int, default=10, help="decode steps a window times")
     args = ap.parse_args(argv)
     with text_batch(args, room=8 + args.windows * args.steps) as (policy, step):
-        print(f"{args.model} {args.context} tokens, batch {args.batch}, {args.kvswap} {args.extra}")
         for _ in range(args.windows):
             before = (policy.io_read_s, policy.io_stall_s, policy.correction_s, int(policy.store.records_read),
                       policy.corrected_layer_steps.copy())

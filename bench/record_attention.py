@@ -22,7 +22,6 @@ def main(argv=None) -> None:
         if native is None:
             raise SystemExit("the native attention does not serve this configuration (a GPU, quantized or float16 "
                              "records, or no compiler): nothing to compare")
-        print(f"{args.model} {args.context} tokens, batch {args.batch}, {args.kvswap} {args.extra}")
         paths = {"native": native, "gathered copy": None}
         ms, stall_s = alternate(step, {name: functools.partial(setattr, policy, "record_attention", attention)
                                        for name, attention in paths.items()}, args.rounds, args.steps,

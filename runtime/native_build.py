@@ -63,7 +63,7 @@ LIBRARIES = {
     "pthread": NativeLibrary("reader-pthread", "ekv_reader.c", ("-O2",), ("-lpthread",), "the pthread reader"),
     "qattn": NativeLibrary("qattn", "ekv_qattn.c", ("-O3", "-march=native", "-fopenmp", "-fassociative-math",
                                                     "-fno-signed-zeros", "-fno-trapping-math"), ("-lm",),
-                           "the quantized attention kernel", per_machine=True),
+                           "the quantized attention kernel", per_machine=True, headers=("ekv_float.h",)),
     # never -ffast-math in a library: its startup code would flush subnormals to zero in the whole process
     "score": NativeLibrary("score", "ekv_score.c", ("-O3", "-march=native", "-fassociative-math", "-fno-signed-zeros",
                                                     "-fno-trapping-math", "-fno-math-errno"), ("-lm",),

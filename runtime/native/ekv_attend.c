@@ -30,12 +30,6 @@ static inline void widen_row(float *restrict out, const uint8_t *restrict row, i
     }
 }
 
-static inline float dot(const float *restrict a, const float *restrict b, int d) {
-    float acc = 0.0f;
-    for (int j = 0; j < d; j++) acc += a[j] * b[j];
-    return acc;
-}
-
 /* Asked for ahead: a KV head's keys as their pointers are collected, its values a block at a time as the keys are
  * scored, so the value pass finds them in cache.  Picked records are short stretches spread over the slots, fresh
  * from the disk's DMA and in no cache, where the hardware prefetcher cannot guess them.  SmolLM2 8K, batch 1, ~900

@@ -1,5 +1,5 @@
-/* Float helpers the native kernels share (ekv_score.c, ekv_attend.c): bfloat16 widening, an e^x the compiler
- * vectorises, and a vector of floats.  A change here rebuilds every library that includes it (runtime/native_build.py hashes its headers). */
+/* Float helpers the native kernels share (ekv_score.c, ekv_attend.c, ekv_qattn.c): bfloat16 widening, a dot
+ * product, an e^x the compiler vectorises, and a vector of floats.  A change here rebuilds every library that includes it (runtime/native_build.py hashes its headers). */
 #ifndef EKV_FLOAT_H
 #define EKV_FLOAT_H
 
@@ -24,6 +24,13 @@ static inline float bf16_to_float(uint16_t h) {
     float f;
     memcpy(&f, &bits, sizeof f);
     return f;
+}
+
+/* a . b over d floats (vectorised where reassociation is allowed, as the libraries build) */
+static inline float dot(const float *restrict a, const float *restrict b, int d) {
+    float acc = 0.0f;
+    for (int i = 0; i < d; i++) acc += a[i] * b[i];
+    return acc;
 }
 
 /* e^x for x <= 0, within 1.3 ulp of the exact value for every float in [-87, 0]: x = n ln2 + r with |r| <= ln2 / 2

@@ -20,6 +20,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "ekv_float.h"
+
 enum { KC, VC, KS, KZ, VS, VZ, POS, N_FIELDS };
 
 static inline float half_to_float(uint16_t h) {
@@ -50,12 +52,6 @@ static inline void load_codes(float *restrict out, const uint8_t *restrict c, in
             out[2 * i + 1] = (float)(c[i] >> 4);
         }
     }
-}
-
-static inline float dot(const float *restrict a, const float *restrict b, int d) {
-    float acc = 0.0f;
-    for (int i = 0; i < d; i++) acc += a[i] * b[i];
-    return acc;
 }
 
 /* q [n_kv, rep, d] float32; out [n_kv, rep, n_groups * gt]: scaling * q . k, -inf at holes.  Groups split
