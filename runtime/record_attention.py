@@ -3,8 +3,9 @@
 The torch path (``OffloadedKV._keys_values`` then ``forward.decode_attention``) gathers the picked records into a new
 tensor, permutes it, concatenates the sinks and the ring, and attends the copy.  The kernel reads each key and value
 where it lies, once: SmolLM2 8K, batch 1, the deployed configuration (~900 keys a KV head), 0.29 -> 0.11 ms a layer
-in the decode step.  It serves float32 and bfloat16 records in host memory; the slots a GPU holds, and quantized or
-float16 records, attend through torch.
+in the decode step.  It serves float32, bfloat16, int8 and int4 records in host memory (codes widened with their
+scales as they are read, never dequantised into a copy); the slots a GPU holds, and float16 records, attend through
+torch.
 """
 from __future__ import annotations
 
@@ -17,11 +18,14 @@ import torch
 
 from . import native_build
 from .disk_store import RecordLayout
-from .quant import FloatRecord
+from .quant import FloatRecord, QuantRecord
 
 log = logging.getLogger(__name__)
 
-KINDS = {torch.float32: 0, torch.bfloat16: 1}  # the record dtypes the kernel reads (its KV_F32, KV_BF16)
+KINDS = {torch.float32: 0, torch.bfloat16: 1}  # the float dtypes the kernel reads (its KV_F32, KV_BF16)
+CODE_KINDS = {8: 2, 4: 3}  # records of codes, by their bits (KV_INT8, KV_INT4)
+ROW_BYTES = 3 * ctypes.sizeof(ctypes.c_void_p) + 8  # the kernel's row_t: three pointers and two int32
+SCALES = ("k_scale", "k_zero", "v_scale", "v_zero")  # QuantRecord's float16 fields, in the kernel's order
 
 
 @functools.cache
@@ -31,8 +35,8 @@ def native_attention() -> ctypes.CDLL | None:
     if lib is None:
         return None
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    lib.ekv_attend.argtypes = [p, i32, i32, i32, i32, ctypes.c_float, p, i64, i64, p, p, i32, i32, p, i32, p, i64, i32,
-                               p, p]
+    lib.ekv_attend.argtypes = [p, i32, i32, i32, i32, ctypes.c_float, p, i64, i64, p, p, i32, i32, i32, p, i32, p, i32,
+                               p, i64, i32, p, p]
     lib.ekv_attend.restype = i32
     for name in ("ekv_attend_max_head_dim", "ekv_attend_max_group_queries"):
         getattr(lib, name).argtypes, getattr(lib, name).restype = [], i32
@@ -44,24 +48,29 @@ class RecordAttention:
     """One query token per sequence over its picked records and the dense segments held in memory; ``for_layout``
     says whether it serves."""
 
-    def __init__(self, lib: ctypes.CDLL, layout: RecordLayout, scaling: float):
-        self.lib, self.layout, self.scaling = lib, layout, scaling
-        self.kind = KINDS[layout.codec.dtype]
+    def __init__(self, lib: ctypes.CDLL, layout: RecordLayout, scaling: float, dtype: torch.dtype):
+        self.lib, self.layout, self.scaling, self.dtype = lib, layout, scaling, dtype
+        codec = layout.codec
+        coded = isinstance(codec, QuantRecord)
+        self.record_kind = CODE_KINDS[codec.fmt.bits] if coded else KINDS[codec.dtype]
+        self.dense_kind = KINDS[dtype]
+        self.scales = np.array([codec.spans[name][0] for name in SCALES] if coded else [0] * 4, dtype=np.int64)
+        self.keys_per_channel = int(coded and codec.keys_per_channel)
         self._scratch = np.empty(0, dtype=np.uint8)
 
     @classmethod
     def for_layout(cls, layout: RecordLayout, n_heads: int, scaling: float, device: torch.device, dtype: torch.dtype
                    ) -> "RecordAttention | None":
         """The native attention for records of ``layout`` in host memory beside dense segments of ``dtype``, or None
-        where torch attends: a GPU's slots, records that are not float32 or bfloat16 or not ``dtype``, head shapes
-        above the kernel's maxima, no compiler."""
-        if (device.type != "cpu" or not isinstance(layout.codec, FloatRecord) or layout.codec.dtype not in KINDS
-                or layout.codec.dtype != dtype):
+        where torch attends: a GPU's slots, a model dtype other than float32 or bfloat16, float records not in it
+        (float16), head shapes above the kernel's maxima, no compiler."""
+        codec = layout.codec
+        if device.type != "cpu" or dtype not in KINDS or (isinstance(codec, FloatRecord) and codec.dtype != dtype):
             return None
         lib = native_attention()
         if lib is None or layout.head_dim > lib.max_head_dim or n_heads // layout.n_kv_heads > lib.max_group_queries:
             return None
-        return cls(lib, layout, scaling)
+        return cls(lib, layout, scaling, dtype)
 
     def __call__(self, q: torch.Tensor, records: np.ndarray, slots: np.ndarray, valid: np.ndarray,
                  dense: list[torch.Tensor], dense_mask: torch.Tensor) -> torch.Tensor:
@@ -75,20 +84,22 @@ class RecordAttention:
         slots = np.ascontiguousarray(slots, dtype=np.int64)
         valid = np.ascontiguousarray(valid, dtype=bool).view(np.uint8)
         mask = dense_mask.contiguous().view(torch.uint8)
-        if any(segment.dtype != layout.codec.dtype or not segment.is_contiguous() for segment in dense):
+        if any(segment.dtype != self.dtype or not segment.is_contiguous() for segment in dense):
             raise ValueError(f"dense segments of {[(s.dtype, s.is_contiguous()) for s in dense]} (dtype, contiguous): "
-                             f"the kernel reads contiguous {layout.codec.dtype}, the records' dtype")
+                             f"the kernel reads contiguous {self.dtype}, the model's dtype")
         segments = np.array([[segment.data_ptr(), segment.shape[3]] for segment in dense], dtype=np.int64).reshape(-1, 2)
         most = slots.shape[1] * layout.group_tokens + int(segments[:, 1].sum())
-        needed = most * (2 * ctypes.sizeof(ctypes.c_void_p) + 4 * group_queries)
+        needed = most * (2 * ROW_BYTES + 4 * group_queries)
         if self._scratch.nbytes < needed:
             self._scratch = np.empty(needed, dtype=np.uint8)
         code = self.lib.ekv_attend(
             query.data_ptr(), b, layout.n_kv_heads, group_queries, d, self.scaling, records.ctypes.data,
             records.strides[0], records.shape[0], slots.ctypes.data, valid.ctypes.data, slots.shape[1],
-            layout.group_tokens, segments.ctypes.data, len(dense), mask.data_ptr(), mask.stride(0), self.kind,
+            layout.group_tokens, self.record_kind, self.scales.ctypes.data, self.keys_per_channel,
+            segments.ctypes.data, len(dense), mask.data_ptr(), mask.stride(0), self.dense_kind,
             self._scratch.ctypes.data, out.data_ptr())
         if code != 0:  # for_layout checked the head shape, the slot table gives slots inside the buffer: a bug
             raise RuntimeError("the native attention refused its input: " + (
-                "a valid pick's slot lies outside the slots" if code == -1 else "a head shape above its maxima"))
+                "a valid pick's slot lies outside the slots" if code == -1 else "a head shape above its maxima or an "
+                "unknown kind"))
         return out.to(q.dtype).view(b, h, 1, d)

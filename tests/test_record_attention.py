@@ -16,13 +16,17 @@ class _Model:
         self.scaling = head_dim ** -0.5
 
 
-def _case(batch, n_heads, n_kv, head_dim, G, picks, dtype, seed=0):
+def _case(batch, n_heads, n_kv, head_dim, G, picks, dtype, seed=0, record_dtype="auto"):
     gen = torch.Generator().manual_seed(seed)
-    layout = RecordLayout(G, n_kv, head_dim, dtype)
+    layout = RecordLayout(G, n_kv, head_dim, dtype, record_dtype=record_dtype)
     n_slots = batch * picks + 3
-    records = aligned_zeros((n_slots, layout.stride_bytes), layout.align_bytes)
-    typed = layout.typed(records)  # [n_slots, 2, H_kv, G, d]
-    typed.copy_(torch.randn(typed.shape, generator=gen).to(dtype))
+    if record_dtype == "auto":
+        records = aligned_zeros((n_slots, layout.stride_bytes), layout.align_bytes)
+        typed = layout.typed(records)  # [n_slots, 2, H_kv, G, d]
+        typed.copy_(torch.randn(typed.shape, generator=gen).to(dtype))
+    else:  # codes as a flush packs them, keys with an offset per channel (what per-channel scales are for)
+        k, v = (torch.randn(n_kv, n_slots * G, head_dim, generator=gen) for _ in range(2))
+        records = layout.pack(k + torch.randn(n_kv, 1, head_dim, generator=gen) * 3, v)
     slots = torch.randperm(n_slots, generator=gen)[: batch * picks].view(batch, picks).numpy()
     valid = (torch.rand(batch, picks, generator=gen) < 0.8).numpy()
     sinks = torch.randn(batch, 2, n_kv, 2 * G, head_dim, generator=gen).to(dtype)
@@ -35,7 +39,7 @@ def _case(batch, n_heads, n_kv, head_dim, G, picks, dtype, seed=0):
 
 def _torch_attention(layout, records, slots, valid, dense, resident, q):
     """What OffloadedKV._keys_values gathers, then forward.decode_attention, in float64."""
-    picked = layout.typed(records)[torch.from_numpy(slots)].double()  # [B, M, 2, H_kv, G, d]
+    picked = layout.decode(records, torch.float32)[torch.from_numpy(slots)].double()  # [B, M, 2, H_kv, G, d]
     b, m, _, h_kv, g, d = picked.shape
     kv = picked.permute(2, 0, 3, 1, 4, 5).reshape(2, b, h_kv, m * g, d)
     kv = torch.cat([kv, *[s.double().transpose(0, 1) for s in dense]], dim=3)
@@ -63,6 +67,28 @@ def test_the_native_attention_equals_attention_over_the_gathered_copy(batch, n_h
     torch.testing.assert_close(out.double(), expected, **tol)
 
 
+@pytest.mark.parametrize("batch, n_heads, n_kv, head_dim, G, picks", [
+    (1, 9, 3, 64, 4, 50),  # SmolLM2's heads, keys scaled per channel over the group
+    (2, 4, 4, 128, 2, 7),  # MHA, a group too small for channels: keys scaled per token
+    (2, 8, 1, 256, 16, 5),  # one KV head, head_dim 256
+    (1, 6, 3, 72, 4, 9),  # head_dim not a whole number of vectors
+])
+@pytest.mark.parametrize("record_dtype", ["int8", "int4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_native_attention_over_codes_equals_attention_over_their_dequantised_copy(batch, n_heads, n_kv, head_dim,
+                                                                                      G, picks, record_dtype, dtype):
+    """The kernel widens each code with its float16 scale and zero as it reads it: the same keys and values as
+    RecordLayout.decode gives the torch path, the dense segments in the model's dtype beside them."""
+    layout, records, slots, valid, dense, resident, q = _case(batch, n_heads, n_kv, head_dim, G, picks, dtype,
+                                                              record_dtype=record_dtype)
+    attention = RecordAttention.for_layout(layout, n_heads, head_dim ** -0.5, torch.device("cpu"), dtype)
+    assert attention is not None
+    out = attention(q, records, slots, valid, dense, resident)
+    expected = _torch_attention(layout, records, slots, valid, dense, resident, q)
+    tol = dict(atol=2e-6, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(out.double(), expected, **tol)
+
+
 def test_a_sequence_with_nothing_to_attend_gets_zeros_and_the_others_their_attention():
     layout, records, slots, valid, dense, resident, q = _case(2, 4, 2, 64, 4, 6, torch.float32)
     valid[0], resident[0] = False, False
@@ -82,8 +108,8 @@ def test_a_pick_outside_the_slots_is_an_error_not_a_read_past_them():
 
 
 @pytest.mark.parametrize("record_dtype, dtype, device", [
-    ("int8", torch.float32, "cpu"), ("fp16", torch.float32, "cpu"),  # codes, float16: torch decodes them
-    ("auto", torch.float16, "cpu"),  # a dtype the kernel does not read
+    ("fp16", torch.float32, "cpu"),  # float16 records: torch decodes them
+    ("auto", torch.float16, "cpu"), ("int8", torch.float16, "cpu"),  # a model dtype the kernel does not read
     ("auto", torch.float32, "cuda"),  # a GPU's slots
 ])
 def test_the_torch_path_attends_what_the_kernel_does_not_read(record_dtype, dtype, device):
@@ -113,14 +139,18 @@ def test_an_edited_shared_header_renames_the_libraries_that_include_it(tmp_path,
     assert after["crc32c"] == before["crc32c"]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("arch, dtype, record_dtype", [
+    ("llama", "float32", "auto"), ("qwen2", "float32", "auto"), ("llama", "bfloat16", "auto"),
+    ("qwen2", "bfloat16", "auto"), ("llama", "float32", "int8"), ("qwen2", "bfloat16", "int4"),
+])
 def test_a_disk_policy_decodes_the_same_through_the_kernel_as_through_the_gathered_copy(model_dirs, tmp_path,
-                                                                                       monkeypatch, arch, dtype):
+                                                                                       monkeypatch, arch, dtype,
+                                                                                       record_dtype):
     from edgekv.runtime import Engine, offload
 
     prompts = [[3 + i % 150 for i in range(157)], [7 + (i * 13) % 150 for i in range(141)]]  # not a multiple of G
-    config = {"G": 4, "M": 6, "C": 12, "sigma": 2, "max_context": 256, "max_batch": 2, "window_tokens": 4}
+    config = {"G": 4, "M": 6, "C": 12, "sigma": 2, "max_context": 256, "max_batch": 2, "window_tokens": 4,
+              "kv_record_dtype": record_dtype}
     runs, used = {}, []
     native_attention = offload.OffloadedKV._attention
     monkeypatch.setattr(offload.OffloadedKV, "_attention", lambda self, *a: used.append(
@@ -211,9 +241,10 @@ def test_the_kernels_built_for_narrower_vectors_compute_the_same(tmp_path, march
     if fused:
         assert torch.equal(scores[0], scores[1])
     torch.testing.assert_close(scores[0], scores[1], atol=1e-6, rtol=2e-5)
-    for shape in [(1, 9, 3, 64, 4, 50), (2, 8, 1, 256, 8, 5), (2, 6, 3, 72, 2, 9)]:
-        layout, records, slots, valid, dense, resident, q = _case(*shape, torch.float32)
+    for shape, record_dtype in [((1, 9, 3, 64, 4, 50), "auto"), ((2, 8, 1, 256, 8, 5), "int8"),
+                                ((2, 6, 3, 72, 2, 9), "auto"), ((1, 9, 3, 64, 4, 50), "int4")]:
+        layout, records, slots, valid, dense, resident, q = _case(*shape, torch.float32, record_dtype=record_dtype)
         native = RecordAttention.for_layout(layout, shape[1], shape[3] ** -0.5, torch.device("cpu"), torch.float32)
-        narrow = RecordAttention(built["attend"], layout, shape[3] ** -0.5)
+        narrow = RecordAttention(built["attend"], layout, shape[3] ** -0.5, torch.float32)
         torch.testing.assert_close(narrow(q, records, slots, valid, dense, resident),
                                    native(q, records, slots, valid, dense, resident), atol=2e-6, rtol=1e-5)
