@@ -318,11 +318,12 @@ def quality_table(d: Deployment, cache_root: Path, adapters: dict, calibration: 
         known = [p for p in known if p.correction in prof.corrections]
         d.log(f"quality table: the one measured for this model file with these settings ({source}: "
               f"{meta.get('machine', 'another machine')}, {meta.get('seconds', '?')} s); REPROFILE=1 measures it here")
-        if set(prof.corrections) <= set(measured):
+        twins = quality.lacking_twins(known, prof.quality_target, prof.quality_top1_min)
+        if set(prof.corrections) <= set(measured) and not twins:
             quality.save(path, fp, known, {**meta, "shipped": str(source)})
             return known
-        d.log(f"quality table: it measured the selections {list(measured)}; measuring those of {list(prof.corrections)} "
-              "it lacks")
+        d.log(f"quality table: it measured the selections {list(measured)} and {len(twins)} int4 twins fewer than this "
+              f"edgekv measures; measuring the selections of {list(prof.corrections)} and the twins it lacks")
     budget = prof.batch_budget_mib * 2**20
     dims = d.dims
     points, start = [], time.perf_counter()
@@ -340,12 +341,21 @@ def quality_table(d: Deployment, cache_root: Path, adapters: dict, calibration: 
     return points
 
 
-def solver_limits(prof: Profile, record_losses: dict | None = None) -> solver.Limits:
-    """The solver's limits a profile sets (with the record table's losses once measured)."""
+def solver_limits(prof: Profile, record_losses: dict | None = None, block_bytes: int | None = None) -> solver.Limits:
+    """The solver's limits a profile sets (with the record table's losses once measured, and the disk's smallest
+    block once profiled: ``disk_block_bytes``)."""
     return solver.Limits(prof.sigma_max, prof.g_max, prof.mg_const, prof.exposed_io_share, prof.reuse_step,
+                         block_bytes=block_bytes,
                          quality_target=prof.quality_target, quality_top1_min=prof.quality_top1_min,
                          record_losses=record_losses or {},
                          record_ppl_max=prof.record_ppl_max)
+
+
+def disk_block_bytes(profiles: list[disk.DiskProfile]) -> int | None:
+    """The smallest block every KV path's profile read (through O_DIRECT where its reader used it): a record shorter
+    than a page may pad to a power of two from it (runtime.disk_store.record_align_bytes).  None without a profile."""
+    sizes = [min(point.block_bytes for point in profile.points) for profile in profiles if profile.points]
+    return max(sizes) if sizes and len(sizes) == len(profiles) else None
 
 
 def shipped_fingerprint(fp: dict) -> dict:
@@ -364,7 +374,9 @@ def record_table(d: Deployment, cache_root: Path, adapters: dict, calibration: s
 
     path = cache_root / "tables" / d.model_fp / "records.json"
     context = min(4096, prof.max_context - 64)
-    groups = [g for g in quality.RECORD_GROUP_SIZES if g <= prof.g_max]
+    # with a quality table the solver only weighs its points' group sizes; without, every G it may choose
+    sizes = quality.GROUP_SIZES if prof.quality_target is not None else quality.RECORD_GROUP_SIZES
+    groups = [g for g in sizes if g <= prof.g_max]
     fp = {"model": d.model_fp, "context": context, "groups": groups, "record_dtypes": list(prof.record_dtypes),
           "dtype": str(d.kv_dtype), "calibration": _file_digest(calibration) if calibration else "default",
           "edgekv": VERSION}
@@ -543,14 +555,14 @@ def run(platform: str | None = None, model: str | None = None, kv_paths: str | P
 
     records = record_table(d, cache_root, adapters, calibration)
     measurements["record_table"] = {str(g): rows for g, rows in records.items()}
-    limits = solver_limits(prof, records)
+    limits = solver_limits(prof, records, disk_block_bytes(disk_profiles))
     quality_points = quality_table(d, cache_root, adapters, calibration, limits)
     d.release_model()
     measurements["quality_table"] = [p.__dict__ for p in quality_points]
     queue_depth = 32
     slot_memory = platform_for(prof).slot_memory
     h2d_gib_s = compute_profile.h2d_gib_s if slot_memory == "device" else None  # mapped slots: no copy to make
-    t_io = io_model(disk_profiles, dims, d.kv_dtype, limits.io_align_bytes, queue_depth, h2d_gib_s)
+    t_io = io_model(disk_profiles, dims, d.kv_dtype, limits.io_align_bytes, queue_depth, h2d_gib_s, limits.block_bytes)
     budget = prof.batch_budget_mib * 2**20
     rate = lambda G, C, M: tables.reuse_rate(reuse, G, C, M)  # noqa: E731
     solutions = [
@@ -560,7 +572,7 @@ def run(platform: str | None = None, model: str | None = None, kv_paths: str | P
         for b in batches for s in contexts
     ]
     top = next(x for x in solutions if x.batch == prof.max_batch and x.context == prof.max_context)
-    record_bytes = RecordLayout(top.G, dims.n_kv_heads, dims.head_dim, d.kv_dtype, limits.io_align_bytes,
+    record_bytes = RecordLayout(top.G, dims.n_kv_heads, dims.head_dim, d.kv_dtype, top.io_align_bytes,
                                 top.kv_record_dtype).stride_bytes
     measurements["disk"]["at_record"] = rates_at(disk_profiles, record_bytes, queue_depth)
     measurements["disk"]["gap_bytes"] = io_gap_bytes = gap_bytes(disk_profiles, record_bytes, queue_depth)
@@ -573,7 +585,7 @@ def run(platform: str | None = None, model: str | None = None, kv_paths: str | P
         "exposed_io_share": prof.exposed_io_share, "alpha": prof.exposed_io_share,  # alpha: its old name, still read
         "sink_tokens": top.sink_tokens, "window_tokens": top.window_tokens,
         "max_kv_mem_mib": prof.max_kv_mem_mib, "max_batch": prof.max_batch, "max_context": prof.max_context,
-        "adapter_path": adapters[float(top.sigma)], "io_align_bytes": limits.io_align_bytes, "io_queue_depth": queue_depth,
+        "adapter_path": adapters[float(top.sigma)], "io_align_bytes": top.io_align_bytes, "io_queue_depth": queue_depth,
         "io_gap_bytes": io_gap_bytes,
         "slot_memory": slot_memory, "klr_dtype": top.klr_dtype, "kv_record_dtype": top.kv_record_dtype,
         "ttft_costs_path": str(ttft_costs),

@@ -18,16 +18,18 @@ from .disk import DiskProfile, planned_mib_s
 
 
 def io_model(disk: DiskProfile | list[DiskProfile], dims: ModelDims, kv_dtype: torch.dtype, io_align_bytes: int,
-             queue_depth: int, h2d_gib_s: float | None = None):
+             queue_depth: int, h2d_gib_s: float | None = None, block_bytes: int | None = None):
     """A function (batch, M, G, reuse_rate, record_dtype) -> ms of reads (and, on a GPU, host -> device copies)
     per decode step (all layers).
 
     ``disk``: one path's profile, or one per KV path (one queue of ``queue_depth`` each); ``h2d_gib_s``: the
-    bus's rate (None: the records are read where attention reads them, the CPU)."""
+    bus's rate (None: the records are read where attention reads them, the CPU); ``block_bytes``: the disk's O_DIRECT
+    unit, records shorter than ``io_align_bytes`` padding to a power of two from it (None: to ``io_align_bytes``)."""
     profiles = list(disk) if isinstance(disk, (list, tuple)) else [disk]
 
     def t_io_ms(batch: int, M: int, G: int, reuse_rate: float, record_dtype: str = "auto") -> float:
-        stride = RecordLayout(G, dims.n_kv_heads, dims.head_dim, kv_dtype, io_align_bytes, record_dtype).stride_bytes
+        stride = RecordLayout.padded(G, dims.n_kv_heads, dims.head_dim, kv_dtype, record_dtype, io_align_bytes,
+                                     block_bytes).stride_bytes
         bytes_per_layer = batch * M * (1.0 - reuse_rate) * stride
         mib_s = planned_mib_s(profiles, stride, queue_depth)
         bus_s = bytes_per_layer / (h2d_gib_s * 2**30) if h2d_gib_s else 0.0

@@ -183,7 +183,7 @@ def measure(scorer, grid: list[dict], context: int, target: float | None, known=
     family whose best misses the target is not measured further (on SmolLM2 at 8K this halves the table's time;
     most families of a small M*G miss at every sigma).
     ``known``: points measured before with the same model, calibration and adapters (a shipped table): given
-    again, not measured."""
+    again, not measured, and kept where this sweep passes them over."""
     points = []
     before = {_key(q): q for q in known if q.context == context}
     families: dict[tuple, list[dict]] = {}
@@ -214,7 +214,37 @@ def measure(scorer, grid: list[dict], context: int, target: float | None, known=
         for p in ordered:
             if meets(run(p)):
                 break
-    return points
+    for twin in lacking_twins(points, target, top1_min):
+        run(twin)
+    visited = {_key(q) for q in points}
+    return points + [q for key, q in before.items() if key not in visited]  # a table measured before loses nothing
+
+
+def twins(points: list[QualityPoint], target: float | None, top1_min: float | None = None) -> list[dict]:
+    """The int4 K_lr twin (``LEAN_KLR`` at the same sigma: the same rank in half int8's bytes) of each family's
+    point that meets the target at the largest sigma, where that point's rows are wider: the bytes it frees can hold
+    a reuse buffer instead.  SmolLM2 8K at 1/13: its only point within the target (M*G 820, sigma 2, int8 rows,
+    corrected) fits no reuse buffer, its int4 twin measured the same on held-out text (ppl 1.013 against 1.014, top-1
+    0.926 against 0.930) and fits one (docs/results, issue 34).  None without a target."""
+    if target is None:
+        return []
+    best: dict[tuple, QualityPoint] = {}
+    for q in points:
+        family = (q.context, *_family(asdict(q)), q.klr_dtype)
+        if meets_target(q.ppl_ratio, q.top1_agreement, target, top1_min) and q.klr_dtype != LEAN_KLR and (
+                family not in best or q.sigma > best[family].sigma):
+            best[family] = q
+    out = {}
+    for q in best.values():
+        twin = {**{k: v for k, v in asdict(q).items() if k in POINT_FIELDS}, "klr_dtype": LEAN_KLR}
+        out.setdefault(point_key(twin), twin)
+    return list(out.values())
+
+
+def lacking_twins(points: list[QualityPoint], target: float | None, top1_min: float | None = None) -> list[dict]:
+    """The ``twins`` of ``points`` not among them (a table measured before twins were): measure them."""
+    have = {point_key(asdict(q)) for q in points}
+    return [t for t in twins(points, target, top1_min) if point_key(t) not in have]
 
 
 def meets_target(ppl_ratio: float, top1_agreement: float, target: float, top1_min: float | None) -> bool:

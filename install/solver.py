@@ -43,12 +43,19 @@ class Limits:
     mg_const: int = 400
     exposed_io_share: float = 0.1  # the share of the I/O time that may stay exposed (was ``alpha``)
     reuse_step: float = 0.05
-    io_align_bytes: int = 4096
+    io_align_bytes: int = 4096  # the page a record pads to at most
+    block_bytes: int | None = None  # the disk's O_DIRECT unit: records shorter than a page pad to a power of two from
+    # it (runtime.disk_store.record_align_bytes); None: every record pads to whole pages
     klr_dtype: str = "bfloat16"
     quality_target: float | None = None  # ppl ratio to full the configuration must stay within (quality table needed)
     quality_top1_min: float | None = None  # and the top-1 agreement with full it must keep (None: any)
     record_losses: dict = field(default_factory=dict)  # {G: {kv_record_dtype: ppl ratio to exact records}}; {}: exact only
     record_ppl_max: float = 1.01  # without a quality target: the most loss a record format may cost
+
+    def align_bytes(self, dims: ModelDims, kv_dtype: torch.dtype, G: int, record_dtype: str) -> int:
+        """The alignment a record of G tokens in ``record_dtype`` pads to."""
+        return RecordLayout.padded(G, dims.n_kv_heads, dims.head_dim, kv_dtype, record_dtype, self.io_align_bytes,
+                                   self.block_bytes).align_bytes
 
     @property
     def alpha(self) -> float:
@@ -94,6 +101,7 @@ class Solution:
     score_reduce: str = "sum"  # how heads' scores combine (corrected points: a softmax vote per head)
     t_correct_ms: float = 0.0  # the reads a correction makes per step (the picks the guess missed): never hidden
     top1_agreement: float | None = None  # the quality table's measured top-1 agreement with full (None: no table)
+    io_align_bytes: int = 4096  # what its records pad to (Limits.align_bytes)
 
     def to_json(self) -> dict:
         return {k: round(v, 4) if isinstance(v, float) else v for k, v in asdict(self).items()}
@@ -107,7 +115,7 @@ def _sequence_bytes(dims: ModelDims, kv_dtype: torch.dtype, limits: Limits, cont
     (install.quality.correction_fields; None: guess)."""
     rank = LowRankAdapter.rank_for(dims.n_kv_heads, dims.head_dim, sigma)
     cfg = RuntimeConfig.from_flat({"G": G, "M": M, "C": C, "sigma": sigma, "max_batch": 1, "max_context": context,
-                                   "reuse": reuse, "io_align_bytes": limits.io_align_bytes,
+                                   "reuse": reuse, "io_align_bytes": limits.align_bytes(dims, kv_dtype, G, record_dtype),
                                    "klr_dtype": klr_dtype or limits.klr_dtype, "sink_tokens": sink_tokens,
                                    "window_tokens": window_tokens, "kv_record_dtype": record_dtype, **(correction or {})})
     itemsize = torch.empty(0, dtype=kv_dtype).element_size()
@@ -116,7 +124,8 @@ def _sequence_bytes(dims: ModelDims, kv_dtype: torch.dtype, limits: Limits, cont
 
 
 def _stride(dims: ModelDims, kv_dtype: torch.dtype, limits: Limits, G: int, record_dtype: str) -> int:
-    return RecordLayout(G, dims.n_kv_heads, dims.head_dim, kv_dtype, limits.io_align_bytes, record_dtype).stride_bytes
+    return RecordLayout.padded(G, dims.n_kv_heads, dims.head_dim, kv_dtype, record_dtype, limits.io_align_bytes,
+                               limits.block_bytes).stride_bytes
 
 
 def record_choices(limits: Limits, G: int, gated: bool = True) -> list[tuple[str, float]]:
@@ -203,7 +212,8 @@ def solve(batch: int, context: int, budget_bytes: float, dims: ModelDims, kv_dty
             model = t_model_ms(batch, context, fit.rank, fit.M, G, fit.reuse)
             hidden = (1 - limits.exposed_io_share) * io <= model
             sol = Solution(batch, context, G, fit.M, fit.C, fit.sigma, hit, io, model, hidden, fit.mg_scaled,
-                           fit.bytes_per_sequence, fit.reuse, klr_dtype=limits.klr_dtype, kv_record_dtype=record)
+                           fit.bytes_per_sequence, fit.reuse, klr_dtype=limits.klr_dtype, kv_record_dtype=record,
+                           io_align_bytes=limits.align_bytes(dims, kv_dtype, G, record))
             if best is None or _exposed(sol) < _exposed(best) - 1e-9:
                 best = sol
             if hidden:
@@ -260,7 +270,8 @@ def solve_for_quality(batch: int, context: int, budget_bytes: float, dims: Model
             met = None if target is None else meets_target(ppl_ratio, p.top1_agreement, target, limits.quality_top1_min)
             fitting.append(Solution(batch, context, p.G, M, C, p.sigma, hit, io, model, (1 - limits.exposed_io_share) * io <= model,
                                     False, total, reuse, p.sink_tokens, p.window_tokens, ppl_ratio, met, p.klr_dtype,
-                                    record, **correction, t_correct_ms=fix, top1_agreement=p.top1_agreement))
+                                    record, **correction, t_correct_ms=fix, top1_agreement=p.top1_agreement,
+                                    io_align_bytes=limits.align_bytes(dims, kv_dtype, p.G, record)))
     if not fitting:
         raise ValueError(
             f"no configuration of the quality table fits {budget_bytes / 2**20:.2f} MiB per sequence at context {context}; "

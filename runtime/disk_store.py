@@ -87,6 +87,15 @@ class RecordLayout:
     align_bytes: int = 4096
     record_dtype: str = "auto"
 
+    @classmethod
+    def padded(cls, group_tokens: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype, record_dtype: str,
+               page_bytes: int, block_bytes: int | None = None) -> "RecordLayout":
+        """The layout whose records pad as ``record_align_bytes`` says from the disk's ``block_bytes`` (None: to
+        whole ``page_bytes``)."""
+        record = cls(group_tokens, n_kv_heads, head_dim, dtype, 1, record_dtype).record_bytes
+        align = page_bytes if block_bytes is None else record_align_bytes(record, page_bytes, block_bytes)
+        return cls(group_tokens, n_kv_heads, head_dim, dtype, align, record_dtype)
+
     @cached_property
     def codec(self):
         return record_codec(self.record_dtype, self.n_kv_heads, self.group_tokens, self.head_dim, self.dtype)
@@ -116,6 +125,19 @@ class RecordLayout:
         grouped = [t.reshape(self.n_kv_heads, n, self.group_tokens, self.head_dim).transpose(0, 1).cpu() for t in (k, v)]
         self.codec.encode_into(torch.from_numpy(out), *grouped)
         return out
+
+
+def record_align_bytes(record_bytes: int, page_bytes: int, block_bytes: int) -> int:
+    """The alignment a record of ``record_bytes`` pads to (``RecordLayout.align_bytes``): the smallest power of two
+    that holds it, at least the disk's ``block_bytes`` (its O_DIRECT unit) and at most ``page_bytes`` (a record that
+    long pads to whole pages).  So padded, a record never straddles a page (on this machine's disk records across 4
+    KiB boundaries read far slower than their count says: docs/results, issue 34), and one far smaller than a page
+    does not take a whole one on disk and in the slots (SmolLM2's int4 records of 4 tokens: 1,584 bytes, 2 KiB a slot
+    instead of 4)."""
+    align = min(block_bytes, page_bytes)
+    while align < min(record_bytes, page_bytes):
+        align *= 2
+    return min(align, page_bytes)
 
 
 def open_maybe_direct(path: Path, flags: int, mode: int = 0o600, direct: bool = True) -> tuple[int, bool]:

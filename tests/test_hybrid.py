@@ -172,14 +172,16 @@ def test_the_quality_table_skips_a_family_whose_best_sigma_misses_the_target():
     asked = []
 
     def scorer(policy, config):
-        asked.append((config["G"] * config["M"], config["sigma"]))
-        return {"ppl_ratio": loss[asked[-1]], "top1_agreement": 1.0}
+        asked.append((config["G"] * config["M"], config["sigma"], config["klr_dtype"]))
+        return {"ppl_ratio": loss[asked[-1][:2]], "top1_agreement": 1.0}
 
     grid = [{"G": 4, "mg_tokens": mg, "sigma": s, "sink_tokens": 0, "window_tokens": 0, "klr_dtype": "bfloat16"}
             for mg in (4, 8) for s in (1.0, 8.0, 32.0)]
     points = quality.measure(scorer, grid, 1024, 1.05)
-    assert asked == [(4, 1.0), (8, 1.0), (8, 32.0), (8, 8.0)]
+    # then the int4 twin of the point that met the target (quality.twins)
+    assert asked == [(4, 1.0, "bfloat16"), (8, 1.0, "bfloat16"), (8, 32.0, "bfloat16"), (8, 8.0, "bfloat16"),
+                     (8, 8.0, "int4")]
     assert [(p.mg_tokens, p.sigma, p.ppl_ratio) for p in points] == [(4, 1.0, 1.2), (8, 1.0, 1.01), (8, 32.0, 1.3),
-                                                                     (8, 8.0, 1.04)]
+                                                                     (8, 8.0, 1.04), (8, 8.0, 1.04)]
     asked.clear()
-    assert len(quality.measure(scorer, grid, 1024, None)) == 6  # no target: every point
+    assert len(quality.measure(scorer, grid, 1024, None)) == 6  # no target: every point, no twins

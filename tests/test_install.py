@@ -410,7 +410,8 @@ def test_a_top1_floor_passes_over_a_cheaper_point_whose_next_tokens_disagree_wit
 
 def test_a_sigma_sweep_goes_on_past_a_point_that_meets_the_ppl_target_but_not_the_top1_floor():
     """From the largest sigma down, after the family's smallest: sigma 8 meets ppl 1.05 with top-1 0.85, so with a
-    floor of 0.9 sigma 4 is measured too; without one the sweep stops at 8."""
+    floor of 0.9 sigma 4 is measured too; without one the sweep stops at 8.  Then the int4 twin of the point that met
+    it (quality.twins); none where the family's best misses."""
     from edgekv.install import quality
 
     grid = [{"G": 4, "mg_tokens": 400, "sigma": s, "sink_tokens": 0, "window_tokens": 0, "klr_dtype": "int8",
@@ -421,16 +422,41 @@ def test_a_sigma_sweep_goes_on_past_a_point_that_meets_the_ppl_target_but_not_th
         asked = []
 
         def scorer(policy, config):
-            asked.append(config["sigma"])
+            asked.append((config["sigma"], config["klr_dtype"]))
             ppl, top1 = measured[config["sigma"]]
             return {"ppl_ratio": ppl, "top1_agreement": top1}
 
         quality.measure(scorer, grid, 8192, 1.05, (), top1_min)
         return asked
 
-    assert sweep(None) == [2.0, 16.0, 8.0]
-    assert sweep(0.9) == [2.0, 16.0, 8.0, 4.0]
-    assert sweep(0.98) == [2.0]  # the family's best misses the floor: nothing more of it is measured
+    int8 = lambda *sigmas: [(s, "int8") for s in sigmas]  # noqa: E731
+    assert sweep(None) == int8(2.0, 16.0, 8.0) + [(8.0, "int4")]
+    assert sweep(0.9) == int8(2.0, 16.0, 8.0, 4.0) + [(4.0, "int4")]
+    assert sweep(0.98) == int8(2.0)  # the family's best misses the floor: nothing more of it is measured, no twin
+
+
+def test_a_table_measured_before_twins_gets_only_its_twins_measured():
+    """A shipped table from before int4 twins (quality.twins) gives every grid point as it is; only the twin of each
+    family's point that met the target at the largest sigma is measured: one per family that met it (the bfloat16
+    and int8 families' twins at the same sigma are one point), none where nothing met it."""
+    from edgekv.install import quality
+
+    grid = quality.candidates(1024, [4], [2.0, 8.0], ("corrected",), shares=(0.2,))
+    ppl = {2.0: 1.01, 8.0: 1.3}
+    known = [quality.QualityPoint(1024, p["G"], p["mg_tokens"], p["sigma"], p["sink_tokens"], p["window_tokens"],
+                                  ppl[p["sigma"]] + (0.1 if p["sink_tokens"] else 0), 0.95, p["klr_dtype"],
+                                  "corrected", 0.9) for p in grid]
+    asked = []
+
+    def scorer(policy, config):
+        asked.append(config)
+        return {"ppl_ratio": 1.02, "top1_agreement": 0.94, "guess_recall": 0.88}
+
+    assert len(quality.lacking_twins(known, 1.05)) == 1 and quality.lacking_twins(known, None) == []
+    points = quality.measure(scorer, grid, 1024, 1.05, known)
+    assert [(c["sigma"], c["klr_dtype"], c["sink_tokens"]) for c in asked] == [(2.0, "int4", 0)]
+    assert [(q.klr_dtype, q.ppl_ratio) for q in points if q.klr_dtype == "int4"] == [("int4", 1.02)]
+    assert len(points) == len(grid) + 1 and quality.lacking_twins(points, 1.05) == []  # the known points all kept
 
 
 def test_solver_says_when_no_configuration_meets_the_target():
@@ -580,7 +606,9 @@ def test_deploy_of_a_chat_model_answers_through_the_deployed_configuration(tiny_
     cache = tmp_path / "cache"
     monkeypatch.setenv("EDGEKV_CACHE", str(cache))
     monkeypatch.chdir(tmp_path)  # the CLI writes deploy/<platform>/ where it runs: here, not in the checkout
-    points = [quality.QualityPoint(1024, 4, 208, 8.0, 0, 0, 1.01, 0.99)]  # one configuration, said to meet 1.5
+    # one configuration, said to meet 1.5, and its int4 twin (quality.twins): a whole table, nothing left to measure
+    points = [quality.QualityPoint(1024, 4, 208, 8.0, 0, 0, 1.01, 0.99),
+              quality.QualityPoint(1024, 4, 208, 8.0, 0, 0, 1.01, 0.99, "int4")]
     d = deploy.prepare(str(mine), str(gguf), None, tmp_path / "scratch", False, lambda *a: None)
     fp = {"contexts": [1024], "sigmas": d.sigmas, "groups": [4], "target": 1.5, "budget_mib_per_sequence": 1.0,
           "calibration": "default", "adapters": deploy.adapter_source(d.model_dir, 1024 - 64, 2, None),

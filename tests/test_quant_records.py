@@ -279,3 +279,49 @@ def test_the_record_table_measures_each_format_alone_and_feeds_the_solvers_choic
     (tmp_path / "p.yaml").write_text(yaml.safe_dump(data))
     with pytest.raises(ProfileError, match="'solver.record_dtypes'"):
         load_profile(tmp_path / "p.yaml")
+
+
+@pytest.mark.parametrize("record_bytes, page_bytes, block_bytes, align", [
+    (1584, 4096, 512, 2048),  # SmolLM2's int4 record of 4 tokens: half a page
+    (2352, 4096, 512, 4096),  # its int8 record: a 2,560-byte stride would straddle pages
+    (300, 4096, 512, 512),  # never below the disk's block
+    (12288, 4096, 512, 4096),  # a record of pages pads to whole pages
+    (1584, 4096, 4096, 4096),  # a disk of 4 KiB blocks: pages only
+    (1584, 4096, 8192, 4096),  # a block larger than the page: the page
+])
+def test_a_record_shorter_than_a_page_pads_to_the_power_of_two_that_holds_it(record_bytes, page_bytes, block_bytes,
+                                                                               align):
+    from edgekv.runtime.disk_store import record_align_bytes
+
+    assert record_align_bytes(record_bytes, page_bytes, block_bytes) == align
+    layout = RecordLayout.padded(4, 3, 64, torch.bfloat16, "int4", 4096, 512)
+    assert (layout.record_bytes, layout.align_bytes, layout.stride_bytes) == (1584, 2048, 2048)
+    assert RecordLayout.padded(4, 3, 64, torch.bfloat16, "int4", 4096).stride_bytes == 4096  # no block: whole pages
+
+
+def test_records_padded_from_the_disks_block_let_the_int4_twin_hold_a_reuse_buffer():
+    """SmolLM2 at 8K within 1/13 of its float32 KV (the local profile's budget): the point that meets the target (int8
+    K_lr at sigma 2) fits no reuse buffer, nor does its int4 twin with records padded to 4 KiB; padded from the
+    disk's 512-byte block, the twin's int4 records (1,584 bytes) take 2 KiB slots and a reuse buffer fits, so the
+    solver takes it: fewer reads exposed.  The deploy writes the solution's alignment (``io_align_bytes``)."""
+    from edgekv.install.quality import QualityPoint
+
+    dims = ModelDims(n_layers=30, hidden=576, n_heads=9, n_kv_heads=3, head_dim=64, vocab=49152)
+    budget = dims.n_layers * 8192 * 2 * 3 * 64 * 4 / 13
+    point = QualityPoint(8192, 4, 820, 2.0, 0, 0, 0.945, 0.925, "int8", "corrected", 0.85)
+    twin = QualityPoint(8192, 4, 820, 2.0, 0, 0, 0.95, 0.92, "int4", "corrected", 0.85)
+    losses = {4: {"int8": 1.0, "int4": 1.005}}
+
+    def solve(block_bytes, points=(point, twin)):
+        limits = solver.Limits(quality_target=1.05, quality_top1_min=0.9, record_losses=losses, block_bytes=block_bytes)
+        return solver.solve_for_quality(4, 8192, budget, dims, torch.bfloat16, limits, list(points),
+                                        lambda b, M, G, hit, record="auto": 100.0 * b * (1 - hit),
+                                        lambda b, S, rank, M, G, reuse=True: 20.0, lambda G, C, M: 0.75)
+
+    paged = solve(None)
+    assert not paged.reuse and paged.io_align_bytes == 4096
+    padded = solve(512)
+    assert (padded.reuse, padded.klr_dtype, padded.kv_record_dtype, padded.io_align_bytes) == (True, "int4", "int4", 2048)
+    assert padded.C >= padded.M and padded.bytes_per_sequence <= budget and padded.quality_met
+    assert padded.ppl_ratio == pytest.approx(0.95 * 1.005)
+    assert not solve(512, points=(point,)).reuse  # without the twin the int8 rows leave no room
