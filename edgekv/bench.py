@@ -288,17 +288,20 @@ def policy_configs(model: DecoderModel, batch: int, context: int, budgets: list[
                 geometry = spec.budget_geometry(fit)
             if geometry is not None:
                 out.append((r.name, label, {**base, **geometry, **dict(r.overrides), "max_kv_mem_mib": budget_mib}))
-    def gap(cfg: dict, record: str) -> dict:  # what the install step sets from the disk (install/iomodel.gap_bytes)
-        stride = RecordLayout(cfg["G"], dims.n_kv_heads, dims.head_dim, model.dtype, limits.io_align_bytes,
+    def with_records(cfg: dict, record: str) -> dict:
+        """``cfg`` with its records in ``record`` ("auto": the format a recorded configuration chose, else exact) and
+        the gap the install step would set from the disk for them (install/iomodel.gap_bytes)."""
+        record = cfg.get("kv_record_dtype", "auto") if record == "auto" else record
+        stride = RecordLayout(cfg["G"], dims.n_kv_heads, dims.head_dim, model.dtype, cfg["io_align_bytes"],
                               record).stride_bytes
-        return {"io_gap_bytes": gap_bytes(disk_profile, stride, QUEUE_DEPTH)}
+        return {"io_gap_bytes": gap_bytes(disk_profile, stride, QUEUE_DEPTH), **cfg, "kv_record_dtype": record}
 
     configs = []
     for name, label, cfg in out:
         if not registry.get(row_policy(name)).on_disk:
             configs.append((name, label, {**cfg, "kv_record_dtype": "auto"}))
             continue
-        configs += [(name, label, {**gap(cfg, record), **cfg, "kv_record_dtype": record}) for record in record_dtypes]
+        configs += [(name, label, with_records(cfg, record)) for record in record_dtypes]
     return configs
 
 

@@ -604,16 +604,17 @@ def run(platform: str | None = None, model: str | None = None, kv_paths: str | P
     write_service_unit(prof.platform, out)
     tuning_s = time.perf_counter() - started
     log(f"config: {out / 'config.json'}  (G={top.G} M={top.M} C={top.C} sigma={top.sigma:g} reuse={top.reuse} "
-        f"S={top.sink_tokens} W={top.window_tokens} records {top.kv_record_dtype} {top.correction}"
+        f"S={top.sink_tokens} W={top.window_tokens} K_lr {top.klr_dtype} records {top.kv_record_dtype} in "
+        f"{top.io_align_bytes} B {top.correction}"
         + (f" correction_recall {config['correction_recall']:g}" if config["correction_recall"] < 1 else "")
         + (" guess_from_before" if config["guess_from_before"] else "")
-        + f" ppl ratio {top.ppl_ratio} at batch {top.batch}, context {top.context}; {len(solutions)} solutions; tuning {tuning_s:.0f} s)")
+        + (f" ppl ratio {top.ppl_ratio:.4g}" if top.ppl_ratio is not None else "") + f" at batch {top.batch}, context {top.context}; {len(solutions)} solutions; tuning {tuning_s:.0f} s)")
 
     stats, chat = smoke_run(d.model_dir, d.kv_dirs, out / "config.json", prof, d.device, scorer) if smoke else (None, None)
     report.write(out, prof, d.model_dir, measurements, solutions, stats, tuning_s)
     log(f"report: {out / 'report.txt'}")
-    if top.ppl_ratio is not None:
-        log(f"quality: the deployed configuration's measured ppl ratio to full is {top.ppl_ratio}, top-1 agreement "
+    if top.ppl_ratio is not None:  # the point's ratio times its record format's (the record table's)
+        log(f"quality: the deployed configuration's measured ppl ratio to full is {top.ppl_ratio:.4g}, top-1 agreement "
             f"{top.top1_agreement}, at context {top.context} (target "
             f"{solver.target_words(prof.quality_target, prof.quality_top1_min)}: {'met' if top.quality_met else 'NOT met'})")
     return {"config": str(out / "config.json"), "stats": stats, "chat": chat, "tuning_s": round(tuning_s, 1)}

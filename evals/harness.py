@@ -86,6 +86,8 @@ def budget_config(variant: Variant, context: int, dims: ModelDims, kv_dtype: tor
         chosen = chooser(variant, context, budget, max_batch)
         overridden = dict(variant.overrides)
         config = {**base, **chosen, **overridden, "max_kv_mem_mib": budget * max_batch / 2**20}
+        if variant.record_dtype != "auto":  # a row's own format replaces the one a recorded configuration chose
+            config["kv_record_dtype"] = variant.record_dtype
         if overridden:  # an ablation may leave the budget (sigma=1): it measures quality, not memory
             config["max_kv_mem_mib"] = None
         return config
@@ -243,7 +245,7 @@ def recorded_configs(eval_json: str | Path) -> dict[tuple[int, str], dict]:
     data = json.loads(Path(eval_json).read_text())
     rows = data.get("ppl") or data.get("results") or []
     keys = ("G", "M", "C", "sigma", "reuse", "sink_tokens", "window_tokens", "score_reduce", "klr_dtype", "io_align_bytes",
-            "correction", "correction_reads", "correction_recall", "guess_from_before")
+            "kv_record_dtype", "correction", "correction_reads", "correction_recall", "guess_from_before")
     return {(r["context"], f"1/{round(1 / r['budget'])}"): {k: r["config"][k] for k in keys if k in r["config"]}
             for r in rows if r["budget"] and r["policy"] in policies.names() and policies.get(r["policy"]).tunable
             and r["variant"] == f"{r['policy']}@1/{round(1 / r['budget'])}"}

@@ -76,6 +76,23 @@ def test_bench_end_to_end_writes_every_row(model_dirs, tmp_path, capsys):
     assert (tmp_path / "bench.png").is_file()
 
 
+def test_a_recorded_configuration_runs_with_the_records_it_chose_unless_a_row_names_others(model_dirs, tmp_path):
+    """A deploy chooses its records' format and their padding with the rest (int4 records in 2 KiB, beside a reuse
+    buffer): the kvswap-quality row runs them as recorded; a ``--record-dtype`` row of another format replaces them."""
+    from edgekv.evals import harness
+
+    chosen = {"G": 4, "M": 6, "C": 8, "sigma": 8.0, "reuse": True, "sink_tokens": 0, "window_tokens": 0,
+              "klr_dtype": "int4", "kv_record_dtype": "int4", "io_align_bytes": 2048, "max_context": 576}
+    harness.write_json(tmp_path / "eval.json", [harness.Result("single_needle", 512, "kvswap", 0.25, "kvswap@1/4", 1.0,
+                                                               4, chosen, 1.0)], {})
+    out = tmp_path / "bench.json"
+    assert small_bench(model_dirs, tmp_path, "--policies", "full,kvswap-quality", "--record-dtype", "auto,int8",
+                       "--quality-configs", str(tmp_path / "eval.json"), "--json", str(out)) == 0
+    runs = json.loads(out.read_text())["runs"][1:]
+    assert [(r["policy"], r["kv_record_dtype"], r["klr_dtype"], r["C"]) for r in runs] == [
+        ("kvswap-quality,int4", "int4", "int4", 8), ("kvswap-quality,int8", "int8", "int4", 8)]
+
+
 def test_a_row_over_its_budget_fails_before_any_row_runs(model_dirs, tmp_path, capsys):
     from edgekv.evals import harness
 

@@ -159,6 +159,12 @@ def test_configs_from_an_earlier_eval_are_run_as_recorded(model_dirs, tmp_path):
     assert config["max_batch"] == 2  # the run's own batch, not the recorded one
     with pytest.raises(ValueError, match="no kvswap row at context 1024, budget 1/4"):
         harness.budget_config(variant, 1024, model.dims, torch.float32, 2, chooser=chooser)
+    recorded["kv_record_dtype"] = "int4"  # a deploy's choice of records comes with it; a row naming a format replaces it
+    path.write_text(json.dumps({"ppl": rows}))
+    chooser = harness.RecordedChooser(path)
+    assert harness.budget_config(variant, 512, model.dims, torch.float32, 2, chooser=chooser)["kv_record_dtype"] == "int4"
+    int8 = harness.Variant("kvswap", 1 / 4, rule="quality", record_dtype="int8")
+    assert harness.budget_config(int8, 512, model.dims, torch.float32, 2, chooser=chooser)["kv_record_dtype"] == "int8"
 
 
 def test_a_task_eval_refuses_a_recorded_row_over_its_budget_before_scoring_any(tmp_path, monkeypatch):
