@@ -325,3 +325,21 @@ def test_records_padded_from_the_disks_block_let_the_int4_twin_hold_a_reuse_buff
     assert padded.C >= padded.M and padded.bytes_per_sequence <= budget and padded.quality_met
     assert padded.ppl_ratio == pytest.approx(0.95 * 1.005)
     assert not solve(512, points=(point,)).reuse  # without the twin the int8 rows leave no room
+
+
+def test_the_config_ab_bench_alternates_whole_configurations_each_on_its_own_engine(capsys):
+    """``python -m bench.config_ab`` on the fixture: the exact-record configuration beside one with a reuse buffer,
+    int4 K_lr and int4 records, each its own engine on the same prompts; the second reads less and holds less."""
+    import re
+
+    from bench.config_ab import main
+
+    main(["--model", "fixture", "--context", "200", "--batch", "2", "--kvswap", "G=4,M=6,C=6,sigma=2",
+          "--extra", '{"reuse": false}', "--variants",
+          '[{}, {"C": 8, "reuse": true, "klr_dtype": "int4", "kv_record_dtype": "int4", "io_align_bytes": 512}]',
+          "--rounds", "2", "--steps", "2"])
+    rows = re.findall(r"^variant (\d) .*: median ([\d.]+) ms a step \(([\d., ]+)\); ([\d.]+) x variant 0's tok/s; "
+                      r"(\d+) requests, ([\d.]+) MiB read a step; resident KV ([\d.]+) MiB", capsys.readouterr().out, re.M)
+    assert [row[0] for row in rows] == ["0", "1"] and float(rows[0][3]) == 1.0
+    assert all(float(row[1]) > 0 and len(row[2].split(", ")) == 2 for row in rows)
+    assert int(rows[1][4]) < int(rows[0][4]) and float(rows[1][6]) < float(rows[0][6])
