@@ -7,7 +7,8 @@ deploy measures it, on a fresh cache:
     python -m bench.ship_quality --platform local --model smollm2 --out profiles/quality/smollm2-local.json
 
 ``--add-to-shipped`` keeps the points of the table already shipped for this model file and settings and measures
-only the selections it lacks (the profile's ``solver.corrections`` grew), as a deploy would.
+only what it lacks (the selections of a grown ``solver.corrections``, the int4 twins of ``quality.twins``), as a
+deploy would.
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ def main(argv=None) -> None:
     ap.add_argument("--model", default=None, help="default: the profile's")
     ap.add_argument("--out", required=True)
     ap.add_argument("--add-to-shipped", action="store_true",
-                    help="keep the shipped table's points, measure only the selections it lacks")
+                    help="keep the shipped table's points, measure only the selections and twins it lacks")
     args = ap.parse_args(argv)
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="edgekv-ship-") as scratch:

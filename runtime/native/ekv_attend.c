@@ -74,7 +74,10 @@ static inline void widen_row(float *restrict out, const row_t *r, int d, scales_
     }
     if (r->per_element) {
         if (cached->from != r->scale) {
-            for (int j = 0; j < d; j++) cached->scale[j] = half_to_float(r->scale[j]), cached->zero[j] = half_to_float(r->zero[j]);
+            for (int j = 0; j < d; j++) {
+                cached->scale[j] = half_to_float(r->scale[j]);
+                cached->zero[j] = half_to_float(r->zero[j]);
+            }
             cached->from = r->scale;
         }
         for (int j = 0; j < d; j++) out[j] = out[j] * cached->scale[j] + cached->zero[j];
@@ -105,7 +108,8 @@ static inline __attribute__((always_inline)) void attend_head(const float *q, in
     for (int i = 0; i < group_queries; i++) top[i] = -INFINITY;
     for (int64_t first = 0; first < n; first += BLOCK) {
         int rows = n - first < BLOCK ? (int)(n - first) : BLOCK;
-        for (int t = 0; t < rows; t++) prefetch_bytes(values[first + t].row, d * element_bits[values[first + t].kind] / 8);
+        for (int t = 0; t < rows; t++)
+            prefetch_bytes(values[first + t].row, d * element_bits[values[first + t].kind] / 8);
         for (int t = 0; t < rows; t++) widen_row(block + t * d, &keys[first + t], d, &cached);
         for (int i = 0; i < group_queries; i++) {
             const float *restrict qi = q + i * d;
@@ -193,7 +197,8 @@ int ekv_attend(const float *q, int batch, int n_kv_heads, int group_queries, int
                 prefetch_bytes(rec + h * head_bytes, head_bytes);
                 for (int t = 0; t < group_tokens; t++, n++) {
                     keys[n] = (row_t){rec + h * head_bytes + t * row_bytes, NULL, NULL, record_kind, 0};
-                    values[n] = (row_t){rec + (n_kv_heads + h) * head_bytes + t * row_bytes, NULL, NULL, record_kind, 0};
+                    values[n] = (row_t){rec + (n_kv_heads + h) * head_bytes + t * row_bytes, NULL, NULL, record_kind,
+                                        0};
                     if (!coded) continue;
                     const int64_t key_at = keys_per_channel ? (int64_t)h * d : (int64_t)h * group_tokens + t;
                     const int64_t value_at = (int64_t)h * group_tokens + t;
