@@ -20,8 +20,8 @@ def main(argv=None) -> None:
     with text_batch(args, room=8 + 2 * args.rounds * (args.steps + 1)) as (policy, step):
         native = policy.record_attention
         if native is None:
-            raise SystemExit("the native attention does not serve this configuration (a GPU, quantized or float16 "
-                             "records, or no compiler): nothing to compare")
+            raise SystemExit("the native attention does not serve this configuration (a GPU, float16 records, or no "
+                             "compiler): nothing to compare")
         paths = {"native": native, "gathered copy": None}
         ms, stall_s = alternate(step, {name: functools.partial(setattr, policy, "record_attention", attention)
                                        for name, attention in paths.items()}, args.rounds, args.steps,

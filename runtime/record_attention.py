@@ -75,7 +75,7 @@ class RecordAttention:
     def __call__(self, q: torch.Tensor, records: np.ndarray, slots: np.ndarray, valid: np.ndarray,
                  dense: list[torch.Tensor], dense_mask: torch.Tensor) -> torch.Tensor:
         """q [B, H, 1, d]; records uint8 [n_slots, stride] (the slots); slots int64 and valid bool [B, M] (flat slot
-        of each pick); dense: segments [B, 2, H_kv, S_i, d] in the records' dtype; dense_mask bool [B, sum S_i].
+        of each pick); dense: segments [B, 2, H_kv, S_i, d] in the model's dtype; dense_mask bool [B, sum S_i].
         Returns the attention output [B, H, 1, d] in q's dtype."""
         b, h, _, d = q.shape
         layout, group_queries = self.layout, h // self.layout.n_kv_heads
@@ -87,7 +87,8 @@ class RecordAttention:
         if any(segment.dtype != self.dtype or not segment.is_contiguous() for segment in dense):
             raise ValueError(f"dense segments of {[(s.dtype, s.is_contiguous()) for s in dense]} (dtype, contiguous): "
                              f"the kernel reads contiguous {self.dtype}, the model's dtype")
-        segments = np.array([[segment.data_ptr(), segment.shape[3]] for segment in dense], dtype=np.int64).reshape(-1, 2)
+        segments = np.array([[segment.data_ptr(), segment.shape[3]] for segment in dense],
+                            dtype=np.int64).reshape(-1, 2)
         most = slots.shape[1] * layout.group_tokens + int(segments[:, 1].sum())
         needed = most * (2 * ROW_BYTES + 4 * group_queries)
         if self._scratch.nbytes < needed:

@@ -29,22 +29,6 @@ typedef struct {
     int32_t kind, per_element;
 } row_t;
 
-/* a float16's bits as float (the scales' format; from the bits, so no compiler's half type is needed) */
-static inline float half_to_float(uint16_t h) {
-    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exponent = (h >> 10) & 31, mantissa = h & 1023, bits;
-    if (exponent == 31) {
-        bits = sign | 0x7f800000u | (mantissa << 13);
-    } else if (exponent) {
-        bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
-    } else { /* zero or subnormal: mantissa * 2^-24, exact in float */
-        float f = (float)mantissa * 5.9604644775390625e-8f;
-        return sign ? -f : f;
-    }
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
 /* The per-channel scales and zeros of the keys last widened, as float: a record's G key rows of a head share them
  * and follow each other, so each is converted once a record, not once a row (SmolLM2's heads, 230 picks, a call in
  * cache: int8 records 103 -> 83 us, int4 273 -> 94 us with the nibbles split a byte at a time; bfloat16 55 us). */
@@ -64,14 +48,7 @@ static inline void widen_row(float *restrict out, const row_t *r, int d, scales_
         for (int j = 0; j < d; j++) out[j] = bf16_to_float(e[j]);
         return;
     }
-    if (r->kind == KV_INT8) {
-        for (int j = 0; j < d; j++) out[j] = (float)r->row[j];
-    } else { /* int4: two codes a byte, the even index in the low nibble */
-        for (int j = 0; j < d / 2; j++) {
-            out[2 * j] = (float)(r->row[j] & 15);
-            out[2 * j + 1] = (float)(r->row[j] >> 4);
-        }
-    }
+    widen_codes(out, r->row, d, r->kind == KV_INT8 ? 8 : 4);
     if (r->per_element) {
         if (cached->from != r->scale) {
             for (int j = 0; j < d; j++) {

@@ -1,5 +1,6 @@
-/* Float helpers the native kernels share (ekv_score.c, ekv_attend.c, ekv_qattn.c): bfloat16 widening, a dot
- * product, an e^x the compiler vectorises, and a vector of floats.  A change here rebuilds every library that includes it (runtime/native_build.py hashes its headers). */
+/* Float helpers the native kernels share (ekv_score.c, ekv_attend.c, ekv_qattn.c): bfloat16 and float16 widening,
+ * int8 / int4 codes widened (runtime/quant.py's formats), a dot product, an e^x the compiler vectorises, and a vector
+ * of floats.  A change here rebuilds every library that includes it (runtime/native_build.py hashes its headers). */
 #ifndef EKV_FLOAT_H
 #define EKV_FLOAT_H
 
@@ -24,6 +25,34 @@ static inline float bf16_to_float(uint16_t h) {
     float f;
     memcpy(&f, &bits, sizeof f);
     return f;
+}
+
+/* a float16's bits as float (the codes' scales and zeros; from the bits, so no compiler's half type is needed) */
+static inline float half_to_float(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exponent = (h >> 10) & 31, mantissa = h & 1023, bits;
+    if (exponent == 31) {
+        bits = sign | 0x7f800000u | (mantissa << 13);
+    } else if (exponent) {
+        bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+    } else { /* zero or subnormal: mantissa * 2^-24, exact in float */
+        float f = (float)mantissa * 5.9604644775390625e-8f;
+        return sign ? -f : f;
+    }
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* d codes of `bits` (8, or 4: two a byte, the even index in the low nibble) as float, unscaled */
+static inline void widen_codes(float *restrict out, const uint8_t *restrict codes, int d, int bits) {
+    if (bits == 8) {
+        for (int i = 0; i < d; i++) out[i] = (float)codes[i];
+    } else {
+        for (int i = 0; i < d / 2; i++) {
+            out[2 * i] = (float)(codes[i] & 15);
+            out[2 * i + 1] = (float)(codes[i] >> 4);
+        }
+    }
 }
 
 /* a . b over d floats (vectorised where reassociation is allowed, as the libraries build) */

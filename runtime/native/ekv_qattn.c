@@ -24,36 +24,6 @@
 
 enum { KC, VC, KS, KZ, VS, VZ, POS, N_FIELDS };
 
-static inline float half_to_float(uint16_t h) {
-    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
-    if (exp == 0x1f) {
-        bits = sign | 0x7f800000u | (man << 13);
-    } else if (exp != 0) {
-        bits = sign | ((exp + 112) << 23) | (man << 13);
-    } else if (man == 0) {
-        bits = sign;
-    } else { /* subnormal: normalise */
-        exp = 113;
-        while (!(man & 0x400)) { man <<= 1; exp--; }
-        bits = sign | (exp << 23) | ((man & 0x3ff) << 13);
-    }
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-/* codes of one token -> float, widened once and reused by every query head of the group */
-static inline void load_codes(float *restrict out, const uint8_t *restrict c, int d, int bits) {
-    if (bits == 8) {
-        for (int i = 0; i < d; i++) out[i] = (float)c[i];
-    } else {
-        for (int i = 0; i < d / 2; i++) {
-            out[2 * i] = (float)(c[i] & 15);
-            out[2 * i + 1] = (float)(c[i] >> 4);
-        }
-    }
-}
-
 /* q [n_kv, rep, d] float32; out [n_kv, rep, n_groups * gt]: scaling * q . k, -inf at holes.  Groups split
  * across `threads` OpenMP threads. */
 void ekv_qscores(const float *q, int n_kv, int rep, int d, int bits, const uint8_t *rows, int64_t row_bytes,
@@ -84,7 +54,7 @@ void ekv_qscores(const float *q, int n_kv, int rep, int d, int bits, const uint8
                     for (int j = 0; j < rep; j++) o[j * n_tok + t] = -INFINITY;
                     continue;
                 }
-                load_codes(cf, codes + t * db, d, bits);
+                widen_codes(cf, codes + t * db, d, bits);
                 for (int j = 0; j < rep; j++) o[j * n_tok + t] = dot(qs + j * d, cf, d) + bias[j];
             }
         }
@@ -119,7 +89,7 @@ int ekv_qvalues(const float *w, int n_kv, int rep, int d, int bits, const uint8_
                 for (int t = 0; t < gt; t++) {
                     if (pos[t] < 0) continue;
                     const float s = half_to_float(vs[t]), z = half_to_float(vz[t]);
-                    load_codes(cf, codes + t * db, d, bits);
+                    widen_codes(cf, codes + t * db, d, bits);
                     for (int j = 0; j < rep; j++) {
                         const float wt = w[((int64_t)h * rep + j) * n_tok + (int64_t)g * gt + t];
                         float *o = acc + ((int64_t)h * rep + j) * d;
