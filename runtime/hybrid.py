@@ -151,9 +151,10 @@ class HybridKV(KVPolicy):
     def attend(self, layer, q, k, v):
         if layer in self._global:
             return self.inner.attend(self._global[layer], q, k, v)
+        out = self.ring.attend(layer, q, k, v)
         if self.inner is not None:
-            self.inner.take_picks()  # the next global layer's picks, launched ahead
-        return self.ring.attend(layer, q, k, v)
+            self.inner.take_picks()  # the next global layer's picks, launched ahead (scored beside this attention)
+        return out
 
     def end_step(self, active):
         self._counters.end_step(active)

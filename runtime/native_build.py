@@ -66,8 +66,8 @@ LIBRARIES = {
                            "the quantized attention kernel", per_machine=True, headers=("ekv_float.h",)),
     # never -ffast-math in a library: its startup code would flush subnormals to zero in the whole process
     "score": NativeLibrary("score", "ekv_score.c", ("-O3", "-march=native", "-fassociative-math", "-fno-signed-zeros",
-                                                    "-fno-trapping-math", "-fno-math-errno"), ("-lm",),
-                           "the K_lr group scorer", per_machine=True, headers=("ekv_float.h",)),
+                                                    "-fno-trapping-math", "-fno-math-errno", "-pthread"),
+                           ("-lm", "-lpthread"), "the K_lr group scorer", per_machine=True, headers=("ekv_float.h",)),
     "attend": NativeLibrary("attend", "ekv_attend.c", ("-O3", "-march=native", "-fassociative-math",
                                                       "-fno-signed-zeros", "-fno-trapping-math", "-fno-math-errno"),
                             ("-lm",), "the records' decode attention", per_machine=True, headers=("ekv_float.h",)),

@@ -194,17 +194,25 @@ class OffloadedKV(KVPolicy):
                 self._picking[layer] = HostPicks(torch.from_numpy(before), active)
             else:
                 self._picking[layer] = self._launch_pick(layer, self.model.query(layer, x, rope) if self.predict
-                                                         else None)
+                                                         else None, ahead=True)
             self.select_s += time.perf_counter() - started
-            if self.model.device.type != "cuda":  # no queue to keep fed: the reads start at once
-                self.take_picks()
+            if self.model.device.type != "cuda":  # no queue to keep fed: the reads start once the picks are made
+                self._take_picks(wait_upto=-1)
 
     def take_picks(self) -> None:
         """The launched picks on the host, in layer order: slots assigned and the misses' reads submitted (at each
         attention; a hybrid model's local layers call it too, so a global layer's reads start a layer ahead)."""
+        self._take_picks(wait_upto=None)
+
+    def _take_picks(self, wait_upto: int | None) -> None:
+        """``take_picks``, waiting only for the layers up to ``wait_upto`` (None: every one): a later layer's picks
+        are taken while they are made, and the rest wait for the next call."""
         while self._picking:
             layer = next(iter(self._picking))
-            picks = self._picking.pop(layer)
+            picks = self._picking[layer]
+            if wait_upto is not None and layer > wait_upto and not picks.ready():
+                return
+            del self._picking[layer]
             started = time.perf_counter()
             self._fetch_picks(layer, *picks.result(), picks.active, started)
 
@@ -229,10 +237,17 @@ class OffloadedKV(KVPolicy):
         """Whether ``layer`` corrects its guess this step."""
         return bool(self.correction_reads) and self._probes.due(layer, self._steps)
 
-    def _launch_pick(self, layer: int, q: torch.Tensor | None) -> "HostPicks":
-        """The selector's picks for ``layer`` from query ``q``, on their way to the host."""
-        outside_window = np.maximum(self.n_groups - self.window_groups, 0)
-        groups, valid = self.selector.select(layer, q, torch.from_numpy(outside_window), first=self.sink_groups)
+    def _launch_pick(self, layer: int, q: torch.Tensor | None, ahead: bool = False) -> "HostPicks | ScoredPicks":
+        """The selector's picks for ``layer`` from query ``q``, on their way to the host; ``ahead``: a layer ahead,
+        so the selector may still be making them (``Selector.launch``) when this returns."""
+        outside_window = torch.from_numpy(np.maximum(self.n_groups - self.window_groups, 0))
+        if ahead:
+            picking = self.selector.launch(layer, q, outside_window, first=self.sink_groups)
+            if not picking.ready():
+                return ScoredPicks(picking, self._active)
+            groups, valid = picking.result()
+        else:
+            groups, valid = self.selector.select(layer, q, outside_window, first=self.sink_groups)
         return HostPicks(torch.where(valid, groups, -1), self._active)
 
     def _pick(self, layer: int, q: torch.Tensor | None) -> tuple[np.ndarray, np.ndarray]:
@@ -300,11 +315,21 @@ class OffloadedKV(KVPolicy):
     def attend(self, layer, q, k, v):
         """Attention over the fetched picks, the sinks and the window; the step's own K/V sit in their ring slot
         first (a token attends to itself) and join the window for good at ``end_step``.  With
-        ``correction_overlap`` the picks in memory are attended while the correction's reads land, then those."""
+        ``correction_overlap`` the picks in memory are attended while the correction's reads land, then those.
+        The next layer's picks are taken before it (a GPU's: its QKV is queued, and their reads start while this
+        layer's land) or, on a CPU, once made: those scored beside this attention are taken after it."""
+        if self.model.device.type != "cpu":
+            self.take_picks()  # this layer's (if not yet) and the next one's
+            return self._attend(layer, q, k, v)
+        self._take_picks(wait_upto=layer)
+        out = self._attend(layer, q, k, v)
+        self.take_picks()  # the next layer's: their reads overlap this layer's MLP
+        return out
+
+    def _attend(self, layer, q, k, v):
         if not self.selector.reads_ahead:
             started = time.perf_counter()
             self._fetch_picks(layer, *self._pick(layer, q), self._active, started)
-        self.take_picks()  # this layer's (if not yet) and the next one's
         rolling = self.rolling[layer]
         write_at, resident = self._step_tensors(q.device)
         rolling[self._batch_index, 0, :, write_at] = k[:, :, 0]
@@ -578,12 +603,35 @@ class HostPicks:
         else:
             self._host = picks
 
+    def ready(self) -> bool:
+        """Whether ``result`` would not wait."""
+        return self._event is None or self._event.query()
+
     def result(self) -> tuple[np.ndarray, np.ndarray]:
         """groups [B, M] (0 where none) and valid [B, M] (a pick, in an active row)."""
         if self._event is not None:
             self._event.synchronize()  # the layer's one wait for the device
-        picks = self._host.numpy()
-        return np.maximum(picks, 0), (picks >= 0) & self.active[:, None]
+        return _on_host(self._host.numpy(), self.active)
+
+
+class ScoredPicks:
+    """A layer's picks still being made beside the compute thread (``Selector.launch`` on a CPU), taken as
+    ``HostPicks`` are."""
+
+    def __init__(self, picking, active: np.ndarray):
+        self.picking, self.active = picking, active
+
+    def ready(self) -> bool:
+        return self.picking.ready()
+
+    def result(self) -> tuple[np.ndarray, np.ndarray]:
+        groups, valid = self.picking.result()
+        return _on_host(torch.where(valid, groups, -1).numpy(), self.active)
+
+
+def _on_host(picks: np.ndarray, active: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Picks [B, M] (-1: none) as groups (0 where none) and valid (a pick, in an ``active`` row)."""
+    return np.maximum(picks, 0), (picks >= 0) & active[:, None]
 
 
 class CorrectionReads(NamedTuple):

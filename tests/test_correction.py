@@ -274,3 +274,25 @@ def test_the_read_share_bench_reports_each_window_of_a_corrected_run(capsys):
         assert float(step_ms) > 0 and 0 <= float(share) <= 1 and float(correction_ms) > 0  # share: 2 decimals
         assert int(records) >= 2 * 2 * 6  # two rows' picks in each of the fixture's two layers, at least
         assert float(corrected) == 1.0  # correction_recall 1: every layer corrects every step
+
+
+@pytest.mark.parametrize("config", [{"correction": "corrected", "reuse": True, "klr_dtype": "int4"},
+                                    {"reuse": False, "guess_from_before": True, "correction": "corrected"}])
+def test_picks_scored_on_the_scoring_thread_change_neither_tokens_nor_reads(model_dirs, tmp_path, monkeypatch, config):
+    """On a CPU with a second core the layer-ahead scores are made on the scoring thread while the layer before
+    attends, and taken after that attention: the same tokens, logits, reads and reuse as when scored in line."""
+    from edgekv.runtime import selector as selector_module
+    scored_aside = []
+    result = selector_module.ScoredAside.result
+    monkeypatch.setattr(selector_module.ScoredAside, "result", lambda self: scored_aside.append(1) or result(self))
+    runs = {}
+    for cores in (2, 1):
+        monkeypatch.setattr(selector_module, "_cores", lambda: cores)
+        runs[cores] = _run(model_dirs["llama"], tmp_path / f"cores{cores}", **config)
+        assert bool(scored_aside) == (cores == 2)
+        scored_aside.clear()
+    for aside, in_line in zip(runs[2], runs[1]):
+        assert aside.token_ids == in_line.token_ids
+        assert all(torch.equal(a, b) for a, b in zip(aside.logits, in_line.logits))
+        for key in ("kv_bytes_read", "reuse_hits", "kv_correction_records", "kv_records_read"):
+            assert aside.stats[key] == in_line.stats[key], key

@@ -109,3 +109,39 @@ def test_loading_the_native_libraries_keeps_subnormal_floats():
             native_build.load(name)
     tiny = np.float32(1e-45)  # the smallest float32 subnormal
     assert tiny * np.float32(1.0) > 0 and torch.tensor(1e-45) * 1.0 > 0
+
+
+@pytest.mark.parametrize("klr_dtype", ["bfloat16", "int8", "int4"])
+def test_picks_launched_on_the_scoring_thread_equal_those_selected_on_the_callers(klr_dtype, monkeypatch):
+    """``launch`` hands the native call to the scoring thread (a C thread, ekv_score.c) and takes the top-M when the
+    picks are asked for: the same groups as ``select``, for several launches in flight one after another, waited for
+    out of order, and a batch of sequences of different lengths."""
+    monkeypatch.setattr(selector_module, "_cores", lambda: 2)
+    torch.manual_seed(5)
+    lengths = [37 * 4 + 1, 20 * 4]
+    selector = filled_selector(klr_dtype, "softmax", 12, 4, 2, lengths, M=7)
+    counts = np.array([n // 4 for n in lengths])
+    queries = [torch.randn(2, 6, 1, 16) for _ in range(3)]
+    launched = [selector.launch(0, q, torch.from_numpy(counts), first=1) for q in queries]
+    assert all(isinstance(p, selector_module.ScoredAside) for p in launched)
+    for picking, q in reversed(list(zip(launched, queries))):
+        groups, valid = picking.result()
+        assert picking.ready()
+        expected_groups, expected_valid = selector.select(0, q, counts, first=1)
+        assert torch.equal(valid, expected_valid) and torch.equal(groups[valid], expected_groups[expected_valid])
+    selector.close()
+
+
+def test_with_one_core_or_once_closed_the_picks_are_made_on_the_callers_thread(monkeypatch):
+    """A scoring thread would only take turns with the compute on one core: none is opened, and after ``close`` (its
+    calls finished) a launch scores where it is called."""
+    selector = filled_selector("int8", "softmax", 8, 4, 1, [40])
+    monkeypatch.setattr(selector_module, "_cores", lambda: 1)
+    assert isinstance(selector.launch(0, torch.randn(1, 6, 1, 16), torch.tensor([10])), selector_module.Picked)
+    selector = filled_selector("int8", "softmax", 8, 4, 1, [40])
+    monkeypatch.setattr(selector_module, "_cores", lambda: 2)
+    in_flight = selector.launch(0, torch.randn(1, 6, 1, 16), torch.tensor([10]))
+    assert isinstance(in_flight, selector_module.ScoredAside)
+    selector.close()
+    assert in_flight.ready() and in_flight.result()[1].all()
+    assert isinstance(selector.launch(0, torch.randn(1, 6, 1, 16), torch.tensor([10])), selector_module.Picked)
