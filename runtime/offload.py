@@ -508,14 +508,16 @@ class OffloadedKV(KVPolicy):
 
     def _flush_group(self, seq: int, span: slice, on_host: torch.Tensor) -> None:
         """The rolling buffer of ``seq`` is one full group (``on_host``: its K/V [L, 2, H_kv, G, d] on the host): write
-        it to disk and add its keys to K_lr."""
+        it to disk and add its keys to K_lr, every layer's record packed at once and every layer's keys projected
+        at once (one call each, not one a layer)."""
         group = int(self.n_groups[seq])
+        records = self.layout.pack(*(on_host[:, i].transpose(0, 1).flatten(1, 2) for i in (0, 1)))  # [L, stride]
         for layer in range(self.model.dims.n_layers):
-            k, v = self.rolling[layer, seq, 0, :, span], self.rolling[layer, seq, 1, :, span]
-            self.store.write_groups(seq, layer, group, self.layout.pack(on_host[layer, 0], on_host[layer, 1]))
-            self.selector.append(layer, seq, group * self.G, k)
-            if group < self.sink_groups:
-                self._keep_group(layer, seq, group, k, v, in_ring=False)
+            self.store.write_groups(seq, layer, group, records[layer : layer + 1])
+        self.selector.append_layers(seq, group * self.G, self.rolling[:, seq, 0, :, span])
+        for layer in range(self.model.dims.n_layers) if group < self.sink_groups else ():
+            self._keep_group(layer, seq, group, self.rolling[layer, seq, 0, :, span],
+                             self.rolling[layer, seq, 1, :, span], in_ring=False)
         self.n_groups[seq] += 1
         self.rb_len[seq] = 0
 

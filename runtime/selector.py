@@ -45,6 +45,11 @@ class Selector:
     def append(self, layer: int, seq: int, first_token: int, k: torch.Tensor) -> None:
         """New post-RoPE keys k [H_kv, T, d] of one sequence, starting at ``first_token``."""
 
+    def append_layers(self, seq: int, first_token: int, k: torch.Tensor) -> None:
+        """``append`` for every layer at once: k [L, H_kv, T, d] (a decode step's flushed group)."""
+        for layer in range(k.shape[0]):
+            self.append(layer, seq, first_token, k[layer])
+
     def select(self, layer: int, q: torch.Tensor | None, n_groups: torch.Tensor, first: int = 0
                ) -> tuple[torch.Tensor, torch.Tensor]:
         """q: the layer's predicted queries [B, H, 1, d]; choose among groups ``first <= g < n_groups[b]``
@@ -190,6 +195,7 @@ class LowRankSelector(Selector):
         self.n_kv_heads = n_kv_heads
         self.head_dim = head_dim
         self.adapter = [None] * n_layers if adapter is None else [a.to(device, self.dtype) for a in adapter.matrices]
+        self._stacked: torch.Tensor | None = None  # the adapters [L, H_kv * d, rank], once every layer has one
         # rank-major: a token's row is a column, so scoring runs along the tokens (a query element times a stretch of
         # tokens, no sum across a row); int4 packs two consecutive rank positions a byte
         width = -(-rank * self.bits // stored.itemsize // 8)
@@ -221,16 +227,28 @@ class LowRankSelector(Selector):
             return
         self._store(layer, seq, first_token, flat)
 
-    def _store(self, layer: int, seq: int, first_token: int, flat: torch.Tensor) -> None:
-        rows = slice(first_token, first_token + flat.shape[0])
-        projected = flat.to(self.dtype) @ self.adapter[layer]
+    def append_layers(self, seq, first_token, k):
+        """Every layer's keys projected in one batched matmul and stored in one write (a flush of SmolLM2's 30 layers:
+        one call instead of thirty chains of a dozen)."""
+        if k.shape[2] == 0 or any(a is None for a in self.adapter):
+            return super().append_layers(seq, first_token, k)
+        if self._stacked is None:
+            self._stacked = torch.stack(self.adapter)
+        self._store(slice(None), seq, first_token, k.transpose(1, 2).flatten(2), self._stacked)
+
+    def _store(self, layer: int | slice, seq: int, first_token: int, flat: torch.Tensor,
+               adapter: torch.Tensor | None = None) -> None:
+        """Project ``flat`` [..., T, H_kv * d] (a leading layer dimension where ``layer`` is a slice, ``adapter``
+        then the layers' stacked projections) and store the rows from ``first_token``."""
+        rows = slice(first_token, first_token + flat.shape[-2])
+        projected = flat.to(self.dtype) @ (self.adapter[layer] if adapter is None else adapter)
         if not self.quantized:
-            self.k_lr[layer, seq, :, rows] = projected.T
+            self.k_lr[layer, seq, :, rows] = projected.transpose(-1, -2)
             return
         levels = INT_LEVELS[self.bits]
         scale = projected.float().abs().amax(dim=-1).clamp_min(1e-12) / levels
-        q = (projected.float() / scale[:, None]).round().clamp_(-levels - 1, levels)
-        self.k_lr[layer, seq, :, rows] = (q.to(torch.int8) if self.bits == 8 else _pack_nibbles(q)).T
+        q = (projected.float() / scale[..., None]).round().clamp_(-levels - 1, levels)
+        self.k_lr[layer, seq, :, rows] = (q.to(torch.int8) if self.bits == 8 else _pack_nibbles(q)).transpose(-1, -2)
         self.k_scale[layer, seq, rows] = scale.to(torch.bfloat16)
 
     def end_prefill(self) -> None:
@@ -245,6 +263,7 @@ class LowRankSelector(Selector):
         keys = torch.cat([flat for _, _, flat in waiting])
         fitted = LowRankAdapter.fit([keys], self.n_kv_heads, self.head_dim, self.rank)
         self.adapter[layer] = fitted.matrices[0].to(self.device, self.dtype)
+        self._stacked = None
         self.fitted_on[layer] = keys.shape[0]
         for seq, first_token, flat in waiting:
             self._store(layer, seq, first_token, flat)

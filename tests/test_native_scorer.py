@@ -145,3 +145,22 @@ def test_with_one_core_or_once_closed_the_picks_are_made_on_the_callers_thread(m
     selector.close()
     assert in_flight.ready() and in_flight.result()[1].all()
     assert isinstance(selector.launch(0, torch.randn(1, 6, 1, 16), torch.tensor([10])), selector_module.Picked)
+
+
+@pytest.mark.parametrize("klr_dtype", ["float32", "bfloat16", "int8", "int4"])
+def test_a_flushed_groups_keys_appended_for_every_layer_at_once_store_what_each_layer_would(klr_dtype):
+    """``append_layers`` (a decode step's flush: one batched projection for every layer) stores the same K_lr rows and
+    scales, bit for bit, as appending each layer's keys on its own, for an odd rank and several layers."""
+    torch.manual_seed(3)
+    n_layers, n_kv_heads, head_dim, rank = 3, 2, 16, 7
+    dims = ModelDims(n_layers=n_layers, hidden=6 * head_dim, n_heads=6, n_kv_heads=n_kv_heads, head_dim=head_dim,
+                     vocab=10)
+    adapter = LowRankAdapter([torch.randn(n_kv_heads * head_dim, rank) for _ in range(n_layers)], n_kv_heads, head_dim)
+    selectors = [LowRankSelector(adapter, rank, dims, 2, 64, 4, 5, PredictorConfig(klr_dtype=klr_dtype),
+                                 torch.device("cpu")) for _ in range(2)]
+    keys = torch.randn(n_layers, n_kv_heads, 4, head_dim)
+    selectors[0].append_layers(1, 8, keys)
+    for layer in range(n_layers):
+        selectors[1].append(layer, 1, 8, keys[layer])
+    assert selectors[0].k_lr.abs().sum() > 0
+    assert torch.equal(selectors[0].k_lr, selectors[1].k_lr) and torch.equal(selectors[0].k_scale, selectors[1].k_scale)
