@@ -30,6 +30,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from .aside import AsideThread
 from .disk_store import DiskKVStore, StoreError
 from .forward import decode_attention, decode_attention_part, merge_attention
 from .kv_policy import KVPolicy
@@ -83,6 +84,10 @@ class OffloadedKV(KVPolicy):
                                        model.device, batch * self.M, cfg.io.slot_memory)
         self.record_attention = RecordAttention.for_layout(self.layout, dims.n_heads, model.scaling, model.device,
                                                            model.dtype)
+        # on a CPU a helper thread makes the next layer's scores and shares a correction's (runtime/aside.py): the core
+        # the step leaves to the reads is idle most of the step
+        self.aside = AsideThread.open() if model.device.type == "cpu" else None
+        selector.aside = self.aside
         self.owner = np.arange(batch)  # whose records a sequence's shared leading groups are (share_prefix)
         self.shared_groups = np.zeros(batch, dtype=np.int64)
         self.sink_groups = cfg.sink_groups
@@ -586,6 +591,8 @@ class OffloadedKV(KVPolicy):
         if self._correct_io is not None:
             self._correct_io.shutdown(wait=not hung)
         self.selector.close()
+        if self.aside is not None:  # its jobs finish first: none reads from disk
+            self.aside.close()
         self.store.close()
         if errors:
             raise errors[0]

@@ -13,8 +13,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import os
-import weakref
 
 import numpy as np
 import torch
@@ -23,6 +21,7 @@ from typing import TYPE_CHECKING, Callable, NamedTuple
 
 from . import native_build
 from .adapter import LowRankAdapter
+from .aside import AsideThread, run_units, unit_function
 from .transfer import to_device
 
 log = logging.getLogger(__name__)
@@ -40,6 +39,7 @@ class Selector:
 
     resident_bytes = 0
     reads_ahead = True
+    aside: AsideThread | None = None  # the decode step's helper thread, lent by the policy on a CPU
     uses_adapter = False  # predicts through a low-rank K adapter (a file, or one fitted on the batch)
 
     def append(self, layer: int, seq: int, first_token: int, k: torch.Tensor) -> None:
@@ -140,16 +140,10 @@ def native_scorer() -> ctypes.CDLL | None:
     lib.ekv_group_scores.restype = ctypes.c_int
     lib.ekv_score_max_rank.argtypes = []
     lib.ekv_score_max_rank.restype = ctypes.c_int
-    lib.ekv_scorer_open.argtypes = []
-    lib.ekv_scorer_open.restype = ctypes.c_void_p
-    lib.ekv_scorer_submit.argtypes = [ctypes.c_void_p, *lib.ekv_group_scores.argtypes]
-    lib.ekv_scorer_submit.restype = ctypes.c_int64
-    lib.ekv_scorer_done.argtypes = [ctypes.c_void_p, ctypes.c_int64]
-    lib.ekv_scorer_done.restype = ctypes.c_int
-    lib.ekv_scorer_wait.argtypes = [ctypes.c_void_p, ctypes.c_int64]
-    lib.ekv_scorer_wait.restype = None
-    lib.ekv_scorer_close.argtypes = [ctypes.c_void_p]
-    lib.ekv_scorer_close.restype = None
+    lib.ekv_score_job.argtypes = [ctypes.c_void_p, *lib.ekv_group_scores.argtypes]
+    lib.ekv_score_job.restype = ctypes.c_int
+    lib.ekv_score_job_bytes.argtypes, lib.ekv_score_job_bytes.restype = [], ctypes.c_int
+    lib.job_bytes, lib.unit = lib.ekv_score_job_bytes(), unit_function(lib, "ekv_score_unit")
     lib.max_rank = lib.ekv_score_max_rank()  # the rank rows it widens on its stack; larger ranks score through torch
     return lib
 
@@ -182,9 +176,7 @@ class LowRankSelector(Selector):
         self.M = groups_per_step
         self.max_groups = -(-max_context // group_tokens)
         self._group_scores = torch.empty(batch, self.max_groups, device=device)  # reused every select
-        self._scratch = {"caller": torch.empty(0), "aside": torch.empty(0)}  # the native scorer's logits, grown once
-        self._scoring: ScoringThread | None = None  # the native scorer's thread, opened at the first launch
-        self._scoring_tried = False
+        self._scratch = torch.empty(0)  # the native scorer's logits, a part for each worker, grown once
         self.fallback = None  # on a CPU, why a select scored through torch instead of the native scorer
         self._outside_key, self._outside_mask = None, None  # (first, counts) -> the groups no row may pick
         stored, self.bits, scale_bytes = KLR_FORMATS[predictor.klr_dtype]
@@ -326,18 +318,17 @@ class LowRankSelector(Selector):
         return self._top(group_scores, counts, first)
 
     def launch(self, layer, q, n_groups, first=0):
-        """On a CPU with a core to spare, the native scorer's call runs on its own thread (``ScoringThread``) and
-        the caller's goes on; the top-M is taken when the picks are."""
+        """With the policy's helper thread (a CPU), the native scorer's job is posted to it and the caller goes on;
+        the top-M is taken when the picks are."""
         self._fit(layer)
         counts = np.asarray(n_groups)
         max_groups = int(counts.max(initial=0))
-        scoring = self._scoring_thread() if max_groups else None
-        if scoring is not None:
+        if self.aside is not None and max_groups:
             out = torch.empty(q.shape[0], self.max_groups)
-            call = self._native_call(layer, q, max_groups, out, "aside")
-            ticket = scoring.submit(*call) if call is not None else -1
-            if ticket >= 0:
-                return ScoredAside(scoring, ticket, lambda: self._top(out, counts, first))
+            job = self._native_job(layer, q, max_groups, out)
+            if job is not None:
+                ticket = self.aside.post(native_scorer().unit, job[0], q.shape[0], keep=job[1])
+                return ScoredAside(self.aside, ticket, lambda: self._top(out, counts, first))
         return super().launch(layer, q, n_groups, first)
 
     def _top(self, group_scores: torch.Tensor, counts: np.ndarray, first: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -355,17 +346,23 @@ class LowRankSelector(Selector):
         return groups, valid
 
     def _native_group_scores(self, layer: int, q: torch.Tensor, max_groups: int, out: torch.Tensor) -> bool:
-        """Each group's score into ``out[:, :max_groups]`` by the native scorer on this thread; False where it does
-        not serve."""
-        call = self._native_call(layer, q, max_groups, out, "caller")
-        return call is not None and native_scorer().ekv_group_scores(*call[0]) == 0
+        """Each group's score into ``out[:, :max_groups]`` by the native scorer, its sequences shared with the helper
+        thread where the policy lent one; False where the scorer does not serve."""
+        job = self._native_job(layer, q, max_groups, out)
+        if job is None:
+            return False
+        if self.aside is not None:
+            self.aside.share(native_scorer().unit, job[0], q.shape[0])
+        else:
+            run_units(native_scorer().unit, job[0], q.shape[0])
+        return True
 
-    def _native_call(self, layer: int, q: torch.Tensor, max_groups: int, out: torch.Tensor, scratch: str
-                     ) -> tuple[tuple, tuple[torch.Tensor, ...]] | None:
-        """The native scorer's arguments for each group's score into ``out[:, :max_groups]`` (one pass over the
-        rank-major rows, no float copy of them: runtime/native/ekv_score.c), its logits in the ``scratch`` buffer
-        ("caller" or "aside", the scoring thread's), and the tensors they point into; None where it does not serve
-        (a GPU, float16 rows, a rank above 256, no compiler), and the torch path computes the same."""
+    def _native_job(self, layer: int, q: torch.Tensor, max_groups: int, out: torch.Tensor
+                    ) -> tuple[np.ndarray, tuple[torch.Tensor, ...]] | None:
+        """The native scorer's job (runtime/native/ekv_score.c: one unit a sequence, one pass over its rank-major
+        rows, no float copy of them) for each group's score into ``out[:, :max_groups]``, and the tensors it points
+        into; None where it does not serve (a GPU, float16 rows, a rank above 256, no compiler), and the torch path
+        computes the same."""
         if self.k_lr.device.type != "cpu":
             return None
         kind = NATIVE_ROWS.get(self.k_lr.dtype if self.bits != 4 else "int4")
@@ -373,32 +370,20 @@ class LowRankSelector(Selector):
         if why is not None:
             self.fallback = f"{why}: scored through torch"
             return None
+        lib = native_scorer()
         n_tokens = max_groups * self.G
         queries = self._low_rank_queries(layer, q).contiguous()
-        if self._scratch[scratch].numel() < queries.shape[1] * n_tokens:  # the logits of every query
-            self._scratch[scratch] = torch.empty(queries.shape[1] * n_tokens)
-        logits = self._scratch[scratch]
+        if self._scratch.numel() < AsideThread.WORKERS * queries.shape[1] * n_tokens:  # every query's logits
+            self._scratch = torch.empty(AsideThread.WORKERS * queries.shape[1] * n_tokens)
         rows, scales = self.k_lr[layer], self.k_scale[layer] if self.quantized else None
-        args = (rows.data_ptr(), rows.stride(1) * rows.element_size(), rows.stride(0) * rows.element_size(),
-                None if scales is None else scales.data_ptr(), 0 if scales is None else scales.stride(0),
-                queries.data_ptr(), queries.shape[0], queries.shape[1], self.rank, n_tokens, self.G, kind,
-                int(self.score_reduce == "softmax"), logits.data_ptr(), out.data_ptr(), out.stride(0))
-        return args, (queries, logits, out)
-
-    def _scoring_thread(self) -> ScoringThread | None:
-        """The native scorer's thread, opened once: None on a GPU, with one core, or where the scorer cannot serve."""
-        if not self._scoring_tried:
-            self._scoring_tried = True
-            kind = NATIVE_ROWS.get(self.k_lr.dtype if self.bits != 4 else "int4")
-            if self.k_lr.device.type == "cpu" and _cores() > 1 and self._why_not_native(kind) is None:
-                self._scoring = ScoringThread.open(native_scorer())
-        return self._scoring
-
-    def close(self) -> None:
-        """The scoring thread finishes its calls and ends; later launches score on the caller's thread."""
-        scoring, self._scoring = self._scoring, None
-        if scoring is not None:
-            scoring.close()
+        job = np.empty(lib.job_bytes, dtype=np.uint8)
+        code = lib.ekv_score_job(
+            job.ctypes.data, rows.data_ptr(), rows.stride(1) * rows.element_size(),
+            rows.stride(0) * rows.element_size(), None if scales is None else scales.data_ptr(),
+            0 if scales is None else scales.stride(0), queries.data_ptr(), queries.shape[0], queries.shape[1],
+            self.rank, n_tokens, self.G, kind, int(self.score_reduce == "softmax"), self._scratch.data_ptr(),
+            out.data_ptr(), out.stride(0))
+        return (job, (queries, self._scratch, out)) if code == 0 else None
 
     def _why_not_native(self, kind: int | None) -> str | None:
         """Why a CPU select cannot take the native scorer (its row format, its rank, no library), or None."""
@@ -437,61 +422,20 @@ class Picked(NamedTuple):
 
 
 class ScoredAside:
-    """Picks whose group scores a ``ScoringThread`` is computing: ``result`` waits for them and takes the top-M."""
+    """Picks whose group scores the helper thread is computing: ``result`` waits for them and takes the top-M."""
 
-    def __init__(self, scoring: ScoringThread, ticket: int, top: Callable[[], tuple[torch.Tensor, torch.Tensor]]):
-        self.scoring, self.ticket, self.top = scoring, ticket, top
+    def __init__(self, aside: AsideThread, ticket: int, top: Callable[[], tuple[torch.Tensor, torch.Tensor]]):
+        self.aside, self.ticket, self.top = aside, ticket, top
 
     def ready(self) -> bool:
-        return self.scoring.done(self.ticket)
+        return self.aside.done(self.ticket)
 
     def result(self) -> tuple[torch.Tensor, torch.Tensor]:
-        self.scoring.wait(self.ticket)
+        self.aside.wait(self.ticket)
         return self.top()
 
 
 Picking = Picked | ScoredAside  # what ``Selector.launch`` returns
-
-
-class ScoringThread:
-    """The native scorer's own thread (ekv_score.c ``ekv_scorer_*``): calls handed over run there in order, beside the
-    caller's compute, without Python's GIL (a Python thread making the same calls slowed the compute thread about as
-    much as it relieved it).  The tensors a call points into stay referenced here until a later call starts, which
-    the thread does only once the one before is done, or the thread closes."""
-
-    def __init__(self, lib: ctypes.CDLL, handle: int):
-        self._lib, self._handle = lib, handle
-        self._in_flight: tuple[torch.Tensor, ...] = ()
-        self._closed = weakref.finalize(self, lib.ekv_scorer_close, handle)  # at close, collection or exit
-
-    @classmethod
-    def open(cls, lib: ctypes.CDLL) -> "ScoringThread | None":
-        handle = lib.ekv_scorer_open()
-        return cls(lib, handle) if handle else None
-
-    def submit(self, args: tuple, tensors: tuple[torch.Tensor, ...]) -> int:
-        """``ekv_group_scores``'s call handed over; its ticket (-1: refused, nothing handed over)."""
-        ticket = self._lib.ekv_scorer_submit(self._handle, *args)
-        if ticket >= 0:
-            self._in_flight = tensors  # the calls before are done: theirs may go
-        return ticket
-
-    def done(self, ticket: int) -> bool:
-        return not self._closed.alive or bool(self._lib.ekv_scorer_done(self._handle, ticket))
-
-    def wait(self, ticket: int) -> None:
-        if self._closed.alive:  # a closed thread finished every call handed over
-            self._lib.ekv_scorer_wait(self._handle, ticket)
-
-    def close(self) -> None:
-        """The calls handed over finish; the thread ends."""
-        self._closed()
-        self._in_flight = ()
-
-
-def _cores() -> int:
-    """The cores this process may run on."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def _pack_nibbles(q: torch.Tensor) -> torch.Tensor:

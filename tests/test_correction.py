@@ -278,16 +278,17 @@ def test_the_read_share_bench_reports_each_window_of_a_corrected_run(capsys):
 
 @pytest.mark.parametrize("config", [{"correction": "corrected", "reuse": True, "klr_dtype": "int4"},
                                     {"reuse": False, "guess_from_before": True, "correction": "corrected"}])
-def test_picks_scored_on_the_scoring_thread_change_neither_tokens_nor_reads(model_dirs, tmp_path, monkeypatch, config):
-    """On a CPU with a second core the layer-ahead scores are made on the scoring thread while the layer before
-    attends, and taken after that attention: the same tokens, logits, reads and reuse as when scored in line."""
-    from edgekv.runtime import selector as selector_module
+def test_a_helper_thread_changes_neither_tokens_nor_reads(model_dirs, tmp_path, monkeypatch, config):
+    """On a CPU with a second core a helper thread makes the layer-ahead scores while the layer before attends (they
+    are taken after that attention) and shares each attention and correction: the same tokens, logits, reads and
+    reuse as with no helper."""
+    from edgekv.runtime import aside, selector as selector_module
     scored_aside = []
     result = selector_module.ScoredAside.result
     monkeypatch.setattr(selector_module.ScoredAside, "result", lambda self: scored_aside.append(1) or result(self))
     runs = {}
     for cores in (2, 1):
-        monkeypatch.setattr(selector_module, "_cores", lambda: cores)
+        monkeypatch.setattr(aside, "cores", lambda: cores)
         runs[cores] = _run(model_dirs["llama"], tmp_path / f"cores{cores}", **config)
         assert bool(scored_aside) == (cores == 2)
         scored_aside.clear()

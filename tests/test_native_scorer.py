@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 import torch
 
+from edgekv.runtime import aside as aside_module
 from edgekv.runtime import selector as selector_module
 from edgekv.runtime.adapter import LowRankAdapter
 from edgekv.runtime.config import PredictorConfig
@@ -112,39 +113,46 @@ def test_loading_the_native_libraries_keeps_subnormal_floats():
 
 
 @pytest.mark.parametrize("klr_dtype", ["bfloat16", "int8", "int4"])
-def test_picks_launched_on_the_scoring_thread_equal_those_selected_on_the_callers(klr_dtype, monkeypatch):
-    """``launch`` hands the native call to the scoring thread (a C thread, ekv_score.c) and takes the top-M when the
-    picks are asked for: the same groups as ``select``, for several launches in flight one after another, waited for
-    out of order, and a batch of sequences of different lengths."""
-    monkeypatch.setattr(selector_module, "_cores", lambda: 2)
+def test_picks_scored_on_the_helper_thread_equal_those_scored_on_the_callers(klr_dtype, monkeypatch):
+    """With a helper thread lent (runtime/aside.py), ``launch`` posts the native scorer's job to it and takes the
+    top-M when the picks are asked for, and ``select`` shares the sequences with it: the same groups as ``select``
+    with no helper, for several launches in flight one after another, waited for out of order, and a batch of
+    sequences of different lengths."""
+    monkeypatch.setattr(aside_module, "cores", lambda: 2)
     torch.manual_seed(5)
-    lengths = [37 * 4 + 1, 20 * 4]
-    selector = filled_selector(klr_dtype, "softmax", 12, 4, 2, lengths, M=7)
-    counts = np.array([n // 4 for n in lengths])
-    queries = [torch.randn(2, 6, 1, 16) for _ in range(3)]
-    launched = [selector.launch(0, q, torch.from_numpy(counts), first=1) for q in queries]
+    lengths = [37 * 4 + 1, 20 * 4, 9 * 4]
+    selector = filled_selector(klr_dtype, "softmax", 12, 4, 3, lengths, M=7)
+    counts = torch.tensor([n // 4 for n in lengths])
+    queries = [torch.randn(3, 6, 1, 16) for _ in range(3)]
+    expected = [selector.select(0, q, counts, first=1) for q in queries]
+    selector.aside = aside_module.AsideThread.open()
+    launched = [selector.launch(0, q, counts, first=1) for q in queries]
     assert all(isinstance(p, selector_module.ScoredAside) for p in launched)
-    for picking, q in reversed(list(zip(launched, queries))):
+    shared = [selector.select(0, q, counts, first=1) for q in queries]
+    for picking, (groups_0, valid_0), (groups_1, valid_1) in reversed(list(zip(launched, expected, shared))):
         groups, valid = picking.result()
         assert picking.ready()
-        expected_groups, expected_valid = selector.select(0, q, counts, first=1)
-        assert torch.equal(valid, expected_valid) and torch.equal(groups[valid], expected_groups[expected_valid])
-    selector.close()
+        for g, v in ((groups, valid), (groups_1, valid_1)):
+            assert torch.equal(v, valid_0) and torch.equal(g[v], groups_0[valid_0])
+    selector.aside.close()
 
 
-def test_with_one_core_or_once_closed_the_picks_are_made_on_the_callers_thread(monkeypatch):
-    """A scoring thread would only take turns with the compute on one core: none is opened, and after ``close`` (its
-    calls finished) a launch scores where it is called."""
+def test_with_one_core_there_is_no_helper_and_a_closed_ones_jobs_run_on_the_caller(monkeypatch):
+    """A helper would only take turns with the compute on one core: none opens.  After ``close`` (its jobs finished)
+    a job posted or shared runs on the caller's thread, with the same picks."""
+    monkeypatch.setattr(aside_module, "cores", lambda: 1)
+    assert aside_module.AsideThread.open() is None
+    monkeypatch.setattr(aside_module, "cores", lambda: 2)
     selector = filled_selector("int8", "softmax", 8, 4, 1, [40])
-    monkeypatch.setattr(selector_module, "_cores", lambda: 1)
-    assert isinstance(selector.launch(0, torch.randn(1, 6, 1, 16), torch.tensor([10])), selector_module.Picked)
-    selector = filled_selector("int8", "softmax", 8, 4, 1, [40])
-    monkeypatch.setattr(selector_module, "_cores", lambda: 2)
-    in_flight = selector.launch(0, torch.randn(1, 6, 1, 16), torch.tensor([10]))
-    assert isinstance(in_flight, selector_module.ScoredAside)
-    selector.close()
-    assert in_flight.ready() and in_flight.result()[1].all()
-    assert isinstance(selector.launch(0, torch.randn(1, 6, 1, 16), torch.tensor([10])), selector_module.Picked)
+    q = torch.randn(1, 6, 1, 16)
+    expected_groups, _ = selector.select(0, q, torch.tensor([10]))
+    selector.aside = aside_module.AsideThread.open()
+    in_flight = selector.launch(0, q, torch.tensor([10]))
+    selector.aside.close()
+    assert in_flight.ready() and torch.equal(in_flight.result()[0], expected_groups)
+    after = selector.launch(0, q, torch.tensor([10]))
+    assert after.ready() and torch.equal(after.result()[0], expected_groups)
+    assert torch.equal(selector.select(0, q, torch.tensor([10]))[0], expected_groups)
 
 
 @pytest.mark.parametrize("klr_dtype", ["float32", "bfloat16", "int8", "int4"])

@@ -15,9 +15,7 @@
  * numbers included).  expf is a polynomial the compiler vectorises (exp_nonpositive).  Single-threaded: a disk
  * policy's decode step runs torch on one core and leaves the other to the reads.
  */
-#include <pthread.h>
 #include <stdint.h>
-#include <stdlib.h>
 #include <string.h>
 
 #include "ekv_float.h"
@@ -132,7 +130,7 @@ static void softmax_votes(float *restrict logits, int queries, int n_tokens) {
 /* The largest rank a call takes (the caller scores larger ones through torch). */
 int ekv_score_max_rank(void) { return MAX_RANK; }
 
-/* One call's arguments: ekv_group_scores's, as a scoring thread takes them. */
+/* One call's arguments (ekv_score_job), so its sequences can be units of a helper thread's job (ekv_aside.c). */
 typedef struct {
     const uint8_t *rows;
     int64_t rank_row_bytes, seq_stride_bytes;
@@ -144,22 +142,34 @@ typedef struct {
     int64_t out_seq_stride;
 } score_job;
 
-static int scores_of(const score_job *j) {
-    if (j->rank > MAX_RANK || j->n_tokens % j->group_tokens) return -1;
-    for (int b = 0; b < j->batch; b++) {
-        logits_of(j->rows + b * j->seq_stride_bytes, j->rank_row_bytes,
-                  j->scales ? j->scales + b * j->scale_seq_stride : NULL, j->q + (int64_t)b * j->queries * j->rank,
-                  j->queries, j->rank, j->n_tokens, j->kind, j->scratch);
-        if (j->softmax) softmax_votes(j->scratch, j->queries, j->n_tokens);
-        float *o = j->out + b * j->out_seq_stride;
-        for (int g = 0; g < j->n_tokens / j->group_tokens; g++) {
-            const float *s = j->scratch + (int64_t)g * j->group_tokens;
-            float top = s[0];
-            for (int t = 1; t < j->group_tokens; t++) top = s[t] > top ? s[t] : top;
-            o[g] = top;
-        }
-    }
+int ekv_score_job_bytes(void) { return (int)sizeof(score_job); }
+
+/* ekv_group_scores's arguments into `job` (a caller's buffer of ekv_score_job_bytes()); 0, or -1 for arguments it
+ * refuses (see ekv_group_scores) */
+int ekv_score_job(score_job *job, const uint8_t *rows, int64_t rank_row_bytes, int64_t seq_stride_bytes,
+                  const uint16_t *scales, int64_t scale_seq_stride, const float *q, int batch, int queries, int rank,
+                  int n_tokens, int group_tokens, int kind, int softmax, float *scratch, float *out,
+                  int64_t out_seq_stride) {
+    if (rank > MAX_RANK || n_tokens % group_tokens) return -1;
+    *job = (score_job){rows, rank_row_bytes, seq_stride_bytes, scales, scale_seq_stride, q, batch, queries, rank,
+                       n_tokens, group_tokens, kind, softmax, scratch, out, out_seq_stride};
     return 0;
+}
+
+/* Sequence b's group scores: one unit of a job; worker w's logits at scratch + w * queries * n_tokens. */
+void ekv_score_unit(void *ctx, int64_t b, int worker) {
+    const score_job *j = ctx;
+    float *logits = j->scratch + (int64_t)worker * j->queries * j->n_tokens;
+    logits_of(j->rows + b * j->seq_stride_bytes, j->rank_row_bytes, j->scales ? j->scales + b * j->scale_seq_stride
+              : NULL, j->q + b * j->queries * j->rank, j->queries, j->rank, j->n_tokens, j->kind, logits);
+    if (j->softmax) softmax_votes(logits, j->queries, j->n_tokens);
+    float *o = j->out + b * j->out_seq_stride;
+    for (int g = 0; g < j->n_tokens / j->group_tokens; g++) {
+        const float *s = logits + (int64_t)g * j->group_tokens;
+        float top = s[0];
+        for (int t = 1; t < j->group_tokens; t++) top = s[t] > top ? s[t] : top;
+        o[g] = top;
+    }
 }
 
 /* scratch: [queries, n_tokens] floats, the logits.  rows: K_lr rank-major, rank row i of sequence b at rows + b *
@@ -169,98 +179,10 @@ static int scores_of(const score_job *j) {
 int ekv_group_scores(const uint8_t *rows, int64_t rank_row_bytes, int64_t seq_stride_bytes, const uint16_t *scales,
                      int64_t scale_seq_stride, const float *q, int batch, int queries, int rank, int n_tokens,
                      int group_tokens, int kind, int softmax, float *scratch, float *out, int64_t out_seq_stride) {
-    score_job job = {rows, rank_row_bytes, seq_stride_bytes, scales, scale_seq_stride, q, batch, queries, rank,
-                     n_tokens, group_tokens, kind, softmax, scratch, out, out_seq_stride};
-    return scores_of(&job);
-}
-
-/* ---- a scoring thread: the layer-ahead scores beside the caller's compute -------------------------------------
- * A thread of C, so it never takes Python's GIL.  A Python thread making the same calls took it to start each call
- * and to hand back its result, and the compute thread waited for it between its own ops: SmolLM2 8K on 2 cores,
- * the deployed configuration, the step 1.03x faster at batch 1; this thread, 1.12x at batch 1 and 1.21x at batch 4
- * (runtime/selector.py ScoringThread).  One call at a time, in order; each has a ticket, and waiting for one waits
- * for it and every call before. */
-typedef struct {
-    pthread_t thread;
-    pthread_mutex_t lock;
-    pthread_cond_t changed;
     score_job job;
-    int64_t posted, finished; /* tickets: the last call handed over, the last one done */
-    int stop;
-} ekv_scorer;
-
-static void *scorer_main(void *arg) {
-    ekv_scorer *s = arg;
-    pthread_mutex_lock(&s->lock);
-    for (;;) {
-        while (!s->stop && s->finished == s->posted) pthread_cond_wait(&s->changed, &s->lock);
-        if (s->finished == s->posted) break; /* stopped, nothing left */
-        score_job job = s->job;
-        pthread_mutex_unlock(&s->lock);
-        scores_of(&job);
-        pthread_mutex_lock(&s->lock);
-        s->finished++;
-        pthread_cond_broadcast(&s->changed);
-    }
-    pthread_mutex_unlock(&s->lock);
-    return NULL;
-}
-
-/* A scoring thread, or NULL when none could start (the caller scores on its own thread). */
-ekv_scorer *ekv_scorer_open(void) {
-    ekv_scorer *s = calloc(1, sizeof *s);
-    if (!s) return NULL;
-    pthread_mutex_init(&s->lock, NULL);
-    pthread_cond_init(&s->changed, NULL);
-    if (pthread_create(&s->thread, NULL, scorer_main, s) != 0) {
-        pthread_cond_destroy(&s->changed);
-        pthread_mutex_destroy(&s->lock);
-        free(s);
-        return NULL;
-    }
-    return s;
-}
-
-/* ekv_group_scores's call handed to the thread (once the call before it is done); its ticket, or -1 for arguments
- * it refuses (nothing handed over).  The buffers must live until the ticket is waited for. */
-int64_t ekv_scorer_submit(ekv_scorer *s, const uint8_t *rows, int64_t rank_row_bytes, int64_t seq_stride_bytes,
-                          const uint16_t *scales, int64_t scale_seq_stride, const float *q, int batch, int queries,
-                          int rank, int n_tokens, int group_tokens, int kind, int softmax, float *scratch, float *out,
-                          int64_t out_seq_stride) {
-    if (rank > MAX_RANK || n_tokens % group_tokens) return -1;
-    score_job job = {rows, rank_row_bytes, seq_stride_bytes, scales, scale_seq_stride, q, batch, queries, rank,
-                     n_tokens, group_tokens, kind, softmax, scratch, out, out_seq_stride};
-    pthread_mutex_lock(&s->lock);
-    while (s->finished != s->posted) pthread_cond_wait(&s->changed, &s->lock);
-    s->job = job;
-    int64_t ticket = ++s->posted;
-    pthread_cond_broadcast(&s->changed);
-    pthread_mutex_unlock(&s->lock);
-    return ticket;
-}
-
-/* 1 once call `ticket` is done, else 0 (never waits) */
-int ekv_scorer_done(ekv_scorer *s, int64_t ticket) {
-    pthread_mutex_lock(&s->lock);
-    int done = s->finished >= ticket;
-    pthread_mutex_unlock(&s->lock);
-    return done;
-}
-
-void ekv_scorer_wait(ekv_scorer *s, int64_t ticket) {
-    pthread_mutex_lock(&s->lock);
-    while (s->finished < ticket) pthread_cond_wait(&s->changed, &s->lock);
-    pthread_mutex_unlock(&s->lock);
-}
-
-/* The calls handed over finish, then the thread ends. */
-void ekv_scorer_close(ekv_scorer *s) {
-    pthread_mutex_lock(&s->lock);
-    s->stop = 1;
-    pthread_cond_broadcast(&s->changed);
-    pthread_mutex_unlock(&s->lock);
-    pthread_join(s->thread, NULL);
-    pthread_cond_destroy(&s->changed);
-    pthread_mutex_destroy(&s->lock);
-    free(s);
+    if (ekv_score_job(&job, rows, rank_row_bytes, seq_stride_bytes, scales, scale_seq_stride, q, batch, queries, rank,
+                      n_tokens, group_tokens, kind, softmax, scratch, out, out_seq_stride))
+        return -1;
+    for (int b = 0; b < batch; b++) ekv_score_unit(&job, b, 0);
+    return 0;
 }

@@ -1,0 +1,121 @@
+"""The decode step's helper thread on a CPU (runtime/native/ekv_aside.c): the core a disk policy's step leaves to the
+reads is idle most of the step, so the native kernels hand it work as units (``fn(ctx, unit, worker)``).
+
+- ``post``: a job the helper runs alone while the caller goes on (the next layer's K_lr scores, runtime/selector.py);
+  ``done``/``wait`` by its ticket.
+- ``share``: a job the caller and the helper take units of until none is left (a correction's scores, one sequence a
+  unit).
+
+A thread of C, so it never takes Python's GIL.  A job's context is a buffer the kernel fills (``ekv_*_job``); what it
+points into stays referenced here until its ticket is known done.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import os
+import weakref
+from collections import deque
+
+import numpy as np
+
+from . import native_build
+
+log = logging.getLogger(__name__)
+
+
+@functools.cache
+def native_aside() -> ctypes.CDLL | None:
+    """The helper thread's library, or None (logged once) when it cannot be built: the caller runs every unit."""
+    lib = native_build.load_or_none("aside", log, "the decode step computes on its own thread")
+    if lib is None:
+        return None
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    signatures = {"ekv_aside_open": ([], p), "ekv_aside_post": ([p, p, p, i64], i64),
+                  "ekv_aside_done": ([p, i64], ctypes.c_int), "ekv_aside_wait": ([p, i64], None),
+                  "ekv_aside_share": ([p, p, p, i64], None), "ekv_aside_close": ([p], None)}
+    for name, (args, result) in signatures.items():
+        getattr(lib, name).argtypes, getattr(lib, name).restype = args, result
+    return lib
+
+
+def unit_function(lib: ctypes.CDLL, name: str) -> int:
+    """The address of a kernel's unit function ``name`` (void fn(void *ctx, int64_t unit, int worker))."""
+    return ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
+
+
+def cores() -> int:
+    """The cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+class AsideThread:
+    """One helper thread; ``open`` gives None where it would only take turns with the caller (one core) or cannot
+    start.  Only the caller's thread posts, shares and waits."""
+
+    WORKERS = 2  # the caller (worker 0) and the helper (worker 1): a shared job's kernel keeps scratch for each
+
+    def __init__(self, lib: ctypes.CDLL, handle: int):
+        self._lib, self._handle = lib, handle
+        self._kept: deque[tuple[int, tuple]] = deque()  # (ticket, what a posted job points into), oldest first
+        self._closed = weakref.finalize(self, lib.ekv_aside_close, handle)  # at close, collection or exit
+
+    @classmethod
+    def open(cls) -> "AsideThread | None":
+        lib = native_aside() if cores() > 1 else None
+        handle = lib.ekv_aside_open() if lib is not None else None
+        return cls(lib, handle) if handle else None
+
+    def post(self, fn: int, job: np.ndarray, units: int, keep: tuple = ()) -> int:
+        """``fn``'s units 0 .. units-1 on the helper, over the job buffer ``job`` (and ``keep``, what it points into,
+        alive until done); its ticket.  Once closed, the caller runs them now (as the helper would)."""
+        if not self._closed.alive:
+            run_units(fn, job, units, worker=1)
+            return 0
+        ticket = self._lib.ekv_aside_post(self._handle, fn, job.ctypes.data, units)
+        self._kept.append((ticket, (job, *keep)))
+        return ticket
+
+    def done(self, ticket: int) -> bool:
+        if not self._closed.alive or self._lib.ekv_aside_done(self._handle, ticket):
+            self._forget(ticket)
+            return True
+        return False
+
+    def wait(self, ticket: int) -> None:
+        if self._closed.alive:  # a closed thread finished every job posted
+            self._lib.ekv_aside_wait(self._handle, ticket)
+        self._forget(ticket)
+
+    def share(self, fn: int, job: np.ndarray, units: int) -> None:
+        """``fn``'s units 0 .. units-1 by the caller and the helper; returns once all are done (once closed, by the
+        caller alone)."""
+        if not self._closed.alive:
+            run_units(fn, job, units, worker=0)
+            return
+        self._lib.ekv_aside_share(self._handle, fn, job.ctypes.data, units)
+
+    def _forget(self, ticket: int) -> None:
+        """Jobs up to ``ticket`` are done: what they pointed into may go."""
+        while self._kept and self._kept[0][0] <= ticket:
+            self._kept.popleft()
+
+    def close(self) -> None:
+        """The jobs posted finish; the thread ends."""
+        self._closed()
+        self._kept.clear()
+
+    @property
+    def closed(self) -> bool:
+        return not self._closed.alive
+
+
+_UNIT = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int)
+
+
+def run_units(fn: int, job: np.ndarray, units: int, worker: int = 0) -> None:
+    """A job's units on the caller's thread (with no helper thread)."""
+    call = _UNIT(fn)
+    for unit in range(units):
+        call(job.ctypes.data, unit, worker)

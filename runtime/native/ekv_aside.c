@@ -1,0 +1,145 @@
+/* A helper thread beside a CPU decode step's compute thread (runtime/aside.py AsideThread).
+ *
+ * The step runs torch on one core and leaves the other to the reads, which keep it busy a fraction of the step.  The
+ * helper takes two kinds of work there, both as units a kernel defines (fn(ctx, unit, worker), worker 0 the caller,
+ * 1 the helper, so each has scratch of its own):
+ *   - posted jobs (ekv_aside_post): run by the helper alone while the caller goes on, in order, each with a ticket
+ *     (the next layer's K_lr scores, ekv_score.c);
+ *   - a shared job (ekv_aside_share): the caller and the helper take its units from one counter until none is left,
+ *     and the call returns once all are done (a correction's scores, a sequence a unit).
+ * Between units the helper looks at the shared job first: the caller is waiting on it.  A thread of C, so it never
+ * takes Python's GIL (a Python thread making the scorer's calls took it to start each call and to hand back its
+ * result, and the compute thread waited for it between its own ops: 1.03x a step where this thread gave 1.12x).
+ * A layer's record attention shared as (sequence, KV head) units gained nothing (SmolLM2 8K, batch 4: 77.6 against
+ * 77.5 ms a step): while it runs the helper is still making the next layer's scores.
+ */
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+typedef void (*ekv_unit_fn)(void *ctx, int64_t unit, int worker);
+
+enum { QUEUE = 4 }; /* posted jobs not yet done; a post waits for room */
+
+typedef struct {
+    ekv_unit_fn fn;
+    void *ctx;
+    int64_t units;
+} job_t;
+
+typedef struct {
+    pthread_t thread;
+    pthread_mutex_t lock;
+    pthread_cond_t changed;
+    job_t queue[QUEUE];      /* posted jobs: ticket t at queue[(t - 1) % QUEUE] */
+    int64_t posted, finished; /* tickets: the last posted, the last done */
+    int64_t queued_next;      /* the next unit of the oldest posted job not done */
+    job_t shared;             /* the caller's shared job, while shared_active */
+    int64_t shared_next, shared_done;
+    int shared_active, stop;
+} ekv_aside;
+
+/* One unit of the shared job if one is left (1), else 0; called with the lock held, returns with it held. */
+static int shared_unit(ekv_aside *a, int worker) {
+    if (!a->shared_active || a->shared_next >= a->shared.units) return 0;
+    int64_t unit = a->shared_next++;
+    pthread_mutex_unlock(&a->lock);
+    a->shared.fn(a->shared.ctx, unit, worker);
+    pthread_mutex_lock(&a->lock);
+    if (++a->shared_done == a->shared.units) pthread_cond_broadcast(&a->changed);
+    return 1;
+}
+
+static void *helper_main(void *arg) {
+    ekv_aside *a = arg;
+    pthread_mutex_lock(&a->lock);
+    for (;;) {
+        if (shared_unit(a, 1)) continue;
+        if (a->finished < a->posted) {
+            job_t job = a->queue[a->finished % QUEUE];
+            int64_t unit = a->queued_next++;
+            pthread_mutex_unlock(&a->lock);
+            if (unit < job.units) job.fn(job.ctx, unit, 1);
+            pthread_mutex_lock(&a->lock);
+            if (unit + 1 >= job.units) {
+                a->finished++;
+                a->queued_next = 0;
+                pthread_cond_broadcast(&a->changed);
+            }
+            continue;
+        }
+        if (a->stop) break;
+        pthread_cond_wait(&a->changed, &a->lock);
+    }
+    pthread_mutex_unlock(&a->lock);
+    return NULL;
+}
+
+/* A helper thread, or NULL when none could start (the caller runs every unit itself). */
+ekv_aside *ekv_aside_open(void) {
+    ekv_aside *a = calloc(1, sizeof *a);
+    if (!a) return NULL;
+    pthread_mutex_init(&a->lock, NULL);
+    pthread_cond_init(&a->changed, NULL);
+    if (pthread_create(&a->thread, NULL, helper_main, a) != 0) {
+        pthread_cond_destroy(&a->changed);
+        pthread_mutex_destroy(&a->lock);
+        free(a);
+        return NULL;
+    }
+    return a;
+}
+
+/* fn's units 0 .. units-1 run on the helper, after the jobs posted before; returns the job's ticket.  ctx and what
+ * it points into must live until the ticket is waited for. */
+int64_t ekv_aside_post(ekv_aside *a, ekv_unit_fn fn, void *ctx, int64_t units) {
+    pthread_mutex_lock(&a->lock);
+    while (a->posted - a->finished == QUEUE) pthread_cond_wait(&a->changed, &a->lock);
+    a->queue[a->posted % QUEUE] = (job_t){fn, ctx, units};
+    int64_t ticket = ++a->posted;
+    pthread_cond_broadcast(&a->changed);
+    pthread_mutex_unlock(&a->lock);
+    return ticket;
+}
+
+/* 1 once posted job `ticket` is done (and every one before it), else 0 (never waits) */
+int ekv_aside_done(ekv_aside *a, int64_t ticket) {
+    pthread_mutex_lock(&a->lock);
+    int done = a->finished >= ticket;
+    pthread_mutex_unlock(&a->lock);
+    return done;
+}
+
+/* Waits for posted job `ticket` and every one before it, helping with nothing meanwhile. */
+void ekv_aside_wait(ekv_aside *a, int64_t ticket) {
+    pthread_mutex_lock(&a->lock);
+    while (a->finished < ticket) pthread_cond_wait(&a->changed, &a->lock);
+    pthread_mutex_unlock(&a->lock);
+}
+
+/* fn's units 0 .. units-1, run by the caller (worker 0) and, once free, the helper (worker 1); returns when all are
+ * done.  One shared job at a time: the caller's thread is the only one that shares. */
+void ekv_aside_share(ekv_aside *a, ekv_unit_fn fn, void *ctx, int64_t units) {
+    pthread_mutex_lock(&a->lock);
+    a->shared = (job_t){fn, ctx, units};
+    a->shared_next = a->shared_done = 0;
+    a->shared_active = 1;
+    pthread_cond_broadcast(&a->changed);
+    while (shared_unit(a, 0)) {
+    }
+    while (a->shared_done < units) pthread_cond_wait(&a->changed, &a->lock);
+    a->shared_active = 0;
+    pthread_mutex_unlock(&a->lock);
+}
+
+/* The jobs posted finish, then the thread ends. */
+void ekv_aside_close(ekv_aside *a) {
+    pthread_mutex_lock(&a->lock);
+    a->stop = 1;
+    pthread_cond_broadcast(&a->changed);
+    pthread_mutex_unlock(&a->lock);
+    pthread_join(a->thread, NULL);
+    pthread_cond_destroy(&a->changed);
+    pthread_mutex_destroy(&a->lock);
+    free(a);
+}
