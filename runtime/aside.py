@@ -111,6 +111,46 @@ class AsideThread:
         return not self._closed.alive
 
 
+class PostOrShare:
+    """Whether a step posts the next layer's scores to the helper or shares them with it, by which kept steps shorter.
+
+    Posted, the compute thread goes on with this layer's QKV and attention while the helper scores, and takes the
+    picks after that attention: their reads start then.  Shared, the compute thread scores half the sequences (all of
+    one) beside the helper and the reads start before this layer's QKV.  Which is faster depends on what the step waits
+    for: SmolLM2 8K, the deployed configuration, posting is 1.14x / 1.23x at batch 1 / 4 with the KV on tmpfs, 1.11x at
+    batch 1 from this machine's disk and 0.93x at batch 4 there, where the step waits on ~3,400 read requests
+    (``bench.aside``).  So both are timed: ``TRIAL_STEPS`` steps of each at the start of every ``CYCLE_STEPS``, the
+    rest of the cycle the one whose median step was shorter."""
+
+    TRIAL_STEPS = 4
+    CYCLE_STEPS = 64
+
+    def __init__(self, fixed: bool | None = None):
+        """``fixed``: always post (True) or share (False), untimed (a bench comparing them); None: timed."""
+        self._step = 0
+        self._trial: dict[bool, list[float]] = {True: [], False: []}
+        self._chosen = True
+        self.fixed = fixed
+
+    @property
+    def posting(self) -> bool:
+        """Whether this step posts."""
+        if self.fixed is not None:
+            return self.fixed
+        at = self._step % self.CYCLE_STEPS
+        return at < self.TRIAL_STEPS if at < 2 * self.TRIAL_STEPS else self._chosen
+
+    def took(self, step_s: float) -> None:
+        """The step just ended took ``step_s``."""
+        at = self._step % self.CYCLE_STEPS
+        if self.fixed is None and at < 2 * self.TRIAL_STEPS:
+            self._trial[at < self.TRIAL_STEPS].append(step_s)
+            if at == 2 * self.TRIAL_STEPS - 1:
+                self._chosen = float(np.median(self._trial[True])) <= float(np.median(self._trial[False]))
+                self._trial = {True: [], False: []}
+        self._step += 1
+
+
 _UNIT = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int)
 
 

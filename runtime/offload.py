@@ -30,7 +30,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from .aside import AsideThread
+from .aside import AsideThread, PostOrShare
 from .disk_store import DiskKVStore, StoreError
 from .forward import decode_attention, decode_attention_part, merge_attention
 from .kv_policy import KVPolicy
@@ -88,6 +88,8 @@ class OffloadedKV(KVPolicy):
         # the step leaves to the reads is idle most of the step
         self.aside = AsideThread.open() if model.device.type == "cpu" else None
         selector.aside = self.aside
+        self.post_or_share = PostOrShare() if self.aside is not None else None
+        self._step_ended = None  # perf_counter at the last end_step: the steps the PostOrShare choice times
         self.owner = np.arange(batch)  # whose records a sequence's shared leading groups are (share_prefix)
         self.shared_groups = np.zeros(batch, dtype=np.int64)
         self.sink_groups = cfg.sink_groups
@@ -199,7 +201,8 @@ class OffloadedKV(KVPolicy):
                 self._picking[layer] = HostPicks(torch.from_numpy(before), active)
             else:
                 self._picking[layer] = self._launch_pick(layer, self.model.query(layer, x, rope) if self.predict
-                                                         else None, ahead=True)
+                                                         else None, ahead=self.post_or_share is None
+                                                         or self.post_or_share.posting)
             self.select_s += time.perf_counter() - started
             if self.model.device.type != "cuda":  # no queue to keep fed: the reads start once the picks are made
                 self._take_picks(wait_upto=-1)
@@ -459,6 +462,10 @@ class OffloadedKV(KVPolicy):
         super().end_step(active)
         self._step = None
         self._steps += 1
+        now = time.perf_counter()
+        if self.post_or_share is not None and self._step_ended is not None:
+            self.post_or_share.took(now - self._step_ended)
+        self._step_ended = now
         self.rb_len[active] += 1
         full = np.flatnonzero(self.rb_len == self.G)
         if len(full):

@@ -172,3 +172,38 @@ def test_a_flushed_groups_keys_appended_for_every_layer_at_once_store_what_each_
         selectors[1].append(layer, 1, 8, keys[layer])
     assert selectors[0].k_lr.abs().sum() > 0
     assert torch.equal(selectors[0].k_lr, selectors[1].k_lr) and torch.equal(selectors[0].k_scale, selectors[1].k_scale)
+
+
+def test_the_helper_bench_alternates_lending_the_helper_on_one_batch(capsys, monkeypatch):
+    """``python -m bench.aside`` on the fixture: the three settings timed in every round, the compute thread's CPU a
+    step beside the process's."""
+    import re
+
+    from bench.aside import main
+
+    monkeypatch.setattr(aside_module, "cores", lambda: 2)
+    main(["--model", "fixture", "--context", "200", "--batch", "2", "--kvswap", "G=4,M=6,C=8,sigma=2",
+          "--extra", '{"reuse": true, "correction": "corrected"}', "--rounds", "2", "--steps", "2"])
+    rows = re.findall(r"^batch 2 (posted|shared|no helper): median ([\d.]+) ms a step \(([\d., ]+)\); the compute "
+                      r"thread's CPU ([\d.]+) ms a step, the process's ([\d.]+); ([\d.]+) x no helper's tok/s",
+                      capsys.readouterr().out, re.M)
+    assert [row[0] for row in rows] == ["posted", "shared", "no helper"] and float(rows[2][5]) == 1.0
+    assert all(float(row[1]) > 0 and len(row[2].split(", ")) == 2 and float(row[4]) >= float(row[3])
+               for row in rows)
+
+
+def test_a_step_posts_or_shares_the_next_layers_scores_by_which_its_trial_steps_ran_shorter():
+    """``PostOrShare``: the first steps of every cycle try posting, then sharing; the rest of the cycle keeps the one
+    whose median step was shorter; a fixed choice is never timed."""
+    choice, trial = aside_module.PostOrShare(), aside_module.PostOrShare.TRIAL_STEPS
+    for cycle, (posted_s, shared_s) in enumerate([(0.05, 0.04), (0.03, 0.04)]):
+        seen = []
+        for _ in range(aside_module.PostOrShare.CYCLE_STEPS):
+            seen.append(choice.posting)
+            choice.took(posted_s if seen[-1] else shared_s)
+        assert seen[: 2 * trial] == [True] * trial + [False] * trial
+        assert set(seen[2 * trial :]) == {cycle == 1}  # shared ran shorter in the first cycle, posted in the second
+    fixed = aside_module.PostOrShare(fixed=False)
+    for _ in range(3 * trial):
+        fixed.took(1.0)
+        assert fixed.posting is False
