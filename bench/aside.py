@@ -9,16 +9,14 @@ picks and the machine's load are the same for all; per setting the median step, 
 import statistics
 import time
 
-from bench.deployed_batch import alternate, parser, text_batch
+from bench.deployed_batch import alternate, alternating_room, parser, text_batch
 from edgekv.runtime.aside import PostOrShare
 
 
 def main(argv=None) -> None:
-    ap = parser(__doc__, batch=4)
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--steps", type=int, default=8, help="timed decode steps a setting takes per round")
+    ap = parser(__doc__, batch=4, rounds=5)
     args = ap.parse_args(argv)
-    with text_batch(args, room=8 + 3 * args.rounds * (args.steps + 1)) as (policy, step):
+    with text_batch(args, room=alternating_room(args, 3)) as (policy, step):
         helper = policy.aside
         if helper is None:
             raise SystemExit("no helper thread here (one core, or its library could not be built): nothing to compare")

@@ -12,17 +12,15 @@ import contextlib
 import json
 import statistics
 
-from bench.deployed_batch import alternate, parser, text_batch
+from bench.deployed_batch import alternate, alternating_room, parser, text_batch
 
 
 def main(argv=None) -> None:
-    ap = parser(__doc__, batch=1)
+    ap = parser(__doc__, batch=1, rounds=4, steps=6, setting="variant")
     ap.add_argument("--variants", default="[{}]", help="JSON list of objects, each merged over --extra")
-    ap.add_argument("--rounds", type=int, default=4)
-    ap.add_argument("--steps", type=int, default=6, help="timed decode steps a variant takes per round")
     args = ap.parse_args(argv)
     variants = json.loads(args.variants)
-    room = 8 + len(variants) * args.rounds * (args.steps + 1)
+    room = alternating_room(args, len(variants))
     with contextlib.ExitStack() as stack:
         engines = []
         for variant in variants:

@@ -19,11 +19,22 @@ DEPLOYED = ("G=4,M=205,C=205,sigma=2", '{"reuse": false, "klr_dtype": "int8", "s
             '"correction": "corrected", "correction_reads": 52, "correction_recall": 0.85, "guess_from_before": true}')
 
 
-def parser(doc: str, batch: int, text: bool = True) -> argparse.ArgumentParser:
-    """A bench's parser, described by the first paragraph of its ``doc``, with the options below."""
+def parser(doc: str, batch: int, text: bool = True, rounds: int | None = None, steps: int = 8,
+           setting: str = "setting") -> argparse.ArgumentParser:
+    """A bench's parser, described by the first paragraph of its ``doc``, with the options below; an A/B's (``rounds``
+    given) also takes ``--rounds`` and ``--steps``, the timed steps a ``setting`` takes per round."""
     ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     add_options(ap, batch, text)
+    if rounds is not None:
+        ap.add_argument("--rounds", type=int, default=rounds)
+        ap.add_argument("--steps", type=int, default=steps, help=f"timed decode steps a {setting} takes per round")
     return ap
+
+
+def alternating_room(args: argparse.Namespace, settings: int) -> int:
+    """The steps past the context an A/B of ``settings`` alternating decodes: 8 warm-up steps, then every round each
+    setting's untimed first step and its ``--steps``."""
+    return 8 + settings * args.rounds * (args.steps + 1)
 
 
 def add_options(ap: argparse.ArgumentParser, batch: int, text: bool = True) -> None:

@@ -8,17 +8,15 @@ median step, the requests and the records read a step (wanted, and read only to 
 import functools
 import statistics
 
-from bench.deployed_batch import alternate, parser, text_batch
+from bench.deployed_batch import alternate, alternating_room, parser, text_batch
 
 
 def main(argv=None) -> None:
-    ap = parser(__doc__, batch=4)
+    ap = parser(__doc__, batch=4, rounds=4, steps=6)
     ap.add_argument("--gaps", default="0,3,6", help="gaps read through, in records (0: split at every gap)")
-    ap.add_argument("--rounds", type=int, default=4)
-    ap.add_argument("--steps", type=int, default=6, help="timed decode steps a setting takes per round")
     args = ap.parse_args(argv)
     gaps = [int(g) for g in args.gaps.split(",")]
-    with text_batch(args, room=8 + len(gaps) * args.rounds * (args.steps + 1)) as (policy, step):
+    with text_batch(args, room=alternating_room(args, len(gaps))) as (policy, step):
         store = policy.store
         ms, counts = alternate(  # counts: requests, records, gap records, seconds reading
             step, {f"gap {gap}": functools.partial(setattr, store, "gap_records", gap) for gap in gaps}, args.rounds,

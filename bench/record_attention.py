@@ -9,15 +9,13 @@ median step and the stall a step.
 import functools
 import statistics
 
-from bench.deployed_batch import alternate, parser, text_batch
+from bench.deployed_batch import alternate, alternating_room, parser, text_batch
 
 
 def main(argv=None) -> None:
-    ap = parser(__doc__, batch=1)
-    ap.add_argument("--rounds", type=int, default=8)
-    ap.add_argument("--steps", type=int, default=8, help="timed decode steps a path takes per round")
+    ap = parser(__doc__, batch=1, rounds=8, steps=8, setting="path")
     args = ap.parse_args(argv)
-    with text_batch(args, room=8 + 2 * args.rounds * (args.steps + 1)) as (policy, step):
+    with text_batch(args, room=alternating_room(args, 2)) as (policy, step):
         native = policy.record_attention
         if native is None:
             raise SystemExit("the native attention does not serve this configuration (a GPU, float16 records, or no "

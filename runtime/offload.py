@@ -89,7 +89,7 @@ class OffloadedKV(KVPolicy):
         self.aside = AsideThread.open() if model.device.type == "cpu" else None
         selector.aside = self.aside
         self.post_or_share = PostOrShare() if self.aside is not None else None
-        self._step_ended = None  # perf_counter at the last end_step: the steps the PostOrShare choice times
+        self._step_started = None  # perf_counter at the step's first prefetch: the steps the PostOrShare choice times
         self.owner = np.arange(batch)  # whose records a sequence's shared leading groups are (share_prefix)
         self.shared_groups = np.zeros(batch, dtype=np.int64)
         self.sink_groups = cfg.sink_groups
@@ -194,6 +194,8 @@ class OffloadedKV(KVPolicy):
         picks reach the host in one copy queued behind the selection, and the host takes them when the layer before
         attends: its QKV is queued by then, so the device does not run dry while the host assigns slots."""
         self._active = active
+        if layer == 0:
+            self._step_started = time.perf_counter()
         if self.selector.reads_ahead:
             started = time.perf_counter()
             before = self._sources.before(layer) if self._sources is not None else None
@@ -462,10 +464,6 @@ class OffloadedKV(KVPolicy):
         super().end_step(active)
         self._step = None
         self._steps += 1
-        now = time.perf_counter()
-        if self.post_or_share is not None and self._step_ended is not None:
-            self.post_or_share.took(now - self._step_ended)
-        self._step_ended = now
         self.rb_len[active] += 1
         full = np.flatnonzero(self.rb_len == self.G)
         if len(full):
@@ -477,6 +475,8 @@ class OffloadedKV(KVPolicy):
         self.decode_steps[active] += 1
         for seq in np.flatnonzero(active & (self.decode_steps == self.recluster_steps)) if self.recluster_steps else ():
             self._recluster(int(seq))
+        if self.post_or_share is not None and self._step_started is not None:  # from its first prefetch: no pause
+            self.post_or_share.took(time.perf_counter() - self._step_started)  # between steps counts
 
     # ---- re-clustering (several KV paths) ----------------------------------------------------------
 

@@ -140,7 +140,7 @@ def native_scorer() -> ctypes.CDLL | None:
     lib.ekv_group_scores.restype = ctypes.c_int
     lib.ekv_score_max_rank.argtypes = []
     lib.ekv_score_max_rank.restype = ctypes.c_int
-    lib.ekv_score_job.argtypes = [ctypes.c_void_p, *lib.ekv_group_scores.argtypes]
+    lib.ekv_score_job.argtypes = [ctypes.c_void_p, *lib.ekv_group_scores.argtypes, ctypes.c_int64]
     lib.ekv_score_job.restype = ctypes.c_int
     lib.ekv_score_job_bytes.argtypes, lib.ekv_score_job_bytes.restype = [], ctypes.c_int
     lib.job_bytes, lib.unit = lib.ekv_score_job_bytes(), unit_function(lib, "ekv_score_unit")
@@ -382,7 +382,7 @@ class LowRankSelector(Selector):
             rows.stride(0) * rows.element_size(), None if scales is None else scales.data_ptr(),
             0 if scales is None else scales.stride(0), queries.data_ptr(), queries.shape[0], queries.shape[1],
             self.rank, n_tokens, self.G, kind, int(self.score_reduce == "softmax"), self._scratch.data_ptr(),
-            out.data_ptr(), out.stride(0))
+            out.data_ptr(), out.stride(0), self._scratch.numel() // AsideThread.WORKERS)
         return (job, (queries, self._scratch, out)) if code == 0 else None
 
     def _why_not_native(self, kind: int | None) -> str | None:

@@ -158,7 +158,9 @@ def test_with_one_core_there_is_no_helper_and_a_closed_ones_jobs_run_on_the_call
 @pytest.mark.parametrize("klr_dtype", ["float32", "bfloat16", "int8", "int4"])
 def test_a_flushed_groups_keys_appended_for_every_layer_at_once_store_what_each_layer_would(klr_dtype):
     """``append_layers`` (a decode step's flush: one batched projection for every layer) stores the same K_lr rows and
-    scales, bit for bit, as appending each layer's keys on its own, for an odd rank and several layers."""
+    scales, bit for bit, as appending each layer's keys on its own, for an odd rank and several layers (the batched
+    matmul runs each layer's product as the single one does: so on x86 with torch's CPU BLAS; a BLAS that blocked
+    them differently would move the float rows by rounding and flip an integer code at a boundary)."""
     torch.manual_seed(3)
     n_layers, n_kv_heads, head_dim, rank = 3, 2, 16, 7
     dims = ModelDims(n_layers=n_layers, hidden=6 * head_dim, n_heads=6, n_kv_heads=n_kv_heads, head_dim=head_dim,

@@ -43,8 +43,9 @@ typedef struct {
 static int shared_unit(ekv_aside *a, int worker) {
     if (!a->shared_active || a->shared_next >= a->shared.units) return 0;
     int64_t unit = a->shared_next++;
+    job_t job = a->shared; /* as posted jobs are: read under the lock */
     pthread_mutex_unlock(&a->lock);
-    a->shared.fn(a->shared.ctx, unit, worker);
+    job.fn(job.ctx, unit, worker);
     pthread_mutex_lock(&a->lock);
     if (++a->shared_done == a->shared.units) pthread_cond_broadcast(&a->changed);
     return 1;

@@ -139,27 +139,28 @@ typedef struct {
     const float *q;
     int batch, queries, rank, n_tokens, group_tokens, kind, softmax;
     float *scratch, *out;
-    int64_t out_seq_stride;
+    int64_t out_seq_stride, worker_floats;
 } score_job;
 
 int ekv_score_job_bytes(void) { return (int)sizeof(score_job); }
 
-/* ekv_group_scores's arguments into `job` (a caller's buffer of ekv_score_job_bytes()); 0, or -1 for arguments it
- * refuses (see ekv_group_scores) */
+/* ekv_group_scores's arguments into `job` (a caller's buffer of ekv_score_job_bytes()), each worker's logits
+ * `worker_floats` apart in the scratch (at least queries * n_tokens; a fixed stride, so jobs of other sizes on the
+ * same scratch never overlap another worker's part); 0, or -1 for arguments it refuses (see ekv_group_scores) */
 int ekv_score_job(score_job *job, const uint8_t *rows, int64_t rank_row_bytes, int64_t seq_stride_bytes,
                   const uint16_t *scales, int64_t scale_seq_stride, const float *q, int batch, int queries, int rank,
                   int n_tokens, int group_tokens, int kind, int softmax, float *scratch, float *out,
-                  int64_t out_seq_stride) {
-    if (rank > MAX_RANK || n_tokens % group_tokens) return -1;
+                  int64_t out_seq_stride, int64_t worker_floats) {
+    if (rank > MAX_RANK || n_tokens % group_tokens || worker_floats < (int64_t)queries * n_tokens) return -1;
     *job = (score_job){rows, rank_row_bytes, seq_stride_bytes, scales, scale_seq_stride, q, batch, queries, rank,
-                       n_tokens, group_tokens, kind, softmax, scratch, out, out_seq_stride};
+                       n_tokens, group_tokens, kind, softmax, scratch, out, out_seq_stride, worker_floats};
     return 0;
 }
 
-/* Sequence b's group scores: one unit of a job; worker w's logits at scratch + w * queries * n_tokens. */
+/* Sequence b's group scores: one unit of a job; worker w's logits at scratch + w * worker_floats. */
 void ekv_score_unit(void *ctx, int64_t b, int worker) {
     const score_job *j = ctx;
-    float *logits = j->scratch + (int64_t)worker * j->queries * j->n_tokens;
+    float *logits = j->scratch + worker * j->worker_floats;
     logits_of(j->rows + b * j->seq_stride_bytes, j->rank_row_bytes, j->scales ? j->scales + b * j->scale_seq_stride
               : NULL, j->q + b * j->queries * j->rank, j->queries, j->rank, j->n_tokens, j->kind, logits);
     if (j->softmax) softmax_votes(logits, j->queries, j->n_tokens);
@@ -181,7 +182,7 @@ int ekv_group_scores(const uint8_t *rows, int64_t rank_row_bytes, int64_t seq_st
                      int group_tokens, int kind, int softmax, float *scratch, float *out, int64_t out_seq_stride) {
     score_job job;
     if (ekv_score_job(&job, rows, rank_row_bytes, seq_stride_bytes, scales, scale_seq_stride, q, batch, queries, rank,
-                      n_tokens, group_tokens, kind, softmax, scratch, out, out_seq_stride))
+                      n_tokens, group_tokens, kind, softmax, scratch, out, out_seq_stride, (int64_t)queries * n_tokens))
         return -1;
     for (int b = 0; b < batch; b++) ekv_score_unit(&job, b, 0);
     return 0;
