@@ -52,10 +52,11 @@ class Limits:
     record_losses: dict = field(default_factory=dict)  # {G: {kv_record_dtype: ppl ratio to exact records}}; {}: exact only
     record_ppl_max: float = 1.01  # without a quality target: the most loss a record format may cost
 
-    def align_bytes(self, dims: ModelDims, kv_dtype: torch.dtype, G: int, record_dtype: str) -> int:
-        """The alignment a record of G tokens in ``record_dtype`` pads to."""
+    def record_layout(self, dims: ModelDims, kv_dtype: torch.dtype, G: int, record_dtype: str) -> RecordLayout:
+        """The layout of a record of G tokens in ``record_dtype``, padded as these limits say (its ``align_bytes``
+        and ``stride_bytes``)."""
         return RecordLayout.padded(G, dims.n_kv_heads, dims.head_dim, kv_dtype, record_dtype, self.io_align_bytes,
-                                   self.block_bytes).align_bytes
+                                   self.block_bytes)
 
     @property
     def alpha(self) -> float:
@@ -114,18 +115,13 @@ def _sequence_bytes(dims: ModelDims, kv_dtype: torch.dtype, limits: Limits, cont
     """(bytes, rank) of one sequence, from the runtime's own memory plan; ``correction``: its runtime fields
     (install.quality.correction_fields; None: guess)."""
     rank = LowRankAdapter.rank_for(dims.n_kv_heads, dims.head_dim, sigma)
+    layout = limits.record_layout(dims, kv_dtype, G, record_dtype)
     cfg = RuntimeConfig.from_flat({"G": G, "M": M, "C": C, "sigma": sigma, "max_batch": 1, "max_context": context,
-                                   "reuse": reuse, "io_align_bytes": limits.align_bytes(dims, kv_dtype, G, record_dtype),
+                                   "reuse": reuse, "io_align_bytes": layout.align_bytes,
                                    "klr_dtype": klr_dtype or limits.klr_dtype, "sink_tokens": sink_tokens,
                                    "window_tokens": window_tokens, "kv_record_dtype": record_dtype, **(correction or {})})
     itemsize = torch.empty(0, dtype=kv_dtype).element_size()
-    stride = _stride(dims, kv_dtype, limits, G, record_dtype)
-    return plan_memory("kvswap", cfg, dims, itemsize, rank, stride).total_bytes, rank
-
-
-def _stride(dims: ModelDims, kv_dtype: torch.dtype, limits: Limits, G: int, record_dtype: str) -> int:
-    return RecordLayout.padded(G, dims.n_kv_heads, dims.head_dim, kv_dtype, record_dtype, limits.io_align_bytes,
-                               limits.block_bytes).stride_bytes
+    return plan_memory("kvswap", cfg, dims, itemsize, rank, layout.stride_bytes).total_bytes, rank
 
 
 def record_choices(limits: Limits, G: int, gated: bool = True) -> list[tuple[str, float]]:
@@ -146,7 +142,7 @@ def fit_memory(budget_bytes: float, dims: ModelDims, kv_dtype: torch.dtype, limi
     ``extra_bytes`` of the budget go to reuse slots beyond M.
     """
     sigmas = [s for s in SIGMAS if s <= limits.sigma_max] or [limits.sigma_max]
-    stride = _stride(dims, kv_dtype, limits, G, record_dtype)
+    stride = limits.record_layout(dims, kv_dtype, G, record_dtype).stride_bytes
     extra_slots = int(extra_bytes // (SlotTable.n_buffers(dims.n_layers) * stride)) if reuse else 0
     M = math.ceil(limits.mg_const / G)
 
@@ -213,7 +209,7 @@ def solve(batch: int, context: int, budget_bytes: float, dims: ModelDims, kv_dty
             hidden = (1 - limits.exposed_io_share) * io <= model
             sol = Solution(batch, context, G, fit.M, fit.C, fit.sigma, hit, io, model, hidden, fit.mg_scaled,
                            fit.bytes_per_sequence, fit.reuse, klr_dtype=limits.klr_dtype, kv_record_dtype=record,
-                           io_align_bytes=limits.align_bytes(dims, kv_dtype, G, record))
+                           io_align_bytes=limits.record_layout(dims, kv_dtype, G, record).align_bytes)
             if best is None or _exposed(sol) < _exposed(best) - 1e-9:
                 best = sol
             if hidden:
@@ -271,7 +267,7 @@ def solve_for_quality(batch: int, context: int, budget_bytes: float, dims: Model
             fitting.append(Solution(batch, context, p.G, M, C, p.sigma, hit, io, model, (1 - limits.exposed_io_share) * io <= model,
                                     False, total, reuse, p.sink_tokens, p.window_tokens, ppl_ratio, met, p.klr_dtype,
                                     record, **correction, t_correct_ms=fix, top1_agreement=p.top1_agreement,
-                                    io_align_bytes=limits.align_bytes(dims, kv_dtype, p.G, record)))
+                                    io_align_bytes=limits.record_layout(dims, kv_dtype, p.G, record).align_bytes))
     if not fitting:
         raise ValueError(
             f"no configuration of the quality table fits {budget_bytes / 2**20:.2f} MiB per sequence at context {context}; "

@@ -106,10 +106,6 @@ class AsideThread:
         self._closed()
         self._kept.clear()
 
-    @property
-    def closed(self) -> bool:
-        return not self._closed.alive
-
 
 class PostOrShare:
     """Whether a step posts the next layer's scores to the helper or shares them with it, by which kept steps shorter.
@@ -117,9 +113,9 @@ class PostOrShare:
     Posted, the compute thread goes on with this layer's QKV and attention while the helper scores, and takes the
     picks after that attention: their reads start then.  Shared, the compute thread scores half the sequences (all of
     one) beside the helper and the reads start before this layer's QKV.  Which is faster depends on what the step waits
-    for: SmolLM2 8K, the deployed configuration, posting is 1.14x / 1.23x at batch 1 / 4 with the KV on tmpfs, 1.11x at
-    batch 1 from this machine's disk and 0.93x at batch 4 there, where the step waits on ~3,400 read requests
-    (``bench.aside``).  So both are timed: ``TRIAL_STEPS`` steps of each at the start of every ``CYCLE_STEPS``, the
+    for: SmolLM2 8K, the deployed configuration, posting is 1.08x / 1.25x no helper at batch 1 / 4 with the KV on tmpfs,
+    1.04x at batch 1 from this machine's disk and 0.92x at batch 4 there (sharing 1.09x), where the step waits on
+    ~3,400 read requests (``bench.aside``, docs/results/aside-ab-smollm2-8k.txt).  So both are timed: ``TRIAL_STEPS`` steps of each at the start of every ``CYCLE_STEPS``, the
     rest of the cycle the one whose median step was shorter."""
 
     TRIAL_STEPS = 4
@@ -151,11 +147,14 @@ class PostOrShare:
         self._step += 1
 
 
-_UNIT = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int)
+@functools.cache
+def _unit_call(fn: int):
+    """A callable for the unit function at ``fn``, made once (each select calls it with no helper)."""
+    return ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int)(fn)
 
 
 def run_units(fn: int, job: np.ndarray, units: int, worker: int = 0) -> None:
     """A job's units on the caller's thread (with no helper thread)."""
-    call = _UNIT(fn)
+    call = _unit_call(fn)
     for unit in range(units):
         call(job.ctypes.data, unit, worker)

@@ -203,7 +203,7 @@ class OffloadedKV(KVPolicy):
                 self._picking[layer] = HostPicks(torch.from_numpy(before), active)
             else:
                 self._picking[layer] = self._launch_pick(layer, self.model.query(layer, x, rope) if self.predict
-                                                         else None, ahead=self.post_or_share is None
+                                                         else None, post=self.post_or_share is None
                                                          or self.post_or_share.posting)
             self.select_s += time.perf_counter() - started
             if self.model.device.type != "cuda":  # no queue to keep fed: the reads start once the picks are made
@@ -247,11 +247,11 @@ class OffloadedKV(KVPolicy):
         """Whether ``layer`` corrects its guess this step."""
         return bool(self.correction_reads) and self._probes.due(layer, self._steps)
 
-    def _launch_pick(self, layer: int, q: torch.Tensor | None, ahead: bool = False) -> "HostPicks | ScoredPicks":
-        """The selector's picks for ``layer`` from query ``q``, on their way to the host; ``ahead``: a layer ahead,
-        so the selector may still be making them (``Selector.launch``) when this returns."""
+    def _launch_pick(self, layer: int, q: torch.Tensor | None, post: bool = False) -> "HostPicks | ScoredPicks":
+        """The selector's picks for ``layer`` from query ``q``, on their way to the host; ``post``: the selector may
+        post its scoring to the helper thread (``Selector.launch``) and still be making them when this returns."""
         outside_window = torch.from_numpy(np.maximum(self.n_groups - self.window_groups, 0))
-        if ahead:
+        if post:
             picking = self.selector.launch(layer, q, outside_window, first=self.sink_groups)
             if not picking.ready():
                 return ScoredPicks(picking, self._active)
