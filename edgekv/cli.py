@@ -48,6 +48,11 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _parsed(argv) -> argparse.Namespace:
+    for item in sys.argv[1:] if argv is None else argv:
+        flag, equals, value = item.partition("=")
+        if flag.startswith("--") and equals and value == "--":  # argparse would strip it and hand on an empty list
+            _parser().error(f"argument {flag}: '--' is not a value (argparse reads it as the end of the options); "
+                            "give the value itself")
     args = _parser().parse_args(argv)
     args.command_line = " ".join(["edgekv", *(sys.argv[1:] if argv is None else argv)])
     return args
