@@ -3,8 +3,8 @@ reads is idle most of the step, so the native kernels hand it work as units (``f
 
 - ``post``: a job the helper runs alone while the caller goes on (the next layer's K_lr scores, runtime/selector.py);
   ``done``/``wait`` by its ticket.
-- ``share``: a job the caller and the helper take units of until none is left (a correction's scores, one sequence a
-  unit).
+- ``share``: a job the caller and the helper take units of until none is left (a correction's scores, a part of a
+  sequence a unit, so a batch of one is shared too).
 
 A thread of C, so it never takes Python's GIL.  A job's context is a buffer the kernel fills (``ekv_*_job``); what it
 points into stays referenced here until its ticket is known done.
@@ -53,8 +53,6 @@ def cores() -> int:
 class AsideThread:
     """One helper thread; ``open`` gives None where it would only take turns with the caller (one core) or cannot
     start.  Only the caller's thread posts, shares and waits."""
-
-    WORKERS = 2  # the caller (worker 0) and the helper (worker 1): a shared job's kernel keeps scratch for each
 
     def __init__(self, lib: ctypes.CDLL, handle: int):
         self._lib, self._handle = lib, handle
@@ -111,8 +109,8 @@ class PostOrShare:
     """Whether a step posts the next layer's scores to the helper or shares them with it, by which kept steps shorter.
 
     Posted, the compute thread goes on with this layer's QKV and attention while the helper scores, and takes the
-    picks after that attention: their reads start then.  Shared, the compute thread scores half the sequences (all of
-    one) beside the helper and the reads start before this layer's QKV.  Which is faster depends on what the step waits
+    picks after that attention: their reads start then.  Shared, the compute thread scores about half the parts of the
+    sequences beside the helper and the reads start before this layer's QKV.  Which is faster depends on what the step waits
     for: SmolLM2 8K, the deployed configuration, posting is 1.08x / 1.25x no helper at batch 1 / 4 with the KV on tmpfs,
     1.04x at batch 1 from this machine's disk and 0.92x at batch 4 there (sharing 1.09x), where the step waits on
     ~3,400 read requests (``bench.aside``, docs/results/aside-ab-smollm2-8k.txt).  So both are timed: ``TRIAL_STEPS`` steps of each at the start of every ``CYCLE_STEPS``, the

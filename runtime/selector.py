@@ -133,17 +133,16 @@ def native_scorer() -> ctypes.CDLL | None:
     lib = native_build.load_or_none("score", log, "scoring through torch")
     if lib is None:
         return None
-    lib.ekv_group_scores.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
-                                     ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                                     ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
-                                     ctypes.c_int64]
-    lib.ekv_group_scores.restype = ctypes.c_int
-    lib.ekv_score_max_rank.argtypes = []
-    lib.ekv_score_max_rank.restype = ctypes.c_int
-    lib.ekv_score_job.argtypes = [ctypes.c_void_p, *lib.ekv_group_scores.argtypes, ctypes.c_int64]
-    lib.ekv_score_job.restype = ctypes.c_int
-    lib.ekv_score_job_bytes.argtypes, lib.ekv_score_job_bytes.restype = [], ctypes.c_int
-    lib.job_bytes, lib.unit = lib.ekv_score_job_bytes(), unit_function(lib, "ekv_score_unit")
+    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.ekv_group_scores.argtypes = [p, i64, i64, p, i64, p, i32, i32, i32, i32, i32, i32, i32, p, i64, p, i64]
+    lib.ekv_group_scores.restype = i32
+    lib.ekv_score_max_rank.argtypes, lib.ekv_score_max_rank.restype = [], i32
+    lib.ekv_score_job.argtypes, lib.ekv_score_job.restype = [p, *lib.ekv_group_scores.argtypes], i64
+    lib.ekv_score_job_bytes.argtypes, lib.ekv_score_job_bytes.restype = [], i32
+    lib.ekv_score_scratch_floats.argtypes, lib.ekv_score_scratch_floats.restype = [i32, i32, i32, i32], i64
+    lib.job_bytes = lib.ekv_score_job_bytes()
+    lib.phases = {False: (unit_function(lib, "ekv_score_unit"),),  # "sum": the logits' group maxima
+                  True: (unit_function(lib, "ekv_score_unit"), unit_function(lib, "ekv_score_vote_unit"))}  # softmax
     lib.max_rank = lib.ekv_score_max_rank()  # the rank rows it widens on its stack; larger ranks score through torch
     return lib
 
@@ -176,7 +175,8 @@ class LowRankSelector(Selector):
         self.M = groups_per_step
         self.max_groups = -(-max_context // group_tokens)
         self._group_scores = torch.empty(batch, self.max_groups, device=device)  # reused every select
-        self._scratch = torch.empty(0)  # the native scorer's logits, a part for each worker, grown once
+        self._scratch = torch.empty(0)  # the native scorer's logits of a select (shared or on the caller), grown once
+        self._posted_scratch: list[torch.Tensor] = []  # scratches of posted jobs whose picks were taken, for reuse
         self.fallback = None  # on a CPU, why a select scored through torch instead of the native scorer
         self._outside_key, self._outside_mask = None, None  # (first, counts) -> the groups no row may pick
         stored, self.bits, scale_bytes = KLR_FORMATS[predictor.klr_dtype]
@@ -325,10 +325,17 @@ class LowRankSelector(Selector):
         max_groups = int(counts.max(initial=0))
         if self.aside is not None and max_groups:
             out = torch.empty(q.shape[0], self.max_groups)
-            job = self._native_job(layer, q, max_groups, out)
+            scratch = self._posted_scratch.pop() if self._posted_scratch else torch.empty(0)
+            job = self._native_job(layer, q, max_groups, out, scratch)
             if job is not None:
-                ticket = self.aside.post(native_scorer().unit, job[0], q.shape[0], keep=job[1])
-                return ScoredAside(self.aside, ticket, lambda: self._top(out, counts, first))
+                for fn in job.phases:  # the helper runs posted jobs in order: a phase's units after the last one's
+                    ticket = self.aside.post(fn, job.buffer, job.units, keep=job.keep)
+
+                def top():
+                    self._posted_scratch.append(job.keep[1])
+                    return self._top(out, counts, first)
+
+                return ScoredAside(self.aside, ticket, top)
         return super().launch(layer, q, n_groups, first)
 
     def _top(self, group_scores: torch.Tensor, counts: np.ndarray, first: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -348,21 +355,23 @@ class LowRankSelector(Selector):
     def _native_group_scores(self, layer: int, q: torch.Tensor, max_groups: int, out: torch.Tensor) -> bool:
         """Each group's score into ``out[:, :max_groups]`` by the native scorer, its sequences shared with the helper
         thread where the policy lent one; False where the scorer does not serve."""
-        job = self._native_job(layer, q, max_groups, out)
+        job = self._native_job(layer, q, max_groups, out, self._scratch)
         if job is None:
             return False
-        if self.aside is not None:
-            self.aside.share(native_scorer().unit, job[0], q.shape[0])
-        else:
-            run_units(native_scorer().unit, job[0], q.shape[0])
+        self._scratch = job.keep[1]
+        for fn in job.phases:
+            if self.aside is not None:
+                self.aside.share(fn, job.buffer, job.units)
+            else:
+                run_units(fn, job.buffer, job.units)
         return True
 
-    def _native_job(self, layer: int, q: torch.Tensor, max_groups: int, out: torch.Tensor
-                    ) -> tuple[np.ndarray, tuple[torch.Tensor, ...]] | None:
-        """The native scorer's job (runtime/native/ekv_score.c: one unit a sequence, one pass over its rank-major
-        rows, no float copy of them) for each group's score into ``out[:, :max_groups]``, and the tensors it points
-        into; None where it does not serve (a GPU, float16 rows, a rank above 256, no compiler), and the torch path
-        computes the same."""
+    def _native_job(self, layer: int, q: torch.Tensor, max_groups: int, out: torch.Tensor, scratch: torch.Tensor
+                    ) -> "ScoreJob | None":
+        """The native scorer's job (runtime/native/ekv_score.c: one pass over the rank-major rows, no float copy of
+        them; units of a part of a sequence) for each group's score into ``out[:, :max_groups]`` over ``scratch``
+        (grown here where short: the job's ``keep[1]``); None where it does not serve (a GPU, float16 rows, a rank
+        above 256, no compiler), and the torch path computes the same."""
         if self.k_lr.device.type != "cpu":
             return None
         kind = NATIVE_ROWS.get(self.k_lr.dtype if self.bits != 4 else "int4")
@@ -373,17 +382,19 @@ class LowRankSelector(Selector):
         lib = native_scorer()
         n_tokens = max_groups * self.G
         queries = self._low_rank_queries(layer, q).contiguous()
-        if self._scratch.numel() < AsideThread.WORKERS * queries.shape[1] * n_tokens:  # every query's logits
-            self._scratch = torch.empty(AsideThread.WORKERS * queries.shape[1] * n_tokens)
+        needed = lib.ekv_score_scratch_floats(queries.shape[0], queries.shape[1], n_tokens, self.G)
+        if scratch.numel() < needed:
+            scratch = torch.empty(needed)
         rows, scales = self.k_lr[layer], self.k_scale[layer] if self.quantized else None
+        softmax = self.score_reduce == "softmax"
         job = np.empty(lib.job_bytes, dtype=np.uint8)
-        code = lib.ekv_score_job(
+        units = lib.ekv_score_job(
             job.ctypes.data, rows.data_ptr(), rows.stride(1) * rows.element_size(),
             rows.stride(0) * rows.element_size(), None if scales is None else scales.data_ptr(),
             0 if scales is None else scales.stride(0), queries.data_ptr(), queries.shape[0], queries.shape[1],
-            self.rank, n_tokens, self.G, kind, int(self.score_reduce == "softmax"), self._scratch.data_ptr(),
-            out.data_ptr(), out.stride(0), self._scratch.numel() // AsideThread.WORKERS)
-        return (job, (queries, self._scratch, out)) if code == 0 else None
+            self.rank, n_tokens, self.G, kind, int(softmax), scratch.data_ptr(), scratch.numel(), out.data_ptr(),
+            out.stride(0))
+        return ScoreJob(job, (queries, scratch, out), units, lib.phases[softmax]) if units >= 0 else None
 
     def _why_not_native(self, kind: int | None) -> str | None:
         """Why a CPU select cannot take the native scorer (its row format, its rank, no library), or None."""
@@ -406,6 +417,16 @@ class LowRankSelector(Selector):
             outside = (index < first) | (index >= counts.astype(np.int64)[:, None])
             self._outside_mask, self._outside_key = to_device(outside, self.device), key
         return self._outside_mask
+
+
+class ScoreJob(NamedTuple):
+    """A native scoring job: its buffer, what it points into (the queries, the scratch, the scores), the units of each
+    phase, and the phases' unit functions, each run to the end before the next starts."""
+
+    buffer: np.ndarray
+    keep: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    units: int
+    phases: tuple[int, ...]
 
 
 class Picked(NamedTuple):

@@ -209,3 +209,27 @@ def test_a_step_posts_or_shares_the_next_layers_scores_by_which_its_trial_steps_
     for _ in range(3 * trial):
         fixed.took(1.0)
         assert fixed.posting is False
+
+
+@pytest.mark.parametrize("score_reduce", ["sum", "softmax"])
+def test_sequences_longer_than_a_part_score_the_same_bits_on_either_thread(score_reduce, monkeypatch):
+    """A sequence scores in parts of 1,024 tokens (runtime/native/ekv_score.c), each keeping its own softmax maximum
+    and sum: the group scores are the same bits with no helper, shared with it and posted to it, and within float32
+    rounding of the torch path's (three parts and a short last one, two parts, one)."""
+    monkeypatch.setattr(aside_module, "cores", lambda: 2)
+    torch.manual_seed(13)
+    lengths = [4 * 700 + 3, 4 * 300, 4 * 40]
+    selector = filled_selector("int4", score_reduce, 24, 4, 3, lengths, M=9)
+    q, counts = torch.randn(3, 6, 1, 16), np.array([n // 4 for n in lengths])
+    (alone, groups, valid), (torch_scores, _, _) = both_paths(selector, q, counts, monkeypatch)
+    monkeypatch.undo()
+    monkeypatch.setattr(aside_module, "cores", lambda: 2)
+    inside = torch.from_numpy(np.arange(alone.shape[1]) < counts[:, None])
+    torch.testing.assert_close(alone[inside], torch_scores[inside], rtol=2e-5, atol=1e-6)
+    selector.aside = aside_module.AsideThread.open()
+    assert selector._native_group_scores(0, q, int(counts.max()), selector._group_scores)
+    assert torch.equal(selector._group_scores[:, : int(counts.max())][inside], alone[inside])
+    posted = selector.launch(0, q, counts)
+    assert isinstance(posted, selector_module.ScoredAside)
+    assert all(torch.equal(a, b) for a, b in zip(posted.result(), (groups, valid)))
+    selector.aside.close()

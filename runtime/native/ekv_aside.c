@@ -6,7 +6,7 @@
  *   - posted jobs (ekv_aside_post): run by the helper alone while the caller goes on, in order, each with a ticket
  *     (the next layer's K_lr scores, ekv_score.c);
  *   - a shared job (ekv_aside_share): the caller and the helper take its units from one counter until none is left,
- *     and the call returns once all are done (a correction's scores, a sequence a unit).
+ *     and the call returns once all are done (a correction's scores, a part of a sequence a unit).
  * Between units the helper looks at the shared job first: the caller is waiting on it.  A thread of C, so it never
  * takes Python's GIL (a Python thread making the scorer's calls took it to start each call and to hand back its
  * result, and the compute thread waited for it between its own ops: 1.03x a step where this thread gave 1.12x).

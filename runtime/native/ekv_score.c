@@ -8,12 +8,13 @@
  *   - "softmax": each query's softmax over the tokens, summed over the queries (one vote per head),
  * and the maximum over each group of G tokens -> out[b, n_tokens / G].  The torch path computes the same in float32
  * through a float copy of the rows, a matmul, a softmax and a reduction: five passes over memory and two large
- * temporaries where this makes one pass over the rows and keeps [c, n_tokens] floats of scratch.
+ * temporaries where this makes one pass over the rows and keeps [c, n_tokens] floats of scratch a sequence.
  *
  * Built with -O3 -march=native and reassociation allowed (runtime/native_build.py), so the dot products and sums
  * vectorise; never -ffast-math, whose startup code would flush subnormals to zero in the whole process (torch's
- * numbers included).  expf is a polynomial the compiler vectorises (exp_nonpositive).  Single-threaded: a disk
- * policy's decode step runs torch on one core and leaves the other to the reads.
+ * numbers included).  expf is a polynomial the compiler vectorises (exp_nonpositive).  A call's work comes in units of
+ * a part of a sequence, in two phases (ekv_score_job), so the decode step's helper thread (ekv_aside.c) can take part
+ * of it, or all of it while the compute thread goes on.
  */
 #include <stdint.h>
 #include <string.h>
@@ -81,17 +82,17 @@ static inline __attribute__((always_inline)) void block_sums(const float *q, int
     memcpy(sums, acc, (size_t)nq * sizeof acc[0]);
 }
 
-/* logits[h, t] = scale_t * (q_h . row_t) for every query h of one sequence, BLOCK tokens at a time: the block's rank
- * rows are widened once into a buffer on the stack (one the compiler knows no other store aliases: in the caller's
- * scratch, or filled a chunk of rank rows at a time, the same loops ran half as fast), then the queries' sums run
- * along the tokens, QUERY_BLOCK queries a pass (a query element times a stretch of one rank row: whole vectors, no
- * sum across a row) */
+/* logits[h * stride + t] = scale_t * (q_h . row_t) for every query h of one sequence and its tokens from <= t < to,
+ * BLOCK tokens at a time: the block's rank rows are widened once into a buffer on the stack (one the compiler knows
+ * no other store aliases: in the caller's scratch, or filled a chunk of rank rows at a time, the same loops ran half
+ * as fast), then the queries' sums run along the tokens, QUERY_BLOCK queries a pass (a query element times a stretch
+ * of one rank row: whole vectors, no sum across a row) */
 static void logits_of(const uint8_t *rows, int64_t rank_row_bytes, const uint16_t *scales, const float *q, int queries,
-                      int rank, int n_tokens, int kind, float *restrict logits) {
+                      int rank, int64_t from, int64_t to, int kind, float *restrict logits, int64_t stride) {
     float widened[MAX_RANK * BLOCK] __attribute__((aligned(sizeof(vfloat)))), sums[QUERY_BLOCK * BLOCK];
-    for (int64_t first = 0; first < n_tokens; first += BLOCK) {
-        int n = n_tokens - first < BLOCK ? (int)(n_tokens - first) : BLOCK;
-        if (first + BLOCK < n_tokens) prefetch_block(rows, rank_row_bytes, rank, first + BLOCK, kind);
+    for (int64_t first = from; first < to; first += BLOCK) {
+        int n = to - first < BLOCK ? (int)(to - first) : BLOCK;
+        if (first + BLOCK < to) prefetch_block(rows, rank_row_bytes, rank, first + BLOCK, kind);
         for (int i = 0; i < rank; i++) widen(widened + i * BLOCK, rows, rank_row_bytes, i, first, n, kind);
         for (int h = 0; h < queries;) {
             int nq = queries - h >= QUERY_BLOCK ? QUERY_BLOCK : 1;
@@ -101,28 +102,9 @@ static void logits_of(const uint8_t *rows, int64_t rank_row_bytes, const uint16_
                 block_sums(q + (int64_t)h * rank, rank, widened, 1, sums);
             for (int a = 0; a < nq; a++, h++) {
                 const float *s = sums + a * BLOCK;
-                float *restrict l = logits + (int64_t)h * n_tokens + first;
+                float *restrict l = logits + h * stride + first;
                 for (int j = 0; j < n; j++) l[j] = scales ? s[j] * bf16_to_float(scales[first + j]) : s[j];
             }
-        }
-    }
-}
-
-/* each query's softmax over the tokens, summed into row 0 */
-static void softmax_votes(float *restrict logits, int queries, int n_tokens) {
-    for (int h = 0; h < queries; h++) {
-        float *restrict l = logits + (int64_t)h * n_tokens;
-        float top = l[0], total = 0.0f;
-        for (int t = 1; t < n_tokens; t++) top = l[t] > top ? l[t] : top;
-        for (int t = 0; t < n_tokens; t++) {
-            l[t] = exp_nonpositive(l[t] - top);
-            total += l[t];
-        }
-        float inv = 1.0f / total;
-        if (h == 0) {
-            for (int t = 0; t < n_tokens; t++) l[t] *= inv;
-        } else {
-            for (int t = 0; t < n_tokens; t++) logits[t] += l[t] * inv;
         }
     }
 }
@@ -130,60 +112,134 @@ static void softmax_votes(float *restrict logits, int queries, int n_tokens) {
 /* The largest rank a call takes (the caller scores larger ones through torch). */
 int ekv_score_max_rank(void) { return MAX_RANK; }
 
-/* One call's arguments (ekv_score_job), so its sequences can be units of a helper thread's job (ekv_aside.c). */
+/* A unit's stretch of one sequence's tokens, PART_TOKENS rounded up to whole groups: a batch of one scores in parts
+ * the caller and the helper thread share (SmolLM2 8K: 8 parts).  Each part keeps its own softmax maximum and sum, and
+ * the parts' sums add in order, so the scores are the same bits whichever worker runs which part. */
+enum { PART_TOKENS = 1024 };
+
+static int64_t part_tokens(int group_tokens) {
+    return (PART_TOKENS + group_tokens - 1) / group_tokens * group_tokens;
+}
+
+/* One call's arguments (ekv_score_job), so its (sequence, part) units can run on a helper thread (ekv_aside.c). */
 typedef struct {
     const uint8_t *rows;
     int64_t rank_row_bytes, seq_stride_bytes;
     const uint16_t *scales;
     int64_t scale_seq_stride;
     const float *q;
-    int batch, queries, rank, n_tokens, group_tokens, kind, softmax;
-    float *scratch, *out;
-    int64_t out_seq_stride, worker_floats;
+    int batch, queries, rank, n_tokens, group_tokens, kind, softmax, parts;
+    int64_t part_tokens;
+    float *logits; /* [batch, queries, n_tokens]: the logits, then each part's e^(logit - the part's maximum) */
+    float *stats;  /* [batch, queries, parts, 2]: each part's maximum logit and sum of its e^ */
+    float *out;
+    int64_t out_seq_stride;
 } score_job;
 
 int ekv_score_job_bytes(void) { return (int)sizeof(score_job); }
 
-/* ekv_group_scores's arguments into `job` (a caller's buffer of ekv_score_job_bytes()), each worker's logits
- * `worker_floats` apart in the scratch (at least queries * n_tokens; a fixed stride, so jobs of other sizes on the
- * same scratch never overlap another worker's part); 0, or -1 for arguments it refuses (see ekv_group_scores) */
-int ekv_score_job(score_job *job, const uint8_t *rows, int64_t rank_row_bytes, int64_t seq_stride_bytes,
-                  const uint16_t *scales, int64_t scale_seq_stride, const float *q, int batch, int queries, int rank,
-                  int n_tokens, int group_tokens, int kind, int softmax, float *scratch, float *out,
-                  int64_t out_seq_stride, int64_t worker_floats) {
-    if (rank > MAX_RANK || n_tokens % group_tokens || worker_floats < (int64_t)queries * n_tokens) return -1;
-    *job = (score_job){rows, rank_row_bytes, seq_stride_bytes, scales, scale_seq_stride, q, batch, queries, rank,
-                       n_tokens, group_tokens, kind, softmax, scratch, out, out_seq_stride, worker_floats};
-    return 0;
+/* The scratch floats a job of these sizes needs. */
+int64_t ekv_score_scratch_floats(int batch, int queries, int n_tokens, int group_tokens) {
+    int64_t parts = (n_tokens + part_tokens(group_tokens) - 1) / part_tokens(group_tokens);
+    return (int64_t)batch * queries * (n_tokens + 2 * parts);
 }
 
-/* Sequence b's group scores: one unit of a job; worker w's logits at scratch + w * worker_floats. */
-void ekv_score_unit(void *ctx, int64_t b, int worker) {
-    const score_job *j = ctx;
-    float *logits = j->scratch + worker * j->worker_floats;
-    logits_of(j->rows + b * j->seq_stride_bytes, j->rank_row_bytes, j->scales ? j->scales + b * j->scale_seq_stride
-              : NULL, j->q + b * j->queries * j->rank, j->queries, j->rank, j->n_tokens, j->kind, logits);
-    if (j->softmax) softmax_votes(logits, j->queries, j->n_tokens);
-    float *o = j->out + b * j->out_seq_stride;
-    for (int g = 0; g < j->n_tokens / j->group_tokens; g++) {
-        const float *s = logits + (int64_t)g * j->group_tokens;
+/* ekv_group_scores's arguments into `job` (a caller's buffer of ekv_score_job_bytes()) over `scratch` (at least
+ * ekv_score_scratch_floats; one job's alone until it is done).  Returns the units of each of its phases (a sequence
+ * times its parts: run every unit of ekv_score_unit, then, with softmax, every unit of ekv_score_vote_unit), or -1
+ * for arguments it refuses (see ekv_group_scores). */
+int64_t ekv_score_job(score_job *job, const uint8_t *rows, int64_t rank_row_bytes, int64_t seq_stride_bytes,
+                      const uint16_t *scales, int64_t scale_seq_stride, const float *q, int batch, int queries,
+                      int rank, int n_tokens, int group_tokens, int kind, int softmax, float *scratch,
+                      int64_t scratch_floats, float *out, int64_t out_seq_stride) {
+    if (rank > MAX_RANK || n_tokens % group_tokens ||
+        scratch_floats < ekv_score_scratch_floats(batch, queries, n_tokens, group_tokens))
+        return -1;
+    int64_t part = part_tokens(group_tokens);
+    int parts = (int)((n_tokens + part - 1) / part);
+    *job = (score_job){rows, rank_row_bytes, seq_stride_bytes, scales, scale_seq_stride, q, batch, queries, rank,
+                       n_tokens, group_tokens, kind, softmax, parts, part, scratch,
+                       scratch + (int64_t)batch * queries * n_tokens, out, out_seq_stride};
+    return (int64_t)batch * parts;
+}
+
+/* each group's maximum of `scores` [to - from] into o[from / G ...] */
+static void group_maxima(const float *scores, int64_t from, int64_t to, int group_tokens, float *o) {
+    for (int64_t g = from / group_tokens; g < to / group_tokens; g++) {
+        const float *s = scores + g * group_tokens - from;
         float top = s[0];
-        for (int t = 1; t < j->group_tokens; t++) top = s[t] > top ? s[t] : top;
+        for (int t = 1; t < group_tokens; t++) top = s[t] > top ? s[t] : top;
         o[g] = top;
     }
 }
 
-/* scratch: [queries, n_tokens] floats, the logits.  rows: K_lr rank-major, rank row i of sequence b at rows + b *
- * seq_stride_bytes + i * rank_row_bytes (int4: row i / 2, nibble i % 2); scales: bfloat16 [n] a sequence, or NULL
- * for float rows.  Returns 0, or -1 (nothing computed: the caller takes the torch path) when the rank exceeds
- * MAX_RANK or n_tokens is not a whole number of groups. */
+/* Phase 1, unit (sequence b, part p): the part's logits; "sum", their group maxima (the scores); "softmax", each
+ * query's e^(logit - the part's maximum) in place and the part's maximum and sum. */
+void ekv_score_unit(void *ctx, int64_t unit, int worker) {
+    (void)worker; /* a job's scratch is its own: no worker keeps state between units */
+    const score_job *j = ctx;
+    int64_t b = unit / j->parts, p = unit % j->parts, from = p * j->part_tokens;
+    int64_t to = from + j->part_tokens < j->n_tokens ? from + j->part_tokens : j->n_tokens;
+    float *logits = j->logits + b * j->queries * j->n_tokens;
+    logits_of(j->rows + b * j->seq_stride_bytes, j->rank_row_bytes,
+              j->scales ? j->scales + b * j->scale_seq_stride : NULL, j->q + b * j->queries * j->rank, j->queries,
+              j->rank, from, to, j->kind, logits, j->n_tokens);
+    if (!j->softmax) {
+        group_maxima(logits + from, from, to, j->group_tokens, j->out + b * j->out_seq_stride);
+        return;
+    }
+    for (int h = 0; h < j->queries; h++) {
+        float *restrict l = logits + (int64_t)h * j->n_tokens;
+        float top = l[from], total = 0.0f;
+        for (int64_t t = from + 1; t < to; t++) top = l[t] > top ? l[t] : top;
+        for (int64_t t = from; t < to; t++) {
+            l[t] = exp_nonpositive(l[t] - top);
+            total += l[t];
+        }
+        float *stat = j->stats + ((b * j->queries + h) * j->parts + p) * 2;
+        stat[0] = top;
+        stat[1] = total;
+    }
+}
+
+/* Phase 2 of "softmax", unit (b, p): each query's softmax over all the sequence's tokens (its parts' sums rescaled to
+ * the largest maximum, added in part order), summed over the queries (one vote per head), and the group maxima. */
+void ekv_score_vote_unit(void *ctx, int64_t unit, int worker) {
+    (void)worker;
+    const score_job *j = ctx;
+    int64_t b = unit / j->parts, p = unit % j->parts, from = p * j->part_tokens;
+    int64_t to = from + j->part_tokens < j->n_tokens ? from + j->part_tokens : j->n_tokens;
+    float *votes = j->logits + b * j->queries * j->n_tokens; /* query 0's row: this part's tokens are this unit's */
+    for (int h = 0; h < j->queries; h++) {
+        const float *stat = j->stats + (b * j->queries + h) * j->parts * 2;
+        float top = stat[0], total = 0.0f;
+        for (int i = 1; i < j->parts; i++) top = stat[2 * i] > top ? stat[2 * i] : top;
+        for (int i = 0; i < j->parts; i++) total += stat[2 * i + 1] * exp_nonpositive(stat[2 * i] - top);
+        float weight = exp_nonpositive(stat[2 * p] - top) / total;
+        const float *restrict e = votes + (int64_t)h * j->n_tokens;
+        if (h == 0) {
+            for (int64_t t = from; t < to; t++) votes[t] = e[t] * weight;
+        } else {
+            for (int64_t t = from; t < to; t++) votes[t] += e[t] * weight;
+        }
+    }
+    group_maxima(votes + from, from, to, j->group_tokens, j->out + b * j->out_seq_stride);
+}
+
+/* scratch: ekv_score_scratch_floats.  rows: K_lr rank-major, rank row i of sequence b at rows + b * seq_stride_bytes
+ * + i * rank_row_bytes (int4: row i / 2, nibble i % 2); scales: bfloat16 [n] a sequence, or NULL for float rows.
+ * Returns 0, or -1 (nothing computed: the caller takes the torch path) when the rank exceeds MAX_RANK, n_tokens is
+ * not a whole number of groups, or the scratch is short. */
 int ekv_group_scores(const uint8_t *rows, int64_t rank_row_bytes, int64_t seq_stride_bytes, const uint16_t *scales,
                      int64_t scale_seq_stride, const float *q, int batch, int queries, int rank, int n_tokens,
-                     int group_tokens, int kind, int softmax, float *scratch, float *out, int64_t out_seq_stride) {
+                     int group_tokens, int kind, int softmax, float *scratch, int64_t scratch_floats, float *out,
+                     int64_t out_seq_stride) {
     score_job job;
-    if (ekv_score_job(&job, rows, rank_row_bytes, seq_stride_bytes, scales, scale_seq_stride, q, batch, queries, rank,
-                      n_tokens, group_tokens, kind, softmax, scratch, out, out_seq_stride, (int64_t)queries * n_tokens))
-        return -1;
-    for (int b = 0; b < batch; b++) ekv_score_unit(&job, b, 0);
+    int64_t units = ekv_score_job(&job, rows, rank_row_bytes, seq_stride_bytes, scales, scale_seq_stride, q, batch,
+                                  queries, rank, n_tokens, group_tokens, kind, softmax, scratch, scratch_floats, out,
+                                  out_seq_stride);
+    if (units < 0) return -1;
+    for (int64_t u = 0; u < units; u++) ekv_score_unit(&job, u, 0);
+    for (int64_t u = 0; softmax && u < units; u++) ekv_score_vote_unit(&job, u, 0);
     return 0;
 }
