@@ -1,5 +1,6 @@
 """The decode step's helper thread (runtime/aside.py), in one process on one prefilled batch: the next layer's scores
-posted to it, shared with it (``PostOrShare``: a step chooses between the two by timing them), and no helper lent,
+posted to it, shared with it (``PostOrShare``: a step chooses between the two by timing them; either way the
+records' attention is shared with it), and no helper lent,
 alternating every ``--steps`` decode steps for ``--rounds`` rounds (each round's first step untimed), so the files, the
 picks and the machine's load are the same for all; per setting the median step, the compute thread's CPU time a step
 (what the helper takes off it) and the process's.
@@ -22,8 +23,12 @@ def main(argv=None) -> None:
             raise SystemExit("no helper thread here (one core, or its library could not be built): nothing to compare")
 
         def setting(aside, post):
-            return lambda: (setattr(policy.selector, "aside", aside),
-                            setattr(policy, "post_or_share", PostOrShare(fixed=post)))
+            def lend():
+                for user in (policy.selector, policy.record_attention):
+                    if user is not None:
+                        user.aside = aside
+                policy.post_or_share = PostOrShare(fixed=post)
+            return lend
 
         settings = {"posted": setting(helper, True), "shared": setting(helper, False), "no helper": setting(None, False)}
         ms, cpu = alternate(step, settings, args.rounds, args.steps, lambda: (time.thread_time(), time.process_time()))

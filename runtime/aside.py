@@ -4,7 +4,8 @@ reads is idle most of the step, so the native kernels hand it work as units (``f
 - ``post``: a job the helper runs alone while the caller goes on (the next layer's K_lr scores, runtime/selector.py);
   ``done``/``wait`` by its ticket.
 - ``share``: a job the caller and the helper take units of until none is left (a correction's scores, a part of a
-  sequence a unit, so a batch of one is shared too).
+  sequence a unit, so a batch of one is shared too; the records' attention, runtime/record_attention.py, a sequence's
+  KV head a unit).
 
 A thread of C, so it never takes Python's GIL.  A job's context is a buffer the kernel fills (``ekv_*_job``); what it
 points into stays referenced here until its ticket is known done.

@@ -84,10 +84,12 @@ class OffloadedKV(KVPolicy):
                                        model.device, batch * self.M, cfg.io.slot_memory)
         self.record_attention = RecordAttention.for_layout(self.layout, dims.n_heads, model.scaling, model.device,
                                                            model.dtype)
-        # on a CPU a helper thread makes the next layer's scores and shares a correction's (runtime/aside.py): the core
-        # the step leaves to the reads is idle most of the step
+        # on a CPU a helper thread makes the next layer's scores and shares a correction's and the records' attention
+        # (runtime/aside.py): the core the step leaves to the reads is idle most of the step
         self.aside = AsideThread.open() if model.device.type == "cpu" else None
         selector.aside = self.aside
+        if self.record_attention is not None:
+            self.record_attention.aside = self.aside
         self.post_or_share = PostOrShare() if self.aside is not None else None
         self._step_started = None  # perf_counter at the step's first prefetch: the steps the PostOrShare choice times
         self.owner = np.arange(batch)  # whose records a sequence's shared leading groups are (share_prefix)

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from . import native_build
+from .aside import AsideThread, unit_function
 from .disk_store import RecordLayout
 from .quant import FloatRecord, QuantRecord
 
@@ -24,7 +25,6 @@ log = logging.getLogger(__name__)
 
 KINDS = {torch.float32: 0, torch.bfloat16: 1}  # the float dtypes the kernel reads (its KV_F32, KV_BF16)
 CODE_KINDS = {8: 2, 4: 3}  # records of codes, by their bits (KV_INT8, KV_INT4)
-ROW_BYTES = 3 * ctypes.sizeof(ctypes.c_void_p) + 8  # the kernel's row_t: three pointers and two int32
 SCALES = ("k_scale", "k_zero", "v_scale", "v_zero")  # QuantRecord's float16 fields, in the kernel's order
 
 
@@ -36,17 +36,23 @@ def native_attention() -> ctypes.CDLL | None:
         return None
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.ekv_attend.argtypes = [p, i32, i32, i32, i32, ctypes.c_float, p, i64, i64, p, p, i32, i32, i32, p, i32, p, i32,
-                               p, i64, i32, p, p]
+                               p, i64, i32, p, i64, p]
     lib.ekv_attend.restype = i32
-    for name in ("ekv_attend_max_head_dim", "ekv_attend_max_group_queries"):
+    lib.ekv_attend_job.argtypes, lib.ekv_attend_job.restype = [p, *lib.ekv_attend.argtypes], i64
+    lib.ekv_attend_scratch_bytes.argtypes, lib.ekv_attend_scratch_bytes.restype = [i32, i32, i64, i32], i64
+    for name in ("ekv_attend_max_head_dim", "ekv_attend_max_group_queries", "ekv_attend_job_bytes"):
         getattr(lib, name).argtypes, getattr(lib, name).restype = [], i32
     lib.max_head_dim, lib.max_group_queries = lib.ekv_attend_max_head_dim(), lib.ekv_attend_max_group_queries()
+    lib.job_bytes, lib.unit = lib.ekv_attend_job_bytes(), unit_function(lib, "ekv_attend_unit")
     return lib
 
 
 class RecordAttention:
     """One query token per sequence over its picked records and the dense segments held in memory; ``for_layout``
-    says whether it serves."""
+    says whether it serves.  With the policy's helper thread lent (``aside``), its (sequence, KV head) units are
+    shared with it."""
+
+    aside: AsideThread | None = None
 
     def __init__(self, lib: ctypes.CDLL, layout: RecordLayout, scaling: float, dtype: torch.dtype):
         self.lib, self.layout, self.scaling, self.dtype = lib, layout, scaling, dtype
@@ -89,16 +95,24 @@ class RecordAttention:
                              f"the kernel reads contiguous {self.dtype}, the model's dtype")
         segments = np.array([[segment.data_ptr(), segment.shape[3]] for segment in dense],
                             dtype=np.int64).reshape(-1, 2)
-        most = slots.shape[1] * layout.group_tokens + int(segments[:, 1].sum())
-        needed = most * (2 * ROW_BYTES + 4 * group_queries)
-        if self._scratch.nbytes < needed:
-            self._scratch = np.empty(needed, dtype=np.uint8)
-        code = self.lib.ekv_attend(
-            query.data_ptr(), b, layout.n_kv_heads, group_queries, d, self.scaling, records.ctypes.data,
-            records.strides[0], records.shape[0], slots.ctypes.data, valid.ctypes.data, slots.shape[1],
-            layout.group_tokens, self.record_kind, self.scales.ctypes.data, self.keys_per_channel,
-            segments.ctypes.data, len(dense), mask.data_ptr(), mask.stride(0), self.dense_kind,
-            self._scratch.ctypes.data, out.data_ptr())
+        worker_bytes = -(-self.lib.ekv_attend_scratch_bytes(slots.shape[1], layout.group_tokens,
+                                                            int(segments[:, 1].sum()), group_queries) // 64) * 64
+        workers = 1 if self.aside is None else 2  # the caller's part of the scratch, then the helper's
+        if self._scratch.nbytes < workers * worker_bytes:
+            self._scratch = np.empty(workers * worker_bytes, dtype=np.uint8)
+        arguments = (query.data_ptr(), b, layout.n_kv_heads, group_queries, d, self.scaling, records.ctypes.data,
+                     records.strides[0], records.shape[0], slots.ctypes.data, valid.ctypes.data, slots.shape[1],
+                     layout.group_tokens, self.record_kind, self.scales.ctypes.data, self.keys_per_channel,
+                     segments.ctypes.data, len(dense), mask.data_ptr(), mask.stride(0), self.dense_kind,
+                     self._scratch.ctypes.data, worker_bytes, out.data_ptr())
+        if self.aside is None:
+            code = self.lib.ekv_attend(*arguments)
+        else:
+            job = np.empty(self.lib.job_bytes, dtype=np.uint8)
+            code = self.lib.ekv_attend_job(job.ctypes.data, *arguments)
+            if code > 0:
+                self.aside.share(self.lib.unit, job, code)
+            code = min(code, 0)
         if code != 0:  # for_layout checked the head shape, the slot table gives slots inside the buffer: a bug
             raise RuntimeError("the native attention refused its input: " + (
                 "a valid pick's slot lies outside the slots" if code == -1 else "a head shape above its maxima or an "

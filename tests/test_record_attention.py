@@ -99,6 +99,25 @@ def test_a_sequence_with_nothing_to_attend_gets_zeros_and_the_others_their_atten
                                atol=2e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("record_dtype", ["auto", "int4"])
+def test_attention_shared_with_the_helper_thread_is_the_same_bits_as_on_the_caller_alone(record_dtype, monkeypatch):
+    """With the policy's helper thread lent, the (sequence, KV head) units are shared with it, each worker in a part
+    of the scratch of its own: the same output, bit for bit, call after call; a bad slot is still refused."""
+    from edgekv.runtime import aside
+    monkeypatch.setattr(aside, "cores", lambda: 2)
+    layout, records, slots, valid, dense, resident, q = _case(3, 9, 3, 64, 4, 40, torch.bfloat16,
+                                                              record_dtype=record_dtype)
+    attention = RecordAttention.for_layout(layout, 9, 0.125, torch.device("cpu"), torch.bfloat16)
+    alone = attention(q, records, slots, valid, dense, resident)
+    attention.aside = aside.AsideThread.open()
+    for _ in range(3):
+        assert torch.equal(attention(q, records, slots, valid, dense, resident), alone)
+    slots[2, 0], valid[2, 0] = records.shape[0], True
+    with pytest.raises(RuntimeError, match="slot lies outside the slots"):
+        attention(q, records, slots, valid, dense, resident)
+    attention.aside.close()
+
+
 def test_a_pick_outside_the_slots_is_an_error_not_a_read_past_them():
     layout, records, slots, valid, dense, resident, q = _case(1, 4, 2, 64, 4, 6, torch.float32)
     slots[0, 0], valid[0, 0] = records.shape[0], True

@@ -10,8 +10,8 @@
  *
  * Scores and sums are float32 (the torch path rounds a bfloat16 model's scores to bfloat16), three passes over a
  * KV head's keys: the scores and their maximum, the exponentials and their sum, the values weighed. Built with -O3
- * -march=native and reassociation allowed (runtime/native_build.py), so the dot products vectorise; single-threaded:
- * the decode step's compute runs on one core and leaves the other to the reads.
+ * -march=native and reassociation allowed (runtime/native_build.py), so the dot products vectorise.  A call's units
+ * are its (sequence, KV head) pairs, so the decode step's helper thread (ekv_aside.c) can take some of them.
  */
 #include <stdint.h>
 #include <string.h>
@@ -137,81 +137,137 @@ static inline __attribute__((always_inline)) void attend_head(const float *q, in
 int ekv_attend_max_head_dim(void) { return MAX_HEAD_DIM; }
 int ekv_attend_max_group_queries(void) { return MAX_GROUP_QUERIES; }
 
+/* One call's arguments and the sizes derived from them (ekv_attend_job), so its (sequence, KV head) units can be
+ * shared with the decode step's helper thread (ekv_aside.c). */
+typedef struct {
+    const float *q;
+    int batch, n_kv_heads, group_queries, d;
+    float scaling;
+    const uint8_t *records;
+    int64_t record_stride;
+    const int64_t *slots;
+    const uint8_t *valid;
+    int picks, group_tokens, record_kind;
+    const int64_t *scales;
+    int keys_per_channel;
+    const int64_t *segments;
+    int n_dense;
+    const uint8_t *dense_mask;
+    int64_t dense_mask_stride;
+    int dense_kind;
+    uint8_t *scratch;
+    int64_t worker_bytes, most, row_bytes, head_bytes, dense_row_bytes;
+    float *out;
+} attend_job;
+
+int ekv_attend_job_bytes(void) { return (int)sizeof(attend_job); }
+
+/* A worker's scratch bytes for a call of `picks` picks of `group_tokens` and `dense_tokens` dense positions. */
+int64_t ekv_attend_scratch_bytes(int picks, int group_tokens, int64_t dense_tokens, int group_queries) {
+    return ((int64_t)picks * group_tokens + dense_tokens) * (2 * (int64_t)sizeof(row_t) + group_queries * 4);
+}
+
+/* ekv_attend's arguments into `job` (a caller's buffer of ekv_attend_job_bytes()), worker w's scratch at scratch +
+ * w * worker_bytes (at least ekv_attend_scratch_bytes).  Returns the units (batch * n_kv_heads: run every one of
+ * ekv_attend_unit), or ekv_attend's refusals. */
+int64_t ekv_attend_job(attend_job *job, const float *q, int batch, int n_kv_heads, int group_queries, int d,
+                       float scaling, const uint8_t *records, int64_t record_stride, int64_t n_slots,
+                       const int64_t *slots, const uint8_t *valid, int picks, int group_tokens, int record_kind,
+                       const int64_t *scales, int keys_per_channel, const int64_t *segments, int n_dense,
+                       const uint8_t *dense_mask, int64_t dense_mask_stride, int dense_kind, void *scratch,
+                       int64_t worker_bytes, float *out) {
+    if (d > MAX_HEAD_DIM || group_queries > MAX_GROUP_QUERIES || record_kind < KV_F32 || record_kind > KV_INT4
+        || dense_kind < KV_F32 || dense_kind > KV_BF16)
+        return -2;
+    for (int64_t i = 0; i < (int64_t)batch * picks; i++)
+        if (valid[i] && (slots[i] < 0 || slots[i] >= n_slots)) return -1;
+    int64_t dense_tokens = 0;
+    for (int s = 0; s < n_dense; s++) dense_tokens += segments[2 * s + 1];
+    if (worker_bytes < ekv_attend_scratch_bytes(picks, group_tokens, dense_tokens, group_queries)) return -2;
+    const int64_t row_bytes = (int64_t)d * element_bits[record_kind] / 8;
+    *job = (attend_job){q, batch, n_kv_heads, group_queries, d, scaling, records, record_stride, slots, valid, picks,
+                        group_tokens, record_kind, scales, keys_per_channel, segments, n_dense, dense_mask,
+                        dense_mask_stride, dense_kind, scratch, worker_bytes, (int64_t)picks * group_tokens
+                        + dense_tokens, row_bytes, group_tokens * row_bytes,
+                        (int64_t)d * element_bits[dense_kind] / 8, out};
+    return (int64_t)batch * n_kv_heads;
+}
+
+/* Unit (sequence b, KV head h) of a job: that head's query heads over its keys and values, in order the picks'
+ * tokens, then the segments' attended positions. */
+void ekv_attend_unit(void *ctx, int64_t unit, int worker) {
+    const attend_job *j = ctx;
+    const int b = (int)(unit / j->n_kv_heads), h = (int)(unit % j->n_kv_heads), coded = j->record_kind >= KV_INT8;
+    row_t *keys = (row_t *)(j->scratch + worker * j->worker_bytes), *values = keys + j->most;
+    float *scores = (float *)(values + j->most); /* [group_queries, most] */
+    int64_t n = 0;
+    for (int m = 0; m < j->picks; m++) {
+        int64_t at = (int64_t)b * j->picks + m;
+        if (!j->valid[at]) continue;
+        const uint8_t *rec = j->records + j->slots[at] * j->record_stride;
+        prefetch_bytes(rec + h * j->head_bytes, j->head_bytes);
+        for (int t = 0; t < j->group_tokens; t++, n++) {
+            keys[n] = (row_t){rec + h * j->head_bytes + t * j->row_bytes, NULL, NULL, j->record_kind, 0};
+            values[n] = (row_t){rec + (j->n_kv_heads + h) * j->head_bytes + t * j->row_bytes, NULL, NULL,
+                                j->record_kind, 0};
+            if (!coded) continue;
+            const int64_t key_at = j->keys_per_channel ? (int64_t)h * j->d : (int64_t)h * j->group_tokens + t;
+            const int64_t value_at = (int64_t)h * j->group_tokens + t;
+            keys[n].scale = (const uint16_t *)(rec + j->scales[0]) + key_at;
+            keys[n].zero = (const uint16_t *)(rec + j->scales[1]) + key_at;
+            keys[n].per_element = j->keys_per_channel;
+            values[n].scale = (const uint16_t *)(rec + j->scales[2]) + value_at;
+            values[n].zero = (const uint16_t *)(rec + j->scales[3]) + value_at;
+        }
+    }
+    const uint8_t *mask = j->dense_mask + b * j->dense_mask_stride;
+    for (int s = 0; s < j->n_dense; s++) {
+        const int64_t tokens = j->segments[2 * s + 1], kv_bytes = j->n_kv_heads * tokens * j->dense_row_bytes;
+        const uint8_t *k = (const uint8_t *)(uintptr_t)j->segments[2 * s] + b * 2 * kv_bytes
+                           + h * tokens * j->dense_row_bytes;
+        for (int64_t t = 0; t < tokens; t++)
+            if (mask[t]) {
+                keys[n] = (row_t){k + t * j->dense_row_bytes, NULL, NULL, j->dense_kind, 0};
+                values[n++] = (row_t){k + kv_bytes + t * j->dense_row_bytes, NULL, NULL, j->dense_kind, 0};
+            }
+        mask += tokens;
+    }
+    const int gq = j->group_queries, d = j->d;
+    const float *qh = j->q + ((int64_t)b * j->n_kv_heads + h) * gq * d;
+    float *oh = j->out + ((int64_t)b * j->n_kv_heads + h) * gq * d;
+    if (n == 0) {
+        memset(oh, 0, (size_t)gq * d * sizeof(float));
+    } else if (d == 64) { /* the common head sizes (SmolLM2 64, Gemma 3 256), unrolled */
+        attend_head(qh, gq, 64, j->scaling, keys, values, n, j->most, scores, oh);
+    } else if (d == 128) {
+        attend_head(qh, gq, 128, j->scaling, keys, values, n, j->most, scores, oh);
+    } else if (d == 256) {
+        attend_head(qh, gq, 256, j->scaling, keys, values, n, j->most, scores, oh);
+    } else {
+        attend_head(qh, gq, d, j->scaling, keys, values, n, j->most, scores, oh);
+    }
+}
+
 /* q [batch, n_kv_heads * group_queries, d] float32 (a KV head's query heads adjacent); out the same shape.
  * records: the slots, `record_stride` bytes apart, `n_slots` of them, in `record_kind`; codes come with `scales`
  * [4] int64, the byte offsets in a record of the keys' scales and zeros and the values' (float16), the keys' per
  * channel [H, d] where `keys_per_channel`, else per token [H, G].  slots/valid [batch, picks] (an invalid pick is
  * skipped).  segments [n_dense, 2] int64: each dense segment's address and its tokens S, the segment [batch, 2,
  * n_kv_heads, S, d] in `dense_kind` (float32 or bfloat16); dense_mask uint8 [batch, sum of S] (`dense_mask_stride`
- * apart), the segments' positions in order, nonzero = attend.  scratch: (picks * group_tokens + sum of S) * (2 row_t
- * + group_queries floats) bytes.  Returns 0; -1 (nothing computed) when a valid pick's slot is outside the slots, -2
- * when d or group_queries exceed the maxima or a kind is unknown (dense rows are never codes). */
+ * apart), the segments' positions in order, nonzero = attend.  scratch: ekv_attend_scratch_bytes.  Returns 0; -1
+ * (nothing computed) when a valid pick's slot is outside the slots, -2 when d or group_queries exceed the maxima, a
+ * kind is unknown (dense rows are never codes) or the scratch is short. */
 int ekv_attend(const float *q, int batch, int n_kv_heads, int group_queries, int d, float scaling,
                const uint8_t *records, int64_t record_stride, int64_t n_slots, const int64_t *slots,
                const uint8_t *valid, int picks, int group_tokens, int record_kind, const int64_t *scales,
                int keys_per_channel, const int64_t *segments, int n_dense, const uint8_t *dense_mask,
-               int64_t dense_mask_stride, int dense_kind, void *scratch, float *out) {
-    if (d > MAX_HEAD_DIM || group_queries > MAX_GROUP_QUERIES || record_kind < KV_F32 || record_kind > KV_INT4
-        || dense_kind < KV_F32 || dense_kind > KV_BF16)
-        return -2;
-    for (int64_t i = 0; i < (int64_t)batch * picks; i++)
-        if (valid[i] && (slots[i] < 0 || slots[i] >= n_slots)) return -1;
-    const int64_t row_bytes = (int64_t)d * element_bits[record_kind] / 8, head_bytes = group_tokens * row_bytes;
-    const int64_t dense_row_bytes = (int64_t)d * element_bits[dense_kind] / 8;
-    const int coded = record_kind >= KV_INT8;
-    int64_t most = (int64_t)picks * group_tokens;
-    for (int s = 0; s < n_dense; s++) most += segments[2 * s + 1];
-    row_t *keys = scratch, *values = keys + most;
-    float *scores = (float *)(values + most); /* [group_queries, most] */
-    for (int b = 0; b < batch; b++) {
-        for (int h = 0; h < n_kv_heads; h++) {
-            /* this KV head's keys and values, in order: the picks' tokens, then the segments' attended positions */
-            int64_t n = 0;
-            for (int m = 0; m < picks; m++) {
-                int64_t at = (int64_t)b * picks + m;
-                if (!valid[at]) continue;
-                const uint8_t *rec = records + slots[at] * record_stride;
-                prefetch_bytes(rec + h * head_bytes, head_bytes);
-                for (int t = 0; t < group_tokens; t++, n++) {
-                    keys[n] = (row_t){rec + h * head_bytes + t * row_bytes, NULL, NULL, record_kind, 0};
-                    values[n] = (row_t){rec + (n_kv_heads + h) * head_bytes + t * row_bytes, NULL, NULL, record_kind,
-                                        0};
-                    if (!coded) continue;
-                    const int64_t key_at = keys_per_channel ? (int64_t)h * d : (int64_t)h * group_tokens + t;
-                    const int64_t value_at = (int64_t)h * group_tokens + t;
-                    keys[n].scale = (const uint16_t *)(rec + scales[0]) + key_at;
-                    keys[n].zero = (const uint16_t *)(rec + scales[1]) + key_at;
-                    keys[n].per_element = keys_per_channel;
-                    values[n].scale = (const uint16_t *)(rec + scales[2]) + value_at;
-                    values[n].zero = (const uint16_t *)(rec + scales[3]) + value_at;
-                }
-            }
-            const uint8_t *mask = dense_mask + b * dense_mask_stride;
-            for (int s = 0; s < n_dense; s++) {
-                const int64_t tokens = segments[2 * s + 1], kv_bytes = n_kv_heads * tokens * dense_row_bytes;
-                const uint8_t *k = (const uint8_t *)(uintptr_t)segments[2 * s] + b * 2 * kv_bytes
-                                   + h * tokens * dense_row_bytes;
-                for (int64_t t = 0; t < tokens; t++)
-                    if (mask[t]) {
-                        keys[n] = (row_t){k + t * dense_row_bytes, NULL, NULL, dense_kind, 0};
-                        values[n++] = (row_t){k + kv_bytes + t * dense_row_bytes, NULL, NULL, dense_kind, 0};
-                    }
-                mask += tokens;
-            }
-            const float *qh = q + ((int64_t)b * n_kv_heads + h) * group_queries * d;
-            float *oh = out + ((int64_t)b * n_kv_heads + h) * group_queries * d;
-            if (n == 0) {
-                memset(oh, 0, (size_t)group_queries * d * sizeof(float));
-            } else if (d == 64) { /* the common head sizes (SmolLM2 64, Gemma 3 256), unrolled */
-                attend_head(qh, group_queries, 64, scaling, keys, values, n, most, scores, oh);
-            } else if (d == 128) {
-                attend_head(qh, group_queries, 128, scaling, keys, values, n, most, scores, oh);
-            } else if (d == 256) {
-                attend_head(qh, group_queries, 256, scaling, keys, values, n, most, scores, oh);
-            } else {
-                attend_head(qh, group_queries, d, scaling, keys, values, n, most, scores, oh);
-            }
-        }
-    }
+               int64_t dense_mask_stride, int dense_kind, void *scratch, int64_t scratch_bytes, float *out) {
+    attend_job job;
+    int64_t units = ekv_attend_job(&job, q, batch, n_kv_heads, group_queries, d, scaling, records, record_stride,
+                                   n_slots, slots, valid, picks, group_tokens, record_kind, scales, keys_per_channel,
+                                   segments, n_dense, dense_mask, dense_mask_stride, dense_kind, scratch,
+                                   scratch_bytes, out);
+    if (units < 0) return (int)units;
+    for (int64_t u = 0; u < units; u++) ekv_attend_unit(&job, u, 0);
     return 0;
 }
