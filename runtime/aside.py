@@ -111,11 +111,12 @@ class PostOrShare:
 
     Posted, the compute thread goes on with this layer's QKV and attention while the helper scores, and takes the
     picks after that attention: their reads start then.  Shared, the compute thread scores about half the parts of the
-    sequences beside the helper and the reads start before this layer's QKV.  Which is faster depends on what the step waits
-    for: SmolLM2 8K, the deployed configuration, posting is 1.08x / 1.25x no helper at batch 1 / 4 with the KV on tmpfs,
-    1.04x at batch 1 from this machine's disk and 0.92x at batch 4 there (sharing 1.09x), where the step waits on
-    ~3,400 read requests (``bench.aside``, docs/results/aside-ab-smollm2-8k.txt).  So both are timed: ``TRIAL_STEPS`` steps of each at the start of every ``CYCLE_STEPS``, the
-    rest of the cycle the one whose median step was shorter."""
+    sequences beside the helper and the reads start before this layer's QKV.  Which is faster depends on what the step
+    waits for: SmolLM2 8K, the deployed configuration, posting is 1.17x / 1.28x no helper at batch 1 / 4 with the KV on
+    tmpfs (sharing 1.03x / 1.27x), 1.08x at batch 1 from this machine's disk (sharing 1.04x) and 1.02x at batch 4
+    there, where sharing is 1.28x: the step waits on ~3,400 read requests, and posting starts them later
+    (``bench.aside``, docs/results/aside-ab-smollm2-8k-s21.txt).  So both are timed: ``TRIAL_STEPS`` steps of each at
+    the start of every ``CYCLE_STEPS``, the rest of the cycle the one whose median step was shorter."""
 
     TRIAL_STEPS = 4
     CYCLE_STEPS = 64

@@ -353,8 +353,8 @@ class LowRankSelector(Selector):
         return groups, valid
 
     def _native_group_scores(self, layer: int, q: torch.Tensor, max_groups: int, out: torch.Tensor) -> bool:
-        """Each group's score into ``out[:, :max_groups]`` by the native scorer, its sequences shared with the helper
-        thread where the policy lent one; False where the scorer does not serve."""
+        """Each group's score into ``out[:, :max_groups]`` by the native scorer, its parts shared with the helper thread
+        where the policy lent one; False where the scorer does not serve."""
         job = self._native_job(layer, q, max_groups, out, self._scratch)
         if job is None:
             return False
