@@ -69,3 +69,50 @@ def test_reverse_map_tracks_evictions():
     assert {int(table.slot_of[0, 0, g]) for g in (5, 6)} == {0, 1}
     _, missed = step(table, [3])
     assert missed == [3]
+
+
+@pytest.mark.parametrize("replacement", ["fifo", "lru"])
+@pytest.mark.parametrize("seed", range(6))
+def test_the_native_assignment_keeps_the_tables_as_the_numpy_path_does(replacement, seed, monkeypatch):
+    """runtime/native/ekv_slots.c against the numpy path on random steps: odd capacities, two sequences pooled by a
+    shared prefix (one picks the other's records), rows without picks, repeated picks, corrections (not counted), steps
+    a pool cannot hold and a pick outside its pool (the same error, nothing changed): the same slots, misses, hits and
+    tables after every step."""
+    from edgekv.runtime import slots as slots_module
+    from edgekv.runtime.slots import record_owners
+    assert slots_module.native_slots() is not None
+    rng = np.random.default_rng(seed)
+    n_layers, batch, capacity, max_groups = 3, 4, int(rng.integers(5, 12)), 40
+    tables = [SlotTable(n_layers, batch, capacity, max_groups, replacement) for _ in range(2)]
+    owner, shared = np.arange(batch), np.zeros(batch, dtype=np.int64)
+    if seed % 2:
+        owner[2], shared[2] = 0, 10
+        for table in tables:
+            table.share([0, 2])
+    errors = 0
+    for step in range(80):
+        picks = capacity + (3 if step % 7 == 6 else 0)  # past a lone sequence's slots now and then
+        groups = rng.integers(0, max_groups if step % 3 else 12, (batch, picks))  # every third step: many repeats
+        valid = rng.random((batch, picks)) < 0.8
+        valid[1] &= step % 5 != 0
+        owners = record_owners(groups, owner, shared)
+        if step % 11 == 10:
+            owners[1, 0], valid[1, 0] = 3, True  # a record of a sequence outside row 1's pool
+        results = []
+        for native, table in zip((True, False), tables):
+            with monkeypatch.context() as patched:
+                if not native:
+                    patched.setattr(slots_module, "native_slots", lambda: None)
+                try:
+                    results.append(table.assign(step % n_layers, groups, valid, owners, count=step % 4 != 3))
+                except ValueError as exc:
+                    results.append(str(exc))
+        if isinstance(results[1], str):
+            errors += 1
+            assert results[0] == results[1]
+        else:
+            (slots_0, misses_0), (slots_1, misses_1) = results
+            assert np.array_equal(slots_0, slots_1) and all(map(np.array_equal, misses_0, misses_1))
+        for name in ("group", "owner", "inserted", "used", "slot_of", "hits", "lookups", "_clock"):
+            assert np.array_equal(getattr(tables[0], name), getattr(tables[1], name)), (step, name)
+    assert errors > 0
