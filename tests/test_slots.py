@@ -116,3 +116,14 @@ def test_the_native_assignment_keeps_the_tables_as_the_numpy_path_does(replaceme
         for name in ("group", "owner", "inserted", "used", "slot_of", "hits", "lookups", "_clock"):
             assert np.array_equal(getattr(tables[0], name), getattr(tables[1], name)), (step, name)
     assert errors > 0
+
+
+def test_a_pick_outside_the_table_is_refused_by_the_native_call_and_named_by_numpy():
+    """A group past ``max_groups`` (or an owner past the batch) would index past the native call's tables: it refuses
+    them, changes nothing, and the numpy path raises its IndexError."""
+    table = SlotTable(1, 2, 4, 10)
+    before = table.slot_of.copy()
+    for groups, owners in ((np.array([[3, 10]]), None), (np.array([[3, 4]]), np.array([[0, 5]]))):
+        with pytest.raises(IndexError):
+            table.assign(0, groups, np.ones_like(groups, dtype=bool), owners)
+        assert np.array_equal(table.slot_of, before) and table.lookups.sum() == 0

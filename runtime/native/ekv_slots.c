@@ -13,7 +13,7 @@
 #include <string.h>
 
 enum { SCORE_INSERTED, SCORE_USED }; /* fifo, lru */
-enum { OK = 0, POOL_MISMATCH = -1, POOL_TOO_SMALL = -2, NO_MEMORY = -3 };
+enum { POOL_MISMATCH = -1, POOL_TOO_SMALL = -2, NO_MEMORY = -3, OUTSIDE = -4 };
 
 typedef struct {
     int64_t occupied, score, inserted, slot;
@@ -33,15 +33,20 @@ static int before(const void *a, const void *b) {
  * their owner, slot and group (at most batch * picks).  hits/lookups [sequences] are counted unless NULL; *clock advances
  * as the Python path's does.  Returns the new records' count, or a negative code with nothing changed: -1 a row picks a
  * record of a sequence outside its pool, -2 a pool holds fewer slots than the distinct records it misses and keeps,
- * -3 no memory. */
+ * -3 no memory, -4 a group or owner outside the table (the caller's path then says what is wrong). */
 int64_t ekv_slots_assign(int sequences, int batch, int picks, const int64_t *groups, const uint8_t *valid, const int64_t *owners,
                          int capacity, int64_t max_groups, const int64_t *pool, int64_t *group_at, int64_t *owner_at,
                          int64_t *inserted_at, int64_t *used_at, int64_t *slot_of, int score_kind, int64_t *clock,
                          int64_t *slots, int64_t *new_owner, int64_t *new_slot, int64_t *new_group, int64_t *hits,
                          int64_t *lookups) {
     const int64_t n_slots = (int64_t)sequences * capacity, entries = (int64_t)batch * picks;
-    for (int64_t e = 0; e < entries; e++)
-        if (valid[e] && owners && pool[owners[e]] != pool[e / picks]) return POOL_MISMATCH;
+    if (batch > sequences) return OUTSIDE;
+    for (int64_t e = 0; e < entries; e++) {
+        if (!valid[e]) continue;
+        if (groups[e] < 0 || groups[e] >= max_groups || (owners && (owners[e] < 0 || owners[e] >= sequences)))
+            return OUTSIDE;
+        if (owners && pool[owners[e]] != pool[e / picks]) return POOL_MISMATCH;
+    }
     int64_t *new_pool = malloc(sizeof(int64_t) * (2 * entries + sequences + 1)); /* and its first picker's row */
     uint8_t *kept = calloc((size_t)n_slots + 1, 1);
     victim_key *keys = malloc(sizeof(victim_key) * (n_slots + 1));
