@@ -115,6 +115,6 @@ class RecordAttention:
             code = min(code, 0)
         if code != 0:  # for_layout checked the head shape, the slot table gives slots inside the buffer: a bug
             raise RuntimeError("the native attention refused its input: " + (
-                "a valid pick's slot lies outside the slots" if code == -1 else "a head shape above its maxima or an "
-                "unknown kind"))
+                "a valid pick's slot lies outside the slots" if code == -1 else "a head shape above its maxima, an "
+                "unknown kind or a short scratch"))
         return out.to(q.dtype).view(b, h, 1, d)
