@@ -23,12 +23,7 @@ def main(argv=None) -> None:
             raise SystemExit("no helper thread here (one core, or its library could not be built): nothing to compare")
 
         def setting(aside, post):
-            def lend():
-                for user in (policy.selector, policy.record_attention):
-                    if user is not None:
-                        user.aside = aside
-                policy.post_or_share = PostOrShare(fixed=post)
-            return lend
+            return lambda: (policy.lend_aside(aside), setattr(policy, "post_or_share", PostOrShare(fixed=post)))
 
         settings = {"posted": setting(helper, True), "shared": setting(helper, False), "no helper": setting(None, False)}
         ms, cpu = alternate(step, settings, args.rounds, args.steps, lambda: (time.thread_time(), time.process_time()))

@@ -87,9 +87,7 @@ class OffloadedKV(KVPolicy):
         # on a CPU a helper thread makes the next layer's scores and shares a correction's and the records' attention
         # (runtime/aside.py): the core the step leaves to the reads is idle most of the step
         self.aside = AsideThread.open() if model.device.type == "cpu" else None
-        selector.aside = self.aside
-        if self.record_attention is not None:
-            self.record_attention.aside = self.aside
+        self.lend_aside(self.aside)
         self.post_or_share = PostOrShare() if self.aside is not None else None
         self._step_started = None  # perf_counter at the step's first prefetch: the steps the PostOrShare choice times
         self.owner = np.arange(batch)  # whose records a sequence's shared leading groups are (share_prefix)
@@ -187,6 +185,13 @@ class OffloadedKV(KVPolicy):
 
     def end_prefill(self):
         self.selector.end_prefill()
+
+    def lend_aside(self, aside: AsideThread | None) -> None:
+        """Lend the helper thread to what computes beside it (the selector's scores, the records' attention); None
+        withdraws it (a bench comparing)."""
+        self.selector.aside = aside
+        if self.record_attention is not None:
+            self.record_attention.aside = aside
 
     # ---- the decode step: select + fetch -> attend -> append -> flush ------------------------------
 
