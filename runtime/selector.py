@@ -160,9 +160,10 @@ class LowRankSelector(Selector):
 
     ``klr_dtype`` "int8" stores each projected key as int8 with its own absmax scale (half of bf16's
     bytes, so a lower sigma in the same memory); "int4" packs two 4-bit elements a byte (twice int8's rank in its
-    bytes).  Projections and scores compute in float32 whatever the rows' format: rounded once, to the stored
-    format, the same keys give the same rows and picks on a CPU and a GPU (a bf16 matmul rounds its output by
-    device-specific rules, and bf16 scores tie at the top-M boundary)."""
+    bytes).  Projections and scores compute in float32: rounded once, to the stored format, the same keys give the
+    same rows and picks on a CPU and a GPU (a bf16 matmul rounds its output by device-specific rules, and bf16 scores
+    tie at the top-M boundary).  Integer rows meet their queries rounded to int8 (``integer_queries``): the dot
+    products are integers, exact in any order, and the native scorer takes the int8 dot-product instructions."""
 
     def __init__(self, adapter: LowRankAdapter | None, rank: int, dims: ModelDims, batch: int, max_context: int,
                  group_tokens: int, groups_per_step: int, predictor: PredictorConfig, device: torch.device,
@@ -277,15 +278,18 @@ class LowRankSelector(Selector):
         return torch.einsum("bgnd,gdr->bgnr", grouped.to(self.dtype), adapter).reshape(b, h, -1) * self.scaling
 
     def _times_rows(self, layer: int, n_tokens: int, lhs: torch.Tensor) -> torch.Tensor:
-        """``lhs`` [B, c, r] times the K_lr rows (rank-major, [B, r, n_tokens]) in float32 -> [B, c, n_tokens], int8
-        rows scaled per token (the torch path: a CPU selection calls the native scorer where it serves).  The queries
-        on the left and the tokens last: a softmax over tokens then runs on contiguous memory, and on a CPU this order
+        """``lhs`` [B, c, r] times the K_lr rows (rank-major, [B, r, n_tokens]) in float32 -> [B, c, n_tokens]; integer
+        rows against ``lhs`` rounded to int8, the integer products times the query's and the token's scales (the torch
+        path: a CPU selection calls the native scorer where it serves).  The queries on the left and the tokens last: a softmax over tokens then runs on contiguous memory, and on a CPU this order
         was 1-4x faster than the rows times the queries (one thread, SmolLM2's shapes, 8K: 0.22 against 0.83 ms for 9
         heads at rank 96, batch 1; 0.50 against 1.73 ms for one summed query at batch 4).  On a CPU the rows are
         converted a block at a time (a whole float copy is fresh memory every select: at 4 x 32K its page faults
         tripled the select's time), on a GPU at once (one kernel; its allocator reuses the memory)."""
         rows = self.k_lr[layer, :, :, :n_tokens]
         batch, rank = rows.shape[0], self.rank
+        if self.quantized:
+            codes, q_scale = integer_queries(lhs)
+            lhs = codes[..., :rank].to(self.dtype)
         block = max(256, CPU_BLOCK_BYTES // (4 * batch * rank)) if rows.device.type == "cpu" else n_tokens
         if block >= n_tokens:
             out = torch.bmm(lhs, self._as_float(rows))
@@ -293,8 +297,8 @@ class LowRankSelector(Selector):
             out = torch.empty(batch, lhs.shape[1], n_tokens, dtype=self.dtype, device=rows.device)
             for start in range(0, n_tokens, block):
                 out[:, :, start : start + block] = torch.bmm(lhs, self._as_float(rows[..., start : start + block]))
-        if self.quantized:  # per-token scales factor out of the dot product
-            out.mul_(self.k_scale[layer, :, None, :n_tokens])
+        if self.quantized:  # the query's and the token's scales factor out of the integer dot product
+            out.mul_(q_scale[:, :, None] * self.k_scale[layer, :, None, :n_tokens])
         return out
 
     def _as_float(self, rows: torch.Tensor) -> torch.Tensor:
@@ -457,6 +461,18 @@ class ScoredAside:
 
 
 Picking = Picked | ScoredAside  # what ``Selector.launch`` returns
+
+
+def integer_queries(lhs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Low-rank queries [..., r] float32 rounded to int8 for integer K_lr rows, as ekv_score.c round_queries rounds
+    them: each query's scale is its largest magnitude over 127 (at least the smallest normal float), its elements
+    divided by it and rounded half to even.  Returns (codes int8 [..., r rounded up to 4], zero past r; scales float32
+    [...]).  Each element moves by at most half of 1/127 of the query's largest: far finer than a 4-bit row's 16 steps."""
+    levels = INT_LEVELS[8]
+    scale = (lhs.abs().amax(dim=-1) / levels).clamp_min(torch.finfo(torch.float32).tiny)
+    codes = torch.zeros(*lhs.shape[:-1], -(-lhs.shape[-1] // 4) * 4, dtype=torch.int8, device=lhs.device)
+    codes[..., : lhs.shape[-1]] = (lhs / scale[..., None]).round().clamp_(-levels, levels)
+    return codes, scale
 
 
 def _pack_nibbles(q: torch.Tensor) -> torch.Tensor:

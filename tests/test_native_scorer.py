@@ -69,6 +69,63 @@ def test_batch_of_one_at_a_long_context_with_deployed_shapes(monkeypatch):
     assert sorted(n_groups[0].tolist()) == sorted(t_groups[0].tolist())
 
 
+@pytest.mark.parametrize("klr_dtype", ["int8", "int4"])
+@pytest.mark.parametrize("rank", [8, 7, 33, 96, 6])
+def test_integer_rows_give_the_torch_paths_scores_to_the_bit(klr_dtype, rank, monkeypatch):
+    """Integer rows meet their queries rounded to int8: the dot products are integers, exact in any order, so "sum"
+    (the logits' group maxima, no softmax) gives the torch path's scores bit for bit, with the int8 dot-product
+    instructions or without, for ranks that fill their last four-position lane or not (7, 33, 6) and long enough for
+    several blocks of 64 tokens and a short last one."""
+    torch.manual_seed(rank)
+    lengths = [700, 333]
+    selector = filled_selector(klr_dtype, "sum", rank, 1, 2, lengths)
+    q = torch.randn(2, 6, 1, 16)
+    counts = np.array(lengths)
+    (native, n_groups, n_valid), (torch_scores, t_groups, t_valid) = both_paths(selector, q, counts, monkeypatch)
+    inside = torch.from_numpy(np.arange(native.shape[1]) < counts[:, None])
+    assert torch.equal(native[inside], torch_scores[inside])
+    assert torch.equal(n_valid, t_valid) and torch.equal(n_groups, t_groups)
+
+
+def test_integer_queries_round_half_to_even_within_127_and_a_zero_query_scores_zero(monkeypatch):
+    """The query's rounding the native scorer and torch share: its largest magnitude becomes 127, halves round to even
+    (2.5 -> 2, 3.5 -> 4, -0.5 -> 0) in both (the native codes read back through identity rows), the codes are zero past the rank up to a multiple of 4, and a query of zeros
+    keeps a positive scale and scores 0 everywhere, never NaN."""
+    from edgekv.runtime.selector import integer_queries
+
+    lhs = torch.tensor([[127.0, 2.5, 3.5, -0.5, -127.0]])
+    codes, scale = integer_queries(lhs)
+    assert codes.dtype == torch.int8 and codes.tolist() == [[127, 2, 4, 0, -127, 0, 0, 0]] and scale.tolist() == [1.0]
+    lib, rows = native_scorer(), torch.eye(8, dtype=torch.int8)[None]  # token t's row: 1 at rank position t
+    ones, out = torch.ones(1, 8, dtype=torch.bfloat16), torch.empty(1, 8)
+    q = torch.tensor([127.0, 2.5, 3.5, -0.5, -127.0, 1.5, -2.5, 0.25])
+    scratch = torch.empty(lib.ekv_score_scratch_floats(1, 1, 8, 1))
+    assert lib.ekv_group_scores(rows.data_ptr(), 8, 64, ones.data_ptr(), 8, q.data_ptr(), 1, 1, 8, 8, 1, 2, 0,
+                                scratch.data_ptr(), scratch.numel(), out.data_ptr(), 8) == 0
+    assert out.tolist() == [[127, 2, 4, 0, -127, 2, -2, 0]]  # the native scorer's codes, read through the identity
+    codes, scale = integer_queries(torch.zeros(1, 3))
+    assert codes.tolist() == [[0, 0, 0, 0]] and scale.item() > 0
+    selector = filled_selector("int4", "sum", 8, 4, 1, [40])
+    zero = torch.zeros(1, 6, 1, 16)
+    native, torch_scores = ((scores[:, :10]) for scores, _, _ in both_paths(selector, zero, np.array([10]), monkeypatch))
+    assert torch.equal(native, torch.zeros(1, 10)) and torch.equal(torch_scores, native)
+
+
+def test_integer_scores_track_those_of_the_unrounded_query():
+    """The query's rounding moves a score by a fraction of a percent of the largest: the picks of a long context stay
+    those of the float query's dot products with the same codes."""
+    torch.manual_seed(4)
+    selector = filled_selector("int4", "softmax", 96, 4, 1, [4096], head_dim=64, n_kv_heads=3, n_heads=9, M=200)
+    q = torch.randn(1, 9, 1, 64)
+    rounded = selector.token_scores(0, q, 4096)
+    lhs = selector._low_rank_queries(0, q)
+    logits = (lhs @ selector._as_float(selector.k_lr[0, :, :, :4096])) * selector.k_scale[0, :, None, :4096].float()
+    unrounded = logits.softmax(-1).sum(1)
+    assert (rounded - unrounded).abs().max() <= 0.01 * unrounded.abs().max()
+    top = [set(scores.view(1024, 4).amax(-1).topk(200).indices.tolist()) for scores in (rounded[0], unrounded[0])]
+    assert len(top[0] & top[1]) >= 0.97 * 200
+
+
 def test_rows_the_scorer_cannot_read_take_the_torch_path():
     """float16 rows are not among the native formats: the torch path scores them (and the selection still works)."""
     selector = filled_selector("float16", "softmax", 8, 4, 1, [40])

@@ -1,14 +1,22 @@
 /* The low-rank predictor's group scores in one call (runtime/selector.py LowRankSelector, on a CPU).
  *
  * For each sequence b: the c low-rank queries q[b] [c, rank] against its K_lr rows, stored rank-major (a token's row
- * is a column), widened to float a block of tokens at a time and reused by every query (float32, bfloat16, int8, or
- * int4 nibbles offset by 8, the even rank position in the low nibble; integer rows times their bfloat16 per-token
- * scale), then either
+ * is a column), then either
  *   - "sum" (c == 1): the logits as they are, or
  *   - "softmax": each query's softmax over the tokens, summed over the queries (one vote per head),
  * and the maximum over each group of G tokens -> out[b, n_tokens / G].  The torch path computes the same in float32
  * through a float copy of the rows, a matmul, a softmax and a reduction: five passes over memory and two large
  * temporaries where this makes one pass over the rows and keeps [c, n_tokens] floats of scratch a sequence.
+ *
+ * Float rows (float32, bfloat16) are widened to float a block of tokens at a time and reused by every query.  Integer
+ * rows (int8, or int4 nibbles offset by 8, the even rank position in the low nibble; each token with its bfloat16
+ * scale) meet the queries rounded to int8 with their own float scale (round_queries, as runtime/selector.py
+ * integer_queries rounds them): the dot products are integers, exact in any order and on any instruction set, then
+ * times the query's scale and the token's.  A block's codes are laid out four rank positions a 32-bit lane, a token a
+ * lane, once, and every query runs over them with the int8 dot-product instruction where the target has it (AVX-512
+ * VNNI: 64 multiply-adds an instruction against 16 for float), plain integer loops elsewhere, the same integers.
+ * SmolLM2 8K, int4 rank 96, 9 queries, one layer after another: 173 -> 92 us a call at batch 1, 695 -> 359 us at
+ * batch 4; with the softmax's maxima taken a vector at a time (max_of), 60 and 240 us.
  *
  * Built with -O3 -march=native and reassociation allowed (runtime/native_build.py), so the dot products and sums
  * vectorise; never -ffast-math, whose startup code would flush subnormals to zero in the whole process (torch's
@@ -21,8 +29,14 @@
 
 #include "ekv_float.h"
 
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define EKV_VNNI 1
+#endif
+
 enum { ROWS_F32, ROWS_BF16, ROWS_I8, ROWS_I4 };
-enum { BLOCK = 64, MAX_RANK = 256 }; /* tokens scored together; the largest rank (64 KiB of widened floats) */
+/* tokens scored together; the largest rank (64 KiB of widened floats); the most queries a sequence */
+enum { BLOCK = 64, MAX_RANK = 256, MAX_QUERIES = 256 };
 _Static_assert(BLOCK % CHUNK == 0, "a block is whole vectors");
 /* queries a pass: 3 keep 12 vectors of sums in AVX-512's 32 registers; with AVX2's 16 registers or NEON's 16-byte
  * ones a query's sums alone take 8 or 16 of them, so one */
@@ -32,22 +46,15 @@ enum { QUERY_BLOCK = 3 };
 enum { QUERY_BLOCK = 1 };
 #endif
 
-/* rank row i of a block of `n` tokens from `first` as float (integer rows unscaled), zero past n up to BLOCK */
+/* rank row i of a block of `n` float rows' tokens from `first` as float, zero past n up to BLOCK */
 static inline void widen(float *restrict out, const uint8_t *restrict rows, int64_t rank_row_bytes, int i,
                          int64_t first, int n, int kind) {
     if (kind == ROWS_F32) {
         const float *r = (const float *)(rows + i * rank_row_bytes) + first;
         for (int j = 0; j < n; j++) out[j] = r[j];
-    } else if (kind == ROWS_BF16) {
+    } else {
         const uint16_t *r = (const uint16_t *)(rows + i * rank_row_bytes) + first;
         for (int j = 0; j < n; j++) out[j] = bf16_to_float(r[j]);
-    } else if (kind == ROWS_I8) {
-        const int8_t *r = (const int8_t *)(rows + i * rank_row_bytes) + first;
-        for (int j = 0; j < n; j++) out[j] = (float)r[j];
-    } else {
-        const uint8_t *r = rows + (i / 2) * rank_row_bytes + first;
-        int shift = (i % 2) * 4;
-        for (int j = 0; j < n; j++) out[j] = (float)((r[j] >> shift) & 15) - 8.0f;
     }
     for (int j = n; j < BLOCK; j++) out[j] = 0.0f;
 }
@@ -82,12 +89,12 @@ static inline __attribute__((always_inline)) void block_sums(const float *q, int
     memcpy(sums, acc, (size_t)nq * sizeof acc[0]);
 }
 
-/* logits[h * stride + t] = scale_t * (q_h . row_t) for every query h of one sequence and its tokens from <= t < to,
+/* logits[h * stride + t] = q_h . row_t for every query h of one sequence, float rows, its tokens from <= t < to,
  * BLOCK tokens at a time: the block's rank rows are widened once into a buffer on the stack (one the compiler knows
  * no other store aliases: in the caller's scratch, or filled a chunk of rank rows at a time, the same loops ran half
  * as fast), then the queries' sums run along the tokens, QUERY_BLOCK queries a pass (a query element times a stretch
  * of one rank row: whole vectors, no sum across a row) */
-static void logits_of(const uint8_t *rows, int64_t rank_row_bytes, const uint16_t *scales, const float *q, int queries,
+static void logits_of(const uint8_t *rows, int64_t rank_row_bytes, const float *q, int queries,
                       int rank, int64_t from, int64_t to, int kind, float *restrict logits, int64_t stride) {
     float widened[MAX_RANK * BLOCK] __attribute__((aligned(sizeof(vfloat)))), sums[QUERY_BLOCK * BLOCK];
     for (int64_t first = from; first < to; first += BLOCK) {
@@ -103,14 +110,121 @@ static void logits_of(const uint8_t *rows, int64_t rank_row_bytes, const uint16_
             for (int a = 0; a < nq; a++, h++) {
                 const float *s = sums + a * BLOCK;
                 float *restrict l = logits + h * stride + first;
-                for (int j = 0; j < n; j++) l[j] = scales ? s[j] * bf16_to_float(scales[first + j]) : s[j];
+                for (int j = 0; j < n; j++) l[j] = s[j];
             }
         }
     }
 }
 
-/* The largest rank a call takes (the caller scores larger ones through torch). */
+/* A block of integer rows' codes, n tokens from `first`, as packed [quads][BLOCK] 32-bit lanes: lane t of quad k holds
+ * rank positions 4k..4k+3 of token t as unsigned bytes, the lowest first (int4: the nibble 0..15, the code plus 8;
+ * int8: the code plus 128); zero past n, and past the stored rows (the queries are zero there).  Plain loops the
+ * compiler vectorises: a few shifts and masks a lane, once a block, for every query's dot products. */
+static void pack_codes(uint32_t *restrict packed, const uint8_t *rows, int64_t rank_row_bytes, int rank, int64_t first,
+                       int n, int kind) {
+    const int quads = (rank + 3) / 4;
+    for (int k = 0; k < quads; k++) {
+        uint32_t *restrict o = packed + (int64_t)k * BLOCK;
+        if (kind == ROWS_I4) { /* two stored rows a quad: positions 4k, 4k + 1 in row 2k, 4k + 2, 4k + 3 in 2k + 1 */
+            const uint8_t *a = rows + (int64_t)(2 * k) * rank_row_bytes + first;
+            if (4 * k + 2 < rank) {
+                const uint8_t *b = a + rank_row_bytes;
+                for (int t = 0; t < n; t++) {
+                    uint32_t y = a[t] | (uint32_t)b[t] << 16;
+                    o[t] = (y | y << 4) & 0x0F0F0F0Fu;
+                }
+            } else {
+                for (int t = 0; t < n; t++) o[t] = (a[t] | (uint32_t)a[t] << 4) & 0x0F0Fu;
+            }
+        } else {
+            for (int t = 0; t < n; t++) o[t] = 0;
+            for (int i = 4 * k; i < 4 * k + 4 && i < rank; i++) {
+                const uint8_t *r = rows + i * rank_row_bytes + first;
+                for (int t = 0; t < n; t++) o[t] |= (uint32_t)(r[t] ^ 0x80u) << (8 * (i - 4 * k));
+            }
+        }
+        for (int t = n; t < BLOCK; t++) o[t] = 0;
+    }
+}
+
+/* sums [nq, BLOCK] int32 of `nq` int8 queries (`quad_stride` quads apart) over a packed block: each lane's four
+ * unsigned codes times the query's four signed ones, summed over the quads.  Integers: the same sums whatever the
+ * instructions and their order. */
+static inline __attribute__((always_inline)) void block_dots(const uint32_t *packed, int quads, const int8_t *q,
+                                                             int quad_stride, int nq, int32_t *restrict sums) {
+#ifdef EKV_VNNI
+    __m512i acc[QUERY_BLOCK][BLOCK / 16];
+    for (int a = 0; a < nq; a++)
+        for (int c = 0; c < BLOCK / 16; c++) acc[a][c] = _mm512_setzero_si512();
+    for (int k = 0; k < quads; k++) {
+        __m512i lanes[BLOCK / 16];
+        for (int c = 0; c < BLOCK / 16; c++) lanes[c] = _mm512_load_si512(packed + (int64_t)k * BLOCK + c * 16);
+        for (int a = 0; a < nq; a++) {
+            int32_t four;
+            memcpy(&four, q + ((int64_t)a * quad_stride + k) * 4, sizeof four);
+            const __m512i query = _mm512_set1_epi32(four);
+            for (int c = 0; c < BLOCK / 16; c++) acc[a][c] = _mm512_dpbusd_epi32(acc[a][c], lanes[c], query);
+        }
+    }
+    for (int a = 0; a < nq; a++)
+        for (int c = 0; c < BLOCK / 16; c++) _mm512_storeu_si512(sums + a * BLOCK + c * 16, acc[a][c]);
+#else
+    for (int a = 0; a < nq; a++) {
+        int32_t *restrict s = sums + a * BLOCK;
+        for (int t = 0; t < BLOCK; t++) s[t] = 0;
+        for (int k = 0; k < quads; k++) {
+            const int8_t *four = q + ((int64_t)a * quad_stride + k) * 4;
+            const int32_t q0 = four[0], q1 = four[1], q2 = four[2], q3 = four[3];
+            const uint32_t *restrict lane = packed + (int64_t)k * BLOCK;
+            for (int t = 0; t < BLOCK; t++)
+                s[t] += (int32_t)(lane[t] & 255) * q0 + (int32_t)(lane[t] >> 8 & 255) * q1
+                        + (int32_t)(lane[t] >> 16 & 255) * q2 + (int32_t)(lane[t] >> 24) * q3;
+        }
+    }
+#endif
+}
+
+/* The integer rows' logits, as logits_of computes the float rows': logits[h * stride + t] = (q_h . codes_t) times
+ * (the query's scale times the token's), each product rounded once, as the torch path rounds them (an integer dot
+ * product is exact in float32 below 2^24: at most 127 * 128 * MAX_RANK). */
+static void integer_logits_of(const uint8_t *rows, int64_t rank_row_bytes, const uint16_t *scales, const int8_t *q,
+                              const float *q_scales, int queries, int rank, int64_t from, int64_t to, int kind,
+                              float *restrict logits, int64_t stride) {
+    enum { MAX_QUADS = MAX_RANK / 4 };
+    uint32_t packed[MAX_QUADS * BLOCK] __attribute__((aligned(64)));
+    int32_t sums[QUERY_BLOCK * BLOCK] __attribute__((aligned(64)));
+    float factor[BLOCK];
+    const int quads = (rank + 3) / 4, offset = kind == ROWS_I4 ? 8 : 128;
+    int32_t bias[MAX_QUERIES]; /* the codes' offset times each query's sum: the lanes hold codes plus `offset` */
+    for (int h = 0; h < queries; h++) {
+        bias[h] = 0;
+        for (int i = 0; i < quads * 4; i++) bias[h] += offset * q[(int64_t)h * quads * 4 + i];
+    }
+    for (int64_t first = from; first < to; first += BLOCK) {
+        int n = to - first < BLOCK ? (int)(to - first) : BLOCK;
+        if (first + BLOCK < to) prefetch_block(rows, rank_row_bytes, rank, first + BLOCK, kind);
+        pack_codes(packed, rows, rank_row_bytes, rank, first, n, kind);
+        for (int h = 0; h < queries;) {
+            int nq = queries - h >= QUERY_BLOCK ? QUERY_BLOCK : 1;
+            if (nq == QUERY_BLOCK)
+                block_dots(packed, quads, q + (int64_t)h * quads * 4, quads, QUERY_BLOCK, sums);
+            else
+                block_dots(packed, quads, q + (int64_t)h * quads * 4, quads, 1, sums);
+            for (int a = 0; a < nq; a++, h++) {
+                /* the scales' product, then the dot product times it, in two loops: within one expression the
+                 * reassociation the library is built with could reorder the two multiplies */
+                for (int j = 0; j < n; j++) factor[j] = q_scales[h] * bf16_to_float(scales[first + j]);
+                const int32_t *s = sums + a * BLOCK;
+                float *restrict l = logits + h * stride + first;
+                for (int j = 0; j < n; j++) l[j] = (float)(s[j] - bias[h]) * factor[j];
+            }
+        }
+    }
+}
+
+/* The largest rank and the most queries a sequence a call takes (the caller scores larger ones through torch). */
 int ekv_score_max_rank(void) { return MAX_RANK; }
+int ekv_score_max_queries(void) { return MAX_QUERIES; }
 
 /* A unit's stretch of one sequence's tokens, PART_TOKENS rounded up to whole groups: a batch of one scores in parts
  * the caller and the helper thread share (SmolLM2 8K: 8 parts).  Each part keeps its own softmax maximum and sum, and
@@ -128,6 +242,8 @@ typedef struct {
     const uint16_t *scales;
     int64_t scale_seq_stride;
     const float *q;
+    const int8_t *q_codes;  /* integer rows: the queries rounded to int8 [batch, queries, rank rounded up to 4] */
+    const float *q_scales;  /* and their scales [batch, queries] */
     int batch, queries, rank, n_tokens, group_tokens, kind, softmax, parts;
     int64_t part_tokens;
     float *logits; /* [batch, queries, n_tokens]: the logits, then each part's e^(logit - the part's maximum) */
@@ -138,10 +254,30 @@ typedef struct {
 
 int ekv_score_job_bytes(void) { return (int)sizeof(score_job); }
 
-/* The scratch floats a job of these sizes needs. */
+/* The scratch floats a job of these sizes needs: the logits, each part's two statistics, and for integer rows each
+ * query's scale and int8 codes (MAX_RANK bytes, a quarter of as many floats). */
 int64_t ekv_score_scratch_floats(int batch, int queries, int n_tokens, int group_tokens) {
     int64_t parts = (n_tokens + part_tokens(group_tokens) - 1) / part_tokens(group_tokens);
-    return (int64_t)batch * queries * (n_tokens + 2 * parts);
+    return (int64_t)batch * queries * (n_tokens + 2 * parts + 1 + MAX_RANK / 4);
+}
+
+/* Each query of `count` (rank floats) rounded to int8 with its own scale, as runtime/selector.py integer_queries rounds
+ * it: the scale is the largest magnitude over 127 (at least the smallest normal float), each element divided by it,
+ * rounded half to even and kept within +-127; codes zero past the rank up to `quad_rank`.  Division and rounding are
+ * exact IEEE operations, so the two give the same codes and scales. */
+static void round_queries(const float *q, int64_t count, int rank, int quad_rank, int8_t *codes, float *scales) {
+    for (int64_t a = 0; a < count; a++) {
+        const float *x = q + a * rank;
+        float top = 0.0f;
+        for (int i = 0; i < rank; i++) top = fabsf(x[i]) > top ? fabsf(x[i]) : top;
+        float scale = top / 127.0f;
+        scale = scale < 1.17549435e-38f ? 1.17549435e-38f : scale;
+        for (int i = 0; i < quad_rank; i++) {
+            float code = i < rank ? nearbyintf(x[i] / scale) : 0.0f;
+            codes[a * quad_rank + i] = (int8_t)(code > 127.0f ? 127.0f : code < -127.0f ? -127.0f : code);
+        }
+        scales[a] = scale;
+    }
 }
 
 /* ekv_group_scores's arguments into `job` (a caller's buffer of ekv_score_job_bytes()) over `scratch` (at least
@@ -152,14 +288,19 @@ int64_t ekv_score_job(score_job *job, const uint8_t *rows, int64_t rank_row_byte
                       const uint16_t *scales, int64_t scale_seq_stride, const float *q, int batch, int queries,
                       int rank, int n_tokens, int group_tokens, int kind, int softmax, float *scratch,
                       int64_t scratch_floats, float *out, int64_t out_seq_stride) {
-    if (rank > MAX_RANK || n_tokens % group_tokens ||
+    if (rank > MAX_RANK || queries > MAX_QUERIES || n_tokens % group_tokens || kind < ROWS_F32 || kind > ROWS_I4 ||
+        (kind >= ROWS_I8 && scales == NULL) ||
         scratch_floats < ekv_score_scratch_floats(batch, queries, n_tokens, group_tokens))
         return -1;
     int64_t part = part_tokens(group_tokens);
     int parts = (int)((n_tokens + part - 1) / part);
-    *job = (score_job){rows, rank_row_bytes, seq_stride_bytes, scales, scale_seq_stride, q, batch, queries, rank,
-                       n_tokens, group_tokens, kind, softmax, parts, part, scratch,
-                       scratch + (int64_t)batch * queries * n_tokens, out, out_seq_stride};
+    const int64_t count = (int64_t)batch * queries;
+    float *stats = scratch + count * n_tokens, *q_scales = stats + count * parts * 2;
+    int8_t *q_codes = (int8_t *)(q_scales + count);
+    if (kind >= ROWS_I8) round_queries(q, count, rank, (rank + 3) / 4 * 4, q_codes, q_scales);
+    *job = (score_job){rows, rank_row_bytes, seq_stride_bytes, scales, scale_seq_stride, q, q_codes, q_scales, batch,
+                       queries, rank, n_tokens, group_tokens, kind, softmax, parts, part, scratch, stats, out,
+                       out_seq_stride};
     return (int64_t)batch * parts;
 }
 
@@ -181,17 +322,21 @@ void ekv_score_unit(void *ctx, int64_t unit, int worker) {
     int64_t b = unit / j->parts, p = unit % j->parts, from = p * j->part_tokens;
     int64_t to = from + j->part_tokens < j->n_tokens ? from + j->part_tokens : j->n_tokens;
     float *logits = j->logits + b * j->queries * j->n_tokens;
-    logits_of(j->rows + b * j->seq_stride_bytes, j->rank_row_bytes,
-              j->scales ? j->scales + b * j->scale_seq_stride : NULL, j->q + b * j->queries * j->rank, j->queries,
-              j->rank, from, to, j->kind, logits, j->n_tokens);
+    const uint8_t *rows = j->rows + b * j->seq_stride_bytes;
+    if (j->kind >= ROWS_I8)
+        integer_logits_of(rows, j->rank_row_bytes, j->scales + b * j->scale_seq_stride,
+                          j->q_codes + b * j->queries * ((j->rank + 3) / 4 * 4), j->q_scales + b * j->queries,
+                          j->queries, j->rank, from, to, j->kind, logits, j->n_tokens);
+    else
+        logits_of(rows, j->rank_row_bytes, j->q + b * j->queries * j->rank, j->queries, j->rank,
+                  from, to, j->kind, logits, j->n_tokens);
     if (!j->softmax) {
         group_maxima(logits + from, from, to, j->group_tokens, j->out + b * j->out_seq_stride);
         return;
     }
     for (int h = 0; h < j->queries; h++) {
         float *restrict l = logits + (int64_t)h * j->n_tokens;
-        float top = l[from], total = 0.0f;
-        for (int64_t t = from + 1; t < to; t++) top = l[t] > top ? l[t] : top;
+        float top = max_of(l + from, to - from, l[from]), total = 0.0f;
         for (int64_t t = from; t < to; t++) {
             l[t] = exp_nonpositive(l[t] - top);
             total += l[t];
@@ -228,8 +373,9 @@ void ekv_score_vote_unit(void *ctx, int64_t unit, int worker) {
 
 /* scratch: ekv_score_scratch_floats.  rows: K_lr rank-major, rank row i of sequence b at rows + b * seq_stride_bytes
  * + i * rank_row_bytes (int4: row i / 2, nibble i % 2); scales: bfloat16 [n] a sequence, or NULL for float rows.
- * Returns 0, or -1 (nothing computed: the caller takes the torch path) when the rank exceeds MAX_RANK, n_tokens is
- * not a whole number of groups, or the scratch is short. */
+ * q: float [batch, queries, rank] (rounded to int8 here for integer rows).  Returns 0, or -1 (nothing computed: the caller takes the torch
+ * path) when the rank or the queries exceed their maxima, n_tokens is not a whole number of groups, the kind is unknown, integer rows
+ * come without their scales, or the scratch is short. */
 int ekv_group_scores(const uint8_t *rows, int64_t rank_row_bytes, int64_t seq_stride_bytes, const uint16_t *scales,
                      int64_t scale_seq_stride, const float *q, int batch, int queries, int rank, int n_tokens,
                      int group_tokens, int kind, int softmax, float *scratch, int64_t scratch_floats, float *out,
