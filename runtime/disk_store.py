@@ -15,7 +15,9 @@ Which groups to read is the selector's; when to read them is the pipeline's (run
 """
 from __future__ import annotations
 
+import ctypes
 import errno
+import functools
 import logging
 import os
 import shutil
@@ -28,6 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from . import native_build
 from .checksum import record_sums, sums_at
 from .placement import Placement
 from .store.files import pid_alive
@@ -234,6 +237,8 @@ class DiskKVStore:
         self.records_relocated = 0
         self.verify_fraction = verify_fraction
         self._sums: dict[int, np.ndarray] = {}  # seq -> uint32 [layer, group]: each written record's checksum
+        self._sum_tables: tuple[np.ndarray, np.ndarray] | None = None  # their addresses and row bytes by sequence
+        self._tabled = np.zeros(n_layers, dtype=bool)  # layers some sequence laid out (place) or relocated
         self._rng = np.random.default_rng()
         self.records_verified = 0
         self.records_reread = 0  # failed once, then read back intact (a transient fault)
@@ -272,6 +277,7 @@ class DiskKVStore:
         self._placement[seq] = Placement(self.n_layers, self.max_groups, self.n_paths)
         if self.verify_fraction > 0:
             self._sums[seq] = np.zeros((self.n_layers, self.max_groups), dtype=np.uint32)
+            self._sum_tables = None
         for layer in range(self.n_layers):  # recorded one by one: a failed open leaves the others for release
             for path in range(self.n_paths):
                 self._fds[seq, layer, path] = self._open(self._path(seq, layer, path))
@@ -280,6 +286,7 @@ class DiskKVStore:
         """Lay out a layer's first groups before they are written: ``per_path[p]`` the groups path p holds, in
         record order (runtime/cluster.py's layouts); groups written without one are striped in token order."""
         self._placement[seq].assign(layer, per_path)
+        self._tabled[layer] = True
 
     def attach_prefix(self, seq: int, blobs: list[tuple[Path, int, np.ndarray]]) -> None:
         """Serve the first groups of ``seq`` from stored blobs instead of its own files (no copy).
@@ -309,6 +316,7 @@ class DiskKVStore:
             grown = np.zeros((self.n_layers, max(n_groups, 2 * table.shape[1])), dtype=np.uint32)
             grown[:, : table.shape[1]] = table
             table = self._sums[seq] = grown
+            self._sum_tables = None
         return table
 
     def share_prefix(self, seq: int, owner: int, n_groups: int) -> None:
@@ -392,6 +400,7 @@ class DiskKVStore:
         addresses = records.ctypes.data + rows * stride
         self.read(self._requests(layer, np.full(len(rows), seq), groups[rows], addresses))
         path, index = self._placement[seq].move(layer, per_path)
+        self._tabled[layer] = True
         if seq in self._prefix:  # a stored context's groups are read from here from now on, not from its blobs
             self._moved.setdefault((seq, layer), np.zeros(self.max_groups, dtype=bool))[groups] = True
         starts = np.flatnonzero(np.r_[True, path[1:] != path[:-1]])  # one contiguous run per path
@@ -403,6 +412,9 @@ class DiskKVStore:
         """One decode layer's reads as sorted requests; called twice a layer on the compute thread (the picks, then a
         correction's), so a batch of one sequence with single copies takes no per-sequence or per-record steps."""
         seqs, groups = np.asarray(seqs, dtype=np.int64), np.asarray(groups, dtype=np.int64)
+        planned = self._native_requests(layer, seqs, groups, addresses)
+        if planned is not None:
+            return planned
         n = len(seqs)
         stride = self.layout.stride_bytes
         fds = np.empty(n, dtype=np.int32)
@@ -468,6 +480,50 @@ class DiskKVStore:
         gap_counts = np.add.reduceat(gaps, starts).astype(np.int32)
         return VerifiedBatch(fds[starts], offsets[starts], all_addresses, stride, counts + gap_counts, paths[starts],
                              layer, all_seqs, all_groups, all_expected, all_check, gap_counts)
+
+    def _native_requests(self, layer: int, seqs: np.ndarray, groups: np.ndarray, addresses: np.ndarray
+                         ) -> VerifiedBatch | None:
+        """``_requests`` in one native call (runtime/native/ekv_requests.c: the same batch, array for array) where
+        every group of the layer sits in the stripe, no stored context is attached and every record is checked or
+        none is; None elsewhere, and where it refuses (a closed file, a sequence without checksums): the numpy path
+        then raises the error."""
+        n = len(seqs)
+        every = self.verify_fraction >= 1
+        if not n or self._prefix or self._tabled[layer] or not (every or self.verify_fraction <= 0):
+            return None
+        lib = native_requests()
+        if lib is None:
+            return None
+        if every and self._sum_tables is None:
+            bases, row_bytes = np.zeros((2, len(self._fds)), dtype=np.int64)
+            for seq, table in self._sums.items():
+                bases[seq], row_bytes[seq] = table.ctypes.data, table.strides[0]
+            self._sum_tables = bases, row_bytes
+        sums = self._sum_tables if every else (None, None)
+        seqs, groups = np.ascontiguousarray(seqs), np.ascontiguousarray(groups)
+        addresses = np.ascontiguousarray(addresses, dtype=np.int64)
+        capacity = n + (n - 1) * self.gap_records  # the most records read: every gap bridged
+        fds, counts, paths, gap_counts = small = np.empty((4, n), dtype=np.int32)
+        offsets = np.empty(n, dtype=np.int64)
+        read_addresses, read_seqs, read_groups = records = np.empty((3, capacity), dtype=np.int64)
+        expected, check = np.empty(capacity, dtype=np.uint32), np.empty(capacity, dtype=bool)
+        scratch = np.empty(lib.ekv_requests_scratch_bytes(n), dtype=np.uint8)
+        total = ctypes.c_int64()
+        table = self._fds
+        k = lib.ekv_requests_plan(
+            n, seqs.ctypes.data, groups.ctypes.data, addresses.ctypes.data, len(table),
+            table.ctypes.data + layer * table.strides[1], table.strides[0] // 4, table.strides[2] // 4, self.n_paths,
+            self.layout.stride_bytes, self.max_request_records, self.gap_records, int(every),
+            None if sums[0] is None else sums[0].ctypes.data, None if sums[1] is None else sums[1].ctypes.data, layer,
+            self._gap_sink().ctypes.data, scratch.ctypes.data, *(row.ctypes.data for row in small[:1]),
+            offsets.ctypes.data, *(row.ctypes.data for row in small[1:]), *(row.ctypes.data for row in records),
+            expected.ctypes.data, check.ctypes.data, capacity, ctypes.byref(total))
+        if k < 0:
+            return None
+        t = total.value
+        return VerifiedBatch(fds[:k], offsets[:k], read_addresses[:t], self.layout.stride_bytes, counts[:k], paths[:k],
+                             layer, read_seqs[:t], read_groups[:t], expected[:t], check[:t],
+                             gap_counts[:k] if t > n else None)
 
     def _gap_sink(self) -> np.ndarray:
         """Where every record of a gap read through lands: one record, written over and over, never read (scratch,
@@ -536,6 +592,7 @@ class DiskKVStore:
             os.close(fd)
         self._placement.pop(seq, None)
         self._sums.pop(seq, None)
+        self._sum_tables = None
         self._moved = {key: moved for key, moved in self._moved.items() if key[0] != seq}
         if seq < len(self._fds):
             for layer, path in zip(*np.nonzero(self._fds[seq] >= 0)):
@@ -553,6 +610,20 @@ class DiskKVStore:
         finally:
             for d in self.dirs:
                 shutil.rmtree(d, ignore_errors=True)
+
+
+@functools.cache
+def native_requests() -> ctypes.CDLL | None:
+    """The native request planning, or None (logged once) when it cannot be built: the numpy path serves."""
+    lib = native_build.load_or_none("requests", log, "planning reads through numpy")
+    if lib is None:
+        return None
+    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.ekv_requests_scratch_bytes.argtypes, lib.ekv_requests_scratch_bytes.restype = [i64], i64
+    lib.ekv_requests_plan.argtypes = [i64, p, p, p, i64, p, i64, i64, i32, i64, i64, i64, i32, p, p, i32, i64, p,
+                                      p, p, p, p, p, p, p, p, p, p, i64, p]
+    lib.ekv_requests_plan.restype = i64
+    return lib
 
 
 def _fd_path(fd: int) -> str:

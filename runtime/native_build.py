@@ -1,7 +1,7 @@
 """Every native library the runtime loads, compiled and loaded in one place (``edgekv build-native``, or on first
 use): the KV reader's io_uring and pthread backends, the records' CRC-32C, arkv's quantized attention kernel, the
 low-rank predictor's group scorer, the disk policies' decode attention over their slots' records, the decode step's
-helper thread, the reuse buffer's slot assignment.
+helper thread, the reuse buffer's slot assignment, the disk store's request planning.
 
 A library is built into the cache under a name that carries its source's hash (and the machine, for code built
 with -march=native), so an edited source is rebuilt and a stale library is never loaded; a failed or interrupted
@@ -75,6 +75,7 @@ LIBRARIES = {
     "aside": NativeLibrary("aside", "ekv_aside.c", ("-O2", "-pthread"), ("-lpthread",),
                            "the decode step's helper thread"),
     "slots": NativeLibrary("slots", "ekv_slots.c", ("-O2",), (), "the reuse buffer's slot assignment"),
+    "requests": NativeLibrary("requests", "ekv_requests.c", ("-O2",), (), "the disk store's request planning"),
     # aarch64: the ARMv8 CRC32C instruction (every ARMv8.1+ core, Orin's A78AE included), not the table
     "crc32c": NativeLibrary("crc32c", "ekv_crc32c.c", ("-O2",), (), "the CRC-32C library",
                             machine_flags=(("aarch64", ("-march=armv8-a+crc",)),)),
