@@ -51,10 +51,8 @@ static inline void widen_row(float *restrict out, const row_t *r, int d, scales_
     widen_codes(out, r->row, d, r->kind == KV_INT8 ? 8 : 4);
     if (r->per_element) {
         if (cached->from != r->scale) {
-            for (int j = 0; j < d; j++) {
-                cached->scale[j] = half_to_float(r->scale[j]);
-                cached->zero[j] = half_to_float(r->zero[j]);
-            }
+            halves_to_floats(cached->scale, r->scale, d);
+            halves_to_floats(cached->zero, r->zero, d);
             cached->from = r->scale;
         }
         for (int j = 0; j < d; j++) out[j] = out[j] * cached->scale[j] + cached->zero[j];

@@ -7,6 +7,9 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
 
 /* CHUNK floats as one vector register of the target (GCC and Clang vector extensions), so loops over an array of
  * them with constant bounds keep it in registers.  Never wider than the target's registers: GCC splits a wider
@@ -52,8 +55,12 @@ static inline float bf16_to_float(uint16_t h) {
     return f;
 }
 
-/* a float16's bits as float (the codes' scales and zeros; from the bits, so no compiler's half type is needed) */
+/* a float16's bits as float (the codes' scales and zeros): the conversion instruction where the target has it (F16C),
+ * else from the bits (no compiler's half type needed); every float16 is a float, so the two give the same value */
 static inline float half_to_float(uint16_t h) {
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
     uint32_t sign = (uint32_t)(h & 0x8000) << 16, exponent = (h >> 10) & 31, mantissa = h & 1023, bits;
     if (exponent == 31) {
         bits = sign | 0x7f800000u | (mantissa << 13);
@@ -66,6 +73,17 @@ static inline float half_to_float(uint16_t h) {
     float f;
     memcpy(&f, &bits, sizeof f);
     return f;
+#endif
+}
+
+/* n float16s as floats, eight an instruction where the target converts them (a record's per-channel scales;
+ * SmolLM2 8K, 205 int4 records a call, the records' attention 100 -> 96 us with the scalar conversion on F16C too) */
+static inline void halves_to_floats(float *restrict out, const uint16_t *restrict in, int n) {
+    int i = 0;
+#if defined(__F16C__)
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(in + i))));
+#endif
+    for (; i < n; i++) out[i] = half_to_float(in[i]);
 }
 
 /* d codes of `bits` (8, or 4: two a byte, the even index in the low nibble) as float, unscaled */
