@@ -23,6 +23,7 @@ import os
 import shutil
 import threading
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -38,6 +39,7 @@ from .quant import FloatRecord, record_codec
 from .reader import KVReader, ReadBatch, record_starts
 
 log = logging.getLogger(__name__)
+WRITES_IN_FLIGHT = 8  # a flush's record writes issued at once (write_layers): one a layer, each to its own file
 
 
 class StoreError(OSError):
@@ -242,7 +244,8 @@ class DiskKVStore:
         self._rng = np.random.default_rng()
         self.records_verified = 0
         self.records_reread = 0  # failed once, then read back intact (a transient fault)
-        self._checks_lock = threading.Lock()  # the two counters above grow on several I/O threads at once
+        self._checks_lock = threading.Lock()  # the two counters above (and bytes_written) grow on several threads
+        self._writers: ThreadPoolExecutor | None = None  # a flush's writes in flight together (write_layers)
 
     @property
     def n_paths(self) -> int:
@@ -334,10 +337,36 @@ class DiskKVStore:
     def write_groups(self, seq: int, layer: int, first_group: int, records: np.ndarray) -> None:
         """Write aligned records [n, stride] as groups first_group .. first_group+n-1 at their placement (striped
         in token order unless laid out by ``place``); groups held elsewhere (``prefix_groups``) are skipped."""
+        for fd, run, offset in self._write_runs(seq, layer, first_group, records):
+            self._pwrite(fd, run, offset)
+
+    def write_layers(self, seq: int, first_group: int, records: np.ndarray) -> None:
+        """``write_groups`` for every layer at once, records [n_layers, n, stride]: a decode step's flush, one record
+        a layer each in its own file, whose writes are in flight together (one after another, each waited for, 30
+        O_DIRECT writes took ~4 ms of a batch 4 step from this machine's disk).  Returns once all landed; the first
+        failed write's error is raised, after every write finished."""
+        runs = [run for layer in range(records.shape[0])
+                for run in self._write_runs(seq, layer, first_group, records[layer])]
+        if len(runs) < 2:
+            for run in runs:
+                self._pwrite(*run)
+            return
+        if self._writers is None:
+            self._writers = ThreadPoolExecutor(max_workers=WRITES_IN_FLIGHT, thread_name_prefix="ekv-write")
+        futures = [self._writers.submit(self._pwrite, *run) for run in runs]
+        for future in futures:  # in order: the first failure is the one raised
+            future.exception()
+        for future in futures:
+            future.result()
+
+    def _write_runs(self, seq: int, layer: int, first_group: int, records: np.ndarray
+                    ) -> list[tuple[int, np.ndarray, int]]:
+        """(fd, records, offset) of each contiguous run ``write_groups`` writes; the checksums and placement are
+        recorded here."""
         skip = max(0, min(self.prefix_groups(seq) - first_group, records.shape[0]))
         records, first_group = records[skip:], first_group + skip
         if records.shape[0] == 0:
-            return
+            return []
         placement = self._placement[seq]
         groups = np.arange(first_group, first_group + records.shape[0])
         if seq in self._sums:
@@ -349,10 +378,12 @@ class DiskKVStore:
         order = np.lexsort((index, path))
         row, path, index = row[order], path[order], index[order]
         starts = np.flatnonzero(np.r_[True, (path[1:] != path[:-1]) | (index[1:] != index[:-1] + 1)])
+        runs = []
         for a, b in zip(starts, np.r_[starts[1:], len(row)]):
             rows = row[a:b]
             run = records[rows[0] : rows[-1] + 1] if np.all(np.diff(rows) == 1) else _aligned_take(records, rows, self.layout.align_bytes)
-            self._pwrite(int(self._fds[seq, layer, path[a]]), run, int(index[a]) * self.layout.stride_bytes)
+            runs.append((int(self._fds[seq, layer, path[a]]), run, int(index[a]) * self.layout.stride_bytes))
+        return runs
 
     def _pwrite(self, fd: int, records: np.ndarray, offset: int) -> None:
         """A failed write names the file and what to do (a full disk above all); the caller releases the files."""
@@ -365,7 +396,8 @@ class DiskKVStore:
             fix = ("free space there or pick another --kv-path" if exc.errno in (errno.ENOSPC, errno.EDQUOT)
                    else "check the device, then run again")
             raise StoreError(exc.errno, f"writing KV records to {_fd_path(fd)} failed ({exc.strerror or exc}): {fix}") from exc
-        self.bytes_written += len(view)
+        with self._checks_lock:  # writes of one flush run on several threads
+            self.bytes_written += len(view)
 
     def batch(self, layer: int, seqs: np.ndarray, groups: np.ndarray, addresses: np.ndarray) -> ReadBatch:
         """Reads of group records ``groups[i]`` of sequences ``seqs[i]`` (the records' owners) into aligned host
@@ -608,6 +640,8 @@ class DiskKVStore:
             for seq in range(len(self._fds)):
                 self.release(seq)
         finally:
+            if self._writers is not None:  # idle: write_layers waits for its writes
+                self._writers.shutdown()
             for d in self.dirs:
                 shutil.rmtree(d, ignore_errors=True)
 

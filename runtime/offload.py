@@ -531,8 +531,7 @@ class OffloadedKV(KVPolicy):
         at once (one call each, not one a layer)."""
         group = int(self.n_groups[seq])
         records = self.layout.pack(*(on_host[:, i].transpose(0, 1).flatten(1, 2) for i in (0, 1)))  # [L, stride]
-        for layer in range(self.model.dims.n_layers):
-            self.store.write_groups(seq, layer, group, records[layer : layer + 1])
+        self.store.write_layers(seq, group, records[:, None])
         self.selector.append_layers(seq, group * self.G, self.rolling[:, seq, 0, :, span])
         for layer in range(self.model.dims.n_layers) if group < self.sink_groups else ():
             self._keep_group(layer, seq, group, self.rolling[layer, seq, 0, :, span],

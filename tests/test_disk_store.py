@@ -145,3 +145,42 @@ def test_python_reader_raises_only_after_every_read_of_the_batch_ended(monkeypat
         reader.read(batch)
     assert sorted(ended) == [1, 2, 3]
     reader.close()
+
+
+def test_a_flush_writes_every_layer_at_once_and_raises_the_first_failure(kv_dir, monkeypatch):
+    """``write_layers`` (a decode step's flush: a record a layer, each to its own file, the writes in flight
+    together) stores what ``write_groups`` layer by layer stores; with two layers' writes failing, every other write
+    still lands and the error raised is the lowest layer's, named as a write failure."""
+    import edgekv.runtime.disk_store as disk_store_mod
+
+    layout = RecordLayout(group_tokens=4, n_kv_heads=1, head_dim=8, dtype=torch.float32, align_bytes=512)
+    store = DiskKVStore(kv_dir, 6, layout, open_reader("python"))
+    try:
+        store.open_sequence(0)
+        records, reversed_records = (aligned_zeros((6, 1, layout.stride_bytes), layout.align_bytes) for _ in range(2))
+        for layer in range(6):  # O_DIRECT: the records' memory aligned as a flush's is
+            records[layer] = layout.pack(torch.randn(1, 4, 8), torch.randn(1, 4, 8))
+        reversed_records[:] = records[::-1]
+        store.write_layers(0, 3, records)
+        dest = aligned_zeros((1, layout.stride_bytes), layout.align_bytes)
+        for layer in range(6):
+            store.read(read_into(store, dest, layer, [3]))
+            assert np.array_equal(dest[0], records[layer, 0])
+        failing = {int(store._fds[0, layer, 0]): layer for layer in (4, 2)}
+        real = os.pwrite
+
+        def pwrite(fd, data, offset):
+            if fd in failing:
+                time.sleep(0.01 * (6 - failing[fd]))  # the later layer fails first
+                raise OSError(errno.EIO, f"layer {failing[fd]}")
+            return real(fd, data, offset)
+        monkeypatch.setattr(disk_store_mod.os, "pwrite", pwrite)
+        with pytest.raises(StoreError) as err:
+            store.write_layers(0, 4, reversed_records)
+        assert err.value.errno == errno.EIO and "layer 2" in str(err.value) and "writing KV records" in str(err.value)
+        monkeypatch.undo()
+        for layer in (0, 1, 3, 5):  # the writes beside the failures landed
+            store.read(read_into(store, dest, layer, [4]))
+            assert np.array_equal(dest[0], records[5 - layer, 0])
+    finally:
+        store.close()
