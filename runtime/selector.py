@@ -280,16 +280,17 @@ class LowRankSelector(Selector):
     def _times_rows(self, layer: int, n_tokens: int, lhs: torch.Tensor) -> torch.Tensor:
         """``lhs`` [B, c, r] times the K_lr rows (rank-major, [B, r, n_tokens]) in float32 -> [B, c, n_tokens]; integer
         rows against ``lhs`` rounded to int8, the integer products times the query's and the token's scales (the torch
-        path: a CPU selection calls the native scorer where it serves).  The queries on the left and the tokens last: a softmax over tokens then runs on contiguous memory, and on a CPU this order
-        was 1-4x faster than the rows times the queries (one thread, SmolLM2's shapes, 8K: 0.22 against 0.83 ms for 9
-        heads at rank 96, batch 1; 0.50 against 1.73 ms for one summed query at batch 4).  On a CPU the rows are
-        converted a block at a time (a whole float copy is fresh memory every select: at 4 x 32K its page faults
-        tripled the select's time), on a GPU at once (one kernel; its allocator reuses the memory)."""
+        path: a CPU selection calls the native scorer where it serves).  The queries on the left and the tokens last:
+        a softmax over tokens then runs on contiguous memory, and on a CPU this order was 1-4x faster than the rows
+        times the queries (one thread, SmolLM2's shapes, 8K: 0.22 against 0.83 ms for 9 heads at rank 96, batch 1;
+        0.50 against 1.73 ms for one summed query at batch 4).  On a CPU the rows are converted a block at a time (a
+        whole float copy is fresh memory every select: at 4 x 32K its page faults tripled the select's time), on a
+        GPU at once (one kernel; its allocator reuses the memory)."""
         rows = self.k_lr[layer, :, :, :n_tokens]
         batch, rank = rows.shape[0], self.rank
         if self.quantized:
             codes, q_scale = integer_queries(lhs)
-            lhs = codes[..., :rank].to(self.dtype)
+            lhs = codes.to(self.dtype)
         block = max(256, CPU_BLOCK_BYTES // (4 * batch * rank)) if rows.device.type == "cpu" else n_tokens
         if block >= n_tokens:
             out = torch.bmm(lhs, self._as_float(rows))
@@ -466,13 +467,11 @@ Picking = Picked | ScoredAside  # what ``Selector.launch`` returns
 def integer_queries(lhs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Low-rank queries [..., r] float32 rounded to int8 for integer K_lr rows, as ekv_score.c round_queries rounds
     them: each query's scale is its largest magnitude over 127 (at least the smallest normal float), its elements
-    divided by it and rounded half to even.  Returns (codes int8 [..., r rounded up to 4], zero past r; scales float32
-    [...]).  Each element moves by at most half of 1/127 of the query's largest: far finer than a 4-bit row's 16 steps."""
+    divided by it and rounded half to even.  Returns (codes int8 [..., r], scales float32 [...]).  An element moves
+    by at most half of 1/127 of the query's largest: far finer than a 4-bit row's 16 steps."""
     levels = INT_LEVELS[8]
     scale = (lhs.abs().amax(dim=-1) / levels).clamp_min(torch.finfo(torch.float32).tiny)
-    codes = torch.zeros(*lhs.shape[:-1], -(-lhs.shape[-1] // 4) * 4, dtype=torch.int8, device=lhs.device)
-    codes[..., : lhs.shape[-1]] = (lhs / scale[..., None]).round().clamp_(-levels, levels)
-    return codes, scale
+    return (lhs / scale[..., None]).round().clamp_(-levels, levels).to(torch.int8), scale
 
 
 def _pack_nibbles(q: torch.Tensor) -> torch.Tensor:

@@ -80,6 +80,14 @@ def test_a_batch_with_gaps_reads_them_into_the_sink_unchecked(tmp_path, monkeypa
         assert native.addresses[2] == native.addresses[5] == store._gap_sink().ctypes.data
     finally:
         store.close()
+    wide = store_of(tmp_path / "wide", gap_bytes=3 * 512, max_request_bytes=16 * 512)
+    try:  # more records read than twice those wanted: the native call asks for room again
+        native, reference = both_plans(wide, 0, np.zeros(3, dtype=np.int64), np.array([0, 4, 8]),
+                                       np.arange(3) * 4096 + 4096, monkeypatch)
+        assert_same(native, reference)
+        assert native.counts.tolist() == [9] and native.gap_counts.tolist() == [6]
+    finally:
+        wide.close()
 
 
 def test_stores_the_native_planning_does_not_serve_take_the_numpy_path(tmp_path, monkeypatch):

@@ -89,13 +89,13 @@ def test_integer_rows_give_the_torch_paths_scores_to_the_bit(klr_dtype, rank, mo
 
 def test_integer_queries_round_half_to_even_within_127_and_a_zero_query_scores_zero(monkeypatch):
     """The query's rounding the native scorer and torch share: its largest magnitude becomes 127, halves round to even
-    (2.5 -> 2, 3.5 -> 4, -0.5 -> 0) in both (the native codes read back through identity rows), the codes are zero past the rank up to a multiple of 4, and a query of zeros
+    (2.5 -> 2, 3.5 -> 4, -0.5 -> 0) in both (the native codes read back through identity rows), and a query of zeros
     keeps a positive scale and scores 0 everywhere, never NaN."""
     from edgekv.runtime.selector import integer_queries
 
     lhs = torch.tensor([[127.0, 2.5, 3.5, -0.5, -127.0]])
     codes, scale = integer_queries(lhs)
-    assert codes.dtype == torch.int8 and codes.tolist() == [[127, 2, 4, 0, -127, 0, 0, 0]] and scale.tolist() == [1.0]
+    assert codes.dtype == torch.int8 and codes.tolist() == [[127, 2, 4, 0, -127]] and scale.tolist() == [1.0]
     lib, rows = native_scorer(), torch.eye(8, dtype=torch.int8)[None]  # token t's row: 1 at rank position t
     ones, out = torch.ones(1, 8, dtype=torch.bfloat16), torch.empty(1, 8)
     q = torch.tensor([127.0, 2.5, 3.5, -0.5, -127.0, 1.5, -2.5, 0.25])
@@ -104,10 +104,11 @@ def test_integer_queries_round_half_to_even_within_127_and_a_zero_query_scores_z
                                 scratch.data_ptr(), scratch.numel(), out.data_ptr(), 8) == 0
     assert out.tolist() == [[127, 2, 4, 0, -127, 2, -2, 0]]  # the native scorer's codes, read through the identity
     codes, scale = integer_queries(torch.zeros(1, 3))
-    assert codes.tolist() == [[0, 0, 0, 0]] and scale.item() > 0
+    assert codes.tolist() == [[0, 0, 0]] and scale.item() > 0
     selector = filled_selector("int4", "sum", 8, 4, 1, [40])
     zero = torch.zeros(1, 6, 1, 16)
-    native, torch_scores = ((scores[:, :10]) for scores, _, _ in both_paths(selector, zero, np.array([10]), monkeypatch))
+    native, torch_scores = (scores[:, :10] for scores, _, _ in both_paths(selector, zero, np.array([10]),
+                                                                           monkeypatch))
     assert torch.equal(native, torch.zeros(1, 10)) and torch.equal(torch_scores, native)
 
 

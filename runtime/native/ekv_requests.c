@@ -44,15 +44,16 @@ int64_t ekv_requests_scratch_bytes(int64_t n) { return 2 * n * (int64_t)sizeof(r
  * Out, per request (at most n): fds, offsets, counts (records read, gaps included), paths, gap_counts (records read
  * only to bridge a gap).  Per record read, in request order (at most `capacity`): addresses (the sink's for a gap's),
  * seqs and groups (-1 for a gap's), expected checksums, check flags.  Returns the requests and sets *records_read;
- * -1 (nothing written but the scratch) when a sequence is outside the store, a group is negative, a file is closed, a
- * checked sequence has no checksums (or none that far), or the outputs' capacity is short: the numpy path raises the error. */
+ * -1 when a sequence is outside the store, a group is negative, a file is closed, or a checked sequence has no
+ * checksums (or none that far): the numpy path then raises the error; -2 when the records read pass `capacity`. */
 int64_t ekv_requests_plan(int64_t n, const int64_t *seqs, const int64_t *groups, const int64_t *addresses,
                           int64_t n_seqs, const int32_t *fds, int64_t fd_seq_stride, int64_t fd_path_stride,
                           int n_paths, int64_t stride, int64_t max_records, int64_t gap_records, int check,
-                          const int64_t *sum_tables, const int64_t *sum_row_bytes, int layer, int64_t sink, void *scratch, int32_t *req_fds, int64_t *req_offsets,
-                          int32_t *req_counts, int32_t *req_paths, int32_t *req_gap_counts, int64_t *out_addresses,
-                          int64_t *out_seqs, int64_t *out_groups, uint32_t *out_expected, uint8_t *out_check,
-                          int64_t capacity, int64_t *records_read) {
+                          const int64_t *sum_tables, const int64_t *sum_row_bytes, int layer, int64_t sink,
+                          void *scratch, int32_t *req_fds, int64_t *req_offsets, int32_t *req_counts,
+                          int32_t *req_paths, int32_t *req_gap_counts, int64_t *out_addresses, int64_t *out_seqs,
+                          int64_t *out_groups, uint32_t *out_expected, uint8_t *out_check, int64_t capacity,
+                          int64_t *records_read) {
     read_t *reads = scratch, *spare = reads + n;
     for (int64_t i = 0; i < n; i++) {
         if (seqs[i] < 0 || seqs[i] >= n_seqs || groups[i] < 0) return -1;
@@ -90,7 +91,7 @@ int64_t ekv_requests_plan(int64_t n, const int64_t *seqs, const int64_t *groups,
             requests++;
             gap = 0;
         }
-        if (total + gap + 1 > capacity) return -1;
+        if (total + gap + 1 > capacity) return -2;
         for (int64_t g = 0; g < gap; g++, total++) {
             out_addresses[total] = sink;
             out_seqs[total] = out_groups[total] = -1;
@@ -100,9 +101,8 @@ int64_t ekv_requests_plan(int64_t n, const int64_t *seqs, const int64_t *groups,
         out_addresses[total] = addresses[i];
         out_seqs[total] = seqs[i];
         out_groups[total] = groups[i];
-        const uint32_t *sums = check ? (const uint32_t *)(uintptr_t)(sum_tables[seqs[i]] + layer * sum_row_bytes[seqs[i]])
-                                     : NULL;
-        out_expected[total] = check ? sums[groups[i]] : 0;
+        const int64_t row = check ? sum_tables[seqs[i]] + layer * sum_row_bytes[seqs[i]] : 0;
+        out_expected[total] = check ? ((const uint32_t *)(uintptr_t)row)[groups[i]] : 0;
         out_check[total] = (uint8_t)(check != 0);
         total++;
         req_counts[requests - 1] += (int32_t)(gap + 1);

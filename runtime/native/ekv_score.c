@@ -373,9 +373,9 @@ void ekv_score_vote_unit(void *ctx, int64_t unit, int worker) {
 
 /* scratch: ekv_score_scratch_floats.  rows: K_lr rank-major, rank row i of sequence b at rows + b * seq_stride_bytes
  * + i * rank_row_bytes (int4: row i / 2, nibble i % 2); scales: bfloat16 [n] a sequence, or NULL for float rows.
- * q: float [batch, queries, rank] (rounded to int8 here for integer rows).  Returns 0, or -1 (nothing computed: the caller takes the torch
- * path) when the rank or the queries exceed their maxima, n_tokens is not a whole number of groups, the kind is unknown, integer rows
- * come without their scales, or the scratch is short. */
+ * q: float [batch, queries, rank] (rounded to int8 here for integer rows).  Returns 0, or -1 (nothing computed: the
+ * caller takes the torch path) when the rank or the queries exceed their maxima, n_tokens is not a whole number of
+ * groups, the kind is unknown, integer rows come without their scales, or the scratch is short. */
 int ekv_group_scores(const uint8_t *rows, int64_t rank_row_bytes, int64_t seq_stride_bytes, const uint16_t *scales,
                      int64_t scale_seq_stride, const float *q, int batch, int queries, int rank, int n_tokens,
                      int group_tokens, int kind, int softmax, float *scratch, int64_t scratch_floats, float *out,
