@@ -23,7 +23,7 @@ import os
 import shutil
 import threading
 import uuid
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -354,9 +354,8 @@ class DiskKVStore:
         if self._writers is None:
             self._writers = ThreadPoolExecutor(max_workers=WRITES_IN_FLIGHT, thread_name_prefix="ekv-write")
         futures = [self._writers.submit(self._pwrite, *run) for run in runs]
-        for future in futures:  # in order: the first failure is the one raised
-            future.exception()
-        for future in futures:
+        wait(futures)
+        for future in futures:  # in order: the lowest layer's failure is the one raised
             future.result()
 
     def _write_runs(self, seq: int, layer: int, first_group: int, records: np.ndarray
@@ -652,15 +651,11 @@ class DiskKVStore:
 @functools.cache
 def native_requests() -> ctypes.CDLL | None:
     """The native request planning, or None (logged once) when it cannot be built: the numpy path serves."""
-    lib = native_build.load_or_none("requests", log, "planning reads through numpy")
-    if lib is None:
-        return None
-    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    lib.ekv_requests_scratch_bytes.argtypes, lib.ekv_requests_scratch_bytes.restype = [i64], i64
-    lib.ekv_requests_plan.argtypes = [i64, p, p, p, i64, p, i64, i64, i32, i64, i64, i64, i32, p, p, i32, i64, p,
-                                      p, p, p, p, p, p, p, p, p, p, i64, p]
-    lib.ekv_requests_plan.restype = i64
-    return lib
+    p, i64, i32 = native_build.P, native_build.I64, native_build.I32
+    return native_build.load_or_none("requests", log, "planning reads through numpy", {
+        "ekv_requests_scratch_bytes": ([i64], i64),
+        "ekv_requests_plan": ([i64, p, p, p, i64, p, i64, i64, i32, i64, i64, i64, i32, p, p, i32, i64, p,
+                               p, p, p, p, p, p, p, p, p, p, i64, p], i64)})
 
 
 def _fd_path(fd: int) -> str:

@@ -119,14 +119,21 @@ def load(name: str) -> ctypes.CDLL:
     return ctypes.CDLL(str(build(name)))
 
 
-def load_or_none(name: str, log: logging.Logger, instead: str) -> ctypes.CDLL | None:
-    """The library, or None when it cannot be built, warning once through the caller's ``log`` what serves
-    ``instead`` (callers cache the result)."""
+P, I64, I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int  # the C types the libraries' signatures name
+
+
+def load_or_none(name: str, log: logging.Logger, instead: str,
+                 signatures: dict[str, tuple[list, type | None]] | None = None) -> ctypes.CDLL | None:
+    """The library, its functions declared (``signatures``: name -> (argtypes, restype)), or None when it cannot be
+    built, warning once through the caller's ``log`` what serves ``instead`` (callers cache the result)."""
     try:
-        return load(name)
+        lib = load(name)
     except OSError as exc:
         log.warning("%s unavailable, %s: %s", LIBRARIES[name].what, instead, exc)
         return None
+    for function, (argtypes, restype) in (signatures or {}).items():
+        getattr(lib, function).argtypes, getattr(lib, function).restype = argtypes, restype
+    return lib
 
 
 def compile_library(command, target: Path, what: str) -> Path:

@@ -31,17 +31,16 @@ SCALES = ("k_scale", "k_zero", "v_scale", "v_zero")  # QuantRecord's float16 fie
 @functools.cache
 def native_attention() -> ctypes.CDLL | None:
     """The native records' attention, or None (logged once) when it cannot be built: the torch path serves."""
-    lib = native_build.load_or_none("attend", log, "attending through torch")
+    p, i64, i32 = native_build.P, native_build.I64, native_build.I32
+    attend = [p, i32, i32, i32, i32, ctypes.c_float, p, i64, i64, p, p, i32, i32, i32, p, i32, p, i32, p, i64, i32, p,
+              i64, p]
+    lib = native_build.load_or_none("attend", log, "attending through torch", {
+        "ekv_attend": (attend, i32), "ekv_attend_job": ([p, *attend], i64),
+        "ekv_attend_scratch_bytes": ([i32, i32, i64, i32], i64),
+        **{name: ([], i32) for name in ("ekv_attend_max_head_dim", "ekv_attend_max_group_queries",
+                                        "ekv_attend_job_bytes")}})
     if lib is None:
         return None
-    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    lib.ekv_attend.argtypes = [p, i32, i32, i32, i32, ctypes.c_float, p, i64, i64, p, p, i32, i32, i32, p, i32, p, i32,
-                               p, i64, i32, p, i64, p]
-    lib.ekv_attend.restype = i32
-    lib.ekv_attend_job.argtypes, lib.ekv_attend_job.restype = [p, *lib.ekv_attend.argtypes], i64
-    lib.ekv_attend_scratch_bytes.argtypes, lib.ekv_attend_scratch_bytes.restype = [i32, i32, i64, i32], i64
-    for name in ("ekv_attend_max_head_dim", "ekv_attend_max_group_queries", "ekv_attend_job_bytes"):
-        getattr(lib, name).argtypes, getattr(lib, name).restype = [], i32
     lib.max_head_dim, lib.max_group_queries = lib.ekv_attend_max_head_dim(), lib.ekv_attend_max_group_queries()
     lib.job_bytes, lib.unit = lib.ekv_attend_job_bytes(), unit_function(lib, "ekv_attend_unit")
     return lib

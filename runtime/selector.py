@@ -130,16 +130,13 @@ NATIVE_ROWS = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2, "int4": 3}  #
 @functools.cache
 def native_scorer() -> ctypes.CDLL | None:
     """The native group scorer, or None (logged once) when it cannot be built: the torch path serves instead."""
-    lib = native_build.load_or_none("score", log, "scoring through torch")
+    p, i64, i32 = native_build.P, native_build.I64, native_build.I32
+    scores = [p, i64, i64, p, i64, p, i32, i32, i32, i32, i32, i32, i32, p, i64, p, i64]
+    lib = native_build.load_or_none("score", log, "scoring through torch", {
+        "ekv_group_scores": (scores, i32), "ekv_score_job": ([p, *scores], i64), "ekv_score_max_rank": ([], i32),
+        "ekv_score_job_bytes": ([], i32), "ekv_score_scratch_floats": ([i32, i32, i32, i32], i64)})
     if lib is None:
         return None
-    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    lib.ekv_group_scores.argtypes = [p, i64, i64, p, i64, p, i32, i32, i32, i32, i32, i32, i32, p, i64, p, i64]
-    lib.ekv_group_scores.restype = i32
-    lib.ekv_score_max_rank.argtypes, lib.ekv_score_max_rank.restype = [], i32
-    lib.ekv_score_job.argtypes, lib.ekv_score_job.restype = [p, *lib.ekv_group_scores.argtypes], i64
-    lib.ekv_score_job_bytes.argtypes, lib.ekv_score_job_bytes.restype = [], i32
-    lib.ekv_score_scratch_floats.argtypes, lib.ekv_score_scratch_floats.restype = [i32, i32, i32, i32], i64
     lib.job_bytes = lib.ekv_score_job_bytes()
     lib.phases = {False: (unit_function(lib, "ekv_score_unit"),),  # "sum": the logits' group maxima
                   True: (unit_function(lib, "ekv_score_unit"), unit_function(lib, "ekv_score_vote_unit"))}  # softmax

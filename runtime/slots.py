@@ -127,13 +127,9 @@ NATIVE_ORDERS = {Fifo: 0, Lru: 1}  # replacements whose order is a column of the
 @functools.cache
 def native_slots() -> ctypes.CDLL | None:
     """The native slot assignment, or None (logged once) when it cannot be built: the numpy path serves."""
-    lib = native_build.load_or_none("slots", log, "assigning slots through numpy")
-    if lib is None:
-        return None
-    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    lib.ekv_slots_assign.argtypes = [i32, i32, i32, p, p, p, i32, i64, p, p, p, p, p, p, i32, p, p, p, p, p, p, p]
-    lib.ekv_slots_assign.restype = i64
-    return lib
+    p, i64, i32 = native_build.P, native_build.I64, native_build.I32
+    return native_build.load_or_none("slots", log, "assigning slots through numpy", {
+        "ekv_slots_assign": ([i32, i32, i32, p, p, p, i32, i64, p, p, p, p, p, p, i32, p, p, p, p, p, p, p], i64)})
 
 
 class Slots:

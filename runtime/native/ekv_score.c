@@ -222,9 +222,9 @@ static void integer_logits_of(const uint8_t *rows, int64_t rank_row_bytes, const
     }
 }
 
-/* The largest rank and the most queries a sequence a call takes (the caller scores larger ones through torch). */
+/* The largest rank a call takes (the caller scores larger ones through torch; more than MAX_QUERIES queries a
+ * sequence too, which no model's heads come near). */
 int ekv_score_max_rank(void) { return MAX_RANK; }
-int ekv_score_max_queries(void) { return MAX_QUERIES; }
 
 /* A unit's stretch of one sequence's tokens, PART_TOKENS rounded up to whole groups: a batch of one scores in parts
  * the caller and the helper thread share (SmolLM2 8K: 8 parts).  Each part keeps its own softmax maximum and sum, and
