@@ -192,3 +192,29 @@ def test_copy_probe_windows_end_in_spans_of_their_own_prompt():
         for span in (tail[:16], tail[16:]):
             start = prompt.index(span[0])
             assert prompt[start : start + 16] == span and 64 <= start < len(prompt) - 256
+
+
+def test_the_step_waits_bench_times_the_compute_threads_waits_and_probes_every_site(capsys, monkeypatch):
+    """``python -m bench.step_waits`` on the fixture: the compute thread's wall against its CPU in the step and in
+    each wait (no wait takes longer than the step, its CPU never more than its wall), then every probe site timed
+    against no probe, each probe's added work counted from the probes that ran."""
+    import re
+
+    from bench.step_waits import PROBES, WAITS, main as step_waits
+    from edgekv.runtime import aside as aside_module
+
+    monkeypatch.setattr(aside_module, "cores", lambda: 2)
+    torch.manual_seed(0)
+    step_waits(["--model", "fixture", "--context", "200", "--batch", "2", "--kvswap", "G=4,M=6,C=8,sigma=2",
+                "--extra", '{"reuse": true, "correction": "corrected"}', "--rounds", "1", "--steps", "2"])
+    out = capsys.readouterr().out
+    step = re.search(r"^batch 2: ([\d.]+) ms a step, the compute thread's CPU ([\d.]+), waiting (-?[\d.]+)$", out,
+                     re.M)
+    assert step and float(step[1]) > 0
+    waits = dict((m[0], tuple(map(float, m[1:]))) for m in re.findall(
+        r"^  in (.+): ([\d.]+) ms a step, CPU ([\d.]+), waiting (-?[\d.]+) \(([\d.]+) calls a step\)$", out, re.M))
+    assert set(waits) == set(WAITS) and waits["a layer's reads"][3] > 0 and waits["a correction"][3] > 0
+    assert all(wall <= float(step[1]) + 1e-2 and cpu <= wall + 1e-2 for wall, cpu, _, _ in waits.values())
+    probes = re.findall(r"^  probe at (.+): ([\d.]+) ms of compute-thread work added a step, median ([\d.]+) ms a "
+                        r"step: (-?[\d.]+) of it on the critical path$", out, re.M)
+    assert [p[0] for p in probes] == list(PROBES) and all(float(p[1]) > 0 for p in probes)
