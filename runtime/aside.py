@@ -29,16 +29,10 @@ log = logging.getLogger(__name__)
 @functools.cache
 def native_aside() -> ctypes.CDLL | None:
     """The helper thread's library, or None (logged once) when it cannot be built: the caller runs every unit."""
-    lib = native_build.load_or_none("aside", log, "the decode step computes on its own thread")
-    if lib is None:
-        return None
-    p, i64 = ctypes.c_void_p, ctypes.c_int64
-    signatures = {"ekv_aside_open": ([], p), "ekv_aside_post": ([p, p, p, i64], i64),
-                  "ekv_aside_done": ([p, i64], ctypes.c_int), "ekv_aside_wait": ([p, i64], None),
-                  "ekv_aside_share": ([p, p, p, i64], None), "ekv_aside_close": ([p], None)}
-    for name, (args, result) in signatures.items():
-        getattr(lib, name).argtypes, getattr(lib, name).restype = args, result
-    return lib
+    p, i64, i32 = native_build.P, native_build.I64, native_build.I32
+    return native_build.load_or_none("aside", log, "the decode step computes on its own thread", {
+        "ekv_aside_open": ([], p), "ekv_aside_post": ([p, p, p, i64], i64), "ekv_aside_done": ([p, i64], i32),
+        "ekv_aside_wait": ([p, i64], None), "ekv_aside_share": ([p, p, p, i64], None), "ekv_aside_close": ([p], None)})
 
 
 def unit_function(lib: ctypes.CDLL, name: str) -> int:

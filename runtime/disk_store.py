@@ -533,23 +533,24 @@ class DiskKVStore:
         sums = self._sum_tables if every else (None, None)
         seqs, groups = np.ascontiguousarray(seqs), np.ascontiguousarray(groups)
         addresses = np.ascontiguousarray(addresses, dtype=np.int64)
-        fds, counts, paths, gap_counts = small = np.empty((4, n), dtype=np.int32)
+        fds, counts, paths, gap_counts = np.empty((4, n), dtype=np.int32)
         offsets = np.empty(n, dtype=np.int64)
         scratch = np.empty(lib.ekv_requests_scratch_bytes(n), dtype=np.uint8)
         total = ctypes.c_int64()
         table = self._fds
         most = n + (n - 1) * self.gap_records  # every gap bridged
         for capacity in (min(2 * n, most), most):  # room for the records read: rarely more than twice the wanted
-            read_addresses, read_seqs, read_groups = records = np.empty((3, capacity), dtype=np.int64)
+            read_addresses, read_seqs, read_groups = np.empty((3, capacity), dtype=np.int64)
             expected, check = np.empty(capacity, dtype=np.uint32), np.empty(capacity, dtype=bool)
             k = lib.ekv_requests_plan(
                 n, seqs.ctypes.data, groups.ctypes.data, addresses.ctypes.data, len(table),
                 table.ctypes.data + layer * table.strides[1], table.strides[0] // 4, table.strides[2] // 4,
                 self.n_paths, self.layout.stride_bytes, self.max_request_records, self.gap_records, int(every),
                 None if sums[0] is None else sums[0].ctypes.data, None if sums[1] is None else sums[1].ctypes.data,
-                layer, self._gap_sink().ctypes.data, scratch.ctypes.data, *(row.ctypes.data for row in small[:1]),
-                offsets.ctypes.data, *(row.ctypes.data for row in small[1:]), *(row.ctypes.data for row in records),
-                expected.ctypes.data, check.ctypes.data, capacity, ctypes.byref(total))
+                layer, self._gap_sink().ctypes.data, scratch.ctypes.data, fds.ctypes.data, offsets.ctypes.data,
+                counts.ctypes.data, paths.ctypes.data, gap_counts.ctypes.data, read_addresses.ctypes.data,
+                read_seqs.ctypes.data, read_groups.ctypes.data, expected.ctypes.data, check.ctypes.data, capacity,
+                ctypes.byref(total))
             if k != -2:
                 break
         if k < 0:

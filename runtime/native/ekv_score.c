@@ -193,7 +193,7 @@ static void integer_logits_of(const uint8_t *rows, int64_t rank_row_bytes, const
     enum { MAX_QUADS = MAX_RANK / 4 };
     uint32_t packed[MAX_QUADS * BLOCK] __attribute__((aligned(64)));
     int32_t sums[QUERY_BLOCK * BLOCK] __attribute__((aligned(64)));
-    float factor[BLOCK];
+    float token_scale[BLOCK], factor[BLOCK];
     const int quads = (rank + 3) / 4, offset = kind == ROWS_I4 ? 8 : 128;
     int32_t bias[MAX_QUERIES]; /* the codes' offset times each query's sum: the lanes hold codes plus `offset` */
     for (int h = 0; h < queries; h++) {
@@ -204,6 +204,7 @@ static void integer_logits_of(const uint8_t *rows, int64_t rank_row_bytes, const
         int n = to - first < BLOCK ? (int)(to - first) : BLOCK;
         if (first + BLOCK < to) prefetch_block(rows, rank_row_bytes, rank, first + BLOCK, kind);
         pack_codes(packed, rows, rank_row_bytes, rank, first, n, kind);
+        for (int j = 0; j < n; j++) token_scale[j] = bf16_to_float(scales[first + j]);
         for (int h = 0; h < queries;) {
             int nq = queries - h >= QUERY_BLOCK ? QUERY_BLOCK : 1;
             if (nq == QUERY_BLOCK)
@@ -213,7 +214,7 @@ static void integer_logits_of(const uint8_t *rows, int64_t rank_row_bytes, const
             for (int a = 0; a < nq; a++, h++) {
                 /* the scales' product, then the dot product times it, in two loops: within one expression the
                  * reassociation the library is built with could reorder the two multiplies */
-                for (int j = 0; j < n; j++) factor[j] = q_scales[h] * bf16_to_float(scales[first + j]);
+                for (int j = 0; j < n; j++) factor[j] = q_scales[h] * token_scale[j];
                 const int32_t *s = sums + a * BLOCK;
                 float *restrict l = logits + h * stride + first;
                 for (int j = 0; j < n; j++) l[j] = (float)(s[j] - bias[h]) * factor[j];
