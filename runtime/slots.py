@@ -121,7 +121,7 @@ class CostAware(Replacement):
 
 
 REPLACEMENTS = {"fifo": Fifo, "lru": Lru, "cost": CostAware}
-NATIVE_ORDERS = {Fifo: 0, Lru: 1}  # replacements whose order is a column of the table (ekv_slots.c keeps them)
+NATIVE_ORDERS = {Fifo: 0, Lru: 1, CostAware: 2}  # the replacements ekv_slots.c keeps (its score_kind)
 
 
 @functools.cache
@@ -129,7 +129,7 @@ def native_slots() -> ctypes.CDLL | None:
     """The native slot assignment, or None (logged once) when it cannot be built: the numpy path serves."""
     p, i64, i32 = native_build.P, native_build.I64, native_build.I32
     return native_build.load_or_none("slots", log, "assigning slots through numpy", {
-        "ekv_slots_assign": ([i32, i32, i32, p, p, p, i32, i64, p, p, p, p, p, p, i32, p, p, p, p, p, p, p], i64)})
+        "ekv_slots_assign": ([i32, i32, i32, p, p, p, i32, i64, p, p, p, p, p, p, i32, p, p, p, p, p, p, p, p, p], i64)})
 
 
 class Slots:
@@ -276,7 +276,7 @@ class SlotTable(Slots):
     def _assign_native(self, layer: int, groups: np.ndarray, valid: np.ndarray, owners: np.ndarray | None,
                        count: bool) -> tuple[np.ndarray, Misses] | None:
         """``assign`` in one native call (runtime/native/ekv_slots.c: the same tables, bit for bit, where numpy takes
-        ~40 calls) for fifo and lru; None where it does not serve (another replacement, no compiler) or refuses (a
+        ~40 calls) for fifo, lru and cost; None where it does not serve (another replacement, no compiler) or refuses (a
         pick outside its pool, a pool too small: it changed nothing, and the numpy path raises the error)."""
         order = NATIVE_ORDERS.get(type(self.replacement))
         lib = native_slots() if order is not None else None
@@ -296,11 +296,17 @@ class SlotTable(Slots):
             None if owners is None else owners.ctypes.data, self.capacity, self.max_groups, self.pool.ctypes.data,
             *(table.ctypes.data for table in tables), order, ctypes.byref(clock), slots.ctypes.data,
             *(row.ctypes.data for row in new), self.hits.ctypes.data if count else None,
-            self.lookups.ctypes.data if count else None)
+            self.lookups.ctypes.data if count else None, *self._native_cost(layer))
         if n_new < 0:
             return None
         self._clock = clock.value
         return slots, Misses(new[0, :n_new], new[1, :n_new], new[2, :n_new])
+
+    def _native_cost(self, layer: int) -> tuple[int | None, int | None]:
+        """The cost-aware replacement's frequency and cost rows of ``layer`` for ekv_slots.c (None, None: another)."""
+        if not isinstance(self.replacement, CostAware):
+            return None, None
+        return self.replacement.frequency[layer].ctypes.data, self.replacement.cost[layer].ctypes.data
 
     def _victims(self, layer: int, protected: np.ndarray, pools: np.ndarray) -> np.ndarray:
         """A slot of pool ``pools[i]`` for each new record i, none of the flat slots ``protected``: in each pool,

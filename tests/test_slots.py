@@ -71,13 +71,14 @@ def test_reverse_map_tracks_evictions():
     assert missed == [3]
 
 
-@pytest.mark.parametrize("replacement", ["fifo", "lru"])
+@pytest.mark.parametrize("replacement", ["fifo", "lru", "cost"])
 @pytest.mark.parametrize("seed", range(6))
 def test_the_native_assignment_keeps_the_tables_as_the_numpy_path_does(replacement, seed, monkeypatch):
     """runtime/native/ekv_slots.c against the numpy path on random steps: odd capacities, two sequences pooled by a
     shared prefix (one picks the other's records), rows without picks, repeated picks, corrections (not counted), steps
     a pool cannot hold and a pick outside its pool (the same error, nothing changed): the same slots, misses, hits and
-    tables after every step."""
+    tables after every step; with cost, refetch costs and priors set now and then (fractional, with ties) and the same
+    frequencies after every step."""
     from edgekv.runtime import slots as slots_module
     from edgekv.runtime.slots import record_owners
     assert slots_module.native_slots() is not None
@@ -96,6 +97,12 @@ def test_the_native_assignment_keeps_the_tables_as_the_numpy_path_does(replaceme
         valid = rng.random((batch, picks)) < 0.8
         valid[1] &= step % 5 != 0
         owners = record_owners(groups, owner, shared)
+        if replacement == "cost" and step % 9 == 0:  # what clustering tells the replacement (offload.py)
+            layer, seq, chosen = step % n_layers, int(rng.integers(batch)), rng.choice(max_groups, 8, replace=False)
+            cost, prior = rng.choice([0.5, 1.0, 1.5, 2.25], 8), rng.integers(0, 3, 8)
+            for table in tables:
+                table.replacement.set_cost(layer, seq, chosen, cost)
+                table.replacement.set_prior(layer, seq, chosen[:4], prior[:4])
         if step % 11 == 10:
             owners[1, 0], valid[1, 0] = 3, True  # a record of a sequence outside row 1's pool
         results = []
@@ -115,6 +122,8 @@ def test_the_native_assignment_keeps_the_tables_as_the_numpy_path_does(replaceme
             assert np.array_equal(slots_0, slots_1) and all(map(np.array_equal, misses_0, misses_1))
         for name in ("group", "owner", "inserted", "used", "slot_of", "hits", "lookups", "_clock"):
             assert np.array_equal(getattr(tables[0], name), getattr(tables[1], name)), (step, name)
+        if replacement == "cost":
+            assert np.array_equal(tables[0].replacement.frequency, tables[1].replacement.frequency), step
     assert errors > 0
 
 

@@ -1,7 +1,8 @@
-/* The reuse buffer's slot assignment for one layer and step (runtime/slots.py SlotTable.assign), for the replacements
- * whose eviction order is a column of the table itself: fifo (oldest insertion first) and lru (least recently picked
- * first).  The Python path is the reference; this one keeps the same tables the same way, bit for bit, in one call
- * where the numpy path takes ~40 (SmolLM2 8K, batch 1: ~100 us of a decode layer's ~1.5 ms on the compute thread).
+/* The reuse buffer's slot assignment for one layer and step (runtime/slots.py SlotTable.assign), for fifo (oldest
+ * insertion first), lru (least recently picked first) and cost (Swarm's lowest activation frequency x refetch cost
+ * first, the frequency kept here as CostAware.observe keeps it).  The Python path is the reference; this one keeps the
+ * same tables the same way, bit for bit, in one call where the numpy path takes ~40 (SmolLM2 8K, batch 1: ~100 us of a
+ * decode layer's ~1.5 ms on the compute thread; ~60 calls and ~300 us with cost's frequency).
  *
  * Slots are flat: sequence b owns [b * capacity, (b + 1) * capacity); slot_of[o * max_groups + g] is the slot holding
  * record (owner o, group g), or -1.  A step's valid picks are taken row by row; a pick whose record is resident is a
@@ -12,11 +13,13 @@
 #include <stdlib.h>
 #include <string.h>
 
-enum { SCORE_INSERTED, SCORE_USED }; /* fifo, lru */
+enum { SCORE_INSERTED, SCORE_USED, SCORE_COST }; /* fifo, lru, cost */
 enum { POOL_MISMATCH = -1, POOL_TOO_SMALL = -2, NO_MEMORY = -3, OUTSIDE = -4 };
 
 typedef struct {
-    int64_t occupied, score, inserted, slot;
+    int64_t occupied;
+    double score; /* numpy's float64 score column: an int64 clock, or a float32 frequency x cost */
+    int64_t inserted, slot;
 } victim_key;
 
 static int before(const void *a, const void *b) {
@@ -31,16 +34,18 @@ static int before(const void *a, const void *b) {
  * the table's `sequences` (>= batch): group_at, owner_at, inserted_at, used_at [sequences * capacity], slot_of
  * [sequences * max_groups]; pool [sequences] (a pool's label is one of its sequences).  Out: slots [batch, picks] (0 where not valid), and the new records in the order of their first picker:
  * their owner, slot and group (at most batch * picks).  hits/lookups [sequences] are counted unless NULL; *clock advances
- * as the Python path's does.  Returns the new records' count, or a negative code with nothing changed: -1 a row picks a
+ * as the Python path's does.  frequency, cost [sequences * max_groups] (cost only, else NULL): a record's eviction score
+ * is their float32 product; after the step each picked record's frequency rises by one and each resident its stepped
+ * pool left unpicked falls by one, not below zero.  Returns the new records' count, or a negative code with nothing changed: -1 a row picks a
  * record of a sequence outside its pool, -2 a pool holds fewer slots than the distinct records it misses and keeps,
  * -3 no memory, -4 a group or owner outside the table (the caller's path then says what is wrong). */
 int64_t ekv_slots_assign(int sequences, int batch, int picks, const int64_t *groups, const uint8_t *valid, const int64_t *owners,
                          int capacity, int64_t max_groups, const int64_t *pool, int64_t *group_at, int64_t *owner_at,
                          int64_t *inserted_at, int64_t *used_at, int64_t *slot_of, int score_kind, int64_t *clock,
                          int64_t *slots, int64_t *new_owner, int64_t *new_slot, int64_t *new_group, int64_t *hits,
-                         int64_t *lookups) {
+                         int64_t *lookups, float *frequency, const float *cost) {
     const int64_t n_slots = (int64_t)sequences * capacity, entries = (int64_t)batch * picks;
-    if (batch > sequences) return OUTSIDE;
+    if (batch > sequences || (score_kind == SCORE_COST && (!frequency || !cost))) return OUTSIDE;
     for (int64_t e = 0; e < entries; e++) {
         if (!valid[e]) continue;
         if (groups[e] < 0 || groups[e] >= max_groups || (owners && (owners[e] < 0 || owners[e] >= sequences)))
@@ -78,8 +83,14 @@ int64_t ekv_slots_assign(int sequences, int batch, int picks, const int64_t *gro
         for (int64_t s = 0; s < n_slots; s++) {
             if (kept[s] || pool[s / capacity] != p) continue;
             const int64_t occupied = group_at[s] >= 0;
-            keys[n++] = (victim_key){occupied, occupied ? (score_kind == SCORE_USED ? used_at[s] : inserted_at[s]) : 0,
-                                     inserted_at[s], s};
+            double score = 0;
+            if (occupied && score_kind == SCORE_COST) {
+                const int64_t at = owner_at[s] * max_groups + group_at[s];
+                score = (float)(frequency[at] * cost[at]);
+            } else if (occupied) {
+                score = (double)(score_kind == SCORE_USED ? used_at[s] : inserted_at[s]);
+            }
+            keys[n++] = (victim_key){occupied, score, inserted_at[s], s};
         }
         if (n < wanted[p]) {
             code = POOL_TOO_SMALL;
@@ -114,6 +125,19 @@ int64_t ekv_slots_assign(int sequences, int batch, int picks, const int64_t *gro
         used_at[slots[e]] = *clock; /* SlotTable._observe: the picked slots' last use */
     }
     *clock += 1;
+    if (score_kind == SCORE_COST) { /* CostAware.observe: picked slots up, the stepped pools' other residents down */
+        uint8_t *picked = kept; /* reused: [n_slots] a pick of this step holds the slot */
+        int64_t *stepped = wanted; /* reused: [sequences] the pool has a valid pick this step */
+        memset(picked, 0, (size_t)n_slots + 1);
+        memset(stepped, 0, sizeof(int64_t) * sequences);
+        for (int64_t e = 0; e < entries; e++)
+            if (valid[e]) stepped[pool[e / picks]] = 1, picked[slots[e]] = 1;
+        for (int64_t s = 0; s < n_slots; s++) {
+            if (group_at[s] < 0 || !stepped[pool[s / capacity]]) continue;
+            float *f = &frequency[owner_at[s] * max_groups + group_at[s]];
+            *f = picked[s] ? *f + 1.0f : (*f - 1.0f > 0.0f ? *f - 1.0f : 0.0f);
+        }
+    }
     if (hits) { /* a record read once for several rows is a hit for all but its first picker */
         for (int64_t e = 0; e < entries; e++)
             if (valid[e]) lookups[e / picks]++, hits[e / picks]++;
