@@ -245,7 +245,7 @@ def recorded_configs(eval_json: str | Path) -> dict[tuple[int, str], dict]:
     data = json.loads(Path(eval_json).read_text())
     rows = data.get("ppl") or data.get("results") or []
     keys = ("G", "M", "C", "sigma", "reuse", "sink_tokens", "window_tokens", "score_reduce", "klr_dtype", "io_align_bytes",
-            "kv_record_dtype", "correction", "correction_reads", "correction_recall", "guess_from_before")
+            "kv_record_dtype", "correction", "correction_reads", "correction_recall", "guess_from_before", "replacement")
     return {(r["context"], f"1/{round(1 / r['budget'])}"): {k: r["config"][k] for k in keys if k in r["config"]}
             for r in rows if r["budget"] and r["policy"] in policies.names() and policies.get(r["policy"]).tunable
             and r["variant"] == f"{r['policy']}@1/{round(1 / r['budget'])}"}

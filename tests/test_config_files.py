@@ -100,3 +100,13 @@ def test_a_profile_with_the_old_solver_alpha_loads_with_a_warning_naming_the_new
     path.write_text(yaml.safe_dump(data))
     with pytest.raises(ProfileError, match="'solver.alpha' .* and 'solver.exposed_io_share' .* are one field"):
         load_profile(path)
+
+
+def test_a_recorded_configuration_runs_again_with_its_reuse_buffer_replacement(tmp_path):
+    """An eval or bench given ``--configs-from`` runs the replacement the deploy chose, not the default fifo."""
+    from edgekv.evals.harness import recorded_configs
+
+    config = {"G": 4, "M": 8, "C": 10, "sigma": 2.0, "reuse": True, "replacement": "cost", "io_gap_bytes": 6720}
+    row = {"policy": "kvswap", "budget": 1 / 6, "variant": "kvswap@1/6", "context": 8192, "config": config}
+    (tmp_path / "chosen.json").write_text(json.dumps({"ppl": [row]}))
+    assert recorded_configs(tmp_path / "chosen.json")[(8192, "1/6")]["replacement"] == "cost"
