@@ -814,6 +814,11 @@ def llama_cpp_source(model_dir: Path, policies: list[str]) -> tuple[Path | None,
         return None, "none: the model is not a GGUF file"
     if importlib.util.find_spec("llama_cpp") is None:
         return None, "none: llama-cpp-python is not installed (pip install 'edgekv[llamacpp]')"
+    try:  # its own dependencies load here: one missing is named now, not in a traceback after the other rows ran
+        import llama_cpp  # noqa: F401
+    except ImportError as exc:
+        return None, (f"none: llama-cpp-python is installed but does not import ({exc}); install it with its "
+                      "dependencies: pip install 'edgekv[llamacpp]'")
     return gguf, f"{gguf.name} at batch 1 (llama-cpp-python runs one sequence; f16 KV in memory)"
 
 

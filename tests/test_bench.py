@@ -1,5 +1,7 @@
 """The bench command: ratio arithmetic, step timing without warm-up, and a CI-fast end-to-end run."""
 import json
+import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -123,6 +125,10 @@ def test_llama_cpp_row_only_for_a_gguf_model_with_the_binding(model_dirs, tmp_pa
     gguf, note = bench.llama_cpp_source(tmp_path, ["llama.cpp"])
     assert gguf is None and "pip install 'edgekv[llamacpp]'" in note
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: object() if name == "llama_cpp" else real(name))
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # installed, but an import of it fails (a dependency missing)
+    gguf, note = bench.llama_cpp_source(tmp_path, ["llama.cpp"])
+    assert gguf is None and "does not import" in note and "pip install 'edgekv[llamacpp]'" in note
+    monkeypatch.setitem(sys.modules, "llama_cpp", types.ModuleType("llama_cpp"))
     assert bench.llama_cpp_source(tmp_path, ["llama.cpp"])[0] == source
 
 
