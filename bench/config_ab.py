@@ -2,7 +2,9 @@
 ``--extra``) gets its own engine, prefilled with the same text prompts, and the variants' decode steps alternate for
 ``--rounds`` rounds (each switch's first step untimed), so the machine's drift falls on every one alike; per variant
 the median step, its ratio to the first's tok/s, the requests and MiB read a step, and its resident KV.  For what
-cannot change on a live engine (the reuse buffer, K_lr's format, the records' format and padding).
+cannot change on a live engine (the reuse buffer, K_lr's format, the records' format and padding).  A variant's
+``dtype`` and ``weights`` are its model's (``--dtype``, ``--weights`` where it names none): kvswap in bfloat16 beside
+float32, each on a model of its own.
 
     python -m bench.config_ab --model smollm2 --batch 4 --weights int4 --dtype bfloat16 \\
         --variants '[{}, {"C": 256, "reuse": true, "klr_dtype": "int4", "kv_record_dtype": "int4", "io_align_bytes": 2048}]'
@@ -14,6 +16,8 @@ import statistics
 
 from bench.deployed_batch import alternate, alternating_room, parser, text_batch
 
+MODEL_FIELDS = ("dtype", "weights")  # a variant's model, not its engine's configuration
+
 
 def main(argv=None) -> None:
     ap = parser(__doc__, batch=1, rounds=4, steps=6, setting="variant")
@@ -24,7 +28,9 @@ def main(argv=None) -> None:
     with contextlib.ExitStack() as stack:
         engines = []
         for variant in variants:
-            mine = argparse.Namespace(**{**vars(args), "extra": json.dumps({**json.loads(args.extra), **variant})})
+            fields = {k: v for k, v in variant.items() if k not in MODEL_FIELDS}
+            model = {k: variant.get(k, getattr(args, k)) for k in MODEL_FIELDS}
+            mine = argparse.Namespace(**{**vars(args), **model, "extra": json.dumps({**json.loads(args.extra), **fields})})
             engines.append(stack.enter_context(text_batch(mine, room)))
         current = [engines[0][1]]
         ms, counts = alternate(

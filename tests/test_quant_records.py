@@ -343,3 +343,18 @@ def test_the_config_ab_bench_alternates_whole_configurations_each_on_its_own_eng
     assert [row[0] for row in rows] == ["0", "1"] and float(rows[0][3]) == 1.0
     assert all(float(row[1]) > 0 and len(row[2].split(", ")) == 2 for row in rows)
     assert int(rows[1][4]) < int(rows[0][4]) and float(rows[1][6]) < float(rows[0][6])
+
+
+def test_a_config_ab_variant_may_run_its_model_in_another_dtype(capsys, monkeypatch):
+    """A variant's ``dtype`` is its model's, not a configuration field: each engine is loaded in its own."""
+    import bench.config_ab as config_ab
+    from edgekv.runtime import Engine
+
+    loaded = []
+    real = Engine.from_pretrained.__func__
+    monkeypatch.setattr(Engine, "from_pretrained", classmethod(
+        lambda cls, *a, **kw: loaded.append((kw["dtype"], "dtype" in kw["config"])) or real(cls, *a, **kw)))
+    config_ab.main(["--model", "fixture", "--context", "120", "--batch", "1", "--kvswap", "G=4,M=6,C=6,sigma=2",
+                    "--dtype", "float32", "--variants", '[{}, {"dtype": "bfloat16"}]', "--rounds", "1", "--steps", "1"])
+    assert loaded == [("float32", False), ("bfloat16", False)]
+    assert 'variant 1 {"dtype": "bfloat16"}' in capsys.readouterr().out
