@@ -2,7 +2,7 @@
  * insertion first), lru (least recently picked first) and cost (Swarm's lowest activation frequency x refetch cost
  * first, the frequency kept here as CostAware.observe keeps it).  The Python path is the reference; this one keeps the
  * same tables the same way, bit for bit, in one call where the numpy path takes ~40 (SmolLM2 8K, batch 1: ~100 us of a
- * decode layer's ~1.5 ms on the compute thread; ~60 calls and ~300 us with cost's frequency).
+ * decode layer's ~1.5 ms on the compute thread).
  *
  * Slots are flat: sequence b owns [b * capacity, (b + 1) * capacity); slot_of[o * max_groups + g] is the slot holding
  * record (owner o, group g), or -1.  A step's valid picks are taken row by row; a pick whose record is resident is a
@@ -32,11 +32,12 @@ static int before(const void *a, const void *b) {
 
 /* groups, valid, owners [batch, picks] (row b is sequence b; owners NULL: each row its own); the layer's tables of
  * the table's `sequences` (>= batch): group_at, owner_at, inserted_at, used_at [sequences * capacity], slot_of
- * [sequences * max_groups]; pool [sequences] (a pool's label is one of its sequences).  Out: slots [batch, picks] (0 where not valid), and the new records in the order of their first picker:
- * their owner, slot and group (at most batch * picks).  hits/lookups [sequences] are counted unless NULL; *clock advances
- * as the Python path's does.  frequency, cost [sequences * max_groups] (cost only, else NULL): a record's eviction score
- * is their float32 product; after the step each picked record's frequency rises by one and each resident its stepped
- * pool left unpicked falls by one, not below zero.  Returns the new records' count, or a negative code with nothing changed: -1 a row picks a
+ * [sequences * max_groups]; pool [sequences] (a pool's label is one of its sequences).  Out: slots [batch, picks] (0
+ * where not valid), and the new records in the order of their first picker: their owner, slot and group (at most
+ * batch * picks).  hits/lookups [sequences] are counted unless NULL; *clock advances as the Python path's does.
+ * frequency, cost [sequences * max_groups] (cost only, else NULL): a record's eviction score is their float32 product;
+ * after the step each picked record's frequency rises by one and each resident its stepped pool left unpicked falls
+ * by one, not below zero.  Returns the new records' count, or a negative code with nothing changed: -1 a row picks a
  * record of a sequence outside its pool, -2 a pool holds fewer slots than the distinct records it misses and keeps,
  * -3 no memory, -4 a group or owner outside the table (the caller's path then says what is wrong). */
 int64_t ekv_slots_assign(int sequences, int batch, int picks, const int64_t *groups, const uint8_t *valid, const int64_t *owners,
