@@ -103,7 +103,7 @@ def test_a_profile_with_the_old_solver_alpha_loads_with_a_warning_naming_the_new
 
 
 def test_a_recorded_configuration_runs_again_with_its_reuse_buffer_replacement(tmp_path):
-    """An eval or bench given ``--configs-from`` runs the replacement the deploy chose, not the default fifo."""
+    """An eval or bench given ``--configs-from`` runs the recorded replacement, not the default fifo."""
     from edgekv.evals.harness import recorded_configs
 
     config = {"G": 4, "M": 8, "C": 10, "sigma": 2.0, "reuse": True, "replacement": "cost", "io_gap_bytes": 6720}
