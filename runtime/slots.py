@@ -71,6 +71,10 @@ class Replacement:
     def set_prior(self, layer: int, owner: int, groups, counts) -> None:
         """How often ``owner``'s ``groups`` were picked before decoding (the prompt's queries)."""
 
+    def native_rows(self, layer: int) -> tuple[int | None, int | None]:
+        """Addresses of ``layer``'s own state that ekv_slots.c keeps for this replacement (None: it keeps none)."""
+        return None, None
+
 
 class Fifo(Replacement):
     """KVSwap's reuse buffer: the oldest insertion goes, a hit does not refresh it."""
@@ -118,6 +122,9 @@ class CostAware(Replacement):
     def forget(self, seq):
         self.frequency[:, seq] = 0
         self.cost[:, seq] = 1
+
+    def native_rows(self, layer):
+        return self.frequency[layer].ctypes.data, self.cost[layer].ctypes.data
 
 
 REPLACEMENTS = {"fifo": Fifo, "lru": Lru, "cost": CostAware}
@@ -296,17 +303,11 @@ class SlotTable(Slots):
             None if owners is None else owners.ctypes.data, self.capacity, self.max_groups, self.pool.ctypes.data,
             *(table.ctypes.data for table in tables), order, ctypes.byref(clock), slots.ctypes.data,
             *(row.ctypes.data for row in new), self.hits.ctypes.data if count else None,
-            self.lookups.ctypes.data if count else None, *self._native_cost(layer))
+            self.lookups.ctypes.data if count else None, *self.replacement.native_rows(layer))
         if n_new < 0:
             return None
         self._clock = clock.value
         return slots, Misses(new[0, :n_new], new[1, :n_new], new[2, :n_new])
-
-    def _native_cost(self, layer: int) -> tuple[int | None, int | None]:
-        """The cost-aware replacement's frequency and cost rows of ``layer`` for ekv_slots.c (None, None: another)."""
-        if not isinstance(self.replacement, CostAware):
-            return None, None
-        return self.replacement.frequency[layer].ctypes.data, self.replacement.cost[layer].ctypes.data
 
     def _victims(self, layer: int, protected: np.ndarray, pools: np.ndarray) -> np.ndarray:
         """A slot of pool ``pools[i]`` for each new record i, none of the flat slots ``protected``: in each pool,

@@ -127,16 +127,15 @@ int64_t ekv_slots_assign(int sequences, int batch, int picks, const int64_t *gro
     }
     *clock += 1;
     if (score_kind == SCORE_COST) { /* CostAware.observe: picked slots up, the stepped pools' other residents down */
-        uint8_t *picked = kept; /* reused: [n_slots] a pick of this step holds the slot */
         int64_t *stepped = wanted; /* reused: [sequences] the pool has a valid pick this step */
-        memset(picked, 0, (size_t)n_slots + 1);
         memset(stepped, 0, sizeof(int64_t) * sequences);
         for (int64_t e = 0; e < entries; e++)
-            if (valid[e]) stepped[pool[e / picks]] = 1, picked[slots[e]] = 1;
+            if (valid[e]) stepped[pool[e / picks]] = 1;
         for (int64_t s = 0; s < n_slots; s++) {
             if (group_at[s] < 0 || !stepped[pool[s / capacity]]) continue;
             float *f = &frequency[owner_at[s] * max_groups + group_at[s]];
-            *f = picked[s] ? *f + 1.0f : (*f - 1.0f > 0.0f ? *f - 1.0f : 0.0f);
+            const int picked = used_at[s] == *clock - 1; /* this step's picks alone carry its clock (set above) */
+            *f = picked ? *f + 1.0f : (*f - 1.0f > 0.0f ? *f - 1.0f : 0.0f);
         }
     }
     if (hits) { /* a record read once for several rows is a hit for all but its first picker */
