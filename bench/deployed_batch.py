@@ -57,14 +57,14 @@ def engine_config(args: argparse.Namespace, room: int) -> dict:
 
 
 @contextlib.contextmanager
-def text_batch(args: argparse.Namespace, room: int):
-    """(the kvswap policy, a function taking one decode step) over a prefilled batch with ``room`` steps to decode, 8
-    of them taken, the run's model and configuration printed; a hybrid model's policy is its global layers' one."""
+def text_batch(args: argparse.Namespace, room: int, policy: str = "kvswap"):
+    """(the ``policy``, a function taking one decode step) over a prefilled batch with ``room`` steps to decode, 8 of
+    them taken, the run's model and configuration printed; a hybrid model's policy is its global layers' one."""
     ids = _text_ids(argparse.Namespace(model=args.model, text=args.text, context=args.context + 997 * (args.batch - 1),
                                        warmup=0, steps=room))
     starts = [997 * row for row in range(args.batch)]
     with tempfile.TemporaryDirectory(dir=args.kv_path) as kv, Engine.from_pretrained(
-            args.model, kv_offload_path=kv, policy="kvswap", device="cpu", dtype=args.dtype, weights=args.weights,
+            args.model, kv_offload_path=kv, policy=policy, device="cpu", dtype=args.dtype, weights=args.weights,
             config=engine_config(args, room)) as engine:
         batch = engine.open_batch(args.batch, args.context + room)
         for row, start in enumerate(starts):
@@ -79,7 +79,8 @@ def text_batch(args: argparse.Namespace, room: int):
 
             for _ in range(8):
                 step()
-            print(f"{args.model} {args.context} tokens, batch {args.batch}, {args.kvswap} {args.extra}")
+            print(f"{args.model} {args.context} tokens, batch {args.batch}, {policy}"
+                  + (f" {args.kvswap} {args.extra}" if policy == "kvswap" else ""))
             yield getattr(batch.policy, "inner", None) or batch.policy, step
 
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from .aside import AsideThread
+from .dense_attention import DenseAttention
 from .forward import decode_attention
 from .model import DecoderModel
 from .reader import BusyTime
@@ -130,7 +132,8 @@ class KVPolicy:
 
 
 class InMemoryKV(KVPolicy):
-    """All KV in one preallocated tensor per layer: the exact reference, no copies per step."""
+    """All KV in one preallocated tensor per layer: the exact reference, no copies per step.  On a CPU it attends in
+    one native call (runtime/dense_attention.py) shared with a helper thread, where the kernel builds."""
 
     def __init__(self, model: DecoderModel, batch: int, max_context: int):
         super().__init__(model, batch, max_context)
@@ -140,6 +143,11 @@ class InMemoryKV(KVPolicy):
         )
         self._batch_index = torch.arange(batch, device=model.device)
         self._step_key, self._step = None, None  # the step's lengths -> (write positions, span, mask)
+        self.dense = DenseAttention.for_cache(model.dtype, model.device, d.n_heads, d.n_kv_heads, d.head_dim,
+                                              model.scaling)
+        if self.dense is not None:
+            self.dense.aside = AsideThread.open()
+            self._starts = np.zeros(batch, dtype=np.int64)
 
     @property
     def resident_bytes(self) -> int:
@@ -153,6 +161,8 @@ class InMemoryKV(KVPolicy):
     def attend(self, layer, q, k, v):
         pos, span, mask = self._step_tensors(q.device)
         self.kv[layer, :, self._batch_index, :, pos] = torch.stack((k[:, :, 0], v[:, :, 0]), dim=1)  # K and V at once
+        if self.dense is not None:
+            return self.dense(q, self.kv[layer, 0], self.kv[layer, 1], self._starts, self._stops)
         return decode_attention(self.model, q, self.kv[layer, 0, :, :, :span], self.kv[layer, 1, :, :, :span], mask)
 
     def _step_tensors(self, device) -> tuple[torch.Tensor, int, torch.Tensor]:
@@ -164,4 +174,9 @@ class InMemoryKV(KVPolicy):
             span = attended_span(int(self.lengths.max()), self.kv.shape[4], device)
             self._step = pos, span, (torch.arange(span, device=device) <= pos[:, None])[:, None, None, :]
             self._step_key = key
+            self._stops = self.lengths + 1  # the native attention's positions [0, length]
         return self._step
+
+    def close(self) -> None:
+        if self.dense is not None and self.dense.aside is not None:
+            self.dense.aside.close()

@@ -1,7 +1,8 @@
 """Every native library the runtime loads, compiled and loaded in one place (``edgekv build-native``, or on first
 use): the KV reader's io_uring and pthread backends, the records' CRC-32C, arkv's quantized attention kernel, the
-low-rank predictor's group scorer, the disk policies' decode attention over their slots' records, the decode step's
-helper thread, the reuse buffer's slot assignment, the disk store's request planning.
+low-rank predictor's group scorer, the disk policies' decode attention over their slots' records, full's over its
+in-memory cache, the decode step's helper thread, the reuse buffer's slot assignment, the disk store's request
+planning.
 
 A library is built into the cache under a name that carries its source's hash (and the machine, for code built
 with -march=native), so an edited source is rebuilt and a stale library is never loaded; a failed or interrupted
@@ -72,6 +73,9 @@ LIBRARIES = {
     "attend": NativeLibrary("attend", "ekv_attend.c", ("-O3", "-march=native", "-fassociative-math",
                                                       "-fno-signed-zeros", "-fno-trapping-math", "-fno-math-errno"),
                             ("-lm",), "the records' decode attention", per_machine=True, headers=("ekv_float.h",)),
+    "dense": NativeLibrary("dense", "ekv_dense.c", ("-O3", "-march=native", "-fassociative-math", "-fno-signed-zeros",
+                                                    "-fno-trapping-math", "-fno-math-errno"), ("-lm",),
+                           "the in-memory cache's decode attention", per_machine=True, headers=("ekv_float.h",)),
     "aside": NativeLibrary("aside", "ekv_aside.c", ("-O2", "-pthread"), ("-lpthread",),
                            "the decode step's helper thread"),
     "slots": NativeLibrary("slots", "ekv_slots.c", ("-O2",), (), "the reuse buffer's slot assignment"),

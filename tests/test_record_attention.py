@@ -143,18 +143,18 @@ def test_records_of_another_dtype_than_the_dense_segments_attend_through_torch()
 
 def test_an_edited_shared_header_renames_the_libraries_that_include_it(tmp_path, monkeypatch):
     """A cached library is named by the hash of its source and its headers: an edit to ekv_float.h must rebuild the
-    scorer and both attention kernels, never load them stale."""
+    scorer and the attention kernels, never load them stale."""
     import shutil
 
     from edgekv.runtime import native_build
 
     shutil.copytree(native_build.SOURCES, tmp_path / "native")
     monkeypatch.setattr(native_build, "SOURCES", tmp_path / "native")
-    before = {name: native_build.library_path(name) for name in ("score", "attend", "qattn", "crc32c")}
+    before = {name: native_build.library_path(name) for name in ("score", "attend", "dense", "qattn", "crc32c")}
     with open(tmp_path / "native" / "ekv_float.h", "a") as header:
         header.write("/* edited */\n")
     after = {name: native_build.library_path(name) for name in before}
-    assert all(after[name] != before[name] for name in ("score", "attend", "qattn"))
+    assert all(after[name] != before[name] for name in ("score", "attend", "dense", "qattn"))
     assert after["crc32c"] == before["crc32c"]
 
 
