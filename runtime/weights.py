@@ -110,7 +110,7 @@ class Int4Linear(PackedLinear):
 class PackedSlice(nn.Module):
     """One projection of several packed as one layer (q/k/v, or gate/up, each a slice of the outputs): called alone,
     as the Hugging Face modules call it, it computes the whole layer and keeps its slice; ``DecoderModel`` calls the
-    shared layer once instead (``fused_outputs``), one kernel call where there were two or three."""
+    shared layer once instead (``packed_call``), one kernel call where there were two or three."""
 
     def __init__(self, fused: PackedLinear, start: int, stop: int):
         super().__init__()
@@ -129,13 +129,19 @@ class PackedSlice(nn.Module):
         return self.fused.dequantized()[self.start:self.stop]
 
 
-def fused_outputs(*projections: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
-    """Each projection of ``x`` from one call of the layer they share, or None when they share none."""
+def packed_call(*projections: nn.Module):
+    """(a function of x giving each projection's output, whether they share one packed layer): one call of the
+    packed layer cut into its slices where they do, else each projection's own ``forward``."""
     fused = getattr(projections[0], "fused", None)
     if fused is None or any(getattr(p, "fused", None) is not fused for p in projections):
-        return None
-    y = fused(x)
-    return tuple(y[..., p.start:p.stop] for p in projections)
+        calls = tuple(p.forward for p in projections)
+        return (lambda x: tuple(call(x) for call in calls)), False
+    forward, cuts = fused.forward, tuple(slice(p.start, p.stop) for p in projections)
+
+    def call(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        y = forward(x)
+        return tuple(y[..., cut] for cut in cuts)
+    return call, True
 
 
 class RescoredHead(nn.Module):

@@ -11,7 +11,7 @@ from torch import nn
 from edgekv.runtime import Engine
 from edgekv.runtime.model import ModelError, load_model
 from edgekv.runtime.store.fingerprint import model_fingerprint
-from edgekv.runtime.weights import (INT4_GROUP, Int4Linear, Int8Linear, RescoredHead, fused_outputs, linear_weight,
+from edgekv.runtime.weights import (INT4_GROUP, Int4Linear, Int8Linear, RescoredHead, linear_weight, packed_call,
                                    on_int4_grid, quantize_linears)
 
 PROMPT = [(i * 7) % 250 + 4 for i in range(120)]
@@ -184,12 +184,15 @@ def test_a_packed_projection_computes_what_it_computes_packed_alone():
     model.attn = attn
     quantize_linears(model, "int4")
     x = torch.randn(2, 3, 64, generator=gen)
-    one_call = fused_outputs(attn.q_proj, attn.k_proj, attn.v_proj, x=x)
+    call, packed = packed_call(attn.q_proj, attn.k_proj, attn.v_proj)
+    assert packed
+    one_call = call(x)
     for name, out in zip(("q_proj", "k_proj", "v_proj"), one_call):
         torch.testing.assert_close(out, alone[name](x), rtol=1e-2, atol=1e-2)  # bf16 outputs, rounded alike
         torch.testing.assert_close(getattr(attn, name)(x), out)  # called alone, as Hugging Face's modules call it
         torch.testing.assert_close(linear_weight(getattr(attn, name)), linear_weight(alone[name]))
-    assert fused_outputs(attn.q_proj, nn.Linear(64, 64), x=x) is None  # not one layer's slices: no fused call
+    call, packed = packed_call(attn.q_proj, nn.Linear(64, 64))  # not one layer's slices: each its own call
+    assert not packed and torch.equal(call(x)[0], attn.q_proj(x))
 
 
 def test_a_decode_step_makes_one_int4_call_for_q_k_v_and_one_for_gate_up(tmp_path, monkeypatch, q4_fixture):
