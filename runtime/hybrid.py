@@ -13,6 +13,7 @@ import dataclasses
 import numpy as np
 import torch
 
+from .dense_attention import DenseAttention
 from .forward import decode_attention
 from .kv_policy import KVPolicy
 from .memory import global_config
@@ -58,6 +59,10 @@ class WindowRing:
         self.kv = {layer: torch.zeros(2, batch, dims.n_kv_heads, size, dims.head_dim, dtype=model.dtype,
                                       device=model.device) for layer, size in self.sizes.items()}
         self._step: dict | None = None  # per step: the active rows, their positions, each ring size's slots and mask
+        # on a CPU the filled slots [0, min(position + 1, W)) in one native call (runtime/dense_attention.py)
+        self.dense = DenseAttention.for_cache(model.dtype, model.device, dims.n_heads, dims.n_kv_heads, dims.head_dim,
+                                              model.scaling)
+        self._starts = np.zeros(batch, dtype=np.int64)
 
     @property
     def resident_bytes(self) -> int:
@@ -82,11 +87,13 @@ class WindowRing:
         if size not in step:
             slots = step["positions"] % size
             mask = (torch.arange(size, device=q.device) <= step["positions"][:, None])[:, None, None, :]
-            step[size] = (slots, mask)
-        slots, mask = step[size]
+            step[size] = (slots, mask, np.minimum(self.lengths + 1, size))
+        slots, mask, stops = step[size]
         rows = step["rows"]
         ring[0, rows, :, slots[rows]] = k[rows, :, 0]
         ring[1, rows, :, slots[rows]] = v[rows, :, 0]
+        if self.dense is not None:
+            return self.dense(q, ring[0], ring[1], self._starts, stops)
         return decode_attention(self.model, q, ring[0], ring[1], mask)
 
     def end_step(self) -> None:

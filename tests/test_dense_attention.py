@@ -114,20 +114,26 @@ def test_torch_attends_what_the_kernel_does_not_read(dtype, device, head_dim, n_
     assert DenseAttention.for_cache(dtype, torch.device(device), n_heads, 2, head_dim, 0.1) is None
 
 
-@pytest.mark.parametrize("arch, dtype", [("llama", "float32"), ("qwen2", "bfloat16")])
-def test_full_decodes_the_same_through_the_kernel_as_through_torch(model_dirs, tmp_path, monkeypatch, arch, dtype):
-    """``full`` on the CPU attends through the kernel, else through ``decode_attention``: the same tokens, logits
-    within float rounding, rows of different lengths in one batch."""
-    from edgekv.runtime import Engine, kv_policy
+@pytest.mark.parametrize("arch, dtype, policy", [("llama", "float32", "full"), ("qwen2", "bfloat16", "full"),
+                                                 ("gemma3", "float32", "full"), ("gemma3", "bfloat16", "kvswap")])
+def test_a_model_decodes_the_same_through_the_kernel_as_through_torch(tmp_path, monkeypatch, arch, dtype, policy):
+    """``full``'s cache and a hybrid model's window rings (Gemma 3's: 8 slots, filled and wrapped around) on the CPU
+    attend through the kernel, else through ``decode_attention``: the same tokens, logits within float rounding,
+    rows of different lengths in one batch."""
+    from edgekv.runtime import Engine, hybrid, kv_policy
+    from tests.conftest import save_model
 
-    prompts = [[3 + i % 150 for i in range(157)], [7 + (i * 13) % 150 for i in range(41)]]
+    prompts = [[3 + i % 150 for i in range(157)], [7 + (i * 13) % 150 for i in range(5)]]  # the second fills a ring
     runs, calls = {}, []
     native_call = DenseAttention.__call__
     monkeypatch.setattr(DenseAttention, "__call__", lambda self, *a: calls.append(1) or native_call(self, *a))
+    folder = save_model(tmp_path / arch, arch)
+    config = {"max_context": 256, "max_batch": 2, **({"G": 4, "M": 6, "C": 12, "sigma": 2} if policy == "kvswap" else {})}
     for name, for_cache in {"native": DenseAttention.for_cache, "torch": lambda *a: None}.items():
         monkeypatch.setattr(kv_policy.DenseAttention, "for_cache", for_cache)
-        with Engine.from_pretrained(model_dirs[arch], kv_offload_path=tmp_path, config={"max_context": 256,
-                                    "max_batch": 2}, policy="full", device="cpu", dtype=dtype) as engine:
+        monkeypatch.setattr(hybrid.DenseAttention, "for_cache", for_cache)
+        with Engine.from_pretrained(folder, kv_offload_path=tmp_path, config=config, policy=policy, device="cpu",
+                                    dtype=dtype) as engine:
             runs[name] = engine.generate(prompts, max_new_tokens=8, stop_token_ids=[], output_logits=True)
         assert bool(calls) == (name == "native")
         calls.clear()
