@@ -395,8 +395,9 @@ def record_table(d: Deployment, cache_root: Path, adapters: dict, calibration: s
 
 def choose_dtype(d: Deployment, calibration: str | None) -> list[dict]:
     """On the CPU, set ``d.kv_dtype`` to the profile's dtype where, in the chosen weight format, it holds perplexity
-    within ``dtype_ppl_max`` of float32 and decodes faster on this machine (install/dtypes.py), else float32 (cached
-    per model, weights, machine and candidate); both trials, for the report.  On a GPU the profile's dtype stands."""
+    within ``dtype_ppl_max`` of float32 and prefills and decodes faster on this machine (install/dtypes.py), else
+    float32 (cached per model, weights, machine and candidate); both trials, for the report.  On a GPU the profile's
+    dtype stands."""
     if d.device.type == "cuda" or d.prof.dtype == dtypes.BASELINE:
         return []
     try:
@@ -408,7 +409,7 @@ def choose_dtype(d: Deployment, calibration: str | None) -> list[dict]:
     fp = {"model": d.model_fp, "device": str(d.device), "weights": d.weights, "candidate": d.prof.dtype,
           "ppl_max": d.prof.dtype_ppl_max, "torch": torch.__version__, "cpu": _cpu_model(),
           "threads": torch.get_num_threads(), "context": d.prof.max_context,
-          "calibration": source, "edgekv": VERSION}
+          "calibration": source, "timed": "prefill and step", "edgekv": VERSION}
     cached = _cached(d.out / "dtype.json", fp, d.reprofile, "model dtype", d.log)
     if not cached:
         windows = adapter_prompts(d.model_dir, weights.WINDOW_TOKENS, 2, calibration)
@@ -420,11 +421,11 @@ def choose_dtype(d: Deployment, calibration: str | None) -> list[dict]:
         _save(d.out / "dtype.json", fp, cached)
     d.kv_dtype = DTYPES[cached["chosen"]]
     for t in cached["trials"]:
-        d.log(f"dtype {t['dtype']}: ppl {t['ppl_ratio']}x float32's, top-1 agreement {t['top1_agreement']}, full's "
-              f"decode step after {d.prof.max_context} tokens {t['step_ms']} ms"
-              + (f" ({t['note']})" if t["note"] else ""))
+        d.log(f"dtype {t['dtype']}: ppl {t['ppl_ratio']}x float32's, top-1 agreement {t['top1_agreement']}, "
+              f"prefill of {d.prof.max_context} tokens {t['prefill_ms']} ms, full's decode step after them "
+              f"{t['step_ms']} ms" + (f" ({t['note']})" if t["note"] else ""))
     d.log(f"dtype: {cached['chosen']} (the profile's {d.prof.dtype} where within ppl {d.prof.dtype_ppl_max:g}x of "
-          f"float32 with weights {d.weights} and faster here)")
+          f"float32 with weights {d.weights} and faster here, prefill and step)")
     return cached["trials"]
 
 

@@ -18,7 +18,8 @@ def write(out: Path, prof, model_dir, measurements: dict, solutions, stats, tuni
     dt = measurements.get("dtype") or {}
     if dt.get("trials"):
         lines.append(f"dtype: {dt['chosen']}" + "".join(
-            f"; {t['dtype']} ppl {t['ppl_ratio']}x float32's, top-1 {t['top1_agreement']}, one step {t['step_ms']} ms"
+            f"; {t['dtype']} ppl {t['ppl_ratio']}x float32's, top-1 {t['top1_agreement']}, one step {t['step_ms']} ms, "
+            f"prefill {t.get('prefill_ms', '-')} ms"
             + (f" ({t['note']})" if t["note"] else "") for t in dt["trials"]) + f" (limit {dt['ppl_max']:g}x)")
     lines += [f"compute ({c['device']}, {c['dtype']}, weights {w.get('chosen', 'native')}), one block, ms: "
               + ", ".join(f"b={b} {t} tokens {ms:.2f}" for b, t, ms in c["block_ms"][:6]), ""]
