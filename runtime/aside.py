@@ -40,6 +40,22 @@ def unit_function(lib: ctypes.CDLL, name: str) -> int:
     return ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
 
 
+def unit_kernel(name: str, prefix: str, log: logging.Logger, instead: str, signatures: dict,
+                maxima: tuple[str, ...] = ()) -> ctypes.CDLL | None:
+    """A native library whose calls are jobs of units: ``signatures`` declared (native_build.load_or_none), its
+    ``<prefix>_job_bytes()`` as ``lib.job_bytes``, ``<prefix>_unit`` as ``lib.unit``, and each of ``maxima`` (``m``:
+    ``<prefix>_max_<m>()``) as ``lib.max_<m>``; None (logged once) when it cannot be built."""
+    i32 = native_build.I32
+    extra = {f"{prefix}_{field}": ([], i32) for field in ("job_bytes", *(f"max_{m}" for m in maxima))}
+    lib = native_build.load_or_none(name, log, instead, {**signatures, **extra})
+    if lib is None:
+        return None
+    for m in maxima:
+        setattr(lib, f"max_{m}", getattr(lib, f"{prefix}_max_{m}")())
+    lib.job_bytes, lib.unit = getattr(lib, f"{prefix}_job_bytes")(), unit_function(lib, f"{prefix}_unit")
+    return lib
+
+
 def cores() -> int:
     """The cores this process may run on."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1

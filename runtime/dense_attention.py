@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from . import native_build
-from .aside import AsideThread, unit_function
+from .aside import AsideThread, unit_kernel
 
 log = logging.getLogger(__name__)
 
@@ -26,16 +26,10 @@ KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # the kernel's 
 def native_dense() -> ctypes.CDLL | None:
     """The native dense attention, or None (logged once) when it cannot be built: torch attends."""
     p, i64, i32 = native_build.P, native_build.I64, native_build.I32
-    lib = native_build.load_or_none("dense", log, "full attends through torch", {
+    return unit_kernel("dense", "ekv_dense", log, "full attends through torch", {
         "ekv_dense_job": ([p, p, i32, i32, i32, i32, ctypes.c_float, p, p, i64, i64, i32, p, p, p, i64], i64),
-        "ekv_dense_run": ([p, p], None), "ekv_dense_merge": ([p, p], None), "ekv_dense_parts": ([i64], i32),
-        **{name: ([], i32) for name in ("ekv_dense_max_head_dim", "ekv_dense_max_group_queries",
-                                        "ekv_dense_job_bytes")}})
-    if lib is None:
-        return None
-    lib.max_head_dim, lib.max_group_queries = lib.ekv_dense_max_head_dim(), lib.ekv_dense_max_group_queries()
-    lib.job_bytes, lib.unit = lib.ekv_dense_job_bytes(), unit_function(lib, "ekv_dense_unit")
-    return lib
+        "ekv_dense_run": ([p, p], None), "ekv_dense_merge": ([p, p], None), "ekv_dense_parts": ([i64], i32)},
+        maxima=("head_dim", "group_queries"))
 
 
 class DenseAttention:

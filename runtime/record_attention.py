@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from . import native_build
-from .aside import AsideThread, unit_function
+from .aside import AsideThread, unit_kernel
 from .disk_store import RecordLayout
 from .quant import FloatRecord, QuantRecord
 
@@ -34,16 +34,9 @@ def native_attention() -> ctypes.CDLL | None:
     p, i64, i32 = native_build.P, native_build.I64, native_build.I32
     attend = [p, i32, i32, i32, i32, ctypes.c_float, p, i64, i64, p, p, i32, i32, i32, p, i32, p, i32, p, i64, i32, p,
               i64, p]
-    lib = native_build.load_or_none("attend", log, "attending through torch", {
+    return unit_kernel("attend", "ekv_attend", log, "attending through torch", {
         "ekv_attend": (attend, i32), "ekv_attend_job": ([p, *attend], i64),
-        "ekv_attend_scratch_bytes": ([i32, i32, i64, i32], i64),
-        **{name: ([], i32) for name in ("ekv_attend_max_head_dim", "ekv_attend_max_group_queries",
-                                        "ekv_attend_job_bytes")}})
-    if lib is None:
-        return None
-    lib.max_head_dim, lib.max_group_queries = lib.ekv_attend_max_head_dim(), lib.ekv_attend_max_group_queries()
-    lib.job_bytes, lib.unit = lib.ekv_attend_job_bytes(), unit_function(lib, "ekv_attend_unit")
-    return lib
+        "ekv_attend_scratch_bytes": ([i32, i32, i64, i32], i64)}, maxima=("head_dim", "group_queries"))
 
 
 class RecordAttention:

@@ -104,6 +104,16 @@ def run_in_threads(target, n: int) -> list[BaseException]:
     return errors
 
 
+def assert_same_decodes(runs: list, reference: list, dtype: str) -> None:
+    """Two paths' ``generate(..., output_logits=True)`` results: the same tokens, each step's logits within float32
+    sums in another order (float32) or a rounding of the dtype's (bfloat16)."""
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == "float32" else dict(atol=0.03, rtol=0.03)
+    for run, ref in zip(runs, reference, strict=True):
+        assert run.token_ids == ref.token_ids
+        for a, b in zip(run.logits, ref.logits, strict=True):
+            torch.testing.assert_close(a.float(), b.float(), **tol)
+
+
 def files_under(path) -> list[str]:
     return [os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs] + [
         os.path.join(d, s) for d, ss, _ in os.walk(path) for s in ss

@@ -8,6 +8,7 @@ import torch
 
 from edgekv.runtime.dense_attention import DenseAttention
 from edgekv.runtime.forward import decode_attention
+from tests.conftest import assert_same_decodes
 
 
 class _Model:
@@ -137,11 +138,7 @@ def test_a_model_decodes_the_same_through_the_kernel_as_through_torch(tmp_path, 
             runs[name] = engine.generate(prompts, max_new_tokens=8, stop_token_ids=[], output_logits=True)
         assert bool(calls) == (name == "native")
         calls.clear()
-    tol = dict(atol=1e-4, rtol=1e-4) if dtype == "float32" else dict(atol=0.03, rtol=0.03)
-    for native, reference in zip(runs["native"], runs["torch"]):
-        assert native.token_ids == reference.token_ids
-        for a, b in zip(native.logits, reference.logits):
-            torch.testing.assert_close(a.float(), b.float(), **tol)
+    assert_same_decodes(runs["native"], runs["torch"], dtype)
 
 
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="x86 targets")

@@ -9,6 +9,7 @@ import torch
 from edgekv.runtime.disk_store import RecordLayout, aligned_zeros
 from edgekv.runtime.forward import decode_attention
 from edgekv.runtime.record_attention import RecordAttention, native_attention
+from tests.conftest import assert_same_decodes
 
 
 class _Model:
@@ -182,11 +183,7 @@ def test_a_disk_policy_decodes_the_same_through_the_kernel_as_through_the_gather
             runs[name] = engine.generate(prompts, max_new_tokens=8, stop_token_ids=[], output_logits=True)
         assert used and all(used) == (name == "native")
         used.clear()
-    tol = dict(atol=1e-4, rtol=1e-4) if dtype == "float32" else dict(atol=0.03, rtol=0.03)
-    for native, gathered in zip(runs["native"], runs["torch"]):
-        assert native.token_ids == gathered.token_ids
-        for a, b in zip(native.logits, gathered.logits):
-            torch.testing.assert_close(a.float(), b.float(), **tol)
+    assert_same_decodes(runs["native"], runs["torch"], dtype)
 
 
 def test_the_record_attention_bench_times_both_paths_on_one_batch(capsys):

@@ -86,46 +86,17 @@ static inline __attribute__((always_inline)) void attend_head(const float *q, in
         for (int t = 0; t < rows; t++)
             prefetch_bytes(values[first + t].row, d * element_bits[values[first + t].kind] / 8);
         for (int t = 0; t < rows; t++) widen_row(block + t * d, &keys[first + t], d, &cached);
-        for (int i = 0; i < group_queries; i++) {
-            const float *restrict qi = q + i * d;
-            float *restrict s = scores + i * most + first, best = top[i];
-            for (int t = 0; t < rows; t++) {
-                s[t] = scaling * dot(qi, block + t * d, d);
-                best = s[t] > best ? s[t] : best;
-            }
-            top[i] = best;
-        }
+        for (int i = 0; i < group_queries; i++)
+            top[i] = scores_of(q + i * d, block, rows, d, scaling, scores + i * most + first, top[i]);
     }
     for (int i = 0; i < group_queries; i++) {
-        float *restrict s = scores + i * most, sum = 0.0f;
-        for (int64_t t = 0; t < n; t++) {
-            s[t] = exp_nonpositive(s[t] - top[i]);
-            sum += s[t];
-        }
-        total[i] = sum;
+        total[i] = exponentials(scores + i * most, n, top[i]);
         for (int j = 0; j < d; j++) out[i * d + j] = 0.0f;
     }
     for (int64_t first = 0; first < n; first += BLOCK) {
         int rows = n - first < BLOCK ? (int)(n - first) : BLOCK;
         for (int t = 0; t < rows; t++) widen_row(block + t * d, &values[first + t], d, &cached);
-        for (int i = 0; i < group_queries; i++) {
-            const float *restrict w = scores + i * most + first;
-            float *restrict o = out + i * d;
-            if (d % CHUNK) {
-                for (int t = 0; t < rows; t++)
-                    for (int j = 0; j < d; j++) o[j] += w[t] * block[t * d + j];
-                continue;
-            }
-            vfloat acc[MAX_HEAD_DIM / CHUNK]; /* the output in registers over the block's rows: d / CHUNK chains */
-            for (int c = 0; c < d / CHUNK; c++) memcpy(&acc[c], o + c * CHUNK, sizeof(vfloat));
-            for (int t = 0; t < rows; t++)
-                for (int c = 0; c < d / CHUNK; c++) {
-                    vfloat row;
-                    memcpy(&row, block + t * d + c * CHUNK, sizeof row);
-                    acc[c] += w[t] * row;
-                }
-            for (int c = 0; c < d / CHUNK; c++) memcpy(o + c * CHUNK, &acc[c], sizeof(vfloat));
-        }
+        for (int i = 0; i < group_queries; i++) weigh_values(out + i * d, scores + i * most + first, block, rows, d);
     }
     for (int i = 0; i < group_queries; i++)
         for (int j = 0; j < d; j++) out[i * d + j] /= total[i];

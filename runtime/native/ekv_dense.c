@@ -54,47 +54,20 @@ static inline __attribute__((always_inline)) void dense_part(const float *q, int
     for (int first = 0; first < n; first += BLOCK) {
         const int rows = n - first < BLOCK ? n - first : BLOCK;
         const float *keys = rows_as_floats(block, k + first * row_bytes, rows, d, kind);
-        for (int i = 0; i < gq; i++) {
-            const float *restrict qi = q + i * d;
-            float *restrict s = scores + i * DENSE_TOKENS + first, best = top[i];
-            for (int t = 0; t < rows; t++) {
-                s[t] = scaling * dot(qi, keys + t * d, d);
-                best = s[t] > best ? s[t] : best;
-            }
-            top[i] = best;
-        }
+        for (int i = 0; i < gq; i++)
+            top[i] = scores_of(q + i * d, keys, rows, d, scaling, scores + i * DENSE_TOKENS + first, top[i]);
     }
     for (int i = 0; i < gq; i++) {
-        float *restrict s = scores + i * DENSE_TOKENS, sum = 0.0f, *o = part + i * (d + 2);
-        for (int t = 0; t < n; t++) {
-            s[t] = exp_nonpositive(s[t] - top[i]);
-            sum += s[t];
-        }
+        float *o = part + i * (d + 2);
         memset(o, 0, (size_t)d * sizeof(float));
         o[d] = top[i];
-        o[d + 1] = sum;
+        o[d + 1] = exponentials(scores + i * DENSE_TOKENS, n, top[i]);
     }
     for (int first = 0; first < n; first += BLOCK) {
         const int rows = n - first < BLOCK ? n - first : BLOCK;
         const float *values = rows_as_floats(block, v + first * row_bytes, rows, d, kind);
-        for (int i = 0; i < gq; i++) {
-            const float *restrict w = scores + i * DENSE_TOKENS + first;
-            float *restrict o = part + i * (d + 2);
-            if (d % CHUNK) {
-                for (int t = 0; t < rows; t++)
-                    for (int j = 0; j < d; j++) o[j] += w[t] * values[t * d + j];
-                continue;
-            }
-            vfloat acc[MAX_HEAD_DIM / CHUNK]; /* the output in registers over the block: d / CHUNK chains */
-            for (int c = 0; c < d / CHUNK; c++) memcpy(&acc[c], o + c * CHUNK, sizeof(vfloat));
-            for (int t = 0; t < rows; t++)
-                for (int c = 0; c < d / CHUNK; c++) {
-                    vfloat row;
-                    memcpy(&row, values + t * d + c * CHUNK, sizeof row);
-                    acc[c] += w[t] * row;
-                }
-            for (int c = 0; c < d / CHUNK; c++) memcpy(o + c * CHUNK, &acc[c], sizeof(vfloat));
-        }
+        for (int i = 0; i < gq; i++)
+            weigh_values(part + i * (d + 2), scores + i * DENSE_TOKENS + first, values, rows, d);
     }
 }
 

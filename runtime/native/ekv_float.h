@@ -120,4 +120,48 @@ static inline float exp_nonpositive(float x) {
     return p * scale;
 }
 
+/* A decode attention's three passes over a block of rows, shared by the kernels that attend (ekv_attend.c's records,
+ * ekv_dense.c's in-memory caches); always inlined, so a caller's constant d unrolls them. */
+
+/* s[t] = scaling * (q . keys[t]) for `rows` rows d apart; returns the largest of them and `best` */
+static inline __attribute__((always_inline)) float scores_of(const float *restrict q, const float *restrict keys,
+                                                             int rows, int d, float scaling, float *restrict s,
+                                                             float best) {
+    for (int t = 0; t < rows; t++) {
+        s[t] = scaling * dot(q, keys + t * d, d);
+        best = s[t] > best ? s[t] : best;
+    }
+    return best;
+}
+
+/* s[t] = e^(s[t] - top) in place; returns their sum */
+static inline __attribute__((always_inline)) float exponentials(float *restrict s, int64_t n, float top) {
+    float sum = 0.0f;
+    for (int64_t t = 0; t < n; t++) {
+        s[t] = exp_nonpositive(s[t] - top);
+        sum += s[t];
+    }
+    return sum;
+}
+
+/* o[0..d) += w[t] * values[t] over `rows` rows d apart (d at most 256): the output in registers over the block,
+ * d / CHUNK independent chains (one chain waited on its own adds: 61 -> 50 us a call in cache, ekv_attend.c) */
+static inline __attribute__((always_inline)) void weigh_values(float *restrict o, const float *restrict w,
+                                                               const float *restrict values, int rows, int d) {
+    if (d % CHUNK) {
+        for (int t = 0; t < rows; t++)
+            for (int j = 0; j < d; j++) o[j] += w[t] * values[t * d + j];
+        return;
+    }
+    vfloat acc[256 / CHUNK];
+    for (int c = 0; c < d / CHUNK; c++) memcpy(&acc[c], o + c * CHUNK, sizeof(vfloat));
+    for (int t = 0; t < rows; t++)
+        for (int c = 0; c < d / CHUNK; c++) {
+            vfloat row;
+            memcpy(&row, values + t * d + c * CHUNK, sizeof row);
+            acc[c] += w[t] * row;
+        }
+    for (int c = 0; c < d / CHUNK; c++) memcpy(o + c * CHUNK, &acc[c], sizeof(vfloat));
+}
+
 #endif
