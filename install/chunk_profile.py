@@ -97,15 +97,26 @@ def time_chunk(compute: ChunkCompute, span: tuple[int, int], repeats: int) -> tu
     return first, rest
 
 
+MATMUL_SECONDS = 0.25  # a peak's square matmul grows (x2 a side, x8 the time) while the next would stay under this
+
+
 def measure_peaks(device: torch.device, dtype: torch.dtype, repeats: int = 5) -> tuple[float, float]:
-    """(FLOP/s of a large square matmul in ``dtype``, bytes/s of a large copy) on ``device``: best of ``repeats``."""
+    """(FLOP/s of a large square matmul in ``dtype``, bytes/s of a large copy) on ``device``: best of ``repeats``.
+    The matmul's side doubles from 256 up to 8192 on a GPU, 2048 on a CPU, while the next size would take under
+    MATMUL_SECONDS: a CPU without bf16 instructions multiplies bfloat16 through a slow fallback (a 2-core Zen 3 took
+    over ten minutes for the seven 2048-side products this measured before)."""
     timed = _timer(device)
-    size = 8192 if device.type == "cuda" else 2048
-    a = torch.randn(size, size, device=device).to(dtype)
-    b = torch.randn(size, size, device=device).to(dtype)
-    a @ b
-    flops = 2.0 * size**3 / min(timed(lambda: a @ b) for _ in range(repeats))
-    del a, b
+    most, size = (8192 if device.type == "cuda" else 2048), 256
+    while True:
+        a = torch.randn(size, size, device=device).to(dtype)
+        b = torch.randn(size, size, device=device).to(dtype)
+        a @ b
+        seconds = min(timed(lambda: a @ b) for _ in range(repeats))
+        del a, b
+        if size >= most or seconds * 8 > MATMUL_SECONDS:
+            break
+        size *= 2
+    flops = 2.0 * size**3 / seconds
     src = torch.randn(2**26 if device.type == "cuda" else 2**25, device=device).to(dtype)
     dst = torch.empty_like(src)
     dst.copy_(src)

@@ -237,3 +237,24 @@ def test_cli_writes_profile_coefficients_and_errors(tmp_path, capsys):
     assert ComputeCostModel.from_json(data["predictor"]).kind == "fit"
     assert cost_model_from_json(data["roofline"]).kind == "roofline"
     assert "MAPE" in capsys.readouterr().out
+
+
+def test_the_peak_matmul_grows_only_while_the_next_size_stays_within_its_time(monkeypatch):
+    """A slow multiply (bfloat16 on a CPU without bf16 instructions) keeps the first size: the peak is measured in a
+    bounded time, from the products it made."""
+    sizes = []
+    real_randn = torch.randn
+
+    def randn(*shape, **kw):
+        if len(shape) == 2 and shape[0] == shape[1]:
+            sizes.append(shape[0])
+        return real_randn(*shape, **kw)
+
+    monkeypatch.setattr(cp.torch, "randn", randn)
+    monkeypatch.setattr(cp, "MATMUL_SECONDS", 0.0)
+    flops, bandwidth = cp.measure_peaks(torch.device("cpu"), torch.float32, repeats=1)
+    assert set(sizes) == {256} and flops > 0 and bandwidth > 0
+    sizes.clear()
+    monkeypatch.setattr(cp, "MATMUL_SECONDS", float("inf"))
+    cp.measure_peaks(torch.device("cpu"), torch.float32, repeats=1)
+    assert sorted(set(sizes)) == [256, 512, 1024, 2048]  # up to the CPU's largest
