@@ -80,7 +80,7 @@ def text_batch(args: argparse.Namespace, room: int, policy: str = "kvswap"):
             for _ in range(8):
                 step()
             print(f"{args.model} {args.context} tokens, batch {args.batch}, {policy}"
-                  + (f" {args.kvswap} {args.extra}" if policy == "kvswap" else ""))
+                  + (f" {args.kvswap} {args.extra}" if engine.spec.on_disk else ""))
             yield getattr(batch.policy, "inner", None) or batch.policy, step
 
 
