@@ -338,17 +338,17 @@ class LayerPlan:
         if self.gemma:
             self.pre_ff_norm = block.pre_feedforward_layernorm.forward
             self.post_ff_norm = block.post_feedforward_layernorm.forward
-        self.gate_up, self.gate_up_packed = (packed_call(mlp.gate_proj, mlp.up_proj) if hasattr(mlp, "gate_proj")
-                                             else (None, False))
+        gate_up, packed = packed_call(mlp.gate_proj, mlp.up_proj) if hasattr(mlp, "gate_proj") else (None, False)
         self.mlp = mlp.forward
-        self.act, self.down = (mlp.act_fn.forward, mlp.down_proj.forward) if self.gate_up_packed else (None, None)
+        self.packed_mlp = (gate_up, mlp.act_fn.forward, mlp.down_proj.forward) if packed else None
 
     def mlp_out(self, x: torch.Tensor) -> torch.Tensor:
         """The gated MLP; with gate and up packed as one layer (int4), one call for both."""
-        if not self.gate_up_packed:
+        if self.packed_mlp is None:
             return self.mlp(x)
-        gate, up = self.gate_up(x)
-        return self.down(self.act(gate) * up)
+        gate_up, act, down = self.packed_mlp
+        gate, up = gate_up(x)
+        return down(act(gate) * up)
 
 
 class Rope:
