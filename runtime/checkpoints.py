@@ -20,6 +20,7 @@ import shutil
 from pathlib import Path
 
 from . import synth
+from .cache import cache_root
 from .model import SUPPORTED_ARCHITECTURES, ModelError, read_model_config
 
 log = logging.getLogger(__name__)
@@ -37,11 +38,6 @@ GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mis
 MODEL_HELP = (f"pass one of {sorted(NAMED_MODELS)}, a Hugging Face checkpoint folder, a .gguf file, or synth:NAME "
               f"(random weights shaped as {', '.join(sorted(synth.ARCHITECTURES))}: speed and memory only)")
 _CONVERTED_META = "edgekv-gguf.json"
-
-
-def cache_root() -> Path:
-    """Where edgekv caches what it builds and measures: ``$EDGEKV_CACHE``, else ``~/.cache/edgekv``."""
-    return Path(os.environ.get("EDGEKV_CACHE") or Path.home() / ".cache" / "edgekv")
 
 
 def checkpoint_fingerprint(model_dir: Path) -> str:

@@ -147,6 +147,7 @@ class InMemoryKV(KVPolicy):
                                               model.scaling)
         if self.dense is not None:
             self.dense.aside = AsideThread.open()
+            model.lend_aside(self.dense.aside, self)
             self._starts = np.zeros(batch, dtype=np.int64)
 
     @property
@@ -179,4 +180,5 @@ class InMemoryKV(KVPolicy):
 
     def close(self) -> None:
         if self.dense is not None and self.dense.aside is not None:
+            self.model.lend_aside(None, self)
             self.dense.aside.close()

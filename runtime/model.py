@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from .errors import ModelError
-from .weights import check_weight_format, packed_call, quantize_linears
+from .weights import GgmlLinear, check_weight_format, packed_call, quantize_linears
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text")
 GLOBAL, SLIDING = "full_attention", "sliding_attention"  # transformers' layer_types
@@ -259,6 +259,8 @@ class DecoderModel:
         self.embed = core.embed_tokens
         self.layers = list(core.layers)
         self.plans = [LayerPlan(block) for block in self.layers]
+        self._shared_kernels = [m.kernel for m in hf_model.modules() if isinstance(m, GgmlLinear)]
+        self._aside_lender = None
         self.norm = core.norm
         self.lm_head = hf_model.lm_head
         self.rotary = core.rotary_emb
@@ -270,6 +272,19 @@ class DecoderModel:
         self._rope_types = getattr(self.rotary, "layer_types", None)
         self.layer_types = list(getattr(cfg, "layer_types", None) or [GLOBAL] * self.dims.n_layers)
         self.softcap = getattr(cfg, "final_logit_softcapping", None)
+
+    def lend_aside(self, aside, lender) -> None:
+        """A decode step's helper thread (runtime/aside.py) for the linear layers that share their rows with one
+        (weights 'ggml'), lent by ``lender`` (a policy); ``aside`` None withdraws it, if ``lender`` lent it.  One
+        lender at a time: a second policy on the model computes its layers on its own thread."""
+        if aside is not None and self._aside_lender is None:
+            self._aside_lender = lender
+        elif aside is not None or self._aside_lender is not lender:
+            return
+        else:
+            self._aside_lender = None
+        for kernel in self._shared_kernels:
+            kernel.aside = aside
 
     def rope(self, positions: torch.Tensor) -> "Rope":
         """cos/sin for integer positions of shape [B, T], per layer type where the model has several bases."""

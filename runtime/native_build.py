@@ -2,7 +2,7 @@
 use): the KV reader's io_uring and pthread backends, the records' CRC-32C, arkv's quantized attention kernel, the
 low-rank predictor's group scorer, the disk policies' decode attention over their slots' records, full's over its
 in-memory cache, the decode step's helper thread, the reuse buffer's slot assignment, the disk store's request
-planning.
+planning, the glue to ggml's dot products.
 
 A library is built into the cache under a name that carries its source's hash (and the machine, for code built
 with -march=native), so an edited source is rebuilt and a stale library is never loaded; a failed or interrupted
@@ -20,7 +20,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from .checkpoints import cache_root
+from .cache import cache_root
 
 SOURCES = Path(__file__).with_name("native")
 _BUILDING = threading.Lock()  # a library's first users may be several threads at once (the I/O threads' checksums)
@@ -76,6 +76,7 @@ LIBRARIES = {
     "dense": NativeLibrary("dense", "ekv_dense.c", ("-O3", "-march=native", "-fassociative-math", "-fno-signed-zeros",
                                                     "-fno-trapping-math", "-fno-math-errno"), ("-lm",),
                            "the in-memory cache's decode attention", per_machine=True, headers=("ekv_float.h",)),
+    "ggml": NativeLibrary("ggml", "ekv_ggml.c", ("-O2",), (), "the glue to ggml's dot products (weights 'ggml')"),
     "aside": NativeLibrary("aside", "ekv_aside.c", ("-O2", "-pthread"), ("-lpthread",),
                            "the decode step's helper thread"),
     "slots": NativeLibrary("slots", "ekv_slots.c", ("-O2",), (), "the reuse buffer's slot assignment"),

@@ -190,6 +190,7 @@ class OffloadedKV(KVPolicy):
         """Lend the helper thread to what computes beside it (the selector's scores, the records' attention); None
         withdraws it (a bench comparing)."""
         self.selector.aside = aside
+        self.model.lend_aside(aside, self)
         if self.record_attention is not None:
             self.record_attention.aside = aside
 
@@ -605,6 +606,7 @@ class OffloadedKV(KVPolicy):
             self._correct_io.shutdown(wait=not hung)
         self.selector.close()
         if self.aside is not None:  # its jobs finish first: none reads from disk
+            self.model.lend_aside(None, self)
             self.aside.close()
         self.store.close()
         if errors:

@@ -17,6 +17,10 @@
   Attention's q/k/v are packed as one layer and the MLP's gate/up as another (``PackedSlice``): four kernel calls
   a block where there were seven (SmolLM2 8K full step 30.7 -> 28.8 ms).
   SmolLM2 (Q4_1 GGUF): ppl 1.0007x fp32, top-1 agreement 0.990, decode 2x fp32's speed at 8K (docs/results).
+- ``ggml``: each layer in the smallest GGUF block type that gives its weight back (a Q4_1 file's own blocks), else
+  Q8_0, computed by ggml's CPU dot products with 8-bit activations, as llama.cpp computes the same file
+  (runtime/ggml_weights.py; the library comes with llama-cpp-python).  q/k/v and gate/up packed as for int4, the
+  head Q8_0 rescored.  SmolLM2 8K, full, batch 1: 1.47x int4's tok/s, ppl 1.004x fp32 (docs/results, issue 34).
 
 The weight-only kernels run fast with bfloat16 activations only (AVX-512 BF16 / AMX; in fp16 or fp32 they are
 10-40x slower than an fp32 GEMV on the same CPU), so ``int4`` runs on a CPU in a float32 model, whose norms, RoPE,
@@ -30,8 +34,9 @@ import torch
 from torch import nn
 
 from .errors import ModelError
+from .ggml_weights import GGML_BLOCK, GgmlMatmul, blocks_for, dequantized, ggml, ggml_unavailable
 
-WEIGHT_FORMATS = ("native", "int8", "int4")
+WEIGHT_FORMATS = ("native", "int8", "int4", "ggml")
 INT4_GROUP = 32  # inputs per scale/minimum: a GGUF Q4_0/Q4_1 block, a Q4_K sub-block
 INT4_ROWS = 16  # the int4 CPU packing takes outputs in multiples of this
 # a weight lies on a 4-bit grid when its groups found again (``_int4_grid``) are within this share of its norm: 0 for
@@ -40,7 +45,10 @@ INT4_GRID_ERROR = 1e-3
 INT8_INPUTS = 16  # the int8 kernel takes inputs in multiples of this (torch 2.13 crashes on others)
 ACTIVATION_DTYPE = torch.bfloat16  # the weight-only kernels' fast path
 # the model dtypes each format runs in: a bfloat16 model feeds the kernels as they are (and attends over a bf16 KV)
-FORMAT_DTYPES = {"int8": (torch.float32,), "int4": (torch.float32, torch.bfloat16)}
+FORMAT_DTYPES = {"int8": (torch.float32,), "int4": (torch.float32, torch.bfloat16),
+                 "ggml": (torch.float32, torch.bfloat16)}
+KERNELS = {"int8": "PyTorch's dynamic int8 linear", "int4": "torch's int4 weight-only kernel",
+           "ggml": "ggml's CPU dot products"}
 
 
 class WeightFormatError(ModelError):
@@ -107,6 +115,26 @@ class Int4Linear(PackedLinear):
         return self.matmul(torch.eye(self.in_features, dtype=ACTIVATION_DTYPE)).float().t().contiguous()
 
 
+class GgmlLinear(PackedLinear):
+    """A GGUF block type computed by ggml's CPU kernels (runtime/ggml_weights.py): the input crosses in float32 and is
+    quantized to 8 bits per block there, as llama.cpp quantizes it."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__(linear)
+        lib = ggml()
+        self.kernel = GgmlMatmul(lib, *blocks_for(lib, linear.weight), self.in_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.kernel(x.reshape(-1, self.in_features)).view(*x.shape[:-1], self.out_features)
+        if x.dtype != y.dtype:
+            y = y.to(x.dtype)
+        return y if self.bias is None else y + self.bias
+
+    def dequantized(self):
+        k = self.kernel
+        return dequantized(k.lib, k.type_name, k.blocks, self.in_features)
+
+
 class PackedSlice(nn.Module):
     """One projection of several packed as one layer (q/k/v, or gate/up, each a slice of the outputs): called alone,
     as the Hugging Face modules call it, it computes the whole layer and keeps its slice; ``DecoderModel`` calls the
@@ -150,9 +178,10 @@ class RescoredHead(nn.Module):
     with fp32 0.960, ppl 1.0023x); each row's ``top`` best are computed again from the original weight (a tied head's
     is the embedding, held anyway), which gives back fp32's choice (0.990) for ``top`` dot products a row."""
 
-    def __init__(self, linear: nn.Linear, top: int = 8):
+    def __init__(self, linear: nn.Linear, top: int = 8, approx: type[PackedLinear] = None):
+        """``approx``: the layer type of the first pass (default ``Int8Linear``)."""
         super().__init__()
-        self.approx = Int8Linear(linear)
+        self.approx = (approx or Int8Linear)(linear)
         self.weight, self.bias = linear.weight, linear.bias
         self.top = min(top, linear.out_features)
 
@@ -173,13 +202,16 @@ def check_weight_format(weights: str, device: torch.device, dtype: torch.dtype) 
     if weights == "native":
         return
     if torch.device(device).type != "cpu" or dtype not in FORMAT_DTYPES[weights]:
-        kernel = "PyTorch's dynamic int8 linear" if weights == "int8" else "torch's int4 weight-only kernel"
+        kernel = KERNELS[weights]
         dtypes = " or ".join(str(t).removeprefix("torch.") for t in FORMAT_DTYPES[weights])
         raise WeightFormatError(f"weights {weights!r} runs on the CPU in {dtypes} ({kernel}), not on {device} in "
                                 f"{str(dtype).removeprefix('torch.')}: use --weights native there")
     if weights == "int4" and not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
         raise WeightFormatError(f"weights 'int4' needs torch's CPU int4 kernel (torch >= 2.6), which torch "
                                 f"{torch.__version__} lacks: upgrade torch or use --weights native")
+    why = ggml_unavailable() if weights == "ggml" else None
+    if why is not None:
+        raise WeightFormatError(f"weights 'ggml': {why}; or use --weights int4")
 
 
 def resolve_weights(weights: str | None, deployed: dict, device: torch.device, dtype: torch.dtype) -> str:
@@ -201,10 +233,11 @@ def quantize_linears(hf_model: nn.Module, weights: str) -> nn.Module:
     with torch.no_grad():
         for parent in list(hf_model.modules()):
             for packed, names in FUSED_PROJECTIONS.items():
-                _fuse(parent, packed, names)
+                (_fuse_ggml if weights == "ggml" else _fuse)(parent, packed, names)
             for name, child in list(parent.named_children()):
                 if isinstance(child, nn.Linear):
-                    setattr(parent, name, _int4_layer(child, head=child is getattr(hf_model, "lm_head", None)))
+                    head = child is getattr(hf_model, "lm_head", None)
+                    setattr(parent, name, (_ggml_layer if weights == "ggml" else _int4_layer)(child, head))
     return hf_model
 
 
@@ -216,27 +249,59 @@ def _fuse(parent: nn.Module, packed: str, names: tuple[str, ...]) -> None:
     """Replace ``parent``'s projections ``names`` by slices of one packed layer (``parent.<packed>``), when all are
     linear layers of one input that take the same format (each row keeps its own groups or scale: the weights are
     those packed apart)."""
-    layers = [getattr(parent, n, None) for n in names]
-    if not all(isinstance(m, nn.Linear) for m in layers) or len({m.in_features for m in layers}) > 1 \
-            or layers[0].in_features % INT8_INPUTS:
+    layers = _same_input(parent, names, INT8_INPUTS)
+    if layers is None:
         return
     grids = [_int4_fit(m) for m in layers]
     if any(g is None for g in grids) and any(g is not None for g in grids):
         for name, m, grid in zip(names, layers, grids):  # some on a 4-bit grid, some not: each its own format
             setattr(parent, name, _packed(m, grid))
         return
+    grid = None if grids[0] is None else tuple(torch.cat(parts) for parts in zip(*grids))  # each row keeps its groups
+    _slice(parent, packed, names, layers, _packed(_whole(layers), grid))
+
+
+def _fuse_ggml(parent: nn.Module, packed: str, names: tuple[str, ...]) -> None:
+    """``_fuse`` for the ``ggml`` format: the packed layer takes the block type that gives back all of its rows."""
+    layers = _same_input(parent, names, GGML_BLOCK)
+    if layers is not None:
+        _slice(parent, packed, names, layers, GgmlLinear(_whole(layers)))
+
+
+def _same_input(parent: nn.Module, names: tuple[str, ...], multiple: int) -> list[nn.Linear] | None:
+    """``parent``'s projections ``names`` when all are linear layers of one input, a multiple of ``multiple``."""
+    layers = [getattr(parent, n, None) for n in names]
+    if not all(isinstance(m, nn.Linear) for m in layers) or len({m.in_features for m in layers}) > 1 \
+            or layers[0].in_features % multiple:
+        return None
+    return layers
+
+
+def _whole(layers: list[nn.Linear]) -> nn.Linear:
+    """One linear layer whose outputs are ``layers``' in order (a missing bias is zeros)."""
     whole = torch.nn.utils.skip_init(nn.Linear, layers[0].in_features, sum(m.out_features for m in layers),
                                      bias=any(m.bias is not None for m in layers), device=layers[0].weight.device,
                                      dtype=layers[0].weight.dtype)
     whole.weight.copy_(torch.cat([m.weight for m in layers]))
     if whole.bias is not None:
         whole.bias.copy_(torch.cat([m.weight.new_zeros(m.out_features) if m.bias is None else m.bias for m in layers]))
-    grid = None if grids[0] is None else tuple(torch.cat(parts) for parts in zip(*grids))  # each row keeps its groups
-    fused, start = _packed(whole, grid), 0
+    return whole
+
+
+def _slice(parent: nn.Module, packed: str, names: tuple[str, ...], layers: list[nn.Linear], fused: PackedLinear
+           ) -> None:
+    """``fused`` becomes ``parent.<packed>`` and each projection of ``names`` its slice."""
     setattr(parent, packed, fused)
+    start = 0
     for name, m in zip(names, layers):
         setattr(parent, name, PackedSlice(fused, start, start + m.out_features))
         start += m.out_features
+
+
+def _ggml_layer(linear: nn.Linear, head: bool) -> nn.Module:
+    if linear.in_features % GGML_BLOCK:
+        return linear  # no block type takes it: left as loaded
+    return RescoredHead(linear, approx=GgmlLinear) if head else GgmlLinear(linear)
 
 
 def _int4_layer(linear: nn.Linear, head: bool) -> nn.Module:

@@ -1,0 +1,217 @@
+"""The ``ggml`` weight format: linear layers in GGUF block types, computed by ggml's CPU kernels (llama.cpp's tensor
+library, the one llama-cpp-python ships), so a layer reads llama.cpp's bytes through llama.cpp's dot products.
+
+Each weight is held in the smallest block type that gives it back (``BLOCK_TYPES``, ggml's own quantizer run on it
+and checked): a GGUF's Q4_1 tensor is its Q4_1 blocks again, a Q8_0 embedding its Q8_0 blocks; a weight on no such
+grid (fp32 checkpoints, Gemma 3's Q6_K tensors) is Q8_0, a scale per 32 inputs.  A token's activations are quantized
+to the type's partner (Q8_1 or Q8_0) as llama.cpp quantizes them, and each output row is one ``vec_dot`` of the
+library; runtime/native/ekv_ggml.c only splits the rows into units, shared with the decode step's helper thread.
+
+On this 2-core Zen 3 one thread of ggml's Q4_1 x Q8_1 dot product took 27-182 us for SmolLM2's four layer shapes
+where torch's int4 kernel took 81-364 us (1.7-3.0x), and 2.7 ms for the Q8_0 head where torch's int8 took 7.0 ms
+(docs/results, issue 34).
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import importlib.util
+import logging
+import os
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from .aside import AsideThread, unit_kernel
+
+log = logging.getLogger(__name__)
+
+GGML_LIB_ENV = "EDGEKV_GGML_LIB"  # a folder holding libggml-base.so and libggml-cpu.so (default: llama-cpp-python's)
+# ggml.h's enum ggml_type values -> (its number, block bytes, block elements): checked against the type traits of the
+# library loaded (its name, size and block), so a renumbered enum is refused rather than misread
+GGML_TYPES = {"Q4_0": (2, 18, 32), "Q4_1": (3, 20, 32), "Q5_0": (6, 22, 32), "Q5_1": (7, 24, 32), "Q8_0": (8, 34, 32),
+              "Q8_1": (9, 36, 32)}
+GGML_BLOCK = 32  # the inputs a block of every type here covers
+BLOCK_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1")  # tried smallest first; a weight none gives back is Q8_0
+FALLBACK_TYPE = "Q8_0"
+# a type gives a weight back when its blocks' values are within this share of the weight's norm: 0 for a GGUF's own
+# tensors but for their fp16 scales (SmolLM2's Q4_1: ~1e-4), 0.03-0.3 for a grid of another type
+REPRODUCED_ERROR = 1e-3
+# from this many tokens a call widens the weight to float32 and multiplies in one GEMM: a dot product per row and
+# token made SmolLM2's prefill 1.7x slower than torch's int4 kernel
+GEMM_TOKENS = 16
+SHARED_WEIGHTS = 1 << 22  # a layer's weights from which its rows are shared with the helper thread (its wake-up costs
+# more than half of a smaller one's dot products: SmolLM2's 576 x 3072 gate/up, 229.7 against 231.4 us alone)
+INSTALL_HINT = "pip install llama-cpp-python (or make env with the llamacpp extra), or set EDGEKV_GGML_LIB"
+
+
+class GgmlTraits(ctypes.Structure):
+    """ggml-cpu.h's struct ggml_type_traits_cpu."""
+
+    _fields_ = [("from_float", ctypes.c_void_p), ("vec_dot", ctypes.c_void_p), ("vec_dot_type", ctypes.c_int),
+                ("nrows", ctypes.c_int64)]
+
+
+class GgmlTypeTraits(ctypes.Structure):
+    """ggml.h's struct ggml_type_traits (what ggml-base knows of a type)."""
+
+    _fields_ = [("type_name", ctypes.c_char_p), ("blck_size", ctypes.c_int64), ("blck_size_interleave", ctypes.c_int64),
+                ("type_size", ctypes.c_size_t), ("is_quantized", ctypes.c_bool), ("to_float", ctypes.c_void_p),
+                ("from_float_ref", ctypes.c_void_p)]
+
+
+TO_FLOAT = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64)  # ggml_to_float_t
+
+
+class Ggml(NamedTuple):
+    """The loaded library: ggml-base (sizes, quantizer, dequantizer), ggml-cpu (the dot products) and edgekv's glue."""
+
+    base: ctypes.CDLL
+    cpu: ctypes.CDLL
+    glue: ctypes.CDLL
+
+    def traits(self, type_name: str) -> GgmlTraits:
+        return self.cpu.ggml_get_type_traits_cpu(GGML_TYPES[type_name][0]).contents
+
+    def to_float(self, type_name: str):
+        return TO_FLOAT(self.base.ggml_get_type_traits(GGML_TYPES[type_name][0]).contents.to_float)
+
+    def row_bytes(self, type_name: str, inputs: int) -> int:
+        return self.base.ggml_row_size(GGML_TYPES[type_name][0], inputs)
+
+
+def ggml_folder() -> Path | None:
+    """Where libggml-base.so and libggml-cpu.so are: ``EDGEKV_GGML_LIB``, else llama-cpp-python's ``lib`` folder
+    (found, not imported), else None."""
+    if os.environ.get(GGML_LIB_ENV):
+        return Path(os.environ[GGML_LIB_ENV])
+    spec = importlib.util.find_spec("llama_cpp")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    folder = Path(next(iter(spec.submodule_search_locations))) / "lib"
+    return folder if (folder / "libggml-cpu.so").exists() else None
+
+
+@functools.cache
+def ggml() -> Ggml | str:
+    """The library, or why it cannot serve (a sentence naming the fix)."""
+    folder = ggml_folder()
+    if folder is None:
+        return f"ggml's CPU library is not installed: {INSTALL_HINT}"
+    try:
+        base = ctypes.CDLL(str(folder / "libggml-base.so"), mode=ctypes.RTLD_GLOBAL)  # libggml-cpu links against it
+        cpu = ctypes.CDLL(str(folder / "libggml-cpu.so"))
+    except OSError as exc:
+        return f"ggml's CPU library under {folder} does not load ({exc}): {INSTALL_HINT}"
+    p, i64, i32, size = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_size_t
+    for name, argtypes, restype in (("ggml_row_size", [i32, i64], size),
+                                    ("ggml_quantize_chunk", [i32, p, p, i64, i64, i64, p], size)):
+        getattr(base, name).argtypes, getattr(base, name).restype = argtypes, restype
+    base.ggml_get_type_traits.argtypes, base.ggml_get_type_traits.restype = [i32], ctypes.POINTER(GgmlTypeTraits)
+    cpu.ggml_get_type_traits_cpu.argtypes, cpu.ggml_get_type_traits_cpu.restype = [i32], ctypes.POINTER(GgmlTraits)
+    cpu.ggml_cpu_init.argtypes, cpu.ggml_cpu_init.restype = [], None
+    for name, (number, block_bytes, elements) in GGML_TYPES.items():
+        traits = base.ggml_get_type_traits(number).contents
+        if (traits.type_name, traits.type_size, traits.blck_size) != (name.lower().encode(), block_bytes, elements):
+            return (f"ggml under {folder} numbers its block types otherwise ({name} is not type {number} of "
+                    f"{block_bytes} bytes a {elements} elements): an unsupported ggml version; {INSTALL_HINT}")
+    glue = unit_kernel("ggml", "ekv_ggml", log, "weights 'ggml' unavailable", {
+        "ekv_ggml_layer": ([p, p, p, p, i64, i64, i32, i64], i32), "ekv_ggml_call": ([p, p, i64, p, p, i32], i64)})
+    if glue is None:
+        return "edgekv's glue to ggml (runtime/native/ekv_ggml.c) did not build: the log says why"
+    cpu.ggml_cpu_init()  # the fp16 tables the dot products read
+    return Ggml(base, cpu, glue)
+
+
+def ggml_unavailable() -> str | None:
+    """Why the ``ggml`` format cannot run here, or None."""
+    lib = ggml()
+    return lib if isinstance(lib, str) else None
+
+
+def quantized(lib: Ggml, type_name: str, weight: torch.Tensor) -> np.ndarray:
+    """``weight`` [out, in] (float32) in ``type_name``'s blocks, by ggml's quantizer: [out, row bytes] uint8."""
+    rows, inputs = weight.shape
+    out = np.empty((rows, lib.row_bytes(type_name, inputs)), dtype=np.uint8)
+    lib.base.ggml_quantize_chunk(GGML_TYPES[type_name][0], weight.data_ptr(), out.ctypes.data, 0, rows, inputs, None)
+    return out
+
+
+def dequantized(lib: Ggml, type_name: str, blocks: np.ndarray, inputs: int) -> torch.Tensor:
+    """Blocks [out, row bytes] back to float32 [out, in], by the library's own ``to_float``."""
+    out = torch.empty(blocks.shape[0], inputs)
+    lib.to_float(type_name)(blocks.ctypes.data, out.data_ptr(), out.numel())
+    return out
+
+
+def blocks_for(lib: Ggml, weight: torch.Tensor) -> tuple[str, np.ndarray]:
+    """(type, blocks): the first of ``BLOCK_TYPES`` whose blocks give ``weight`` back within REPRODUCED_ERROR of its
+    norm (a GGUF's own grid), else Q8_0."""
+    w = weight.detach().float().contiguous()
+    norm = float(w.norm())
+    for type_name in BLOCK_TYPES:
+        blocks = quantized(lib, type_name, w)
+        if float((dequantized(lib, type_name, blocks, w.shape[1]) - w).norm()) <= REPRODUCED_ERROR * norm:
+            return type_name, blocks
+    return FALLBACK_TYPE, quantized(lib, FALLBACK_TYPE, w)
+
+
+class GgmlMatmul:
+    """x [T, in] (float32) times a weight's blocks -> [T, out] float32, through ggml's dot products; with a helper
+    thread lent (``aside``), a layer of at least SHARED_WEIGHTS weights a token shares its rows with it.  Everything
+    but the input and the output is set up once: at a decode step's sizes a call's Python and ctypes work is as long
+    as a small layer's dot products on this machine."""
+
+    aside: AsideThread | None = None
+
+    def __init__(self, lib: Ggml, type_name: str, blocks: np.ndarray, inputs: int):
+        self.lib, self.type_name, self.blocks, self.inputs = lib, type_name, blocks, inputs
+        traits = lib.traits(type_name)
+        partner = next(name for name, spec in GGML_TYPES.items() if spec[0] == traits.vec_dot_type)
+        self.xq_bytes = lib.row_bytes(partner, inputs)
+        self._codes_at = GGML_TYPES[partner][1] - GGML_BLOCK  # the partner's block: its scale(s), then 32 int8 codes
+        self.rows, row_bytes = blocks.shape
+        self._job = np.empty(lib.glue.job_bytes, dtype=np.uint8)
+        self._job_at = self._job.ctypes.data
+        if lib.glue.ekv_ggml_layer(self._job_at, lib.traits(partner).from_float, traits.vec_dot, blocks.ctypes.data,
+                                   row_bytes, self.rows, inputs, self.xq_bytes) < 0:
+            raise ValueError(f"ggml's glue refused a {type_name} layer of {self.rows} rows of {inputs} inputs")
+        self._call, self._unit = lib.glue.ekv_ggml_call, lib.glue.unit
+        self._shares = self.rows * inputs >= SHARED_WEIGHTS
+        self._xq, self._xq_at, self._xq_tokens = None, 0, 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.blocks.nbytes
+
+    def _room(self, tokens: int) -> None:
+        """Room for ``tokens`` tokens' quantized activations, grown to the largest call."""
+        if tokens > self._xq_tokens:
+            self._xq = torch.empty(tokens * self.xq_bytes, dtype=torch.uint8)
+            self._xq_at, self._xq_tokens = self._xq.data_ptr(), tokens
+
+    def _activations(self, x: torch.Tensor, tokens: int) -> torch.Tensor:
+        """x [T, in] as the dot products see it: quantized to the partner type by ggml, then widened again (its
+        blocks' scale times their codes), so a prefill chunk's GEMM rounds the activations as a decode step does and
+        a teacher-forced perplexity measures the decode's format."""
+        self._room(tokens)
+        self._call(self._job_at, x.data_ptr(), tokens, self._xq_at, 0, 0)  # quantizes only: no unit runs
+        blocks = self._xq[: tokens * self.xq_bytes].view(tokens, -1, GGML_BLOCK + self._codes_at)
+        scale = blocks[..., :2].view(torch.float16).float()
+        return (scale * blocks[..., self._codes_at:].view(torch.int8).float()).view(tokens, self.inputs)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.float32 or not x.is_contiguous():
+            x = x.float().contiguous()
+        tokens = x.shape[0]
+        if tokens >= GEMM_TOKENS:  # a prefill chunk: the weight widened once, then one float32 GEMM
+            return self._activations(x, tokens) @ dequantized(self.lib, self.type_name, self.blocks, self.inputs).t()
+        self._room(tokens)
+        out = torch.empty(tokens, self.rows)
+        shared = self.aside is not None and self._shares
+        units = self._call(self._job_at, x.data_ptr(), tokens, self._xq_at, out.data_ptr(), not shared)
+        if shared:
+            self.aside.share(self._unit, self._job, units)
+        return out

@@ -1,0 +1,69 @@
+/* Linear layers on a GGUF's own block types, computed by ggml's CPU dot products (runtime/ggml_weights.py).
+ *
+ * ggml (llama.cpp's tensor library) quantizes a row of activations to the weight type's partner (Q8_1 for Q4_1, Q8_0
+ * for Q8_0: ggml_type_traits_cpu.vec_dot_type) and takes the dot product of a weight row's blocks with it in integer
+ * instructions.  This file holds no arithmetic of its own: it is handed the library's from_float and vec_dot (their
+ * signatures are ggml-cpu.h's ggml_from_float_t and ggml_vec_dot_t) and splits a layer's output rows into units, so
+ * the decode step's helper thread (ekv_aside.c) computes half of them.  A unit is a run of output rows for every
+ * token: the run's weights stay in cache while the tokens' activations pass by them.
+ */
+#include <stddef.h>
+#include <stdint.h>
+
+typedef void (*ggml_from_float)(const float *x, void *y, int64_t k);
+typedef void (*ggml_vec_dot)(int n, float *s, size_t bs, const void *x, size_t bx, const void *y, size_t by,
+                             int nrc);
+
+enum { UNITS = 8, MIN_UNIT_ROWS = 32 }; /* a layer's rows in about UNITS units, none under MIN_UNIT_ROWS rows */
+
+typedef struct {
+    ggml_from_float from_float;
+    ggml_vec_dot dot;
+    const uint8_t *weight;  /* [rows, row_bytes]: each output row's blocks */
+    int64_t row_bytes, rows, unit_rows;
+    const uint8_t *xq;      /* [tokens, xq_bytes]: each token's activations in vec_dot's type (the call's) */
+    int64_t xq_bytes, tokens;
+    float *out;             /* [tokens, rows] (the call's) */
+    int inputs;
+} ggml_job;
+
+int ekv_ggml_job_bytes(void) { return (int)sizeof(ggml_job); }
+
+/* A layer's job, once: out[t, r] = weight[r] . x[t] for `rows` rows of `inputs` inputs, each row's blocks `row_bytes`
+ * long, each token's quantized activations `xq_bytes`.  Returns -1 for a shape it cannot take, else 0. */
+int ekv_ggml_layer(void *job_buffer, ggml_from_float from_float, ggml_vec_dot dot, const uint8_t *weight,
+                   int64_t row_bytes, int64_t rows, int inputs, int64_t xq_bytes) {
+    if (rows < 1 || inputs < 1 || row_bytes < 1 || xq_bytes < 1) return -1;
+    ggml_job *job = job_buffer;
+    int64_t unit_rows = (rows + UNITS - 1) / UNITS;
+    if (unit_rows < MIN_UNIT_ROWS) unit_rows = MIN_UNIT_ROWS;
+    *job = (ggml_job){from_float, dot, weight, row_bytes, rows, unit_rows, NULL, xq_bytes, 0, NULL, inputs};
+    return 0;
+}
+
+void ekv_ggml_unit(void *job_buffer, int64_t unit, int worker) {
+    (void)worker;
+    const ggml_job *job = job_buffer;
+    const int64_t first = unit * job->unit_rows;
+    const int64_t last = first + job->unit_rows < job->rows ? first + job->unit_rows : job->rows;
+    for (int64_t t = 0; t < job->tokens; t++) {
+        const uint8_t *xq = job->xq + t * job->xq_bytes;
+        float *out = job->out + t * job->rows;
+        for (int64_t r = first; r < last; r++)
+            job->dot(job->inputs, out + r, 0, job->weight + r * job->row_bytes, 0, xq, 0, 1);
+    }
+}
+
+/* One call of the layer: the `tokens` rows of x (float32, contiguous) quantized into xq now, on the caller, then with
+ * `run` every unit computed here (returns 0), else the units left for the caller to share (ekv_aside_share). */
+int64_t ekv_ggml_call(void *job_buffer, const float *x, int64_t tokens, uint8_t *xq, float *out, int run) {
+    ggml_job *job = job_buffer;
+    for (int64_t t = 0; t < tokens; t++) job->from_float(x + t * job->inputs, xq + t * job->xq_bytes, job->inputs);
+    job->xq = xq;
+    job->tokens = tokens;
+    job->out = out;
+    const int64_t units = (job->rows + job->unit_rows - 1) / job->unit_rows;
+    if (!run) return units;
+    for (int64_t unit = 0; unit < units; unit++) ekv_ggml_unit(job, unit, 0);
+    return 0;
+}

@@ -1,0 +1,161 @@
+"""The ``ggml`` weight format (runtime/ggml_weights.py): each linear layer in the smallest GGUF block type that gives its
+weight back (ggml's own quantizer, checked), else Q8_0, multiplied by ggml's CPU dot products with the activations
+quantized to the type's 8-bit partner, as llama.cpp computes; a prefill chunk widens the weight and runs one float32
+GEMM.  The library is llama-cpp-python's; without it these tests skip and the format is refused by name."""
+import pytest
+import torch
+from torch import nn
+
+from edgekv.runtime import Engine
+from edgekv.runtime.aside import AsideThread
+from edgekv.runtime.ggml_weights import GEMM_TOKENS, dequantized, ggml, ggml_unavailable, quantized
+from edgekv.runtime.model import ModelError, load_model
+from edgekv.runtime.store.fingerprint import model_fingerprint
+from edgekv.runtime.weights import GgmlLinear, PackedSlice, RescoredHead, linear_weight, packed_call
+
+pytestmark = pytest.mark.skipif(ggml_unavailable() is not None, reason=str(ggml_unavailable()))
+PROMPT = [(i * 7) % 250 + 4 for i in range(120)]
+CPU = torch.device("cpu")
+
+
+def _linear(out_features: int, in_features: int, grid: str | None = None, bias: bool = False, seed: int = 0
+            ) -> nn.Linear:
+    """A linear layer of random weights, put on ``grid``'s blocks (a GGUF tensor of that type) where one is named."""
+    linear = nn.Linear(in_features, out_features, bias=bias)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(out_features, in_features, generator=torch.Generator().manual_seed(seed)) / 8)
+        if grid is not None:
+            linear.weight.copy_(dequantized(ggml(), grid, quantized(ggml(), grid, linear.weight), in_features))
+    return linear
+
+
+@pytest.mark.parametrize("grid", ["Q4_0", "Q4_1", "Q5_0", "Q5_1"])
+def test_a_weight_on_a_gguf_grid_keeps_that_type_and_every_value(grid):
+    linear = _linear(48, 96, grid)
+    layer = GgmlLinear(linear)
+    assert layer.kernel.type_name == grid
+    assert torch.equal(linear_weight(layer), linear.weight)
+
+
+def test_a_weight_on_no_grid_is_q8_0():
+    layer = GgmlLinear(_linear(40, 64))
+    assert layer.kernel.type_name == "Q8_0"
+    torch.testing.assert_close(linear_weight(layer), _linear(40, 64).weight, rtol=0, atol=1 / 8 * 4 / 127)
+
+
+@pytest.mark.parametrize("tokens", [1, 3, GEMM_TOKENS - 1])
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_decode_call_is_the_product_with_8_bit_activations(tokens, bias):
+    linear = _linear(96, 128, "Q4_1", bias)
+    layer = GgmlLinear(linear)
+    x = torch.randn(1, tokens, 128, generator=torch.Generator().manual_seed(1))  # under GEMM_TOKENS in all
+    got = layer(x)
+    assert got.shape == (1, tokens, 96) and got.dtype == torch.float32
+    want = nn.functional.linear(x, linear.weight, linear.bias)
+    # Q8_1 activations: a step of 1/127 of a block's largest, summed over 128 inputs
+    torch.testing.assert_close(got, want, rtol=0.05, atol=0.05)
+    assert not torch.equal(got, want)  # the activations were quantized: not the float product
+
+
+@pytest.mark.parametrize("grid", ["Q4_1", "Q4_0", None])  # partners Q8_1, Q8_0; Q8_0 itself
+def test_a_prefill_chunk_rounds_its_activations_as_the_decode_steps_do(grid):
+    # one GEMM over the widened weight, the activations through the partner type: what the dot products compute token
+    # by token, up to the order of the sums (and Q8_1's block sums, kept in fp16), so a teacher-forced perplexity over
+    # whole windows measures the decode's format
+    linear = _linear(64, 96, grid, bias=True)
+    layer = GgmlLinear(linear)
+    x = torch.randn(GEMM_TOKENS + 5, 96, generator=torch.Generator().manual_seed(2))
+    chunk = layer(x)
+    torch.testing.assert_close(chunk, torch.cat([layer(row[None]) for row in x]), rtol=0, atol=4e-3)
+    float_error = (chunk - nn.functional.linear(x, linear.weight, linear.bias)).abs().max()
+    assert float_error > 0.01  # the activations' rounding, far above the two paths' difference
+
+
+def test_rows_shared_with_the_helper_thread_are_the_same_bits():
+    layer = GgmlLinear(_linear(700, 256, "Q4_1"))  # 700 rows: units of 88, the last one short
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(3))
+    alone = layer(x)
+    aside = AsideThread.open()
+    if aside is None:
+        pytest.skip("one core: no helper thread")
+    try:
+        layer.kernel.aside, layer.kernel._shares = aside, True
+        assert torch.equal(layer(x), alone)
+    finally:
+        aside.close()
+
+
+def test_a_bfloat16_input_comes_back_in_bfloat16():
+    layer = GgmlLinear(_linear(32, 64, "Q4_1"))
+    x = torch.randn(1, 64, generator=torch.Generator().manual_seed(4))
+    got = layer(x.bfloat16())
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), layer(x.bfloat16().float()).bfloat16().float())
+
+
+def test_q_k_v_and_gate_up_pack_as_one_layer_each_and_the_head_is_rescored():
+    model = load_model(_fixture(), CPU, torch.float32, 256, weights="ggml")
+    for block in model.layers:
+        attn, mlp = block.self_attn, block.mlp
+        assert [type(m) for m in (attn.qkv_packed, attn.o_proj, mlp.gate_up_packed, mlp.down_proj)] == [GgmlLinear] * 4
+        assert all(isinstance(p, PackedSlice) and p.fused is attn.qkv_packed for p in (attn.q_proj, attn.k_proj, attn.v_proj))
+        assert packed_call(mlp.gate_proj, mlp.up_proj)[1]
+    assert isinstance(model.lm_head, RescoredHead) and isinstance(model.lm_head.approx, GgmlLinear)
+    assert not any(isinstance(m, nn.Linear) for m in model.hf.modules())
+    assert model_fingerprint(model)["weights"] == "ggml"
+    int4 = load_model(_fixture(), CPU, torch.float32, 256, weights="int4")
+    assert model_fingerprint(model)["id"] != model_fingerprint(int4)["id"]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("policy", ["full", "kvswap"])
+def test_ggml_weights_decode_close_to_the_models_own(tmp_path, dtype, policy):
+    tokens = {}
+    for weights in ("native", "ggml"):
+        (tmp_path / weights).mkdir()
+        with Engine.from_pretrained("fixture", kv_offload_path=tmp_path / weights, policy=policy, device="cpu",
+                                    dtype=dtype, config={"max_context": 256, "max_batch": 1, "G": 4, "M": 8},
+                                    weights=weights) as engine:
+            tokens[weights] = engine.generate([PROMPT], max_new_tokens=4, stop_token_ids=[])[0].token_ids
+    # the fixture's margins are thin: past its first few tokens 8-bit activations part its greedy path from fp32's
+    # (its int8 weights with bf16 activations hold longer); SmolLM2's ppl ratio is 1.004 (docs/results)
+    assert tokens["ggml"] == tokens["native"]
+
+
+def test_ggml_weights_cost_the_fixture_little_perplexity():
+    from edgekv.install.weights import scored
+
+    windows = [[(i * 13 + k) % 250 + 4 for i in range(96)] for k in range(2)]
+    base_nll, base_top = scored(load_model(_fixture(), CPU, torch.float32, 256), windows)
+    nll, top = scored(load_model(_fixture(), CPU, torch.float32, 256, weights="ggml"), windows)
+    assert abs(nll - base_nll) < 0.02 and (top == base_top).float().mean() >= 0.9
+
+
+def test_a_layer_whose_inputs_fill_no_block_stays_as_loaded():
+    model = nn.Module()
+    model.proj = nn.Linear(40, 32)  # 40 inputs: no whole block of 32
+    from edgekv.runtime.weights import quantize_linears
+
+    quantize_linears(model, "ggml")
+    assert type(model.proj) is nn.Linear
+
+
+@pytest.mark.parametrize("device, dtype, runs_in", [("cpu", torch.float16, "float32 or bfloat16"),
+                                                    ("cuda", torch.float32, "float32 or bfloat16")])
+def test_ggml_refused_where_it_cannot_run(device, dtype, runs_in):
+    with pytest.raises(ModelError, match=f"'ggml' runs on the CPU in {runs_in} \\(ggml's CPU dot products\\)"):
+        load_model(_fixture(), torch.device(device), dtype, 256, weights="ggml")
+
+
+def test_ggml_refused_by_name_without_the_library(monkeypatch):
+    import edgekv.runtime.weights as weights
+
+    monkeypatch.setattr(weights, "ggml_unavailable", lambda: "ggml's CPU library is not installed: pip install x")
+    with pytest.raises(ModelError, match="weights 'ggml': ggml's CPU library is not installed.*or use --weights int4"):
+        load_model(_fixture(), CPU, torch.float32, 256, weights="ggml")
+
+
+def _fixture():
+    from edgekv.runtime.checkpoints import resolve_checkpoint
+
+    return resolve_checkpoint("fixture")
