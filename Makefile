@@ -12,7 +12,7 @@ DEPLOY_ARGS = --platform $(PLATFORM) $(if $(MODEL),--model $(MODEL)) $(if $(KV_P
               $(if $(KV_PATHS),--kv-paths $(KV_PATHS)) \
               $(if $(filter-out 0,$(REPROFILE)),--reprofile) $(if $(CALIBRATION),--calibration $(CALIBRATION))
 
-.PHONY: env native fio test deploy serve profile bench energy clean gpu-check models
+.PHONY: env native ggml fio test deploy serve profile bench energy clean gpu-check models
 
 # install/host.py reads the host first: a Jetson keeps JetPack's CUDA torch (a venv with the system's packages, pip
 # constrained to that torch), an NVIDIA PC gets a CUDA build for its driver, else the CPU wheel on disk; it stops
@@ -53,11 +53,16 @@ fio:
 	  (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q fio >/dev/null 2>&1) || \
 	  echo "fio not installed: the disk profile has the runtime reader's figures only"
 
-test: native
+# ggml's CPU library for the 'ggml' weight format (install/ggml_build.py: llama.cpp's source from the package index,
+# ggml alone built once into the cache, ~2 minutes); without cmake or a C++ compiler the format is skipped
+ggml: env
+	-$(PYTHON) -m edgekv.install.ggml_build
+
+test: native ggml
 	$(PYTHON) -m pytest -q
 
 # PLATFORM=auto detects orin / rtx / smartssd, else local (SmolLM2-135M-Instruct; MODEL=fixture: the test model)
-deploy: native fio models
+deploy: native fio models ggml
 	$(PYTHON) -m edgekv.cli deploy $(DEPLOY_ARGS)
 
 # the OpenAI-compatible server over the deployed config (after make deploy); SERVE_ARGS e.g. --port 8081 --api-key K

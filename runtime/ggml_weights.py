@@ -1,5 +1,6 @@
 """The ``ggml`` weight format: linear layers in GGUF block types, computed by ggml's CPU kernels (llama.cpp's tensor
-library, the one llama-cpp-python ships), so a layer reads llama.cpp's bytes through llama.cpp's dot products.
+library, built by ``make ggml`` from llama-cpp-python's source, or the one that package ships), so a layer reads llama.cpp's
+bytes through llama.cpp's dot products.
 
 Each weight is held in the smallest block type that gives it back (``BLOCK_TYPES``, ggml's own quantizer run on it
 and checked): a GGUF's Q4_1 tensor is its Q4_1 blocks again, a Q8_0 embedding its Q8_0 blocks; a weight on no such
@@ -18,6 +19,7 @@ import functools
 import importlib.util
 import logging
 import os
+import platform
 from pathlib import Path
 from typing import NamedTuple
 
@@ -25,9 +27,11 @@ import numpy as np
 import torch
 
 from .aside import AsideThread, unit_kernel
+from .cache import cache_root
 
 log = logging.getLogger(__name__)
 
+LIBRARIES = ("libggml-base.so", "libggml-cpu.so")  # ggml-cpu links against ggml-base
 GGML_LIB_ENV = "EDGEKV_GGML_LIB"  # a folder holding libggml-base.so and libggml-cpu.so (default: llama-cpp-python's)
 # ggml.h's enum ggml_type values -> (its number, block bytes, block elements): checked against the type traits of the
 # library loaded (its name, size and block), so a renumbered enum is refused rather than misread
@@ -44,7 +48,7 @@ REPRODUCED_ERROR = 1e-3
 GEMM_TOKENS = 16
 SHARED_WEIGHTS = 1 << 22  # a layer's weights from which its rows are shared with the helper thread (its wake-up costs
 # more than half of a smaller one's dot products: SmolLM2's 576 x 3072 gate/up, 229.7 against 231.4 us alone)
-INSTALL_HINT = "pip install llama-cpp-python (or make env with the llamacpp extra), or set EDGEKV_GGML_LIB"
+INSTALL_HINT = "make ggml builds it (cmake and a C++ compiler), or pip install llama-cpp-python"
 
 
 class GgmlTraits(ctypes.Structure):
@@ -82,11 +86,19 @@ class Ggml(NamedTuple):
         return self.base.ggml_row_size(GGML_TYPES[type_name][0], inputs)
 
 
+def ggml_cache_folder(root: Path | None = None) -> Path:
+    """Where ``make ggml`` (install/ggml_build.py) builds the libraries for this machine, in the cache at ``root``
+    (default: this process's)."""
+    return (root or cache_root()) / "ggml" / platform.machine()
+
+
 def ggml_folder() -> Path | None:
-    """Where libggml-base.so and libggml-cpu.so are: ``EDGEKV_GGML_LIB``, else llama-cpp-python's ``lib`` folder
-    (found, not imported), else None."""
+    """Where libggml-base.so and libggml-cpu.so are: ``EDGEKV_GGML_LIB``, else the cache's build (``make ggml``), else
+    llama-cpp-python's ``lib`` folder (found, not imported), else None."""
     if os.environ.get(GGML_LIB_ENV):
         return Path(os.environ[GGML_LIB_ENV])
+    if all((ggml_cache_folder() / name).is_file() for name in LIBRARIES):
+        return ggml_cache_folder()
     spec = importlib.util.find_spec("llama_cpp")
     if spec is None or not spec.submodule_search_locations:
         return None
@@ -101,8 +113,8 @@ def ggml() -> Ggml | str:
     if folder is None:
         return f"ggml's CPU library is not installed: {INSTALL_HINT}"
     try:
-        base = ctypes.CDLL(str(folder / "libggml-base.so"), mode=ctypes.RTLD_GLOBAL)  # libggml-cpu links against it
-        cpu = ctypes.CDLL(str(folder / "libggml-cpu.so"))
+        base = ctypes.CDLL(str(folder / LIBRARIES[0]), mode=ctypes.RTLD_GLOBAL)  # libggml-cpu links against it
+        cpu = ctypes.CDLL(str(folder / LIBRARIES[1]))
     except OSError as exc:
         return f"ggml's CPU library under {folder} does not load ({exc}): {INSTALL_HINT}"
     p, i64, i32, size = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_size_t

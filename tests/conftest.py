@@ -12,6 +12,14 @@ import torch
 
 from tests import store_helpers
 
+from edgekv.runtime.cache import cache_root  # noqa: E402
+from edgekv.runtime.ggml_weights import GGML_LIB_ENV, LIBRARIES, ggml_cache_folder  # noqa: E402
+
+# the 'ggml' weight format's library where `make ggml` built it in the user's cache: read, never written (the
+# format's tests skip without it)
+_GGML = ggml_cache_folder(cache_root())
+if GGML_LIB_ENV not in os.environ and all((_GGML / name).is_file() for name in LIBRARIES):
+    os.environ[GGML_LIB_ENV] = str(_GGML)
 # the tests' caches (native reader build, GGUF conversions, measured quality choices) never touch the user's
 _CACHE = tempfile.mkdtemp(prefix="edgekv-test-cache-")
 os.environ["EDGEKV_CACHE"] = _CACHE
