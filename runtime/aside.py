@@ -32,7 +32,8 @@ def native_aside() -> ctypes.CDLL | None:
     p, i64, i32 = native_build.P, native_build.I64, native_build.I32
     return native_build.load_or_none("aside", log, "the decode step computes on its own thread", {
         "ekv_aside_open": ([], p), "ekv_aside_post": ([p, p, p, i64], i64), "ekv_aside_done": ([p, i64], i32),
-        "ekv_aside_wait": ([p, i64], None), "ekv_aside_share": ([p, p, p, i64], None), "ekv_aside_close": ([p], None)})
+        "ekv_aside_wait": ([p, i64], None), "ekv_aside_share": ([p, p, p, i64], None), "ekv_aside_close": ([p], None),
+        "ekv_aside_spin": ([p, i64], None)})
 
 
 def unit_function(lib: ctypes.CDLL, name: str) -> int:
@@ -56,6 +57,12 @@ def unit_kernel(name: str, prefix: str, log: logging.Logger, instead: str, signa
     return lib
 
 
+# how long ``full``'s helper spins out of work when the model's layers share it (weights 'ggml'): longer than the
+# Python between two of a layer's calls; SmolLM2 8K, batch 1: 1.15x the step of a sleeping helper and torch's two
+# threads (docs/results, issue 34)
+SPIN_US = 300
+
+
 def cores() -> int:
     """The cores this process may run on."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
@@ -65,16 +72,22 @@ class AsideThread:
     """One helper thread; ``open`` gives None where it would only take turns with the caller (one core) or cannot
     start.  Only the caller's thread posts, shares and waits."""
 
-    def __init__(self, lib: ctypes.CDLL, handle: int):
+    def __init__(self, lib: ctypes.CDLL, handle: int, spins: bool = False):
         self._lib, self._handle = lib, handle
+        self.spins = spins  # a job shared with it costs no wake-up: small ones are worth sharing too
         self._kept: deque[tuple[int, tuple]] = deque()  # (ticket, what a posted job points into), oldest first
         self._closed = weakref.finalize(self, lib.ekv_aside_close, handle)  # at close, collection or exit
 
     @classmethod
-    def open(cls) -> "AsideThread | None":
+    def open(cls, spin_us: int = 0) -> "AsideThread | None":
+        """``spin_us``: how long the helper, out of work, and a caller, waiting for its share, spin before they
+        sleep (ekv_aside.c): a core with nothing else to run (``full``'s step) hands each small job to the helper
+        without a wake-up; 0 where the core is the reads' too."""
         lib = native_aside() if cores() > 1 else None
         handle = lib.ekv_aside_open() if lib is not None else None
-        return cls(lib, handle) if handle else None
+        if handle and spin_us:
+            lib.ekv_aside_spin(handle, spin_us)
+        return cls(lib, handle, spin_us > 0) if handle else None
 
     def post(self, fn: int, job: np.ndarray, units: int, keep: tuple = ()) -> int:
         """``fn``'s units 0 .. units-1 on the helper, over the job buffer ``job`` (and ``keep``, what it points into,

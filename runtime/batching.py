@@ -50,7 +50,8 @@ class RunningBatch:
         self.prefill_s = np.zeros(rows)
         self.steps = 0
         self._closed = False
-        self.decode_threads = decode_threads(self.model.device, cfg.io.decode_cpu_threads, engine.spec.on_disk)
+        self.decode_threads = decode_threads(self.model.device, cfg.io.decode_cpu_threads, engine.spec.on_disk,
+                                             self.model.computes_aside)
 
     @property
     def max_context(self) -> int:

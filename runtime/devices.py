@@ -75,16 +75,18 @@ def cuda_fix() -> str:
             "CUDA Version (e.g. cu128 for 12.8)")
 
 
-def decode_threads(device: torch.device, asked: int | None, reads_kv: bool) -> int | None:
+def decode_threads(device: torch.device, asked: int | None, reads_kv: bool, helper_computes: bool = False
+                   ) -> int | None:
     """Torch's intra-op threads for a decode step on ``device`` (None: leave torch's setting).  A disk policy's
     reads run on threads of their own beside the step; on the CPU, with torch's team on every core, each parallel
     op waits for the core they hold (measured on 2 cores, SmolLM2 8K, batch 1 / 4: kvswap's step 1.34x / 1.26x faster
-    on one thread than on two, full's 1.12x / 1.10x slower), so such a step leaves them one core."""
+    on one thread than on two, full's 1.12x / 1.10x slower), so such a step leaves them one core.  So does a step
+    whose linear layers compute on the policy's helper thread (``helper_computes``, weights 'ggml')."""
     if device.type != "cpu":
         return None
     if asked is not None:
         return asked
-    return max(1, torch.get_num_threads() - 1) if reads_kv else None
+    return max(1, torch.get_num_threads() - 1) if reads_kv or helper_computes else None
 
 
 @contextlib.contextmanager

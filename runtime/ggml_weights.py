@@ -172,7 +172,7 @@ def blocks_for(lib: Ggml, weight: torch.Tensor) -> tuple[str, np.ndarray]:
 
 class GgmlMatmul:
     """x [T, in] (float32) times a weight's blocks -> [T, out] float32, through ggml's dot products; with a helper
-    thread lent (``aside``), a layer of at least SHARED_WEIGHTS weights a token shares its rows with it.  Everything
+    thread lent (``aside``), a layer shares its rows with it where the helper spins, else from SHARED_WEIGHTS weights.  Everything
     but the input and the output is set up once: at a decode step's sizes a call's Python and ctypes work is as long
     as a small layer's dot products on this machine."""
 
@@ -222,7 +222,7 @@ class GgmlMatmul:
             return self._activations(x, tokens) @ dequantized(self.lib, self.type_name, self.blocks, self.inputs).t()
         self._room(tokens)
         out = torch.empty(tokens, self.rows)
-        shared = self.aside is not None and self._shares
+        shared = self.aside is not None and (self._shares or self.aside.spins)
         units = self._call(self._job_at, x.data_ptr(), tokens, self._xq_at, out.data_ptr(), not shared)
         if shared:
             self.aside.share(self._unit, self._job, units)

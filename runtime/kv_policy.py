@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .aside import AsideThread
+from .aside import SPIN_US, AsideThread
 from .dense_attention import DenseAttention
 from .forward import decode_attention
 from .model import DecoderModel
@@ -146,7 +146,8 @@ class InMemoryKV(KVPolicy):
         self.dense = DenseAttention.for_cache(model.dtype, model.device, d.n_heads, d.n_kv_heads, d.head_dim,
                                               model.scaling)
         if self.dense is not None:
-            self.dense.aside = AsideThread.open()
+            # where the model's layers share the helper too it spins between them (aside.SPIN_US)
+            self.dense.aside = AsideThread.open(spin_us=SPIN_US if model.computes_aside else 0)
             model.lend_aside(self.dense.aside, self)
             self._starts = np.zeros(batch, dtype=np.int64)
 

@@ -273,6 +273,12 @@ class DecoderModel:
         self.layer_types = list(getattr(cfg, "layer_types", None) or [GLOBAL] * self.dims.n_layers)
         self.softcap = getattr(cfg, "final_logit_softcapping", None)
 
+    @property
+    def computes_aside(self) -> bool:
+        """Whether its linear layers share their rows with a decode step's helper thread (weights 'ggml'): the step
+        leaves torch one core."""
+        return bool(self._shared_kernels)
+
     def lend_aside(self, aside, lender) -> None:
         """A decode step's helper thread (runtime/aside.py) for the linear layers that share their rows with one
         (weights 'ggml'), lent by ``lender`` (a policy); ``aside`` None withdraws it, if ``lender`` lent it.  One

@@ -110,6 +110,7 @@ def test_a_disk_policy_leaves_one_core_to_its_reads_and_an_asked_count_wins(monk
     cpu = torch.device("cpu")
     assert decode_threads(cpu, None, reads_kv=True) == 7
     assert decode_threads(cpu, None, reads_kv=False) is None  # full: torch's own setting
+    assert decode_threads(cpu, None, reads_kv=False, helper_computes=True) == 7  # its layers on the helper
     assert decode_threads(cpu, 3, reads_kv=True) == 3 and decode_threads(cpu, 8, reads_kv=False) == 8
     assert decode_threads(torch.device("cuda"), 3, reads_kv=True) is None  # the GPU computes; host threads stay
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)

@@ -71,16 +71,24 @@ def test_a_prefill_chunk_rounds_its_activations_as_the_decode_steps_do(grid):
     assert float_error > 0.01  # the activations' rounding, far above the two paths' difference
 
 
-def test_rows_shared_with_the_helper_thread_are_the_same_bits():
-    layer = GgmlLinear(_linear(700, 256, "Q4_1"))  # 700 rows: units of 88, the last one short
+@pytest.mark.parametrize("spin_us", [0, 300])
+def test_rows_shared_with_the_helper_thread_are_the_same_bits(spin_us):
+    # a sleeping helper takes only layers of SHARED_WEIGHTS weights or more; a spinning one every layer
+    small, large = GgmlLinear(_linear(700, 256, "Q4_1")), GgmlLinear(_linear(700, 256, "Q4_1", seed=1))
+    large.kernel._shares = True  # as if of SHARED_WEIGHTS weights: 700 rows are units of 88, the last one short
     x = torch.randn(3, 256, generator=torch.Generator().manual_seed(3))
-    alone = layer(x)
-    aside = AsideThread.open()
+    alone = [small(x), large(x)]
+    aside = AsideThread.open(spin_us=spin_us)
     if aside is None:
         pytest.skip("one core: no helper thread")
+    calls = []
+    share = aside.share
+    aside.share = lambda *args: (calls.append(args[2]), share(*args))
     try:
-        layer.kernel.aside, layer.kernel._shares = aside, True
-        assert torch.equal(layer(x), alone)
+        small.kernel.aside = large.kernel.aside = aside
+        for _ in range(20):  # one call after another, as a decode step's layers come
+            assert torch.equal(small(x), alone[0]) and torch.equal(large(x), alone[1])
+        assert calls == [8] * (40 if spin_us else 20)
     finally:
         aside.close()
 

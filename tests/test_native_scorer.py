@@ -170,12 +170,12 @@ def test_loading_the_native_libraries_keeps_subnormal_floats():
     assert tiny * np.float32(1.0) > 0 and torch.tensor(1e-45) * 1.0 > 0
 
 
-@pytest.mark.parametrize("klr_dtype", ["bfloat16", "int8", "int4"])
-def test_picks_scored_on_the_helper_thread_equal_those_scored_on_the_callers(klr_dtype, monkeypatch):
+@pytest.mark.parametrize("klr_dtype, spin_us", [("bfloat16", 0), ("int8", 0), ("int4", 0), ("int4", 300)])
+def test_picks_scored_on_the_helper_thread_equal_those_scored_on_the_callers(klr_dtype, spin_us, monkeypatch):
     """With a helper thread lent (runtime/aside.py), ``launch`` posts the native scorer's job to it and takes the
     top-M when the picks are asked for, and ``select`` shares the sequences with it: the same groups as ``select``
     with no helper, for several launches in flight one after another, waited for out of order, and a batch of
-    sequences of different lengths."""
+    sequences of different lengths; a helper that spins between jobs (``spin_us``) does the same."""
     monkeypatch.setattr(aside_module, "cores", lambda: 2)
     torch.manual_seed(5)
     lengths = [37 * 4 + 1, 20 * 4, 9 * 4]
@@ -183,7 +183,8 @@ def test_picks_scored_on_the_helper_thread_equal_those_scored_on_the_callers(klr
     counts = torch.tensor([n // 4 for n in lengths])
     queries = [torch.randn(3, 6, 1, 16) for _ in range(3)]
     expected = [selector.select(0, q, counts, first=1) for q in queries]
-    selector.aside = aside_module.AsideThread.open()
+    selector.aside = aside_module.AsideThread.open(spin_us=spin_us)
+    assert selector.aside.spins == bool(spin_us)
     launched = [selector.launch(0, q, counts, first=1) for q in queries]
     assert all(isinstance(p, selector_module.ScoredAside) for p in launched)
     shared = [selector.select(0, q, counts, first=1) for q in queries]
