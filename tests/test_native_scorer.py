@@ -1,6 +1,8 @@
 """The native K_lr group scorer (runtime/native/ekv_score.c) against the torch path it stands in for: the same group
 scores within float32 rounding and the same picks, for every row format, both score reduces, odd ranks, several
 sequences of different lengths, and group sizes from 1 to 16."""
+import platform
+
 import numpy as np
 import pytest
 import torch
@@ -292,3 +294,39 @@ def test_sequences_longer_than_a_part_score_the_same_bits_on_either_thread(score
     assert isinstance(posted, selector_module.ScoredAside)
     assert all(torch.equal(a, b) for a, b in zip(posted.result(), (groups, valid)))
     selector.aside.close()
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="x86 targets")
+@pytest.mark.parametrize("march", ["x86-64", "x86-64-v3"])
+@pytest.mark.parametrize("klr_dtype", ["int8", "int4"])
+def test_the_scorer_built_for_narrower_vectors_scores_the_same(tmp_path, monkeypatch, march, klr_dtype):
+    """Built for SSE (plain integer loops) and AVX2 (int4 codes a byte at a time, vpmaddubsw), as a machine without
+    AVX-512 VNNI builds it: the same integer dot products, so the same logits; the softmax's exponentials within
+    float32 rounding (a target with FMA fuses them); the same picks.  Batch of two, lengths not whole blocks, rank 90
+    (a quad padded, more quads than an int16 sum of AVX2 holds)."""
+    from edgekv.runtime import native_build
+
+    torch.manual_seed(11)
+    lengths = [333 * 4, 71 * 4 + 2]
+    selector = filled_selector(klr_dtype, "softmax", 90, 4, 2, lengths, head_dim=64, n_kv_heads=3, n_heads=9, M=20)
+    counts = torch.tensor([n // 4 for n in lengths])
+    q = torch.randn(2, 9, 1, 64)
+    expected_groups, expected_valid = selector.select(0, q, counts)
+    expected = selector._group_scores[:, : int(counts.max())].clone()
+    lib = native_build.LIBRARIES["score"]
+    flags = [f if f != "-march=native" else f"-march={march}" for f in lib.flags]
+    source = str(native_build.SOURCES / lib.source)
+    path = native_build.compile_library(
+        lambda out: ["cc", *flags, "-I", str(native_build.SOURCES), "-shared", "-fPIC", source, "-o", out, *lib.libs],
+        tmp_path / f"score-{march}.so", lib.what)
+    real_build = native_build.build
+    monkeypatch.setattr(native_build, "build", lambda name: path if name == "score" else real_build(name))
+    native_scorer.cache_clear()
+    try:
+        groups, valid = selector.select(0, q, counts)
+        got = selector._group_scores[:, : int(counts.max())]
+        inside = torch.arange(got.shape[1]) < counts[:, None]
+        torch.testing.assert_close(got[inside], expected[inside], rtol=1e-5, atol=1e-7)
+        assert torch.equal(valid, expected_valid) and torch.equal(groups[valid], expected_groups[expected_valid])
+    finally:
+        native_scorer.cache_clear()
