@@ -1,6 +1,6 @@
 """The ``ggml`` weight format: linear layers in GGUF block types, computed by ggml's CPU kernels (llama.cpp's tensor
-library, built by ``make ggml`` from llama-cpp-python's source, or the one that package ships), so a layer reads llama.cpp's
-bytes through llama.cpp's dot products.
+library, built by ``make ggml`` from llama-cpp-python's source, or the one that package ships), so a layer reads
+llama.cpp's bytes through llama.cpp's dot products.
 
 Each weight is held in the smallest block type that gives it back (``BLOCK_TYPES``, ggml's own quantizer run on it
 and checked): a GGUF's Q4_1 tensor is its Q4_1 blocks again, a Q8_0 embedding its Q8_0 blocks; a weight on no such
@@ -8,9 +8,9 @@ grid (fp32 checkpoints, Gemma 3's Q6_K tensors) is Q8_0, a scale per 32 inputs. 
 to the type's partner (Q8_1 or Q8_0) as llama.cpp quantizes them, and each output row is one ``vec_dot`` of the
 library; runtime/native/ekv_ggml.c only splits the rows into units, shared with the decode step's helper thread.
 
-On this 2-core Zen 3 one thread of ggml's Q4_1 x Q8_1 dot product took 27-182 us for SmolLM2's four layer shapes
-where torch's int4 kernel took 81-364 us (1.7-3.0x), and 2.7 ms for the Q8_0 head where torch's int8 took 7.0 ms
-(docs/results, issue 34).
+On this 2-core Zen 3, one token on one thread, SmolLM2's four layer shapes took 33-123 us a call where torch's int4
+kernel took 83-291 us (2.37-2.52x), and the Q8_0 head 2.5 ms where torch's int8 took 6.0 ms (``bench.linear_kernels``,
+docs/results, issue 34).
 """
 from __future__ import annotations
 
@@ -172,7 +172,8 @@ def blocks_for(lib: Ggml, weight: torch.Tensor) -> tuple[str, np.ndarray]:
 
 class GgmlMatmul:
     """x [T, in] (float32) times a weight's blocks -> [T, out] float32, through ggml's dot products; with a helper
-    thread lent (``aside``), a layer shares its rows with it where the helper spins, else from SHARED_WEIGHTS weights.  Everything
+    thread lent (``aside``), a layer shares its rows with it where the helper spins, else from SHARED_WEIGHTS
+    weights.  Everything
     but the input and the output is set up once: at a decode step's sizes a call's Python and ctypes work is as long
     as a small layer's dot products on this machine."""
 

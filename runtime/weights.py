@@ -19,8 +19,9 @@
   SmolLM2 (Q4_1 GGUF): ppl 1.0007x fp32, top-1 agreement 0.990, decode 2x fp32's speed at 8K (docs/results).
 - ``ggml``: each layer in the smallest GGUF block type that gives its weight back (a Q4_1 file's own blocks), else
   Q8_0, computed by ggml's CPU dot products with 8-bit activations, as llama.cpp computes the same file
-  (runtime/ggml_weights.py; the library comes with llama-cpp-python).  q/k/v and gate/up packed as for int4, the
-  head Q8_0 rescored.  SmolLM2 8K, full, batch 1: 1.47x int4's tok/s, ppl 1.004x fp32 (docs/results, issue 34).
+  (runtime/ggml_weights.py; the library ``make ggml`` builds, or llama-cpp-python's).  q/k/v and gate/up packed as
+  for int4, the head Q8_0 rescored.  SmolLM2 8K, full, batch 1: 1.47x int4's tok/s, ppl 1.004x fp32 (docs/results,
+  issue 34).
 
 The weight-only kernels run fast with bfloat16 activations only (AVX-512 BF16 / AMX; in fp16 or fp32 they are
 10-40x slower than an fp32 GEMV on the same CPU), so ``int4`` runs on a CPU in a float32 model, whose norms, RoPE,
@@ -178,7 +179,7 @@ class RescoredHead(nn.Module):
     with fp32 0.960, ppl 1.0023x); each row's ``top`` best are computed again from the original weight (a tied head's
     is the embedding, held anyway), which gives back fp32's choice (0.990) for ``top`` dot products a row."""
 
-    def __init__(self, linear: nn.Linear, top: int = 8, approx: type[PackedLinear] = None):
+    def __init__(self, linear: nn.Linear, top: int = 8, approx: type[PackedLinear] | None = None):
         """``approx``: the layer type of the first pass (default ``Int8Linear``)."""
         super().__init__()
         self.approx = (approx or Int8Linear)(linear)

@@ -1,5 +1,6 @@
-"""Where the ``ggml`` weight format finds ggml's CPU library (runtime/ggml_weights.py ggml_folder) and when ``make ggml``
-(install/ggml_build.py) builds it again; the build itself downloads llama.cpp's source and is run by make, not here."""
+"""Where the ``ggml`` weight format finds ggml's CPU library (runtime/ggml_weights.py ggml_folder) and when
+``make ggml`` (install/ggml_build.py) builds it again; the build itself downloads llama.cpp's source and is run by
+make, not here."""
 import importlib.util
 
 import pytest
@@ -81,4 +82,5 @@ def test_a_failed_build_leaves_no_folder(tmp_path, monkeypatch, fail_at, capsys)
     monkeypatch.setattr(ggml_build, "compile_ggml", compile_ggml)
     assert ggml_build.main([]) == 1
     assert "int4 serves" in capsys.readouterr().err
-    assert not ggml_cache_folder().exists() and not ggml_cache_folder().with_name(ggml_cache_folder().name + ".tmp").exists()
+    folder = ggml_cache_folder()
+    assert not folder.exists() and not folder.with_name(folder.name + ".tmp").exists()

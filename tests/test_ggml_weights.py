@@ -1,7 +1,8 @@
-"""The ``ggml`` weight format (runtime/ggml_weights.py): each linear layer in the smallest GGUF block type that gives its
-weight back (ggml's own quantizer, checked), else Q8_0, multiplied by ggml's CPU dot products with the activations
+"""The ``ggml`` weight format (runtime/ggml_weights.py): each linear layer in the smallest GGUF block type that gives
+its weight back (ggml's own quantizer, checked), else Q8_0, multiplied by ggml's CPU dot products with the activations
 quantized to the type's 8-bit partner, as llama.cpp computes; a prefill chunk widens the weight and runs one float32
-GEMM.  The library is llama-cpp-python's; without it these tests skip and the format is refused by name."""
+GEMM.  The library is the one ``make ggml`` builds (or llama-cpp-python's); without it these tests skip and the format
+is refused by name."""
 import pytest
 import torch
 from torch import nn
@@ -106,7 +107,8 @@ def test_q_k_v_and_gate_up_pack_as_one_layer_each_and_the_head_is_rescored():
     for block in model.layers:
         attn, mlp = block.self_attn, block.mlp
         assert [type(m) for m in (attn.qkv_packed, attn.o_proj, mlp.gate_up_packed, mlp.down_proj)] == [GgmlLinear] * 4
-        assert all(isinstance(p, PackedSlice) and p.fused is attn.qkv_packed for p in (attn.q_proj, attn.k_proj, attn.v_proj))
+        assert all(isinstance(p, PackedSlice) and p.fused is attn.qkv_packed
+                   for p in (attn.q_proj, attn.k_proj, attn.v_proj))
         assert packed_call(mlp.gate_proj, mlp.up_proj)[1]
     assert isinstance(model.lm_head, RescoredHead) and isinstance(model.lm_head.approx, GgmlLinear)
     assert not any(isinstance(m, nn.Linear) for m in model.hf.modules())
