@@ -53,7 +53,8 @@ def fetch_source(work: Path) -> Path:
         raise GgmlBuildError(f"pip downloaded no source package of {PACKAGE} into {work}")
     with tarfile.open(archive) as tar:
         members = [m for m in tar.getmembers() if "/vendor/llama.cpp/" in m.name]
-        tar.extractall(work, members=members, filter="data")
+        safe = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}  # Python 3.10.12+ / 3.11.4+
+        tar.extractall(work, members=members, **safe)
     return next(work.glob("llama_cpp_python-*/vendor/llama.cpp"))
 
 
