@@ -35,7 +35,7 @@ def test_shipped_profiles_load(name):
     prof = load_profile(name)
     assert prof.platform == name and prof.sigma_max == 32 and prof.g_max == 16 and prof.mg_const == 400
     assert prof.batch_budget_mib == prof.max_kv_mem_mib / prof.max_batch
-    assert prof.weights == (("int4",) if name == "local" else ()) and prof.weights_ppl_max == 1.01
+    assert prof.weights == (("ggml", "int4") if name == "local" else ()) and prof.weights_ppl_max == 1.01
 
 
 @pytest.mark.parametrize("edit, message", [
@@ -45,7 +45,7 @@ def test_shipped_profiles_load(name):
     (lambda d: d["compute"].update(device="npu"), "field 'compute.device' is 'npu'; allowed values"),
     (lambda d: d["solver"].update(alpha=1.5), "field 'solver.alpha' must be in"),
     (lambda d: d.pop("memory"), "missing section 'memory'"),
-    (lambda d: d["compute"].update(weights=["int4", "native"]), r"field 'compute.weights' lists .* \['int8', 'int4'\]"),
+    (lambda d: d["compute"].update(weights=["int4", "native"]), r"field 'compute.weights' lists .* \['int8', 'int4', 'ggml'\]"),
     (lambda d: d["compute"].update(weights_ppl_max=0.9), "field 'compute.weights_ppl_max' is a perplexity ratio"),
     (lambda d: d["compute"].update(dtype_ppl_max=0.99), "field 'compute.dtype_ppl_max' is a perplexity ratio to float32"),
     (lambda d: d["compute"].update(dtype="int8"), "field 'compute.dtype' is 'int8'; allowed values"),
@@ -295,11 +295,17 @@ def test_deploy_writes_config_report_and_smoke_stats_and_reuses_only_matching_pr
     assert f"serve --config {(out_root / 'local' / 'config.json').resolve()} --host 127.0.0.1" in unit
     assert result["stats"]["decode_tok_s"] > 0 and result["stats"]["kv_resident_mib"] <= 2
     assert not list((root / "kv").iterdir())  # no test file or KV left behind
-    # the profile's weight format was measured against the model's own weights and deployed only within the limit
-    (trial,) = config["measurements"]["weights"]["trials"]
-    assert trial["weights"] == "int4" and trial["ppl_ratio"] > 0 and 0 < trial["top1_agreement"] <= 1
-    assert trial["chosen"] == (trial["ppl_ratio"] <= 1.01)
-    assert config["weights"] == ("int4" if trial["chosen"] else "native")
+    # the profile's weight formats were measured against the model's own weights, fastest first, and the first within
+    # the limit deployed; ggml without its library (make ggml) is a trial that names why and is never chosen
+    ggml, int4 = config["measurements"]["weights"]["trials"]
+    assert (ggml["weights"], int4["weights"]) == ("ggml", "int4")
+    if ggml["ppl_ratio"] is None:
+        assert "make ggml builds it" in ggml["note"] and not ggml["chosen"]
+    for trial in (t for t in (ggml, int4) if t["ppl_ratio"] is not None):
+        assert trial["ppl_ratio"] > 0 and 0 < trial["top1_agreement"] <= 1
+    within = [t["weights"] for t in (ggml, int4) if t["ppl_ratio"] is not None and t["ppl_ratio"] <= 1.01]
+    assert [t["weights"] for t in (ggml, int4) if t["chosen"]] == within[:1]
+    assert config["weights"] == (within[0] if within else "native")
     assert config["measurements"]["compute"]["block_ms"] and f"weights: {config['weights']}" in \
         (out_root / "local" / "report.txt").read_text()
     # the profile's bfloat16 was measured against float32 on this CPU, in the weight format chosen, and deployed only

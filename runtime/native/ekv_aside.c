@@ -43,7 +43,7 @@ typedef struct {
      * `spin_ns` before it sleeps on the condition: waking a sleeping thread took longer than half of a small layer's
      * dot products on the 2-core VM, so a job shared a few tens of microseconds after the last went to the caller
      * alone. */
-    int64_t work_seq, done_seq; /* work posted or shared; shared units done */
+    int64_t work_seq, done_seq; /* work posted or shared (or the thread told to stop); shared units done */
     int64_t spin_ns;
 } ekv_aside;
 
@@ -54,7 +54,8 @@ static int64_t now_ns(void) {
 }
 
 /* Called with the lock held, returns with it held: with spinning on, waits up to spin_ns unlocked for `*counter`
- * to move from `seen` (1 if it moved), else 0 at once. */
+ * to move from `seen` (1 if it moved), else 0 at once.  The counter is read once more under the lock: a change made
+ * between the last unlocked look and the relock (its broadcast sent while nobody waited) is not slept through. */
 static int spun(ekv_aside *a, const int64_t *counter, int64_t seen) {
     if (a->spin_ns <= 0) return 0;
     const int64_t until = now_ns() + a->spin_ns;
@@ -68,7 +69,7 @@ static int spun(ekv_aside *a, const int64_t *counter, int64_t seen) {
 #endif
     }
     pthread_mutex_lock(&a->lock);
-    return moved;
+    return moved || *counter != seen;
 }
 
 /* One unit of the shared job if one is left (1), else 0; called with the lock held, returns with it held. */
@@ -181,6 +182,7 @@ void ekv_aside_spin(ekv_aside *a, int64_t microseconds) {
 void ekv_aside_close(ekv_aside *a) {
     pthread_mutex_lock(&a->lock);
     a->stop = 1;
+    __atomic_add_fetch(&a->work_seq, 1, __ATOMIC_RELEASE); /* a spinning helper sees it and ends */
     pthread_cond_broadcast(&a->changed);
     pthread_mutex_unlock(&a->lock);
     pthread_join(a->thread, NULL);
