@@ -113,16 +113,17 @@ def main(argv=None) -> int:
     from tqdm import tqdm
 
     try:
-        with tempfile.TemporaryDirectory(prefix="edgekv-ggml-") as tmp, \
-                tqdm(total=100, desc="ggml build", unit="step", file=sys.stderr) as bar:
+        with tempfile.TemporaryDirectory(prefix="edgekv-ggml-") as tmp:
+            print(f"ggml: downloading {PACKAGE}'s source (76 MB)", file=sys.stderr, flush=True)
             source = fetch_source(Path(tmp))
+            with tqdm(total=100, desc="ggml build", unit="step", file=sys.stderr) as bar:  # its ETA: the compile's
 
-            def progress(done: int, total: int) -> None:
-                bar.total = total
-                bar.n = done
-                bar.refresh()
+                def progress(done: int, total: int) -> None:
+                    bar.total = total
+                    bar.n = done
+                    bar.refresh()
 
-            install(compile_ggml(source, Path(tmp), progress), folder)
+                install(compile_ggml(source, Path(tmp), progress), folder)
     except GgmlBuildError as exc:
         print(f"ggml: not built: {exc}\nthe 'ggml' weight format is skipped and int4 serves", file=sys.stderr)
         return 1
