@@ -20,14 +20,14 @@ LLAMA = "llama.cpp"
 
 
 @contextlib.contextmanager
-def llama_steps(model: str, context: int, room: int):
-    """A function taking one llama.cpp decode step over the text after its first ``context`` tokens."""
+def llama_steps(model: str, text: str, context: int, room: int):
+    """A function taking one llama.cpp decode step over ``text`` after its first ``context`` tokens."""
     gguf, note = llama_cpp_source(resolve_checkpoint(model), [LLAMA])
     if gguf is None:
         raise SystemExit(f"no llama.cpp side: {note}")
     import llama_cpp
 
-    ids = _text_ids(argparse.Namespace(model=model, text="builtin", context=context, warmup=0, steps=room))
+    ids = _text_ids(argparse.Namespace(model=model, text=text, context=context, warmup=0, steps=room))
     threads = torch.get_num_threads()
     llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=context + room, n_threads=threads, n_threads_batch=threads,
                           n_batch=512, verbose=False)
@@ -54,7 +54,7 @@ def main(argv=None) -> None:
     room = alternating_room(args, len(policies) + 1)
     with contextlib.ExitStack() as stack:
         sides = {p: stack.enter_context(text_batch(args, room, policy=p))[1] for p in policies}
-        sides[LLAMA] = stack.enter_context(llama_steps(args.model, args.context, room))
+        sides[LLAMA] = stack.enter_context(llama_steps(args.model, args.text, args.context, room))
         for _ in range(8):
             sides[LLAMA]()
         current = [sides[policies[0]]]

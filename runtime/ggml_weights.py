@@ -173,9 +173,8 @@ def blocks_for(lib: Ggml, weight: torch.Tensor) -> tuple[str, np.ndarray]:
 class GgmlMatmul:
     """x [T, in] (float32) times a weight's blocks -> [T, out] float32, through ggml's dot products; with a helper
     thread lent (``aside``), a layer shares its rows with it where the helper spins, else from SHARED_WEIGHTS
-    weights.  Everything
-    but the input and the output is set up once: at a decode step's sizes a call's Python and ctypes work is as long
-    as a small layer's dot products on this machine."""
+    weights.  Everything but the input and the output is set up once: at a decode step's sizes a call's Python and
+    ctypes work is as long as a small layer's dot products on this machine."""
 
     aside: AsideThread | None = None
 
@@ -195,12 +194,8 @@ class GgmlMatmul:
         self._shares = self.rows * inputs >= SHARED_WEIGHTS
         self._xq, self._xq_at, self._xq_tokens = None, 0, 0
 
-    @property
-    def nbytes(self) -> int:
-        return self.blocks.nbytes
-
     def _room(self, tokens: int) -> None:
-        """Room for ``tokens`` tokens' quantized activations, grown to the largest call."""
+        """Room for ``tokens`` tokens' quantized activations, grown to the largest decode call (under GEMM_TOKENS)."""
         if tokens > self._xq_tokens:
             self._xq = torch.empty(tokens * self.xq_bytes, dtype=torch.uint8)
             self._xq_at, self._xq_tokens = self._xq.data_ptr(), tokens
@@ -209,9 +204,9 @@ class GgmlMatmul:
         """x [T, in] as the dot products see it: quantized to the partner type by ggml, then widened again (its
         blocks' scale times their codes), so a prefill chunk's GEMM rounds the activations as a decode step does and
         a teacher-forced perplexity measures the decode's format."""
-        self._room(tokens)
-        self._call(self._job_at, x.data_ptr(), tokens, self._xq_at, 0, 0)  # quantizes only: no unit runs
-        blocks = self._xq[: tokens * self.xq_bytes].view(tokens, -1, GGML_BLOCK + self._codes_at)
+        xq = torch.empty(tokens * self.xq_bytes, dtype=torch.uint8)  # a chunk's own: kept, every layer's would stay
+        self._call(self._job_at, x.data_ptr(), tokens, xq.data_ptr(), 0, 0)  # quantizes only: no unit runs
+        blocks = xq.view(tokens, -1, GGML_BLOCK + self._codes_at)
         scale = blocks[..., :2].view(torch.float16).float()
         return (scale * blocks[..., self._codes_at:].view(torch.int8).float()).view(tokens, self.inputs)
 

@@ -231,14 +231,14 @@ def quantize_linears(hf_model: nn.Module, weights: str) -> nn.Module:
         return hf_model
     if weights == "int8":
         return _dynamic_int8(hf_model)
+    fuse, layer = (_fuse_ggml, _ggml_layer) if weights == "ggml" else (_fuse, _int4_layer)
     with torch.no_grad():
         for parent in list(hf_model.modules()):
             for packed, names in FUSED_PROJECTIONS.items():
-                (_fuse_ggml if weights == "ggml" else _fuse)(parent, packed, names)
+                fuse(parent, packed, names)
             for name, child in list(parent.named_children()):
                 if isinstance(child, nn.Linear):
-                    head = child is getattr(hf_model, "lm_head", None)
-                    setattr(parent, name, (_ggml_layer if weights == "ggml" else _int4_layer)(child, head))
+                    setattr(parent, name, layer(child, head=child is getattr(hf_model, "lm_head", None)))
     return hf_model
 
 
