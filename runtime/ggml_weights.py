@@ -194,6 +194,10 @@ class GgmlMatmul:
         self._shares = self.rows * inputs >= SHARED_WEIGHTS
         self._xq, self._xq_at, self._xq_tokens = None, 0, 0
 
+    def row_run(self, start: int, stop: int) -> "GgmlMatmul":
+        """A kernel for output rows ``start:stop`` alone, over this one's blocks (a view, no copy)."""
+        return GgmlMatmul(self.lib, self.type_name, self.blocks[start:stop], self.inputs)
+
     def _room(self, tokens: int) -> None:
         """Room for ``tokens`` tokens' quantized activations, grown to the largest decode call (under GEMM_TOKENS)."""
         if tokens > self._xq_tokens:

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from .errors import ModelError
+from .norms import norm_call
 from .weights import GgmlLinear, check_weight_format, packed_call, quantize_linears
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text")
@@ -259,9 +260,10 @@ class DecoderModel:
         self.embed = core.embed_tokens
         self.layers = list(core.layers)
         self.plans = [LayerPlan(block) for block in self.layers]
-        self._shared_kernels = [m.kernel for m in hf_model.modules() if isinstance(m, GgmlLinear)]
+        self._shared_kernels = [k for m in hf_model.modules() if isinstance(m, GgmlLinear) for k in m.kernels]
         self._aside_lender = None
         self.norm = core.norm
+        self._final_norm = norm_call(core.norm)
         self.lm_head = hf_model.lm_head
         self.rotary = core.rotary_emb
         self.dims = ModelDims.from_config(cfg.to_dict())
@@ -309,9 +311,8 @@ class DecoderModel:
 
     def query(self, layer: int, x: torch.Tensor, rope: "Rope") -> torch.Tensor:
         """Post-RoPE queries [B, H, T, d] of ``layer`` for hidden states x [B, T, hidden] (before its norm)."""
-        block = self.layers[layer]
-        attn = block.self_attn
-        return self._heads(attn.q_proj(block.input_layernorm(x)), getattr(attn, "q_norm", None), *rope.at(layer))
+        plan = self.plans[layer]
+        return self._heads(plan.q_proj(plan.input_norm(x)), plan.q_norm, *rope.at(layer))
 
     def qkv(self, layer: int, x: torch.Tensor, rope: "Rope"):
         """Post-RoPE q [B, H, T, d], k and v [B, H_kv, T, d] of ``layer`` for x [B, T, hidden]."""
@@ -335,7 +336,7 @@ class DecoderModel:
         return x + plan.mlp_out(plan.post_attention_norm(x))
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head.forward(self.norm.forward(x)).float()
+        logits = self.lm_head.forward(self._final_norm(x)).float()
         if self.softcap:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits
@@ -350,15 +351,15 @@ class LayerPlan:
 
     def __init__(self, block: nn.Module):
         attn, mlp = block.self_attn, block.mlp
-        self.input_norm = block.input_layernorm.forward
+        self.input_norm = norm_call(block.input_layernorm)
         self.qkv, _ = packed_call(attn.q_proj, attn.k_proj, attn.v_proj)
-        self.q_norm, self.k_norm = (getattr(getattr(attn, n, None), "forward", None) for n in ("q_norm", "k_norm"))
-        self.o_proj = attn.o_proj.forward
-        self.post_attention_norm = block.post_attention_layernorm.forward
+        self.q_norm, self.k_norm = (norm_call(getattr(attn, n, None)) for n in ("q_norm", "k_norm"))
+        self.q_proj, self.o_proj = attn.q_proj.forward, attn.o_proj.forward
+        self.post_attention_norm = norm_call(block.post_attention_layernorm)
         self.gemma = hasattr(block, "pre_feedforward_layernorm")  # normed attention and MLP outputs
         if self.gemma:
-            self.pre_ff_norm = block.pre_feedforward_layernorm.forward
-            self.post_ff_norm = block.post_feedforward_layernorm.forward
+            self.pre_ff_norm = norm_call(block.pre_feedforward_layernorm)
+            self.post_ff_norm = norm_call(block.post_feedforward_layernorm)
         gate_up, packed = packed_call(mlp.gate_proj, mlp.up_proj) if hasattr(mlp, "gate_proj") else (None, False)
         self.mlp = mlp.forward
         self.packed_mlp = (gate_up, mlp.act_fn.forward, mlp.down_proj.forward) if packed else None

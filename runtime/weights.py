@@ -77,6 +77,11 @@ class PackedLinear(nn.Module):
         """The weight [out, in] in float32, as the kernel computes with it."""
         raise NotImplementedError
 
+    def rows_call(self, start: int, stop: int):
+        """A function of x giving outputs ``start:stop`` alone: here the whole layer cut (a format whose kernel can
+        compute a run of rows alone overrides it)."""
+        return lambda x: self.forward(x)[..., start:stop]
+
 
 class Int8Linear(PackedLinear):
     """Weight-only int8, symmetric, a scale per output row."""
@@ -124,12 +129,24 @@ class GgmlLinear(PackedLinear):
         super().__init__(linear)
         lib = ggml()
         self.kernel = GgmlMatmul(lib, *blocks_for(lib, linear.weight), self.in_features)
+        self.kernels = [self.kernel]  # and its row runs (``rows_call``): the helper thread is lent to each
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.kernel(x.reshape(-1, self.in_features)).view(*x.shape[:-1], self.out_features)
+        return self._through(self.kernel, self.bias, x)
+
+    def _through(self, kernel: GgmlMatmul, bias: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+        y = kernel(x.reshape(-1, self.in_features)).view(*x.shape[:-1], kernel.rows)
         if x.dtype != y.dtype:
             y = y.to(x.dtype)
-        return y if self.bias is None else y + self.bias
+        return y if bias is None else y + bias
+
+    def rows_call(self, start, stop):
+        """Outputs ``start:stop`` by a kernel over those rows' blocks alone (a view, no copy): each output is its own
+        row's dot product, so they are the whole layer's to the bit (the next layer's query: q without k and v)."""
+        kernel = self.kernel.row_run(start, stop)
+        self.kernels.append(kernel)
+        bias = None if self.bias is None else self.bias[start:stop]
+        return lambda x: self._through(kernel, bias, x)
 
     def dequantized(self):
         k = self.kernel
@@ -146,13 +163,14 @@ class PackedSlice(nn.Module):
         self._fused = (fused,)  # not a submodule: the fused layer belongs to the block, once
         self.start, self.stop = start, stop
         self.in_features, self.out_features = fused.in_features, stop - start
+        self._call = fused.rows_call(start, stop)
 
     @property
     def fused(self) -> PackedLinear:
         return self._fused[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fused(x)[..., self.start:self.stop]
+        return self._call(x)
 
     def dequantized(self) -> torch.Tensor:
         return self.fused.dequantized()[self.start:self.stop]

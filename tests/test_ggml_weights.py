@@ -102,6 +102,19 @@ def test_a_bfloat16_input_comes_back_in_bfloat16():
     torch.testing.assert_close(got.float(), layer(x.bfloat16().float()).bfloat16().float())
 
 
+@pytest.mark.parametrize("tokens", [1, 2, GEMM_TOKENS + 3])
+def test_a_slice_of_a_packed_layer_computes_its_rows_alone_to_the_bit(tokens):
+    # the next layer's query is q_proj called alone: its rows' dot products only, not k's and v's too
+    layer = GgmlLinear(_linear(160, 96, "Q4_1", bias=True))
+    q, v = PackedSlice(layer, 0, 96), PackedSlice(layer, 128, 160)
+    x = torch.randn(1, tokens, 96, generator=torch.Generator().manual_seed(5))
+    whole = layer(x)
+    assert torch.equal(q(x), whole[..., :96]) and torch.equal(v(x), whole[..., 128:])
+    assert [k.rows for k in layer.kernels] == [160, 96, 32]  # each slice its own kernel over its rows' blocks
+    assert all(k.blocks.base is layer.kernel.blocks.base or k.blocks.base is layer.kernel.blocks
+               for k in layer.kernels[1:])  # views, no copy
+
+
 def test_q_k_v_and_gate_up_pack_as_one_layer_each_and_the_head_is_rescored():
     model = load_model(_fixture(), CPU, torch.float32, 256, weights="ggml")
     for block in model.layers:
