@@ -1,6 +1,7 @@
 """The decode step's small calls as they are (one fused RMS norm call, the next layer's query from q's rows alone, the
-low-rank queries by a broadcast matmul) against the forms they replaced (Hugging Face's norm modules, q cut from the
-whole packed q/k/v layer, einsum), alternating every ``--steps`` decode steps for ``--rounds`` rounds on one
+low-rank queries by a broadcast matmul, q's and k's heads rotated in one pass, the scorer's K_lr arguments found once a
+layer) against the forms they replaced (Hugging Face's norm modules, q cut from the whole packed q/k/v layer, einsum,
+a rotation each, the arguments found every select), alternating every ``--steps`` decode steps for ``--rounds`` rounds on one
 prefilled batch, so the files, the picks and the machine's drift are the same for both; per form the median step.
 Every replaced form gives the same bits, so both decode the same tokens.
 
@@ -29,9 +30,20 @@ def _einsum_queries(self, layer, q):
     return torch.einsum("bgnd,gdr->bgnr", grouped.to(self.dtype), adapter).reshape(b, h, -1) * self.scaling
 
 
-def _forms(model, fused: bool) -> None:
-    """Each layer plan's norms and query projection, and the final norm, in the fused or the replaced form."""
-    for plan, block in zip(model.plans, model.layers):
+def _rows_found_again(self, layer):
+    """``LowRankSelector._native_rows`` finding the layer's K_lr arguments every select, as ``_native_job`` did."""
+    self._rows_args[layer] = None
+    return _ROWS_ONCE(self, layer)
+
+
+_ROWS_ONCE = LowRankSelector._native_rows
+
+
+def _forms(model, fused: bool, whole_qkv: list) -> None:
+    """Each layer plan's norms, query projection and RoPE passes, and the final norm, in the fused or the replaced
+    form (``whole_qkv``: each plan's packed q/k/v call, as loaded)."""
+    for plan, block, whole in zip(model.plans, model.layers, whole_qkv):
+        plan.qkv_whole = whole if fused else None
         for attr, module in NORMS.items():
             if hasattr(plan, attr):
                 setattr(plan, attr, (norm_call if fused else (lambda m: m.forward))(getattr(block, module)))
@@ -49,10 +61,12 @@ def main(argv=None) -> None:
     matmul = LowRankSelector._low_rank_queries
     with text_batch(args, room=alternating_room(args, 2), policy=args.policy) as (policy, step):
         model = policy.model
+        whole_qkv = [plan.qkv_whole for plan in model.plans]
 
         def setting(fused: bool):
-            return lambda: (_forms(model, fused),
-                            setattr(LowRankSelector, "_low_rank_queries", matmul if fused else _einsum_queries))
+            return lambda: (_forms(model, fused, whole_qkv),
+                            setattr(LowRankSelector, "_low_rank_queries", matmul if fused else _einsum_queries),
+                            setattr(LowRankSelector, "_native_rows", _ROWS_ONCE if fused else _rows_found_again))
 
         settings = {"fused calls": setting(True), "replaced forms": setting(False)}
         try:

@@ -319,9 +319,14 @@ class DecoderModel:
         plan = self.plans[layer]
         cos, sin = rope.at(layer)
         h = plan.input_norm(x)
-        q, k, v = plan.qkv(h)  # int4: one call for all three
-        q = self._heads(q, plan.q_norm, cos, sin)
-        k = self._heads(k, plan.k_norm, cos, sin)
+        if plan.qkv_whole is not None:  # packed, no q/k norms: q's and k's heads side by side, rotated in one pass
+            y = plan.qkv_whole(h)
+            q, k = self._heads(y[..., : plan.qk_columns], None, cos, sin).split(plan.qk_heads, dim=1)
+            v = y[..., plan.qk_columns :]
+        else:
+            q, k, v = plan.qkv(h)  # int4: one call for all three
+            q = self._heads(q, plan.q_norm, cos, sin)
+            k = self._heads(k, plan.k_norm, cos, sin)
         return q, k, v.view(*h.shape[:-1], -1, self.dims.head_dim).transpose(1, 2)
 
     def finish_layer(self, layer: int, x: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
@@ -352,8 +357,12 @@ class LayerPlan:
     def __init__(self, block: nn.Module):
         attn, mlp = block.self_attn, block.mlp
         self.input_norm = norm_call(block.input_layernorm)
-        self.qkv, _ = packed_call(attn.q_proj, attn.k_proj, attn.v_proj)
+        self.qkv, packed = packed_call(attn.q_proj, attn.k_proj, attn.v_proj)
         self.q_norm, self.k_norm = (norm_call(getattr(attn, n, None)) for n in ("q_norm", "k_norm"))
+        # a packed q/k/v layer of a model without q/k norms: its whole output, and q's and k's columns and heads
+        self.qkv_whole = attn.q_proj.fused.forward if packed and self.q_norm is None and self.k_norm is None else None
+        self.qk_columns = attn.q_proj.out_features + attn.k_proj.out_features
+        self.qk_heads = [attn.q_proj.out_features // attn.head_dim, attn.k_proj.out_features // attn.head_dim]
         self.q_proj, self.o_proj = attn.q_proj.forward, attn.o_proj.forward
         self.post_attention_norm = norm_call(block.post_attention_layernorm)
         self.gemma = hasattr(block, "pre_feedforward_layernorm")  # normed attention and MLP outputs

@@ -193,6 +193,7 @@ class LowRankSelector(Selector):
         self.k_scale = torch.zeros(n_layers, batch, max_context if self.quantized else 0, dtype=torch.bfloat16, device=device)
         self.resident_bytes = self.k_lr.numel() * self.k_lr.element_size() + self.k_scale.numel() * self.k_scale.element_size()
         self.fitted_on = [0] * n_layers
+        self._rows_args: list[tuple | None] = [None] * n_layers  # ``_native_rows``'s K_lr arguments, once a layer
         self._unfitted: list[list[tuple[int, int, torch.Tensor]]] = [[] for _ in range(n_layers)]
 
     uses_adapter = True
@@ -375,6 +376,27 @@ class LowRankSelector(Selector):
         them; units of a part of a sequence) for each group's score into ``out[:, :max_groups]`` over ``scratch``
         (grown here where short: the job's ``keep[1]``); None where it does not serve (a GPU, float16 rows, a rank
         above 256, no compiler), and the torch path computes the same."""
+        rows = self._native_rows(layer)
+        if rows is None:
+            return None
+        lib, kind, row_args = rows
+        n_tokens = max_groups * self.G
+        queries = self._low_rank_queries(layer, q).contiguous()
+        batch, n_queries = queries.shape[:2]
+        needed = lib.ekv_score_scratch_floats(batch, n_queries, n_tokens, self.G)
+        if scratch.numel() < needed:
+            scratch = torch.empty(needed)
+        softmax = self.score_reduce == "softmax"
+        job = np.empty(lib.job_bytes, dtype=np.uint8)
+        units = lib.ekv_score_job(job.ctypes.data, *row_args, queries.data_ptr(), batch, n_queries, self.rank, n_tokens,
+                                  self.G, kind, int(softmax), scratch.data_ptr(), scratch.numel(), out.data_ptr(),
+                                  out.stride(0))
+        return ScoreJob(job, (queries, scratch, out), units, lib.phases[softmax]) if units >= 0 else None
+
+    def _native_rows(self, layer: int) -> "tuple[object, int, tuple] | None":
+        """(the scorer, the rows' kind, the layer's K_lr rows and scales as the job takes them: addresses and byte
+        strides, found once a layer, as the rows are allocated once); None where the scorer does not serve
+        (``fallback`` says why)."""
         if self.k_lr.device.type != "cpu":
             return None
         kind = NATIVE_ROWS.get(self.k_lr.dtype if self.bits != 4 else "int4")
@@ -382,22 +404,12 @@ class LowRankSelector(Selector):
         if why is not None:
             self.fallback = f"{why}: scored through torch"
             return None
-        lib = native_scorer()
-        n_tokens = max_groups * self.G
-        queries = self._low_rank_queries(layer, q).contiguous()
-        needed = lib.ekv_score_scratch_floats(queries.shape[0], queries.shape[1], n_tokens, self.G)
-        if scratch.numel() < needed:
-            scratch = torch.empty(needed)
-        rows, scales = self.k_lr[layer], self.k_scale[layer] if self.quantized else None
-        softmax = self.score_reduce == "softmax"
-        job = np.empty(lib.job_bytes, dtype=np.uint8)
-        units = lib.ekv_score_job(
-            job.ctypes.data, rows.data_ptr(), rows.stride(1) * rows.element_size(),
-            rows.stride(0) * rows.element_size(), None if scales is None else scales.data_ptr(),
-            0 if scales is None else scales.stride(0), queries.data_ptr(), queries.shape[0], queries.shape[1],
-            self.rank, n_tokens, self.G, kind, int(softmax), scratch.data_ptr(), scratch.numel(), out.data_ptr(),
-            out.stride(0))
-        return ScoreJob(job, (queries, scratch, out), units, lib.phases[softmax]) if units >= 0 else None
+        if self._rows_args[layer] is None:
+            rows, scales = self.k_lr[layer], self.k_scale[layer] if self.quantized else None
+            self._rows_args[layer] = (rows.data_ptr(), rows.stride(1) * rows.element_size(),
+                                      rows.stride(0) * rows.element_size(), None if scales is None else scales.data_ptr(),
+                                      0 if scales is None else scales.stride(0))
+        return native_scorer(), kind, self._rows_args[layer]
 
     def _why_not_native(self, kind: int | None) -> str | None:
         """Why a CPU select cannot take the native scorer (its row format, its rank, no library), or None."""

@@ -249,3 +249,18 @@ def test_eval_takes_a_weight_format_for_perplexity_only(capsys):
 
     assert main(["eval", "--model", "fixture", "--weights", "int8", "--contexts", "512"]) == 2
     assert "--weights int8 is measured by perplexity only: add --ppl" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_packed_q_and_k_are_rotated_in_one_pass_to_the_same_bits(tokens):
+    # q's and k's heads side by side in the packed layer's output take one RoPE pass instead of one each
+    model = load_model(_fixture(), torch.device("cpu"), torch.float32, 256, weights="int4")
+    assert all(plan.qkv_whole is not None for plan in model.plans)
+    x = torch.randn(2, tokens, model.dims.hidden, generator=torch.Generator().manual_seed(tokens))
+    rope = model.rope(torch.arange(7, 7 + tokens).repeat(2, 1))
+    for layer, plan in enumerate(model.plans):
+        fused = model.qkv(layer, x, rope)
+        plan.qkv_whole = None  # each projection's heads rotated on their own
+        apart = model.qkv(layer, x, rope)
+        assert [t.shape for t in fused] == [t.shape for t in apart]
+        assert all(torch.equal(a, b) for a, b in zip(fused, apart))
