@@ -2,6 +2,7 @@
 from (each call costs host time on the CPU, a launch on a GPU), full beside the policy, in one run.
 
     python -m bench.op_counts --model fixture --context 2048 --kvswap G=4,M=40,C=40,sigma=8
+    python -m bench.op_counts --model smollm2 --context 2048 --weights ggml --dtype float32 --kvswap G=4,M=205,...
     python -m bench.op_counts --model synth:llama-3.1-8b --context 16384 --kvswap G=8,M=50,C=50,sigma=16 --device cuda
 """
 import argparse
@@ -35,14 +36,14 @@ class CallCounter(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def count(model: str, policy: str, cfg: dict, context: int, steps: int, device: str = "cpu"
-          ) -> tuple[collections.Counter, int]:
+def count(model: str, policy: str, cfg: dict, context: int, steps: int, device: str = "cpu", weights: str | None = None,
+          dtype: str | None = None) -> tuple[collections.Counter, int]:
     """(calls by caller over ``steps`` decode steps after 3 unmeasured ones, the model's layers).  Calls on the decode
     thread only (a torch function mode is per thread): on a GPU the I/O threads' copies to the device slots are not
     among them."""
     with tempfile.TemporaryDirectory() as kv, Engine.from_pretrained(
             model, kv_offload_path=kv, config={"max_context": context, "max_batch": 1, **cfg}, policy=policy,
-            device=device) as engine:
+            device=device, weights=weights, dtype=dtype) as engine:
         token = torch.tensor([5])
         with prefilled(engine, context) as batch:
             for _ in range(3):
@@ -62,9 +63,11 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--device", default="cpu", help="cuda: the GPU path's calls (device slots, pinned picks)")
     ap.add_argument("--top", type=int, default=15)
+    ap.add_argument("--weights", default=None, help="the linear layers' format (runtime/weights.py; default native)")
+    ap.add_argument("--dtype", default=None, help="float32, bfloat16 (default: the device's)")
     args = ap.parse_args(argv)
     for policy, cfg in (("full", {}), (args.policy, fields(args.kvswap))):
-        calls, layers = count(args.model, policy, cfg, args.context, args.steps, args.device)
+        calls, layers = count(args.model, policy, cfg, args.context, args.steps, args.device, args.weights, args.dtype)
         total = sum(calls.values()) / args.steps
         print(f"== {policy}: {total:.0f} torch calls a step, {total / layers:.0f} a layer ({layers} layers)")
         for caller, n in calls.most_common(args.top):
