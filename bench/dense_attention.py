@@ -5,9 +5,8 @@ round's first step untimed); per path the median step and its ratio to torch's t
 
     python -m bench.dense_attention --model smollm2 --context 8192 --batch 1 --weights int4 --dtype float32
 """
-import statistics
 
-from bench.deployed_batch import alternate, alternating_room, parser, text_batch
+from bench.deployed_batch import alternate, alternating_room, parser, print_medians, text_batch
 
 
 def main(argv=None) -> None:
@@ -29,10 +28,7 @@ def main(argv=None) -> None:
         ms, _ = alternate(step, {"native, helper thread": use(native, helper), "native, one thread": use(native, None),
                                  "torch": use(None, helper)}, args.rounds, args.steps)
         use(native, helper)()
-    base = statistics.median(ms["torch"])
-    for name, runs in ms.items():
-        print(f"{name}: median {statistics.median(runs):.1f} ms a step ({', '.join(f'{x:.1f}' for x in runs)}); "
-              f"{base / statistics.median(runs):.3f} x torch's tok/s")
+    print_medians(ms, "torch")
 
 
 if __name__ == "__main__":

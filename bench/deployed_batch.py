@@ -4,6 +4,7 @@ row its text's next token, so the picks move as they do on real text; and the se
 import argparse
 import contextlib
 import json
+import statistics
 import tempfile
 import time
 from typing import Callable
@@ -102,3 +103,11 @@ def alternate(step: Callable[[], None], settings: dict[str, Callable[[], None]],
             totals[name] = [t + b - a for t, a, b in zip(totals[name], before, counters())]
             print(f"round {r} {name}: {ms[name][-1]:.1f} ms a step", flush=True)
     return ms, totals
+
+
+def print_medians(ms: dict[str, list[float]], base: str, prefix: str = "") -> None:
+    """Each setting's median step over its rounds (``alternate``'s ms), and its tok/s over the ``base`` setting's."""
+    base_ms = statistics.median(ms[base])
+    for name, runs in ms.items():
+        print(f"{prefix}{name}: median {statistics.median(runs):.1f} ms a step ({', '.join(f'{x:.1f}' for x in runs)});"
+              f" {base_ms / statistics.median(runs):.3f} x {base}'s tok/s")

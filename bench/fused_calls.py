@@ -8,11 +8,9 @@ Every replaced form gives the same bits, so both decode the same tokens.
     python -m bench.fused_calls --model smollm2 --context 8192 --batch 1 --weights ggml --dtype float32 \\
         --policy kvswap --kvswap G=4,M=205,C=256,sigma=2 --extra '<the deployed fields>'
 """
-import statistics
-
 import torch
 
-from bench.deployed_batch import alternate, alternating_room, parser, text_batch
+from bench.deployed_batch import alternate, alternating_room, parser, print_medians, text_batch
 from edgekv.runtime.norms import norm_call
 from edgekv.runtime.selector import LowRankSelector
 
@@ -73,10 +71,7 @@ def main(argv=None) -> None:
             ms, _ = alternate(step, settings, args.rounds, args.steps)
         finally:
             settings["fused calls"]()
-    base = statistics.median(ms["replaced forms"])
-    for name, runs in ms.items():
-        print(f"{args.policy} batch {args.batch} {name}: median {statistics.median(runs):.1f} ms a step "
-              f"({', '.join(f'{x:.1f}' for x in runs)}); {base / statistics.median(runs):.3f} x the replaced forms' tok/s")
+    print_medians(ms, "replaced forms", prefix=f"{args.policy} batch {args.batch} ")
 
 
 if __name__ == "__main__":
