@@ -1,9 +1,11 @@
 """The decode step's small calls as they are (one fused RMS norm call, the next layer's query from q's rows alone, the
 low-rank queries by a broadcast matmul, q's and k's heads rotated in one pass, the scorer's K_lr arguments found once a
-layer) against the forms they replaced (Hugging Face's norm modules, q cut from the whole packed q/k/v layer, einsum,
-a rotation each, the arguments found every select), alternating every ``--steps`` decode steps for ``--rounds`` rounds on one
+layer, the top-M in one native call, on the helper for a posted select) against the forms they replaced (Hugging
+Face's norm modules, q cut from the whole packed q/k/v layer, einsum, a rotation each, the arguments found every
+select, torch's topk on the compute thread), alternating every ``--steps`` decode steps for ``--rounds`` rounds on one
 prefilled batch, so the files, the picks and the machine's drift are the same for both; per form the median step.
-Every replaced form gives the same bits, so both decode the same tokens.
+Every replaced form gives the same bits, so both decode the same tokens (the top-M: the same picks but where scores
+tie exactly).
 
     python -m bench.fused_calls --model smollm2 --context 8192 --batch 1 --weights ggml --dtype float32 \\
         --policy kvswap --kvswap G=4,M=205,C=256,sigma=2 --extra '<the deployed fields>'
@@ -56,7 +58,7 @@ def main(argv=None) -> None:
     ap = parser(__doc__, batch=1, rounds=6)
     ap.add_argument("--policy", default="kvswap")
     args = ap.parse_args(argv)
-    matmul = LowRankSelector._low_rank_queries
+    matmul, native_top = LowRankSelector._low_rank_queries, LowRankSelector._top_call
     with text_batch(args, room=alternating_room(args, 2), policy=args.policy) as (policy, step):
         model = policy.model
         whole_qkv = [plan.qkv_whole for plan in model.plans]
@@ -64,7 +66,8 @@ def main(argv=None) -> None:
         def setting(fused: bool):
             return lambda: (_forms(model, fused, whole_qkv),
                             setattr(LowRankSelector, "_low_rank_queries", matmul if fused else _einsum_queries),
-                            setattr(LowRankSelector, "_native_rows", _ROWS_ONCE if fused else _rows_found_again))
+                            setattr(LowRankSelector, "_native_rows", _ROWS_ONCE if fused else _rows_found_again),
+                            setattr(LowRankSelector, "_top_call", native_top if fused else lambda *_: None))
 
         settings = {"fused calls": setting(True), "replaced forms": setting(False)}
         try:

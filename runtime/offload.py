@@ -649,8 +649,7 @@ class ScoredPicks:
         return self.picking.ready()
 
     def result(self) -> tuple[np.ndarray, np.ndarray]:
-        groups, valid = self.picking.result()
-        return _on_host(torch.where(valid, groups, -1).numpy(), self.active)
+        return _on_host(self.picking.host(), self.active)
 
 
 def _on_host(picks: np.ndarray, active: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

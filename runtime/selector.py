@@ -132,12 +132,15 @@ def native_scorer() -> ctypes.CDLL | None:
     """The native group scorer, or None (logged once) when it cannot be built: the torch path serves instead."""
     p, i64, i32 = native_build.P, native_build.I64, native_build.I32
     scores = [p, i64, i64, p, i64, p, i32, i32, i32, i32, i32, i32, i32, p, i64, p, i64]
+    top = [p, i64, i32, p, i32, i32, i32, p]
     lib = native_build.load_or_none("score", log, "scoring through torch", {
         "ekv_group_scores": (scores, i32), "ekv_score_job": ([p, *scores], i64), "ekv_score_max_rank": ([], i32),
-        "ekv_score_job_bytes": ([], i32), "ekv_score_scratch_floats": ([i32, i32, i32, i32], i64)})
+        "ekv_score_job_bytes": ([], i32), "ekv_score_scratch_floats": ([i32, i32, i32, i32], i64),
+        "ekv_top": (top, i32), "ekv_top_job": ([p, *top], i64), "ekv_top_job_bytes": ([], i32)})
     if lib is None:
         return None
-    lib.job_bytes = lib.ekv_score_job_bytes()
+    lib.job_bytes, lib.top_job_bytes = lib.ekv_score_job_bytes(), lib.ekv_top_job_bytes()
+    lib.top_unit = unit_function(lib, "ekv_top_unit")  # a posted select's last phase: the top-M, one unit a sequence
     lib.phases = {False: (unit_function(lib, "ekv_score_unit"),),  # "sum": the logits' group maxima
                   True: (unit_function(lib, "ekv_score_unit"), unit_function(lib, "ekv_score_vote_unit"))}  # softmax
     lib.max_rank = lib.ekv_score_max_rank()  # the rank rows it widens on its stack; larger ranks score through torch
@@ -334,16 +337,31 @@ class LowRankSelector(Selector):
             if job is not None:
                 for fn in job.phases:  # the helper runs posted jobs in order: a phase's units after the last one's
                     ticket = self.aside.post(fn, job.buffer, job.units, keep=job.keep)
+                call = self._top_call(out, counts, first)
+                if call is not None:  # then the top-M, there too: the caller only reads the picks
+                    lib, picks, kept_counts, args = call
+                    top_job = np.empty(lib.top_job_bytes, dtype=np.uint8)
+                    ticket = self.aside.post(lib.top_unit, top_job, lib.ekv_top_job(top_job.ctypes.data, *args),
+                                             keep=(picks, kept_counts, out))
 
-                def top():
+                def made() -> np.ndarray:
                     self._posted_scratch.append(job.keep[1])
-                    return self._top(out, counts, first)
+                    if call is not None:
+                        return call[1]
+                    groups, valid = self._top(out, counts, first)  # on the caller
+                    return torch.where(valid, groups, -1).numpy()
 
-                return ScoredAside(self.aside, ticket, top)
+                return ScoredAside(self.aside, ticket, made)
         return super().launch(layer, q, n_groups, first)
 
     def _top(self, group_scores: torch.Tensor, counts: np.ndarray, first: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The top-M of each row's group scores [B, max_groups] among the groups ``first <= g < counts[b]``."""
+        """The top-M of each row's group scores [B, max_groups] among the groups ``first <= g < counts[b]``: on a CPU
+        in one native call (ekv_score.c ekv_top: ties to the lower group), else torch's topk."""
+        call = self._top_call(group_scores, counts, first)
+        if call is not None:
+            lib, picks, _, args = call
+            lib.ekv_top(*args)
+            return _picked(picks)
         # top-k over every group a sequence can have, whatever the batch's longest: how topk breaks ties depends
         # on the width, and a row's picks must depend on its own scores only, not on the rows beside it
         batch = group_scores.shape[0]
@@ -355,6 +373,18 @@ class LowRankSelector(Selector):
             groups = torch.cat([groups, groups.new_zeros(batch, short)], dim=1)
             valid = torch.cat([valid, valid.new_zeros(batch, short)], dim=1)
         return groups, valid
+
+    def _top_call(self, group_scores: torch.Tensor, counts: np.ndarray, first: int
+                  ) -> "tuple[object, np.ndarray, np.ndarray, tuple] | None":
+        """(the scorer, the picks [B, M] it fills: best first, -1 past a row's candidates, the counts it reads, the
+        top-M's arguments) for float32 scores on a CPU; None elsewhere (torch's topk takes them)."""
+        lib = native_scorer() if group_scores.device.type == "cpu" else None
+        if lib is None or group_scores.dtype != torch.float32 or group_scores.stride(1) != 1:
+            return None
+        counts = np.ascontiguousarray(counts, dtype=np.int64)
+        picks = np.empty((group_scores.shape[0], self.M), dtype=np.int64)
+        return lib, picks, counts, (group_scores.data_ptr(), group_scores.stride(0), group_scores.shape[0],
+                                    counts.ctypes.data, first, self.M, group_scores.shape[1], picks.ctypes.data)
 
     def _native_group_scores(self, layer: int, q: torch.Tensor, max_groups: int, out: torch.Tensor) -> bool:
         """Each group's score into ``out[:, :max_groups]`` by the native scorer, its parts shared with the helper thread
@@ -434,6 +464,11 @@ class LowRankSelector(Selector):
         return self._outside_mask
 
 
+def _picked(picks: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """Native picks [B, M] (-1: none) as ``select`` gives them: groups (0 where none) and valid."""
+    return torch.from_numpy(np.maximum(picks, 0)), torch.from_numpy(picks >= 0)
+
+
 class ScoreJob(NamedTuple):
     """A native scoring job: its buffer, what it points into (the queries, the scratch, the scores), the units of each
     phase, and the phases' unit functions, each run to the end before the next starts."""
@@ -458,17 +493,22 @@ class Picked(NamedTuple):
 
 
 class ScoredAside:
-    """Picks whose group scores the helper thread is computing: ``result`` waits for them and takes the top-M."""
+    """Picks the helper thread is making (the group scores, then their top-M): ``result`` and ``host`` wait for them."""
 
-    def __init__(self, aside: AsideThread, ticket: int, top: Callable[[], tuple[torch.Tensor, torch.Tensor]]):
-        self.aside, self.ticket, self.top = aside, ticket, top
+    def __init__(self, aside: AsideThread, ticket: int, made: Callable[[], np.ndarray]):
+        """``made``: the picks [B, M] (-1: none) once the job of ``ticket`` is done."""
+        self.aside, self.ticket, self.made = aside, ticket, made
 
     def ready(self) -> bool:
         return self.aside.done(self.ticket)
 
     def result(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return _picked(self.host())
+
+    def host(self) -> np.ndarray:
+        """The picks [B, M] on the host, -1 where none (no tensor made on the way)."""
         self.aside.wait(self.ticket)
-        return self.top()
+        return self.made()
 
 
 Picking = Picked | ScoredAside  # what ``Selector.launch`` returns

@@ -294,8 +294,8 @@ def test_a_helper_thread_changes_neither_tokens_nor_reads(model_dirs, tmp_path, 
     reuse as with no helper."""
     from edgekv.runtime import aside, selector as selector_module
     scored_aside = []
-    result = selector_module.ScoredAside.result
-    monkeypatch.setattr(selector_module.ScoredAside, "result", lambda self: scored_aside.append(1) or result(self))
+    host = selector_module.ScoredAside.host  # where the policy takes the picks the helper made
+    monkeypatch.setattr(selector_module.ScoredAside, "host", lambda self: scored_aside.append(1) or host(self))
     runs = {}
     for cores in (2, 1):
         monkeypatch.setattr(aside, "cores", lambda: cores)

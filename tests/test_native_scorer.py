@@ -330,3 +330,26 @@ def test_the_scorer_built_for_narrower_vectors_scores_the_same(tmp_path, monkeyp
         assert torch.equal(valid, expected_valid) and torch.equal(groups[valid], expected_groups[expected_valid])
     finally:
         native_scorer.cache_clear()
+
+
+def test_the_native_top_m_equals_torchs_topk_and_breaks_ties_to_the_lower_group(monkeypatch):
+    """The top-M in one native call (ekv_score.c ekv_top) against torch's topk over the same scores: rows of several
+    counts (none, a few, all), groups before ``first`` and from a row's count on never picked, -inf never a pick,
+    fewer candidates than M padded as none; equal scores go to the lower group."""
+    selector = filled_selector("int8", "softmax", 8, 4, 3, [40, 40, 40], M=7)
+    width = selector.max_groups
+    generator = torch.Generator().manual_seed(5)
+    for trial in range(60):
+        scores = torch.randn(3, width, generator=generator)
+        scores[scores < -1.2] = float("-inf")
+        counts = np.array([width, 3, 0]) if trial == 0 else torch.randint(0, width + 1, (3,), generator=generator).numpy()
+        first = trial % 3
+        native_groups, native_valid = selector._top(scores.clone(), counts, first)
+        with monkeypatch.context() as patched:
+            patched.setattr(selector_module, "native_scorer", lambda: None)
+            torch_groups, torch_valid = selector._top(scores.clone(), counts, first)
+        assert native_valid.shape == torch_valid.shape == (3, 7)
+        assert torch.equal(native_valid, torch_valid) and torch.equal(native_groups[native_valid],
+                                                                      torch_groups[torch_valid])
+    groups, valid = selector._top(torch.zeros(1, width), np.array([9]), 2)  # every score the same
+    assert groups[0][valid[0]].tolist() == [2, 3, 4, 5, 6, 7, 8]

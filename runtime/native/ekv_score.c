@@ -23,6 +23,10 @@
  * numbers included).  expf is a polynomial the compiler vectorises (exp_nonpositive).  A call's work comes in units of
  * a part of a sequence, in two phases (ekv_score_job), so the decode step's helper thread (ekv_aside.c) can take part
  * of it, or all of it while the compute thread goes on.
+ *
+ * Then each sequence's top-M groups (ekv_top, LowRankSelector._top): a heap of M over its candidates, best first,
+ * equal scores to the lower group; a posted select's last phase, so the helper hands over picks, not scores, and the
+ * compute thread makes no torch call for them (SmolLM2 8K, the deployed configuration: about 10 a layer).
  */
 #include <stdint.h>
 #include <string.h>
@@ -426,5 +430,86 @@ int ekv_group_scores(const uint8_t *rows, int64_t rank_row_bytes, int64_t seq_st
     if (units < 0) return -1;
     for (int64_t u = 0; u < units; u++) ekv_score_unit(&job, u, 0);
     for (int64_t u = 0; softmax && u < units; u++) ekv_score_vote_unit(&job, u, 0);
+    return 0;
+}
+
+/* The top-M's arguments (ekv_top_job), so its units, a sequence each, can run on the helper thread after a posted
+ * job's scores.  A sequence's candidates are the groups first <= g < min(counts[b], max_groups) scoring above -inf
+ * (as the torch path's topk keeps values > -inf; a NaN is none either); a bounded heap of them is kept in the
+ * sequence's own row of picks. */
+typedef struct {
+    const float *scores; /* [batch, scores_stride]: each group's score */
+    int64_t scores_stride;
+    const int64_t *counts; /* [batch]: a sequence's groups past its last candidate */
+    int64_t *picks;        /* [batch, M]: the picks, best first; -1 past the candidates */
+    int first, M, max_groups;
+} top_job;
+
+int ekv_top_job_bytes(void) { return (int)sizeof(top_job); }
+
+/* whether group a is worse than group b: a lower score, or the same score and a higher group */
+static inline int worse(const float *s, int64_t a, int64_t b) { return s[a] < s[b] || (s[a] == s[b] && a > b); }
+
+/* heap[0 .. n) a min-heap by `worse` (the worst at the root); sift heap[at] down */
+static void sift_down(const float *s, int64_t *heap, int n, int at) {
+    for (;;) {
+        int child = 2 * at + 1;
+        if (child >= n) return;
+        if (child + 1 < n && worse(s, heap[child + 1], heap[child])) child++;
+        if (!worse(s, heap[child], heap[at])) return;
+        int64_t t = heap[at];
+        heap[at] = heap[child];
+        heap[child] = t;
+        at = child;
+    }
+}
+
+void ekv_top_unit(void *ctx, int64_t unit, int worker) {
+    (void)worker;
+    const top_job *j = ctx;
+    const float *s = j->scores + unit * j->scores_stride;
+    int64_t *heap = j->picks + unit * j->M;
+    int64_t end = j->counts[unit] < j->max_groups ? j->counts[unit] : j->max_groups;
+    int n = 0;
+    for (int64_t g = j->first; g < end; g++) {
+        if (!(s[g] > -__builtin_inff())) continue; /* -inf (and NaN): never a pick, as topk's values > -inf */
+        if (n < j->M) {
+            int at = n++;
+            heap[at] = g;
+            while (at > 0 && worse(s, heap[at], heap[(at - 1) / 2])) { /* sift up */
+                int64_t t = heap[at];
+                heap[at] = heap[(at - 1) / 2];
+                heap[(at - 1) / 2] = t;
+                at = (at - 1) / 2;
+            }
+        } else if (worse(s, heap[0], g)) {
+            heap[0] = g;
+            sift_down(s, heap, n, 0);
+        }
+    }
+    for (int k = n; k < j->M; k++) heap[k] = -1;
+    for (int k = n - 1; k > 0; k--) { /* the worst to the end, one at a time: best first */
+        int64_t t = heap[0];
+        heap[0] = heap[k];
+        heap[k] = t;
+        sift_down(s, heap, k, 0);
+    }
+}
+
+/* The job for `batch` sequences (its units: one a sequence); -1 for a size it cannot take. */
+int64_t ekv_top_job(top_job *job, const float *scores, int64_t scores_stride, int batch, const int64_t *counts,
+                    int first, int M, int max_groups, int64_t *picks) {
+    if (batch < 0 || M < 1 || first < 0 || max_groups > scores_stride) return -1;
+    *job = (top_job){scores, scores_stride, counts, picks, first, M, max_groups};
+    return batch;
+}
+
+/* The job run at once on the caller. */
+int ekv_top(const float *scores, int64_t scores_stride, int batch, const int64_t *counts, int first, int M,
+            int max_groups, int64_t *picks) {
+    top_job job;
+    int64_t units = ekv_top_job(&job, scores, scores_stride, batch, counts, first, M, max_groups, picks);
+    if (units < 0) return -1;
+    for (int64_t u = 0; u < units; u++) ekv_top_unit(&job, u, 0);
     return 0;
 }
