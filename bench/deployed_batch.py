@@ -110,4 +110,4 @@ def print_medians(ms: dict[str, list[float]], base: str, prefix: str = "") -> No
     base_ms = statistics.median(ms[base])
     for name, runs in ms.items():
         print(f"{prefix}{name}: median {statistics.median(runs):.1f} ms a step ({', '.join(f'{x:.1f}' for x in runs)});"
-              f" {base_ms / statistics.median(runs):.3f} x {base}'s tok/s")
+              f" {base_ms / statistics.median(runs):.3f} x the tok/s of {base}")
