@@ -224,3 +224,18 @@ def test_the_step_waits_bench_times_the_compute_threads_waits_and_probes_every_s
     probes = re.findall(r"^  probe at (.+): ([\d.]+) ms of compute-thread work added a step, median ([\d.]+) ms a "
                         r"step: (-?[\d.]+) of it on the critical path$", out, re.M)
     assert [p[0] for p in probes] == list(PROBES) and all(float(p[1]) > 0 for p in probes)
+
+
+def test_the_policies_bench_alternates_them_at_any_batch(capsys):
+    """``python -m bench.policies_ab`` on the fixture: each policy timed in every round on its own prefilled batch,
+    the first the base."""
+    import re
+
+    from bench.policies_ab import main as policies_ab
+
+    policies_ab(["--model", "fixture", "--context", "200", "--batch", "2", "--kvswap", "G=4,M=6,C=8,sigma=2",
+                 "--extra", '{"reuse": true}', "--rounds", "2", "--steps", "2"])
+    rows = re.findall(r"^batch 2 (full|kvswap): median ([\d.]+) ms a step \(([\d., ]+)\); ([\d.]+) x the tok/s of "
+                      r"full$", capsys.readouterr().out, re.M)
+    assert [row[0] for row in rows] == ["full", "kvswap"] and float(rows[0][3]) == 1.0
+    assert all(float(row[1]) > 0 and len(row[2].split(", ")) == 2 for row in rows)
