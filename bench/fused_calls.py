@@ -21,7 +21,7 @@ NORMS = {"input_norm": "input_layernorm", "post_attention_norm": "post_attention
 
 
 def _einsum_queries(self, layer, q):
-    """``LowRankSelector._low_rank_queries`` as it was: einsum (the softmax reduce; "sum" never reaches it here)."""
+    """``LowRankSelector._low_rank_queries`` as it was: einsum."""
     b, h, _, d = q.shape
     grouped = q.reshape(b, self.n_kv_heads, h // self.n_kv_heads, d)
     adapter = self.adapter[layer].view(self.n_kv_heads, d, -1)

@@ -239,3 +239,20 @@ def test_the_policies_bench_alternates_them_at_any_batch(capsys):
                       r"full$", capsys.readouterr().out, re.M)
     assert [row[0] for row in rows] == ["full", "kvswap"] and float(rows[0][3]) == 1.0
     assert all(float(row[1]) > 0 and len(row[2].split(", ")) == 2 for row in rows)
+
+
+def test_the_fused_calls_bench_alternates_them_with_the_forms_they_replaced(capsys):
+    """``python -m bench.fused_calls`` on the fixture: both forms timed in every round, and the fused ones in place
+    again after it."""
+    import re
+
+    from bench.fused_calls import main as fused_calls
+    from edgekv.runtime.selector import LowRankSelector
+
+    top_call = LowRankSelector._top_call
+    fused_calls(["--model", "fixture", "--context", "200", "--batch", "1", "--kvswap", "G=4,M=6,C=8,sigma=2",
+                 "--extra", '{"reuse": true}', "--rounds", "2", "--steps", "2"])
+    rows = re.findall(r"^kvswap batch 1 (fused calls|replaced forms): median ([\d.]+) ms a step \(([\d., ]+)\); "
+                      r"([\d.]+) x the tok/s of replaced forms$", capsys.readouterr().out, re.M)
+    assert [row[0] for row in rows] == ["fused calls", "replaced forms"] and float(rows[1][3]) == 1.0
+    assert LowRankSelector._top_call is top_call
