@@ -341,8 +341,8 @@ class LowRankSelector(Selector):
                 if call is not None:  # then the top-M, there too: the caller only reads the picks
                     lib, picks, kept_counts, args = call
                     top_job = np.empty(lib.top_job_bytes, dtype=np.uint8)
-                    ticket = self.aside.post(lib.top_unit, top_job, lib.ekv_top_job(top_job.ctypes.data, *args),
-                                             keep=(picks, kept_counts, out))
+                    units = _top_units(lib.ekv_top_job(top_job.ctypes.data, *args))
+                    ticket = self.aside.post(lib.top_unit, top_job, units, keep=(picks, kept_counts, out))
 
                 def made() -> np.ndarray:
                     self._posted_scratch.append(job.keep[1])
@@ -360,7 +360,7 @@ class LowRankSelector(Selector):
         call = self._top_call(group_scores, counts, first)
         if call is not None:
             lib, picks, _, args = call
-            lib.ekv_top(*args)
+            _top_units(lib.ekv_top(*args))
             return _picked(picks)
         # top-k over every group a sequence can have, whatever the batch's longest: how topk breaks ties depends
         # on the width, and a row's picks must depend on its own scores only, not on the rows beside it
@@ -462,6 +462,14 @@ class LowRankSelector(Selector):
             outside = (index < first) | (index >= counts.astype(np.int64)[:, None])
             self._outside_mask, self._outside_key = to_device(outside, self.device), key
         return self._outside_mask
+
+
+def _top_units(code: int) -> int:
+    """The native top-M's return (units, or 0 once run); a refusal (-1: M under 1, ``first`` below 0, more groups
+    than a row of scores) is a bug of its caller, never picks from an unwritten buffer."""
+    if code < 0:
+        raise RuntimeError("the native top-M refused its arguments (M < 1, first < 0 or max_groups > the scores' row)")
+    return code
 
 
 def _picked(picks: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
