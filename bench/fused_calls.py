@@ -1,23 +1,35 @@
-"""The decode step's small calls as they are (one fused RMS norm call, the next layer's query from q's rows alone, the
-low-rank queries by a broadcast matmul, q's and k's heads rotated in one pass, the scorer's K_lr arguments found once a
-layer, the top-M in one native call, on the helper for a posted select) against the forms they replaced (Hugging
-Face's norm modules, q cut from the whole packed q/k/v layer, einsum, a rotation each, the arguments found every
-select, torch's topk on the compute thread), alternating every ``--steps`` decode steps for ``--rounds`` rounds on one
-prefilled batch, so the files, the picks and the machine's drift are the same for both; per form the median step.
-Every replaced form gives the same bits, so both decode the same tokens (the top-M: the same picks but where scores
-tie exactly).
+"""The decode step's small calls as they are against the forms they replaced, alternating every ``--steps`` decode
+steps for ``--rounds`` rounds on one prefilled batch, so the files, the picks and the machine's drift are the same for
+both; per form the median step.  ``--replace`` names which (default: all):
+
+- ``glue norms``: a block's input and MLP norms taken in its projections' ggml calls (runtime/native/ekv_ggml.c),
+  against torch's fused norm before them;
+- ``norms``: torch's one fused RMS norm call, against Hugging Face's norm modules;
+- ``q rows``: the next layer's query from q's rows alone, against q cut from the whole packed q/k/v layer;
+- ``rope``: q's and k's heads rotated in one pass, against a rotation each;
+- ``einsum``: the low-rank queries by a broadcast matmul, against einsum;
+- ``rows once``: the scorer's K_lr arguments found once a layer, against every select;
+- ``native top``: the top-M in one native call (on the helper for a posted select), against torch's topk.
+
+Every replaced form but ``glue norms`` gives the same bits, so both decode the same tokens (the top-M: the same picks
+but where scores tie exactly); the glue's norm differs from torch's in last bits.
 
     python -m bench.fused_calls --model smollm2 --context 8192 --batch 1 --weights ggml --dtype float32 \\
-        --policy kvswap --kvswap G=4,M=205,C=256,sigma=2 --extra '<the deployed fields>'
+        --policy kvswap --kvswap G=4,M=205,C=256,sigma=2 --extra '<the deployed fields>' [--replace "glue norms"]
 """
+import contextlib
+from unittest import mock
+
 import torch
 
 from bench.deployed_batch import alternate, alternating_room, parser, print_medians, text_batch
+from edgekv.runtime import model as model_module
+from edgekv.runtime import weights
+from edgekv.runtime.model import LayerPlan
 from edgekv.runtime.norms import norm_call
 from edgekv.runtime.selector import LowRankSelector
 
-NORMS = {"input_norm": "input_layernorm", "post_attention_norm": "post_attention_layernorm",
-         "pre_ff_norm": "pre_feedforward_layernorm", "post_ff_norm": "post_feedforward_layernorm"}
+FORMS = ("glue norms", "norms", "q rows", "rope", "einsum", "rows once", "native top")
 
 
 def _einsum_queries(self, layer, q):
@@ -39,41 +51,64 @@ def _rows_found_again(self, layer):
 _ROWS_ONCE = LowRankSelector._native_rows
 
 
-def _forms(model, fused: bool, whole_qkv: list) -> None:
-    """Each layer plan's norms, query projection and RoPE passes, and the final norm, in the fused or the replaced
-    form (``whole_qkv``: each plan's packed q/k/v call, as loaded)."""
-    for plan, block, whole in zip(model.plans, model.layers, whole_qkv):
-        plan.qkv_whole = whole if fused else None
-        for attr, module in NORMS.items():
-            if hasattr(plan, attr):
-                setattr(plan, attr, (norm_call if fused else (lambda m: m.forward))(getattr(block, module)))
-        q_proj = block.self_attn.q_proj
-        whole = getattr(q_proj, "fused", None)
-        plan.q_proj = q_proj.forward if fused or whole is None else (
-            lambda x, whole=whole, cut=slice(q_proj.start, q_proj.stop): whole(x)[..., cut])
-    model._final_norm = norm_call(model.norm) if fused else model.norm.forward
+def _plans(model, replaced: set[str]) -> list[LayerPlan]:
+    """Each block's plan built again with the ``replaced`` of its forms as they were, its new kernels lent the
+    model's helper thread."""
+    with contextlib.ExitStack() as patches:
+        if "glue norms" in replaced:
+            patches.enter_context(mock.patch.object(weights, "rms_norm_of", lambda module: None))
+        if "norms" in replaced:
+            for module in (weights, model_module):
+                patches.enter_context(mock.patch.object(module, "norm_call", _module_forward))
+        plans = [LayerPlan(block) for block in model.layers]
+        for plan, block in zip(plans, model.layers):
+            if "rope" in replaced:
+                plan.qkv_whole = None
+            q_proj = block.self_attn.q_proj
+            if "q rows" in replaced and hasattr(q_proj, "fused"):
+                whole = weights.normed_call(block.input_layernorm, q_proj.fused)
+                plan.q_proj = lambda x, whole=whole, cut=slice(q_proj.start, q_proj.stop): whole(x)[..., cut]
+    aside = next((k.aside for k in model._shared_kernels), None)
+    for layer in model.hf.modules():
+        for kernel in getattr(layer, "kernels", ()):
+            kernel.aside = aside
+    return plans
+
+
+def _module_forward(module):
+    """A norm module's own forward (``norm_call`` replaced)."""
+    return None if module is None else module.forward
 
 
 def main(argv=None) -> None:
     ap = parser(__doc__, batch=1, rounds=6)
     ap.add_argument("--policy", default="kvswap")
+    ap.add_argument("--replace", default=",".join(FORMS), help=f"comma-separated, of: {', '.join(FORMS)}")
     args = ap.parse_args(argv)
+    replaced = set(args.replace.split(","))
+    if replaced - set(FORMS):
+        ap.error(f"--replace: {', '.join(sorted(replaced - set(FORMS)))} is no form; the forms: {', '.join(FORMS)}")
     matmul, native_top = LowRankSelector._low_rank_queries, LowRankSelector._top_call
     with text_batch(args, room=alternating_room(args, 2), policy=args.policy) as (policy, step):
         model = policy.model
-        whole_qkv = [plan.qkv_whole for plan in model.plans]
+        plans = {True: model.plans, False: _plans(model, replaced)}
+        final_norm = {True: model._final_norm, False: (_module_forward if "norms" in replaced else norm_call)(model.norm)}
 
         def setting(fused: bool):
-            return lambda: (_forms(model, fused, whole_qkv),
-                            setattr(LowRankSelector, "_low_rank_queries", matmul if fused else _einsum_queries),
-                            setattr(LowRankSelector, "_native_rows", _ROWS_ONCE if fused else _rows_found_again),
-                            setattr(LowRankSelector, "_top_call", native_top if fused else lambda *_: None))
+            def apply():
+                model.plans, model._final_norm = plans[fused], final_norm[fused]
+                for name, attr, new, old in (("einsum", "_low_rank_queries", matmul, _einsum_queries),
+                                             ("rows once", "_native_rows", _ROWS_ONCE, _rows_found_again),
+                                             ("native top", "_top_call", native_top, lambda *_: None)):
+                    setattr(LowRankSelector, attr, new if fused or name not in replaced else old)
+            return apply
 
         settings = {"fused calls": setting(True), "replaced forms": setting(False)}
         try:
             ms, _ = alternate(step, settings, args.rounds, args.steps)
         finally:
             settings["fused calls"]()
+    print(f"replaced: {', '.join(f for f in FORMS if f in replaced)}")
     print_medians(ms, "replaced forms", prefix=f"{args.policy} batch {args.batch} ")
 
 

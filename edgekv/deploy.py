@@ -409,7 +409,7 @@ def choose_dtype(d: Deployment, calibration: str | None) -> list[dict]:
     fp = {"model": d.model_fp, "device": str(d.device), "weights": d.weights, "candidate": d.prof.dtype,
           "ppl_max": d.prof.dtype_ppl_max, "torch": torch.__version__, "cpu": _cpu_model(),
           "threads": torch.get_num_threads(), "context": d.prof.max_context,
-          "calibration": source, "timed": "prefill and step", "edgekv": VERSION}
+          "calibration": source, "timed": "prefill and step", "scored": weights.SCORED, "edgekv": VERSION}
     cached = _cached(d.out / "dtype.json", fp, d.reprofile, "model dtype", d.log)
     if not cached:
         windows = adapter_prompts(d.model_dir, weights.WINDOW_TOKENS, 2, calibration)
@@ -437,7 +437,7 @@ def choose_weights(d: Deployment, calibration: str | None) -> list[dict]:
     source = adapter_source(d.model_dir, weights.WINDOW_TOKENS, 2, calibration)
     fp = {"model": d.model_fp, "device": str(d.device), "dtype": str(d.kv_dtype), "torch": torch.__version__,
           "cpu": _cpu_model(), "candidates": list(d.prof.weights), "ppl_max": d.prof.weights_ppl_max,
-          "int4_grid_error": INT4_GRID_ERROR, "calibration": source, "edgekv": VERSION}
+          "int4_grid_error": INT4_GRID_ERROR, "calibration": source, "scored": weights.SCORED, "edgekv": VERSION}
     cached = _cached(d.out / "weights.json", fp, d.reprofile, "weight format", d.log)
     if not cached:
         windows = adapter_prompts(d.model_dir, weights.WINDOW_TOKENS, 2, calibration)

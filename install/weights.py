@@ -10,10 +10,12 @@ from dataclasses import asdict, dataclass
 import torch
 
 from edgekv.runtime.errors import ModelError
+from edgekv.runtime.forward import teacher_forced_logits
 from edgekv.runtime.model import DecoderModel
 from edgekv.runtime.weights import check_weight_format
 
 WINDOW_TOKENS = 1024  # per calibration window: a few seconds a format on a 2-core CPU for a 135M model
+SCORED = "the runtime's layer calls"  # what ``scored`` runs through: part of the cached choices' keys
 
 
 @dataclass(frozen=True)
@@ -30,15 +32,15 @@ class WeightTrial:
 
 def scored(model: DecoderModel, windows: list[list[int]]) -> tuple[float, torch.Tensor]:
     """(mean negative log-likelihood of each next token, the argmax tokens) over ``windows``, teacher-forced through
-    the model's own forward: the weights' loss, apart from any KV policy's."""
+    the runtime's own layer calls (runtime/forward.py ``teacher_forced_logits``): the weights' loss as the runtime
+    computes them (under ggml, the norms taken in the projections' calls), apart from any KV policy's."""
     nll, tokens, count = 0.0, [], 0
-    with torch.no_grad():
-        for window in windows:
-            ids = torch.tensor([window], device=model.device)
-            logits = model.hf(ids).logits[0, :-1].float()
-            nll -= torch.log_softmax(logits, -1).gather(1, ids[0, 1:, None]).sum().item()
-            tokens.append(logits.argmax(-1))
-            count += len(window) - 1
+    for window in windows:
+        ids = torch.tensor(window[1:], device=model.device)
+        logits = teacher_forced_logits(model, window)[:-1].float()
+        nll -= torch.log_softmax(logits, -1).gather(1, ids[:, None]).sum().item()
+        tokens.append(logits.argmax(-1))
+        count += len(window) - 1
     return nll / count, torch.cat(tokens)
 
 

@@ -109,6 +109,20 @@ def prefill(model: DecoderModel, token_ids: list[int], on_kv: KVCallback, on_que
             ) -> torch.Tensor:
     """Run one prompt; on_kv(layer, k, v) receives post-RoPE k and v [H_kv, T, d], after on_queries(layer, q)
     (if given) the layer's post-RoPE queries [H, T, d] (a policy scoring tokens by attention). Returns last-token logits [V]."""
+    return model.logits(_through_layers(model, token_ids, on_kv, on_queries)[:, -1])[0]
+
+
+@torch.inference_mode()
+def teacher_forced_logits(model: DecoderModel, token_ids: list[int]) -> torch.Tensor:
+    """Every position's logits [T, V] for ``token_ids``, through the calls a prefill and a decode step make (the
+    layer plans' fused norms and packed projections), not the Hugging Face modules': a weight format's measured
+    loss is the one the runtime decodes with."""
+    return model.logits(_through_layers(model, token_ids, lambda *_: None, None))[0]
+
+
+def _through_layers(model: DecoderModel, token_ids: list[int], on_kv: KVCallback, on_queries: QueryCallback | None
+                    ) -> torch.Tensor:
+    """The hidden states [1, T, hidden] after the last layer (before the final norm)."""
     ids = torch.tensor([token_ids], dtype=torch.long, device=model.device)
     positions = torch.arange(len(token_ids), device=model.device)[None]
     rope = model.rope(positions)
@@ -119,4 +133,4 @@ def prefill(model: DecoderModel, token_ids: list[int], on_kv: KVCallback, on_que
             on_queries(layer, q[0])
         on_kv(layer, k[0], v[0])
         x = model.finish_layer(layer, x, prompt_attention(model, layer, q, k, v))
-    return model.logits(x[:, -1])[0]
+    return x

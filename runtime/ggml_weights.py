@@ -6,7 +6,8 @@ Each weight is held in the smallest block type that gives it back (``BLOCK_TYPES
 and checked): a GGUF's Q4_1 tensor is its Q4_1 blocks again, a Q8_0 embedding its Q8_0 blocks; a weight on no such
 grid (fp32 checkpoints, Gemma 3's Q6_K tensors) is Q8_0, a scale per 32 inputs.  A token's activations are quantized
 to the type's partner (Q8_1 or Q8_0) as llama.cpp quantizes them, and each output row is one ``vec_dot`` of the
-library; runtime/native/ekv_ggml.c only splits the rows into units, shared with the decode step's helper thread.
+library; runtime/native/ekv_ggml.c only splits the rows into units, shared with the decode step's helper thread, and
+takes the RMS norm a layer's input may need first (``RmsNorm``: one loop where torch dispatches five or six calls).
 
 On this 2-core Zen 3, one token on one thread, SmolLM2's four layer shapes took 33-123 us a call where torch's int4
 kernel took 83-291 us (2.37-2.52x), and the Q8_0 head 2.5 ms where torch's int8 took 6.0 ms (``bench.linear_kernels``,
@@ -28,6 +29,7 @@ import torch
 
 from .aside import AsideThread, unit_kernel
 from .cache import cache_root
+from .norms import RmsNorm
 
 log = logging.getLogger(__name__)
 
@@ -130,7 +132,7 @@ def ggml() -> Ggml | str:
             return (f"ggml under {folder} numbers its block types otherwise ({name} is not type {number} of "
                     f"{block_bytes} bytes a {elements} elements): an unsupported ggml version; {INSTALL_HINT}")
     glue = unit_kernel("ggml", "ekv_ggml", log, "weights 'ggml' unavailable", {
-        "ekv_ggml_layer": ([p, p, p, p, i64, i64, i32, i64], i32), "ekv_ggml_call": ([p, p, i64, p, p, i32], i64)})
+        "ekv_ggml_layer": ([p, p, p, p, i64, i64, i32, i64], i32), "ekv_ggml_call": ([p, p, i64, p, p, i32, p, ctypes.c_float], i64)})
     if glue is None:
         return "edgekv's glue to ggml (runtime/native/ekv_ggml.c) did not build: the log says why"
     cpu.ggml_cpu_init()  # the fp16 tables the dot products read
@@ -204,26 +206,34 @@ class GgmlMatmul:
             self._xq = torch.empty(tokens * self.xq_bytes, dtype=torch.uint8)
             self._xq_at, self._xq_tokens = self._xq.data_ptr(), tokens
 
-    def _activations(self, x: torch.Tensor, tokens: int) -> torch.Tensor:
+    def _activations(self, x: torch.Tensor, tokens: int, norm: RmsNorm | None) -> torch.Tensor:
         """x [T, in] as the dot products see it: quantized to the partner type by ggml, then widened again (its
         blocks' scale times their codes), so a prefill chunk's GEMM rounds the activations as a decode step does and
         a teacher-forced perplexity measures the decode's format."""
         xq = torch.empty(tokens * self.xq_bytes, dtype=torch.uint8)  # a chunk's own: kept, every layer's would stay
-        self._call(self._job_at, x.data_ptr(), tokens, xq.data_ptr(), 0, 0)  # quantizes only: no unit runs
+        self._call(self._job_at, x.data_ptr(), tokens, xq.data_ptr(), 0, 0, *_norm_args(norm))  # no unit runs
         blocks = xq.view(tokens, -1, GGML_BLOCK + self._codes_at)
         scale = blocks[..., :2].view(torch.float16).float()
         return (scale * blocks[..., self._codes_at:].view(torch.int8).float()).view(tokens, self.inputs)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, norm: RmsNorm | None = None) -> torch.Tensor:
+        """x's rows times the weight; with ``norm``, x's rows RMS-normed first (in the glue)."""
         if x.dtype != torch.float32 or not x.is_contiguous():
             x = x.float().contiguous()
         tokens = x.shape[0]
         if tokens >= GEMM_TOKENS:  # a prefill chunk: the weight widened once, then one float32 GEMM
-            return self._activations(x, tokens) @ dequantized(self.lib, self.type_name, self.blocks, self.inputs).t()
+            widened = dequantized(self.lib, self.type_name, self.blocks, self.inputs)
+            return self._activations(x, tokens, norm) @ widened.t()
         self._room(tokens)
         out = torch.empty(tokens, self.rows)
         shared = self.aside is not None and (self._shares or self.aside.spins)
-        units = self._call(self._job_at, x.data_ptr(), tokens, self._xq_at, out.data_ptr(), not shared)
+        units = self._call(self._job_at, x.data_ptr(), tokens, self._xq_at, out.data_ptr(), not shared,
+                           *_norm_args(norm))
         if shared:
             self.aside.share(self._unit, self._job, units)
         return out
+
+
+def _norm_args(norm: RmsNorm | None) -> tuple[int | None, float]:
+    """``ekv_ggml_call``'s last two arguments: the norm's scale and eps, or none."""
+    return (None, 0.0) if norm is None else (norm.scale.data_ptr(), norm.eps)

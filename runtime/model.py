@@ -23,7 +23,7 @@ from torch import nn
 
 from .errors import ModelError
 from .norms import norm_call
-from .weights import GgmlLinear, check_weight_format, packed_call, quantize_linears
+from .weights import GgmlLinear, check_weight_format, normed_call, packed_call, quantize_linears
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text")
 GLOBAL, SLIDING = "full_attention", "sliding_attention"  # transformers' layer_types
@@ -312,22 +312,21 @@ class DecoderModel:
     def query(self, layer: int, x: torch.Tensor, rope: "Rope") -> torch.Tensor:
         """Post-RoPE queries [B, H, T, d] of ``layer`` for hidden states x [B, T, hidden] (before its norm)."""
         plan = self.plans[layer]
-        return self._heads(plan.q_proj(plan.input_norm(x)), plan.q_norm, *rope.at(layer))
+        return self._heads(plan.q_proj(x), plan.q_norm, *rope.at(layer))
 
     def qkv(self, layer: int, x: torch.Tensor, rope: "Rope"):
         """Post-RoPE q [B, H, T, d], k and v [B, H_kv, T, d] of ``layer`` for x [B, T, hidden]."""
         plan = self.plans[layer]
         cos, sin = rope.at(layer)
-        h = plan.input_norm(x)
         if plan.qkv_whole is not None:  # packed, no q/k norms: q's and k's heads side by side, rotated in one pass
-            y = plan.qkv_whole(h)
+            y = plan.qkv_whole(x)
             q, k = self._heads(y[..., : plan.qk_columns], None, cos, sin).split(plan.qk_heads, dim=1)
             v = y[..., plan.qk_columns :]
         else:
-            q, k, v = plan.qkv(h)  # int4: one call for all three
+            q, k, v = plan.qkv(x)  # int4: one call for all three
             q = self._heads(q, plan.q_norm, cos, sin)
             k = self._heads(k, plan.k_norm, cos, sin)
-        return q, k, v.view(*h.shape[:-1], -1, self.dims.head_dim).transpose(1, 2)
+        return q, k, v.view(*x.shape[:-1], -1, self.dims.head_dim).transpose(1, 2)
 
     def finish_layer(self, layer: int, x: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         """Residual + output projection + MLP; attn_out is [B, H, T, d]."""
@@ -336,9 +335,9 @@ class DecoderModel:
         out = plan.o_proj(attn_out.transpose(1, 2).reshape(b, t, -1))
         if plan.gemma:
             x = x + plan.post_attention_norm(out)
-            return x + plan.post_ff_norm(plan.mlp_out(plan.pre_ff_norm(x)))
+            return x + plan.post_ff_norm(plan.mlp_out(x))
         x = x + out
-        return x + plan.mlp_out(plan.post_attention_norm(x))
+        return x + plan.mlp_out(x)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head.forward(self._final_norm(x)).float()
@@ -356,25 +355,28 @@ class LayerPlan:
 
     def __init__(self, block: nn.Module):
         attn, mlp = block.self_attn, block.mlp
-        self.input_norm = norm_call(block.input_layernorm)
-        self.qkv, packed = packed_call(attn.q_proj, attn.k_proj, attn.v_proj)
+        inputs = block.input_layernorm  # the attention's input norm, taken by the projections' calls
+        self.qkv, packed = packed_call(attn.q_proj, attn.k_proj, attn.v_proj, norm=inputs)
         self.q_norm, self.k_norm = (norm_call(getattr(attn, n, None)) for n in ("q_norm", "k_norm"))
         # a packed q/k/v layer of a model without q/k norms: its whole output, and q's and k's columns and heads
-        self.qkv_whole = attn.q_proj.fused.forward if packed and self.q_norm is None and self.k_norm is None else None
+        whole = packed and self.q_norm is None and self.k_norm is None
+        self.qkv_whole = normed_call(inputs, attn.q_proj.fused) if whole else None
         self.qk_columns = attn.q_proj.out_features + attn.k_proj.out_features
         self.qk_heads = [attn.q_proj.out_features // attn.head_dim, attn.k_proj.out_features // attn.head_dim]
-        self.q_proj, self.o_proj = attn.q_proj.forward, attn.o_proj.forward
-        self.post_attention_norm = norm_call(block.post_attention_layernorm)
+        self.q_proj, self.o_proj = normed_call(inputs, attn.q_proj), attn.o_proj.forward
         self.gemma = hasattr(block, "pre_feedforward_layernorm")  # normed attention and MLP outputs
         if self.gemma:
-            self.pre_ff_norm = norm_call(block.pre_feedforward_layernorm)
+            self.post_attention_norm = norm_call(block.post_attention_layernorm)
             self.post_ff_norm = norm_call(block.post_feedforward_layernorm)
-        gate_up, packed = packed_call(mlp.gate_proj, mlp.up_proj) if hasattr(mlp, "gate_proj") else (None, False)
-        self.mlp = mlp.forward
+        mlp_norm = block.pre_feedforward_layernorm if self.gemma else block.post_attention_layernorm
+        gate_up, packed = packed_call(mlp.gate_proj, mlp.up_proj, norm=mlp_norm) if hasattr(mlp, "gate_proj") \
+            else (None, False)
+        self.mlp = normed_call(mlp_norm, mlp)
         self.packed_mlp = (gate_up, mlp.act_fn.forward, mlp.down_proj.forward) if packed else None
 
     def mlp_out(self, x: torch.Tensor) -> torch.Tensor:
-        """The gated MLP; with gate and up packed as one layer (int4), one call for both."""
+        """The gated MLP of x before its norm; with gate and up packed as one layer (int4, ggml), one call for both
+        (under ggml, the norm in it)."""
         if self.packed_mlp is None:
             return self.mlp(x)
         gate_up, act, down = self.packed_mlp

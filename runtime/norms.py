@@ -3,6 +3,7 @@ CPU a decode step of SmolLM2 runs about 90 of them, each paying torch's per-call
 Only a module whose ``forward`` is Llama's or Gemma 3's own code is replaced, and only on the CPU, where the fused
 call gives HF's result to the bit (float32, bfloat16, float16; tests/test_norms.py); anything else keeps its module."""
 import functools
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +28,27 @@ def _same_code(module: nn.Module, cls: type | None) -> bool:
         return False
     mine, theirs = type(module).forward.__code__, cls.forward.__code__
     return (mine.co_code, mine.co_consts, mine.co_names) == (theirs.co_code, theirs.co_consts, theirs.co_names)
+
+
+class RmsNorm(NamedTuple):
+    """A Llama- or Gemma-3-style RMS norm as data, for a kernel taking it on its input (runtime/native/ekv_ggml.c):
+    (x * 1/sqrt(mean(x^2) + eps)) * scale, in float32."""
+
+    scale: torch.Tensor  # float32 [in], contiguous: Llama's weight, Gemma 3's 1 + weight
+    eps: float
+
+
+def rms_norm_of(module: nn.Module | None) -> RmsNorm | None:
+    """``module`` as an ``RmsNorm`` where its forward is Llama's or Gemma 3's on the CPU (else None)."""
+    weight = getattr(module, "weight", None)
+    if weight is None or weight.device.type != "cpu" or weight.dim() != 1:
+        return None
+    llama_norm, gemma3_norm = _hf_norms()
+    if _same_code(module, llama_norm):
+        return RmsNorm(weight.detach().float().contiguous(), float(module.variance_epsilon))
+    if _same_code(module, gemma3_norm):
+        return RmsNorm((1.0 + weight.detach().float()).contiguous(), float(module.eps))
+    return None
 
 
 def norm_call(module: nn.Module | None):

@@ -36,6 +36,7 @@ from torch import nn
 
 from .errors import ModelError
 from .ggml_weights import GGML_BLOCK, GgmlMatmul, blocks_for, dequantized, ggml, ggml_unavailable
+from .norms import RmsNorm, norm_call, rms_norm_of
 
 WEIGHT_FORMATS = ("native", "int8", "int4", "ggml")
 INT4_GROUP = 32  # inputs per scale/minimum: a GGUF Q4_0/Q4_1 block, a Q4_K sub-block
@@ -134,19 +135,25 @@ class GgmlLinear(PackedLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._through(self.kernel, self.bias, x)
 
-    def _through(self, kernel: GgmlMatmul, bias: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
-        y = kernel(x.reshape(-1, self.in_features)).view(*x.shape[:-1], kernel.rows)
+    def _through(self, kernel: GgmlMatmul, bias: torch.Tensor | None, x: torch.Tensor, norm: RmsNorm | None = None
+                 ) -> torch.Tensor:
+        y = kernel(x.reshape(-1, self.in_features), norm).view(*x.shape[:-1], kernel.rows)
         if x.dtype != y.dtype:
             y = y.to(x.dtype)
         return y if bias is None else y + bias
 
-    def rows_call(self, start, stop):
+    def normed_call(self, norm: RmsNorm):
+        """A function of x giving the layer's output for x RMS-normed by ``norm``, normed in the kernel's call."""
+        return lambda x: self._through(self.kernel, self.bias, x, norm)
+
+    def rows_call(self, start, stop, norm: RmsNorm | None = None):
         """Outputs ``start:stop`` by a kernel over those rows' blocks alone (a view, no copy): each output is its own
-        row's dot product, so they are the whole layer's to the bit (the next layer's query: q without k and v)."""
+        row's dot product, so they are the whole layer's to the bit (the next layer's query: q without k and v);
+        ``norm``: of x RMS-normed, as ``normed_call``."""
         kernel = self.kernel.row_run(start, stop)
         self.kernels.append(kernel)
         bias = None if self.bias is None else self.bias[start:stop]
-        return lambda x: self._through(kernel, bias, x)
+        return lambda x: self._through(kernel, bias, x, norm)
 
     def dequantized(self):
         k = self.kernel
@@ -172,18 +179,38 @@ class PackedSlice(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._call(x)
 
+    def normed_call(self, norm: RmsNorm):
+        """As ``GgmlLinear.normed_call``, over this slice's rows; None where the packed layer takes no norm."""
+        return self.fused.rows_call(self.start, self.stop, norm) if hasattr(self.fused, "normed_call") else None
+
     def dequantized(self) -> torch.Tensor:
         return self.fused.dequantized()[self.start:self.stop]
 
 
-def packed_call(*projections: nn.Module):
-    """(a function of x giving each projection's output, whether they share one packed layer): one call of the
-    packed layer cut into its slices where they do, else each projection's own ``forward``."""
+def normed_call(norm: nn.Module | None, layer: nn.Module):
+    """A function of x giving ``layer(norm(x))`` (``norm`` None: ``layer(x)``): one call where the layer's kernel
+    takes a Llama- or Gemma-3-style RMS norm on its input (weights 'ggml'), the two calls otherwise."""
+    if norm is None:
+        return layer.forward
+    taken = getattr(layer, "normed_call", None)
+    spec = rms_norm_of(norm) if taken is not None else None
+    call = taken(spec) if spec is not None else None
+    if call is not None:
+        return call
+    first, then = norm_call(norm), layer.forward
+    return lambda x: then(first(x))
+
+
+def packed_call(*projections: nn.Module, norm: nn.Module | None = None):
+    """(a function of x giving each projection's output for ``norm(x)`` (or x), whether they share one packed
+    layer): one call of the packed layer (``normed_call``) cut into its slices where they do, else each
+    projection's own ``forward`` of the normed x."""
     fused = getattr(projections[0], "fused", None)
     if fused is None or any(getattr(p, "fused", None) is not fused for p in projections):
         calls = tuple(p.forward for p in projections)
-        return (lambda x: tuple(call(x) for call in calls)), False
-    forward, cuts = fused.forward, tuple(slice(p.start, p.stop) for p in projections)
+        first = norm_call(norm) if norm is not None else (lambda x: x)
+        return (lambda x: tuple(call(h) for h in (first(x),) for call in calls)), False
+    forward, cuts = normed_call(norm, fused), tuple(slice(p.start, p.stop) for p in projections)
 
     def call(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         y = forward(x)

@@ -6,13 +6,16 @@ is refused by name."""
 import pytest
 import torch
 from torch import nn
+from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from edgekv.runtime import Engine
 from edgekv.runtime.aside import AsideThread
 from edgekv.runtime.ggml_weights import GEMM_TOKENS, dequantized, ggml, ggml_unavailable, quantized
 from edgekv.runtime.model import ModelError, load_model
 from edgekv.runtime.store.fingerprint import model_fingerprint
-from edgekv.runtime.weights import GgmlLinear, PackedSlice, RescoredHead, linear_weight, packed_call
+from edgekv.runtime.norms import rms_norm_of
+from edgekv.runtime.weights import GgmlLinear, PackedSlice, RescoredHead, linear_weight, normed_call, packed_call
 
 pytestmark = pytest.mark.skipif(ggml_unavailable() is not None, reason=str(ggml_unavailable()))
 PROMPT = [(i * 7) % 250 + 4 for i in range(120)]
@@ -115,6 +118,42 @@ def test_a_slice_of_a_packed_layer_computes_its_rows_alone_to_the_bit(tokens):
                for k in layer.kernels[1:])  # views, no copy
 
 
+@pytest.mark.parametrize("cls", [LlamaRMSNorm, Gemma3RMSNorm])
+@pytest.mark.parametrize("tokens", [1, 4, GEMM_TOKENS + 3])
+def test_a_norm_taken_in_the_call_is_the_norm_then_the_call(cls, tokens):
+    # the glue norms each row before quantizing it: the same 8-bit activations as torch's norm then the layer, but
+    # where the two norms' last bits put a value on the other side of a rounding step
+    norm = cls(128, eps=1e-6)
+    norm.weight.data = torch.randn(128, generator=torch.Generator().manual_seed(9)) * 0.3
+    layer = GgmlLinear(_linear(96, 128, "Q4_1", bias=True))
+    x = torch.randn(2, tokens, 128, generator=torch.Generator().manual_seed(10)) * 4
+    fused, composed = normed_call(norm, layer)(x), layer(norm(x))
+    assert fused.shape == composed.shape == (2, tokens, 96)
+    torch.testing.assert_close(fused, composed, rtol=0, atol=2e-2)
+    assert (fused == composed).float().mean() > 0.9
+    assert not torch.equal(fused, layer(x))  # normed: not the raw input's product
+
+
+def test_a_slice_takes_the_norm_over_its_rows_alone_to_the_bit():
+    norm = LlamaRMSNorm(96)
+    layer = GgmlLinear(_linear(160, 96, "Q4_1", bias=True))
+    q, v = PackedSlice(layer, 0, 96), PackedSlice(layer, 128, 160)
+    x = torch.randn(1, 2, 96, generator=torch.Generator().manual_seed(11))
+    whole = normed_call(norm, layer)(x)
+    assert torch.equal(normed_call(norm, q)(x), whole[..., :96])
+    gate_up, packed = packed_call(q, v, norm=norm)
+    assert packed and all(torch.equal(a, b) for a, b in zip(gate_up(x), (whole[..., :96], whole[..., 128:])))
+
+
+def test_a_norm_no_kernel_takes_is_called_before_the_layer():
+    norm, linear = LlamaRMSNorm(64), _linear(32, 64)
+    x = torch.randn(1, 1, 64, generator=torch.Generator().manual_seed(12))
+    assert torch.equal(normed_call(norm, linear)(x), linear(norm(x)))  # a plain layer: the two calls
+    offset = type("OffsetNorm", (LlamaRMSNorm,), {"forward": lambda self, h: LlamaRMSNorm.forward(self, h) + 1})(64)
+    ggml_layer = GgmlLinear(linear)
+    assert rms_norm_of(offset) is None and torch.equal(normed_call(offset, ggml_layer)(x), ggml_layer(offset(x)))
+
+
 def test_q_k_v_and_gate_up_pack_as_one_layer_each_and_the_head_is_rescored():
     model = load_model(_fixture(), CPU, torch.float32, 256, weights="ggml")
     for block in model.layers:
@@ -128,6 +167,23 @@ def test_q_k_v_and_gate_up_pack_as_one_layer_each_and_the_head_is_rescored():
     assert model_fingerprint(model)["weights"] == "ggml"
     int4 = load_model(_fixture(), CPU, torch.float32, 256, weights="int4")
     assert model_fingerprint(model)["id"] != model_fingerprint(int4)["id"]
+
+
+@pytest.mark.parametrize("weights, torch_norms", [("ggml", 1), ("native", 4)])
+def test_under_ggml_a_layers_norms_are_taken_in_its_projections_calls(monkeypatch, weights, torch_norms):
+    # a decode layer (its QKV, the next layer's query, its MLP) and the final norm: under ggml only the final norm
+    # is torch's, the fixture's Llama blocks' input and MLP norms ride in the projections' calls
+    model = load_model(_fixture(), CPU, torch.float32, 256, weights=weights)
+    calls = []
+    rms_norm = nn.functional.rms_norm
+    monkeypatch.setattr(nn.functional, "rms_norm", lambda *a, **k: (calls.append(1), rms_norm(*a, **k))[1])
+    x = torch.randn(1, 1, model.dims.hidden, generator=torch.Generator().manual_seed(13))
+    rope = model.rope(torch.tensor([[5]]))
+    q, _, _ = model.qkv(0, x, rope)
+    model.query(1, x, rope)
+    model.finish_layer(0, x, torch.zeros_like(q))
+    model.logits(x)
+    assert len(calls) == torch_norms
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -84,6 +84,23 @@ def test_every_policy_matches_hf_greedy(matrix, kv_dir, model, policy):
     assert files_under(kv_dir) == []
 
 
+@pytest.mark.parametrize("model", ["2-layers", "qwen2-bias", "gemma3-6", "mistral-window"])
+def test_teacher_forced_logits_through_the_runtimes_calls_are_hf_s(matrix, model):
+    # what install/weights.py scores a weight format by: the runtime's own layer calls over a whole window
+    from transformers import AutoModelForCausalLM
+
+    from edgekv.runtime.forward import teacher_forced_logits
+    from edgekv.runtime.model import load_model
+
+    folder = matrix[model][0]
+    ids = PROMPT + PROMPT[:8]  # 45 tokens: past a local layer's window of 8
+    want = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)(torch.tensor([ids])).logits[0]
+    got = teacher_forced_logits(load_model(folder, torch.device("cpu"), torch.float32, 64), ids)
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
 class Injected(RuntimeError):
     pass
 

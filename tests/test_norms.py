@@ -7,7 +7,7 @@ from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
-from edgekv.runtime.norms import norm_call
+from edgekv.runtime.norms import norm_call, rms_norm_of
 
 DEVICE = torch.device("cpu")
 
@@ -37,3 +37,23 @@ def test_an_unknown_norm_keeps_its_module_and_none_stays_none():
     layer_norm = nn.LayerNorm(8)
     assert norm_call(layer_norm) == layer_norm.forward
     assert norm_call(None) is None
+
+
+@pytest.mark.parametrize("cls", [LlamaRMSNorm, Qwen3RMSNorm, Gemma3RMSNorm])
+def test_a_known_norm_as_data_is_its_formula(cls):
+    # what a kernel taking the norm on its input computes (runtime/native/ekv_ggml.c): (x / rms(x)) * scale
+    module = cls(96, eps=1e-5).to(DEVICE)
+    module.weight.data = torch.randn(96, generator=torch.Generator().manual_seed(7))
+    norm = rms_norm_of(module)
+    assert norm.scale.dtype == torch.float32 and norm.scale.is_contiguous() and norm.eps == 1e-5
+    x = torch.randn(3, 96, generator=torch.Generator().manual_seed(8)) * 5
+    formula = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.eps) * norm.scale
+    torch.testing.assert_close(formula, module(x), rtol=1e-6, atol=1e-6)
+
+
+def test_an_unknown_norm_is_no_data():
+    class OffsetNorm(LlamaRMSNorm):
+        def forward(self, x):
+            return super().forward(x) + 1
+
+    assert rms_norm_of(OffsetNorm(8)) is None and rms_norm_of(nn.LayerNorm(8)) is None and rms_norm_of(None) is None

@@ -6,7 +6,12 @@
  * signatures are ggml-cpu.h's ggml_from_float_t and ggml_vec_dot_t) and splits a layer's output rows into units, so
  * the decode step's helper thread (ekv_aside.c) computes half of them.  A unit is a run of output rows for every
  * token: the run's weights stay in cache while the tokens' activations pass by them.
+ *
+ * Its one piece of arithmetic is the RMS norm a layer's input may take on its way to the quantizer (a Llama or Gemma 3
+ * block's input and MLP norms feed nothing else): in torch it is five or six dispatched calls a norm, some 90 a
+ * decode step of SmolLM2, where here it is a loop over the row already being read.
  */
+#include <math.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -54,11 +59,30 @@ void ekv_ggml_unit(void *job_buffer, int64_t unit, int worker) {
     }
 }
 
-/* One call of the layer: the `tokens` rows of x (float32, contiguous) quantized into xq now, on the caller, then with
- * `run` every unit computed here (returns 0), else the units left for the caller to share (ekv_aside_share). */
-int64_t ekv_ggml_call(void *job_buffer, const float *x, int64_t tokens, uint8_t *xq, float *out, int run) {
+/* x's row normed as Llama's and Gemma 3's RMS norms do in float32, (x * 1/sqrt(mean(x^2) + eps)) * scale (scale:
+ * Llama's weight, Gemma 3's 1 + weight); the sum of squares in double, so its order barely shows. */
+static void rms_normed(const float *x, const float *scale, float eps, int inputs, float *out) {
+    double squares = 0.0;
+    for (int i = 0; i < inputs; i++) squares += (double)x[i] * x[i];
+    const float inverse = 1.0f / sqrtf((float)(squares / inputs) + eps);
+    for (int i = 0; i < inputs; i++) out[i] = x[i] * inverse * scale[i];
+}
+
+/* One call of the layer: the `tokens` rows of x (float32, contiguous) quantized into xq now, on the caller, each
+ * first RMS-normed by `norm_scale` and `eps` where norm_scale is not NULL; then with `run` every unit computed here
+ * (returns 0), else the units left for the caller to share (ekv_aside_share). */
+int64_t ekv_ggml_call(void *job_buffer, const float *x, int64_t tokens, uint8_t *xq, float *out, int run,
+                      const float *norm_scale, float eps) {
     ggml_job *job = job_buffer;
-    for (int64_t t = 0; t < tokens; t++) job->from_float(x + t * job->inputs, xq + t * job->xq_bytes, job->inputs);
+    float normed[norm_scale ? job->inputs : 1];
+    for (int64_t t = 0; t < tokens; t++) {
+        const float *row = x + t * job->inputs;
+        if (norm_scale) {
+            rms_normed(row, norm_scale, eps, job->inputs, normed);
+            row = normed;
+        }
+        job->from_float(row, xq + t * job->xq_bytes, job->inputs);
+    }
     job->xq = xq;
     job->tokens = tokens;
     job->out = out;
