@@ -353,3 +353,24 @@ def test_the_native_top_m_equals_torchs_topk_and_breaks_ties_to_the_lower_group(
                                                                       torch_groups[torch_valid])
     groups, valid = selector._top(torch.zeros(1, width), np.array([9]), 2)  # every score the same
     assert groups[0][valid[0]].tolist() == [2, 3, 4, 5, 6, 7, 8]
+
+
+def test_the_native_top_m_takes_the_best_then_the_lowest_groups_at_the_mth_score():
+    """Scores of few values (many ties at the M-th best, where the quickselect's threshold falls), NaN and -inf
+    among them, rows rising with the group (the order that made a heap of M sift at every candidate): the picks
+    are the valid groups by score, then group, best first."""
+    selector = filled_selector("int8", "softmax", 8, 4, 3, [40, 40, 40], M=7)
+    width = selector.max_groups
+    generator = torch.Generator().manual_seed(6)
+    for trial in range(40):
+        scores = torch.randint(0, 4, (3, width), generator=generator).float()
+        scores[1] += torch.arange(width) / 4  # rising
+        scores[torch.rand(3, width, generator=generator) < 0.1] = float("nan")
+        scores[torch.rand(3, width, generator=generator) < 0.1] = float("-inf")
+        counts = torch.randint(0, width + 1, (3,), generator=generator).numpy()
+        first = trial % 4
+        groups, valid = selector._top(scores.clone(), counts, first)
+        for row in range(3):
+            candidates = [g for g in range(first, min(int(counts[row]), width)) if scores[row, g] > float("-inf")]
+            want = sorted(candidates, key=lambda g: (-scores[row, g].item(), g))[:7]
+            assert groups[row][valid[row]].tolist() == want
