@@ -22,6 +22,7 @@ from collections import deque
 import numpy as np
 
 from . import native_build
+from .native_build import address
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +96,7 @@ class AsideThread:
         if not self._closed.alive:
             run_units(fn, job, units, worker=1)
             return 0
-        ticket = self._lib.ekv_aside_post(self._handle, fn, job.ctypes.data, units)
+        ticket = self._lib.ekv_aside_post(self._handle, fn, address(job), units)
         self._kept.append((ticket, (job, *keep)))
         return ticket
 
@@ -116,7 +117,7 @@ class AsideThread:
         if not self._closed.alive:
             run_units(fn, job, units, worker=0)
             return
-        self._lib.ekv_aside_share(self._handle, fn, job.ctypes.data, units)
+        self._lib.ekv_aside_share(self._handle, fn, address(job), units)
 
     def _forget(self, ticket: int) -> None:
         """Jobs up to ``ticket`` are done: what they pointed into may go."""
@@ -180,4 +181,4 @@ def run_units(fn: int, job: np.ndarray, units: int, worker: int = 0) -> None:
     """A job's units on the caller's thread (with no helper thread)."""
     call = _unit_call(fn)
     for unit in range(units):
-        call(job.ctypes.data, unit, worker)
+        call(address(job), unit, worker)

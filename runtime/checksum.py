@@ -21,6 +21,7 @@ import crc32c as crc32c_package
 import numpy as np
 
 from . import native_build
+from .native_build import address
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +60,7 @@ def sums_at(addresses, record_bytes: int, layers, groups, use_native: bool = Tru
     out = np.empty(len(addresses), dtype=np.uint32)
     lib = native() if use_native else None
     if lib is not None:
-        lib.ekv_record_sums(len(addresses), addresses.ctypes.data, record_bytes, seeds.ctypes.data, out.ctypes.data)
+        lib.ekv_record_sums(len(addresses), address(addresses), record_bytes, address(seeds), address(out))
         return out
     for i, (a, seed) in enumerate(zip(addresses.tolist(), seeds.tolist())):
         head = crc32c_package.crc32c(int(seed).to_bytes(8, "little"))
@@ -70,7 +71,7 @@ def sums_at(addresses, record_bytes: int, layers, groups, use_native: bool = Tru
 def record_sums(records: np.ndarray, record_bytes: int, layer: int, groups) -> np.ndarray:
     """uint32 [n] checksums of records [n, stride] (C-contiguous) holding ``groups`` of ``layer``."""
     records = np.ascontiguousarray(records)
-    return sums_at(records.ctypes.data + np.arange(len(records), dtype=np.int64) * records.shape[1], record_bytes,
+    return sums_at(address(records) + np.arange(len(records), dtype=np.int64) * records.shape[1], record_bytes,
                    layer, groups)
 
 

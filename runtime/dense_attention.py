@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from . import native_build
+from .native_build import address
 from .aside import AsideThread, unit_kernel
 
 log = logging.getLogger(__name__)
@@ -76,7 +77,7 @@ class DenseAttention:
             self._partial = torch.empty(floats)
         units = self.lib.ekv_dense_job(self._job_at, query.data_ptr(), b, n_kv, h // n_kv, d, self.scaling,
                                        k.data_ptr(), v.data_ptr(), strides[1] // d, strides[0] // d, KINDS[k.dtype],
-                                       start.ctypes.data, stop.ctypes.data, self._partial.data_ptr(),
+                                       address(start), address(stop), self._partial.data_ptr(),
                                        self._partial.numel())
         if units < 0:  # for_cache checked the head shapes and the dtype, _checked the positions: a bug
             raise RuntimeError("the native dense attention refused its input: " + (

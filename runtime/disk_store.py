@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from . import native_build
+from .native_build import address
 from .checksum import record_sums, sums_at
 from .placement import Placement
 from .store.files import pid_alive
@@ -428,7 +429,7 @@ class DiskKVStore:
             held, resident = in_memory(groups)
             records[held] = resident
         rows = np.flatnonzero(~held)
-        addresses = records.ctypes.data + rows * stride
+        addresses = address(records) + rows * stride
         self.read(self._requests(layer, np.full(len(rows), seq), groups[rows], addresses))
         path, index = self._placement[seq].move(layer, per_path)
         self._tabled[layer] = True
@@ -503,7 +504,7 @@ class DiskKVStore:
         # the records of the gaps a request reads through land in the gap sink, unchecked, and are dropped
         at = np.arange(n) + np.cumsum(gaps)  # each wanted record's place among all the records read
         total = n + int(gaps.sum())
-        all_addresses = np.full(total, self._gap_sink().ctypes.data, dtype=np.int64)
+        all_addresses = np.full(total, address(self._gap_sink()), dtype=np.int64)
         all_seqs, all_groups = np.full(total, -1, dtype=np.int64), np.full(total, -1, dtype=np.int64)
         all_expected, all_check = np.zeros(total, dtype=np.uint32), np.zeros(total, dtype=bool)
         all_addresses[at], all_seqs[at], all_groups[at], all_expected[at], all_check[at] = (
@@ -543,13 +544,13 @@ class DiskKVStore:
             read_addresses, read_seqs, read_groups = np.empty((3, capacity), dtype=np.int64)
             expected, check = np.empty(capacity, dtype=np.uint32), np.empty(capacity, dtype=bool)
             k = lib.ekv_requests_plan(
-                n, seqs.ctypes.data, groups.ctypes.data, addresses.ctypes.data, len(table),
-                table.ctypes.data + layer * table.strides[1], table.strides[0] // 4, table.strides[2] // 4,
+                n, address(seqs), address(groups), address(addresses), len(table),
+                address(table) + layer * table.strides[1], table.strides[0] // 4, table.strides[2] // 4,
                 self.n_paths, self.layout.stride_bytes, self.max_request_records, self.gap_records, int(every),
-                None if sums[0] is None else sums[0].ctypes.data, None if sums[1] is None else sums[1].ctypes.data,
-                layer, self._gap_sink().ctypes.data, scratch.ctypes.data, fds.ctypes.data, offsets.ctypes.data,
-                counts.ctypes.data, paths.ctypes.data, gap_counts.ctypes.data, read_addresses.ctypes.data,
-                read_seqs.ctypes.data, read_groups.ctypes.data, expected.ctypes.data, check.ctypes.data, capacity,
+                None if sums[0] is None else address(sums[0]), None if sums[1] is None else address(sums[1]),
+                layer, address(self._gap_sink()), address(scratch), address(fds), address(offsets),
+                address(counts), address(paths), address(gap_counts), address(read_addresses),
+                address(read_seqs), address(read_groups), address(expected), address(check), capacity,
                 ctypes.byref(total))
             if k != -2:
                 break

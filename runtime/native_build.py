@@ -127,6 +127,16 @@ def load(name: str) -> ctypes.CDLL:
 P, I64, I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int  # the C types the libraries' signatures name
 
 
+def address(array) -> int:
+    """A numpy array's data address, as ``array.ctypes.data`` gives it in about three times the time (numpy builds a
+    helper object a call, 1.7 against 0.5 us here): a disk policy's decode step hands the native calls some 1,600
+    arrays.  An array ctypes cannot view (read-only, empty, not C-contiguous) takes numpy's way."""
+    try:
+        return ctypes.addressof(ctypes.c_char.from_buffer(array))
+    except (TypeError, ValueError, BufferError):
+        return array.ctypes.data
+
+
 def load_or_none(name: str, log: logging.Logger, instead: str,
                  signatures: dict[str, tuple[list, type | None]] | None = None) -> ctypes.CDLL | None:
     """The library, its functions declared (``signatures``: name -> (argtypes, restype)), or None when it cannot be

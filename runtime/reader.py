@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from . import native_build
+from .native_build import address
 from .pacing import MIB, Link
 
 log = logging.getLogger(__name__)
@@ -211,12 +212,12 @@ class NativeReader(KVReader):
         handle = self._take()
         try:
             if batch.counts is None:
-                rc = self._lib.ekv_read(handle, n, fds.ctypes.data, offsets.ctypes.data, batch.nbytes,
-                                        addresses.ctypes.data)
+                rc = self._lib.ekv_read(handle, n, address(fds), address(offsets), batch.nbytes,
+                                        address(addresses))
             else:
                 counts = np.ascontiguousarray(batch.counts, dtype=np.int32)
-                rc = self._lib.ekv_readv(handle, n, fds.ctypes.data, offsets.ctypes.data, counts.ctypes.data,
-                                         batch.nbytes, addresses.ctypes.data)
+                rc = self._lib.ekv_readv(handle, n, address(fds), address(offsets), address(counts),
+                                         batch.nbytes, address(addresses))
         finally:
             self._give(handle)
         if rc != 0:

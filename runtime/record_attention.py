@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from . import native_build
+from .native_build import address
 from .aside import AsideThread, unit_kernel
 from .disk_store import RecordLayout
 from .quant import FloatRecord, QuantRecord
@@ -92,16 +93,16 @@ class RecordAttention:
         workers = 1 if self.aside is None else 2  # the caller's part of the scratch, then the helper's
         if self._scratch.nbytes < workers * worker_bytes:
             self._scratch = np.empty(workers * worker_bytes, dtype=np.uint8)
-        arguments = (query.data_ptr(), b, layout.n_kv_heads, group_queries, d, self.scaling, records.ctypes.data,
-                     records.strides[0], records.shape[0], slots.ctypes.data, valid.ctypes.data, slots.shape[1],
-                     layout.group_tokens, self.record_kind, self.scales.ctypes.data, self.keys_per_channel,
-                     segments.ctypes.data, len(dense), mask.data_ptr(), mask.stride(0), self.dense_kind,
-                     self._scratch.ctypes.data, worker_bytes, out.data_ptr())
+        arguments = (query.data_ptr(), b, layout.n_kv_heads, group_queries, d, self.scaling, address(records),
+                     records.strides[0], records.shape[0], address(slots), address(valid), slots.shape[1],
+                     layout.group_tokens, self.record_kind, address(self.scales), self.keys_per_channel,
+                     address(segments), len(dense), mask.data_ptr(), mask.stride(0), self.dense_kind,
+                     address(self._scratch), worker_bytes, out.data_ptr())
         if self.aside is None:
             code = self.lib.ekv_attend(*arguments)
         else:
             job = np.empty(self.lib.job_bytes, dtype=np.uint8)
-            code = self.lib.ekv_attend_job(job.ctypes.data, *arguments)
+            code = self.lib.ekv_attend_job(address(job), *arguments)
             if code > 0:
                 self.aside.share(self.lib.unit, job, code)
             code = min(code, 0)

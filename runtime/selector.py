@@ -20,6 +20,7 @@ import torch
 from typing import TYPE_CHECKING, Callable, NamedTuple
 
 from . import native_build
+from .native_build import address
 from .adapter import LowRankAdapter
 from .aside import AsideThread, run_units, unit_function
 from .transfer import to_device
@@ -341,7 +342,7 @@ class LowRankSelector(Selector):
                 if call is not None:  # then the top-M, there too: the caller only reads the picks
                     lib, picks, kept_counts, args = call
                     top_job = np.empty(lib.top_job_bytes, dtype=np.uint8)
-                    units = _top_units(lib.ekv_top_job(top_job.ctypes.data, *args))
+                    units = _top_units(lib.ekv_top_job(address(top_job), *args))
                     ticket = self.aside.post(lib.top_unit, top_job, units, keep=(picks, kept_counts, out))
 
                 def made() -> np.ndarray:
@@ -384,7 +385,7 @@ class LowRankSelector(Selector):
         counts = np.ascontiguousarray(counts, dtype=np.int64)
         picks = np.empty((group_scores.shape[0], self.M), dtype=np.int64)
         return lib, picks, counts, (group_scores.data_ptr(), group_scores.stride(0), group_scores.shape[0],
-                                    counts.ctypes.data, first, self.M, group_scores.shape[1], picks.ctypes.data)
+                                    address(counts), first, self.M, group_scores.shape[1], address(picks))
 
     def _native_group_scores(self, layer: int, q: torch.Tensor, max_groups: int, out: torch.Tensor) -> bool:
         """Each group's score into ``out[:, :max_groups]`` by the native scorer, its parts shared with the helper thread
@@ -418,7 +419,7 @@ class LowRankSelector(Selector):
             scratch = torch.empty(needed)
         softmax = self.score_reduce == "softmax"
         job = np.empty(lib.job_bytes, dtype=np.uint8)
-        units = lib.ekv_score_job(job.ctypes.data, *row_args, queries.data_ptr(), batch, n_queries, self.rank, n_tokens,
+        units = lib.ekv_score_job(address(job), *row_args, queries.data_ptr(), batch, n_queries, self.rank, n_tokens,
                                   self.G, kind, int(softmax), scratch.data_ptr(), scratch.numel(), out.data_ptr(),
                                   out.stride(0))
         return ScoreJob(job, (queries, scratch, out), units, lib.phases[softmax]) if units >= 0 else None

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from .disk_store import RecordLayout, aligned_zeros
+from .native_build import address
 from .slots import Misses
 
 SLOT_MEMORIES = ("device", "mapped")  # where a GPU's slots live (config field slot_memory)
@@ -39,7 +40,7 @@ class HostSlots:
 
     def read_addresses(self, layer: int, buffer: int, misses: Misses) -> np.ndarray:
         """Where the reader puts each missed record (in order)."""
-        return self._bytes[buffer].ctypes.data + misses.slot * self.layout.stride_bytes
+        return address(self._bytes[buffer]) + misses.slot * self.layout.stride_bytes
 
     def before_read(self, layer: int, buffer: int) -> None:
         """On an I/O thread, before the layer's reads into ``buffer``: the memory they land in is free (on the CPU

@@ -15,6 +15,7 @@ from typing import Iterable, NamedTuple
 import numpy as np
 
 from . import native_build
+from .native_build import address
 
 log = logging.getLogger(__name__)
 
@@ -124,7 +125,7 @@ class CostAware(Replacement):
         self.cost[:, seq] = 1
 
     def native_rows(self, layer):
-        return self.frequency[layer].ctypes.data, self.cost[layer].ctypes.data
+        return address(self.frequency[layer]), address(self.cost[layer])
 
 
 REPLACEMENTS = {"fifo": Fifo, "lru": Lru, "cost": CostAware}
@@ -299,11 +300,11 @@ class SlotTable(Slots):
         tables = (self.group_at[layer], self.owner_at[layer], self.inserted_at[layer], self.used_at[layer],
                   self.slot_of[layer])
         n_new = lib.ekv_slots_assign(
-            len(self.pool), batch, picks, groups.ctypes.data, valid.ctypes.data,
-            None if owners is None else owners.ctypes.data, self.capacity, self.max_groups, self.pool.ctypes.data,
-            *(table.ctypes.data for table in tables), order, ctypes.byref(clock), slots.ctypes.data,
-            *(row.ctypes.data for row in new), self.hits.ctypes.data if count else None,
-            self.lookups.ctypes.data if count else None, *self.replacement.native_rows(layer))
+            len(self.pool), batch, picks, address(groups), address(valid),
+            None if owners is None else address(owners), self.capacity, self.max_groups, address(self.pool),
+            *(address(table) for table in tables), order, ctypes.byref(clock), address(slots),
+            *(address(row) for row in new), address(self.hits) if count else None,
+            address(self.lookups) if count else None, *self.replacement.native_rows(layer))
         if n_new < 0:
             return None
         self._clock = clock.value
