@@ -256,3 +256,17 @@ def test_the_fused_calls_bench_alternates_them_with_the_forms_they_replaced(caps
                       r"([\d.]+) x the tok/s of replaced forms$", capsys.readouterr().out, re.M)
     assert [row[0] for row in rows] == ["fused calls", "replaced forms"] and float(rows[1][3]) == 1.0
     assert LowRankSelector._top_call is top_call
+
+
+def test_the_fused_calls_bench_replaces_only_the_forms_named_and_refuses_an_unknown_one(capsys):
+    from bench.fused_calls import main as fused_calls
+    from edgekv.runtime.selector import LowRankSelector
+
+    with pytest.raises(SystemExit):
+        fused_calls(["--model", "fixture", "--replace", "norms,fused everything"])
+    assert "fused everything is no form" in capsys.readouterr().err
+    einsum_free = LowRankSelector._low_rank_queries
+    fused_calls(["--model", "fixture", "--context", "200", "--batch", "1", "--kvswap", "G=4,M=6,C=8,sigma=2",
+                 "--rounds", "1", "--steps", "1", "--replace", "glue norms,rope"])
+    assert "replaced: glue norms, rope\n" in capsys.readouterr().out
+    assert LowRankSelector._low_rank_queries is einsum_free
