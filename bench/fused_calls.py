@@ -92,7 +92,8 @@ def main(argv=None) -> None:
     with text_batch(args, room=alternating_room(args, 2), policy=args.policy) as (policy, step):
         model = policy.model
         plans = {True: model.plans, False: _plans(model, replaced)}
-        final_norm = {True: model._final_norm, False: (_module_forward if "norms" in replaced else norm_call)(model.norm)}
+        old_norm = _module_forward if "norms" in replaced else norm_call
+        final_norm = {True: model._final_norm, False: old_norm(model.norm)}
 
         def setting(fused: bool):
             def apply():

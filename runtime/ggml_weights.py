@@ -132,7 +132,8 @@ def ggml() -> Ggml | str:
             return (f"ggml under {folder} numbers its block types otherwise ({name} is not type {number} of "
                     f"{block_bytes} bytes a {elements} elements): an unsupported ggml version; {INSTALL_HINT}")
     glue = unit_kernel("ggml", "ekv_ggml", log, "weights 'ggml' unavailable", {
-        "ekv_ggml_layer": ([p, p, p, p, i64, i64, i32, i64], i32), "ekv_ggml_call": ([p, p, i64, p, p, i32, p, ctypes.c_float], i64)})
+        "ekv_ggml_layer": ([p, p, p, p, i64, i64, i32, i64], i32),
+        "ekv_ggml_call": ([p, p, i64, p, p, i32, p, ctypes.c_float], i64)})
     if glue is None:
         return "edgekv's glue to ggml (runtime/native/ekv_ggml.c) did not build: the log says why"
     cpu.ggml_cpu_init()  # the fp16 tables the dot products read

@@ -25,8 +25,9 @@
  * of it, or all of it while the compute thread goes on.
  *
  * Then each sequence's top-M groups (ekv_top, LowRankSelector._top): the M-th best score by a quickselect, the
- * groups above it and the lowest at it, best first (equal scores to the lower group); a posted select's last phase, so the helper hands over picks, not scores, and the
- * compute thread makes no torch call for them (SmolLM2 8K, the deployed configuration: about 10 a layer).
+ * groups above it and the lowest at it, best first (equal scores to the lower group); a posted select's last phase,
+ * so the helper hands over picks, not scores, and the compute thread makes no torch call for them (SmolLM2 8K, the
+ * deployed configuration: about 10 a layer).
  */
 #include <stdint.h>
 #include <stdlib.h>
