@@ -131,6 +131,7 @@ class GgmlLinear(PackedLinear):
         lib = ggml()
         self.kernel = GgmlMatmul(lib, *blocks_for(lib, linear.weight), self.in_features)
         self.kernels = [self.kernel]  # and its row runs (``rows_call``): the helper thread is lent to each
+        self._row_runs: dict[tuple[int, int], GgmlMatmul] = {}  # (start, stop) -> its kernel, made once
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._through(self.kernel, self.bias, x)
@@ -150,8 +151,10 @@ class GgmlLinear(PackedLinear):
         """Outputs ``start:stop`` by a kernel over those rows' blocks alone (a view, no copy): each output is its own
         row's dot product, so they are the whole layer's to the bit (the next layer's query: q without k and v);
         ``norm``: of x RMS-normed, as ``normed_call``."""
-        kernel = self.kernel.row_run(start, stop)
-        self.kernels.append(kernel)
+        kernel = self._row_runs.get((start, stop))
+        if kernel is None:  # a slice's own call and its normed one share the kernel
+            kernel = self._row_runs[start, stop] = self.kernel.row_run(start, stop)
+            self.kernels.append(kernel)
         bias = None if self.bias is None else self.bias[start:stop]
         return lambda x: self._through(kernel, bias, x, norm)
 

@@ -468,7 +468,8 @@ static void sift_down(const float *s, int64_t *heap, int n, int at) {
 
 /* The k-th largest (k >= 1) of v[0 .. n), v reordered: a quickselect (Hoare's partition about a median of three),
  * linear in n where a heap of M costs a sift for every candidate that beats its root, and K_lr's scores rising with
- * the position (recent groups score higher) beat it at almost every one: 2.2-3.5x torch's topk at a batch of 4. */
+ * the position (recent groups score higher) beat it at almost every one (4 rows of 2048 groups, M 205, this VM:
+ * the heap 173-295 us, this 66-76). */
 static float kth_largest(float *v, int64_t n, int64_t k) {
     int64_t lo = 0, hi = n - 1;
     const int64_t want = k - 1;
