@@ -137,7 +137,8 @@ def native_scorer() -> ctypes.CDLL | None:
     lib = native_build.load_or_none("score", log, "scoring through torch", {
         "ekv_group_scores": (scores, i32), "ekv_score_job": ([p, *scores], i64), "ekv_score_max_rank": ([], i32),
         "ekv_score_job_bytes": ([], i32), "ekv_score_scratch_floats": ([i32, i32, i32, i32], i64),
-        "ekv_top": (top, i32), "ekv_top_job": ([p, *top], i64), "ekv_top_job_bytes": ([], i32)})
+        "ekv_top": (top, i32), "ekv_top_job": ([p, *top], i64), "ekv_top_job_bytes": ([], i32),
+        "ekv_low_rank_queries": ([p, i32, i32, i32, i32, p, i32, ctypes.c_float, i32, p], i32)})
     if lib is None:
         return None
     lib.job_bytes, lib.top_job_bytes = lib.ekv_score_job_bytes(), lib.ekv_top_job_bytes()
@@ -188,7 +189,8 @@ class LowRankSelector(Selector):
         self.rank = rank
         self.n_kv_heads = n_kv_heads
         self.head_dim = head_dim
-        self.adapter = [None] * n_layers if adapter is None else [a.to(device, self.dtype) for a in adapter.matrices]
+        self.adapter = [None] * n_layers if adapter is None else [a.to(device, self.dtype).contiguous()
+                                                                  for a in adapter.matrices]
         self._stacked: torch.Tensor | None = None  # the adapters [L, H_kv * d, rank], once every layer has one
         # rank-major: a token's row is a column, so scoring runs along the tokens (a query element times a stretch of
         # tokens, no sum across a row); int4 packs two consecutive rank positions a byte
@@ -257,7 +259,7 @@ class LowRankSelector(Selector):
             return
         keys = torch.cat([flat for _, _, flat in waiting])
         fitted = LowRankAdapter.fit([keys], self.n_kv_heads, self.head_dim, self.rank)
-        self.adapter[layer] = fitted.matrices[0].to(self.device, self.dtype)
+        self.adapter[layer] = fitted.matrices[0].to(self.device, self.dtype).contiguous()
         self._stacked = None
         self.fitted_on[layer] = keys.shape[0]
         for seq, first_token, flat in waiting:
@@ -273,6 +275,15 @@ class LowRankSelector(Selector):
         """The queries q [B, H, 1, d] projected to rank r, float32 [B, c, r]: one summed query ("sum": summing over
         heads commutes with the projection), or every head's, scaled as attention scales it ("softmax")."""
         b, h, _, d = q.shape
+        lib = native_scorer() if q.device.type == "cpu" else None
+        if lib is not None and self.rank <= lib.max_rank:  # one call (ekv_score.c), the same for both scoring paths
+            if q.dtype != torch.float32 or not q.is_contiguous():
+                q = q.float().contiguous()
+            summed = self.score_reduce == "sum"
+            out = torch.empty(b, 1 if summed else h, self.rank)
+            if lib.ekv_low_rank_queries(q.data_ptr(), b, h, self.n_kv_heads, d, self.adapter[layer].data_ptr(),
+                                        self.rank, self.scaling, int(summed), out.data_ptr()) == 0:
+                return out
         grouped = q.reshape(b, self.n_kv_heads, h // self.n_kv_heads, d)
         adapter = self.adapter[layer].view(self.n_kv_heads, d, -1)
         if self.score_reduce == "sum":

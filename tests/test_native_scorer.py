@@ -34,12 +34,15 @@ def filled_selector(klr_dtype, score_reduce, rank, G, batch, lengths, head_dim=1
 
 
 def both_paths(selector, q, counts, monkeypatch):
-    """(group scores, groups, valid) through the native scorer, then through torch."""
+    """(group scores, groups, valid) through the native scorer, then through torch, from the same low-rank queries
+    (a CPU's both paths project them natively; test_native_low_rank_queries_equal_torchs_projection checks that)."""
     assert selector._native_group_scores(0, q, int(counts.max()), selector._group_scores)  # the native path serves
+    queries = selector._low_rank_queries(0, q)
     out = []
     for native in (True, False):
         if not native:
             monkeypatch.setattr(selector_module, "native_scorer", lambda: None)
+            monkeypatch.setattr(selector, "_low_rank_queries", lambda layer, q: queries)
         groups, valid = selector.select(0, q, counts)
         out.append((selector._group_scores[:, : int(counts.max())].clone(), groups, valid))
     return out
@@ -87,6 +90,27 @@ def test_integer_rows_give_the_torch_paths_scores_to_the_bit(klr_dtype, rank, mo
     inside = torch.from_numpy(np.arange(native.shape[1]) < counts[:, None])
     assert torch.equal(native[inside], torch_scores[inside])
     assert torch.equal(n_valid, t_valid) and torch.equal(n_groups, t_groups)
+
+
+@pytest.mark.parametrize("score_reduce", ["sum", "softmax"])
+@pytest.mark.parametrize("n_heads,n_kv_heads,head_dim,rank", [(6, 2, 16, 7), (4, 4, 64, 33), (9, 3, 64, 96),
+                                                               (8, 1, 256, 256)])
+def test_native_low_rank_queries_equal_torchs_projection(score_reduce, n_heads, n_kv_heads, head_dim, rank,
+                                                         monkeypatch):
+    """The queries' projection (ekv_score.c ekv_low_rank_queries) that a CPU's both scoring paths take: torch's
+    broadcast matmul (a GPU's) within float32 rounding, for GQA, MHA and MQA, odd ranks up to the native maximum,
+    a batch of two, and bfloat16 or non-contiguous queries (widened first: torch's "sum" of bfloat16 heads rounds)."""
+    torch.manual_seed(rank + n_heads)
+    selector = filled_selector("int8", score_reduce, rank, 4, 2, [40, 37], head_dim=head_dim, n_kv_heads=n_kv_heads,
+                               n_heads=n_heads)
+    for q in (torch.randn(2, n_heads, 1, head_dim), torch.randn(2, n_heads, head_dim, 1).transpose(2, 3),
+              torch.randn(2, n_heads, 1, head_dim).bfloat16()):
+        native = selector._low_rank_queries(0, q)
+        with monkeypatch.context() as m:
+            m.setattr(selector_module, "native_scorer", lambda: None)
+            expected = selector._low_rank_queries(0, q.float())  # widened before "sum" adds the heads
+        assert native.shape == expected.shape == (2, 1 if score_reduce == "sum" else n_heads, rank)
+        torch.testing.assert_close(native, expected, rtol=1e-5, atol=1e-5)
 
 
 def test_integer_queries_round_half_to_even_within_127_and_a_zero_query_scores_zero(monkeypatch):

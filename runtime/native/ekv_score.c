@@ -267,6 +267,45 @@ static void integer_logits_of(const uint8_t *rows, int64_t rank_row_bytes, const
     }
 }
 
+/* The queries q [batch, heads, d] (a KV head's query heads adjacent) projected to rank r by their KV head's block of
+ * `adapter` [kv_heads, d, rank] (runtime/selector.py LowRankSelector._low_rank_queries): "softmax", each head's
+ * query times its KV head's projection, times `scaling` -> out [batch, heads, rank]; "sum" (`summed`), each KV head's
+ * queries summed first (summing commutes with the projection) and the KV heads' products summed, unscaled -> out
+ * [batch, rank].  One call where torch dispatched a reshape, a cast, a broadcast matmul and a multiply, each dearer
+ * inside the decode step than alone; the native and the torch scoring paths of a CPU both take these queries, so
+ * they round the same numbers.  Returns 0, or -1 (nothing written) for a rank above MAX_RANK or heads that are not
+ * a whole number of groups. */
+int ekv_low_rank_queries(const float *q, int batch, int heads, int kv_heads, int d, const float *adapter, int rank,
+                         float scaling, int summed, float *out) {
+    if (rank > MAX_RANK || rank < 1 || kv_heads < 1 || heads % kv_heads) return -1;
+    const int group_queries = heads / kv_heads;
+    float sums[MAX_RANK];
+    for (int b = 0; b < batch; b++) {
+        const float *qb = q + (int64_t)b * heads * d;
+        if (summed) {
+            for (int j = 0; j < rank; j++) sums[j] = 0.0f;
+            for (int g = 0; g < kv_heads; g++)
+                for (int i = 0; i < d; i++) {
+                    float x = 0.0f;
+                    for (int k = 0; k < group_queries; k++) x += qb[(g * group_queries + k) * d + i];
+                    const float *row = adapter + ((int64_t)g * d + i) * rank;
+                    for (int j = 0; j < rank; j++) sums[j] += x * row[j];
+                }
+            for (int j = 0; j < rank; j++) out[(int64_t)b * rank + j] = sums[j];
+            continue;
+        }
+        for (int h = 0; h < heads; h++) {
+            const float *x = qb + (int64_t)h * d, *block = adapter + (int64_t)(h / group_queries) * d * rank;
+            for (int j = 0; j < rank; j++) sums[j] = 0.0f;
+            for (int i = 0; i < d; i++)
+                for (int j = 0; j < rank; j++) sums[j] += x[i] * block[(int64_t)i * rank + j];
+            float *o = out + ((int64_t)b * heads + h) * rank;
+            for (int j = 0; j < rank; j++) o[j] = sums[j] * scaling;
+        }
+    }
+    return 0;
+}
+
 /* The largest rank a call takes (the caller scores larger ones through torch; more than MAX_QUERIES queries a
  * sequence too, which no model's heads come near). */
 int ekv_score_max_rank(void) { return MAX_RANK; }
