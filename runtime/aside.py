@@ -77,6 +77,7 @@ class AsideThread:
         self._lib, self._handle = lib, handle
         self.spins = spins  # a job shared with it costs no wake-up: small ones are worth sharing too
         self._kept: deque[tuple[int, tuple]] = deque()  # (ticket, what a posted job points into), oldest first
+        self._share_at = unit_function(lib, "ekv_aside_share")
         self._closed = weakref.finalize(self, lib.ekv_aside_close, handle)  # at close, collection or exit
 
     @classmethod
@@ -118,6 +119,11 @@ class AsideThread:
             run_units(fn, job, units, worker=0)
             return
         self._lib.ekv_aside_share(self._handle, fn, address(job), units)
+
+    def native_share(self) -> tuple[int, int] | None:
+        """(``ekv_aside_share``'s address, this thread's handle) for a kernel that shares its jobs from C, as ``share``
+        does; None once closed (the kernel then runs every unit itself)."""
+        return (self._share_at, self._handle) if self._closed.alive else None
 
     def _forget(self, ticket: int) -> None:
         """Jobs up to ``ticket`` are done: what they pointed into may go."""

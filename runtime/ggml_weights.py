@@ -133,7 +133,8 @@ def ggml() -> Ggml | str:
                     f"{block_bytes} bytes a {elements} elements): an unsupported ggml version; {INSTALL_HINT}")
     glue = unit_kernel("ggml", "ekv_ggml", log, "weights 'ggml' unavailable", {
         "ekv_ggml_layer": ([p, p, p, p, i64, i64, i32, i64], i32),
-        "ekv_ggml_call": ([p, p, i64, p, p, i32, p, ctypes.c_float], i64)})
+        "ekv_ggml_call": ([p, p, i64, p, p, i32, p, ctypes.c_float], i64),
+        "ekv_ggml_block_end": ([p, p, p, p, i64, p, ctypes.c_float, p, p, p, p, p, i32], None)})
     if glue is None:
         return "edgekv's glue to ggml (runtime/native/ekv_ggml.c) did not build: the log says why"
     cpu.ggml_cpu_init()  # the fp16 tables the dot products read
@@ -232,6 +233,49 @@ class GgmlMatmul:
                            *_norm_args(norm))
         if shared:
             self.aside.share(self._unit, self._job, units)
+        return out
+
+
+class GgmlBlockEnd:
+    """A Llama-style block's end in one native call (ekv_ggml.c ekv_ggml_block_end): x plus the output projection of
+    the attention, then plus the SiLU-gated MLP of its RMS norm, over the block's ggml layers (the output projection,
+    gate and up packed as one layer, down).  A decode step's glue between them was ten torch calls a layer; each layer
+    still shares its rows with a lent helper thread as its own call would."""
+
+    def __init__(self, o: GgmlMatmul, gate_up: GgmlMatmul, down: GgmlMatmul, norm: RmsNorm,
+                 biases: tuple[torch.Tensor | None, ...] = (None, None, None)):
+        """``biases``: each layer's bias (float32) or None."""
+        self.kernels, self.norm = (o, gate_up, down), norm
+        self._floats_a_token = o.rows + 3 * down.inputs  # the output projection's or down's, gate/up's, SiLU x up
+        self._xq_bytes = max(kernel.xq_bytes for kernel in self.kernels)
+        self._biases = [None if b is None else b.detach().float().contiguous() for b in biases]
+        self._jobs = (ctypes.c_void_p * 3)(*(kernel._job_at for kernel in self.kernels))
+        self._bias_at = (ctypes.c_void_p * 3)(*(None if b is None else b.data_ptr() for b in self._biases))
+        self._call = o.lib.glue.ekv_ggml_block_end
+        self._tokens = 0
+
+    def _room(self, tokens: int) -> None:
+        """Scratch for ``tokens`` tokens, grown to the largest decode call."""
+        if tokens > self._tokens:
+            self._xq = np.empty(tokens * self._xq_bytes, dtype=np.uint8)
+            self._scratch = np.empty(tokens * self._floats_a_token, dtype=np.float32)
+            self._at, self._tokens = (self._xq.ctypes.data, self._scratch.ctypes.data), tokens
+
+    def __call__(self, x: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor | None:
+        """The block's output for x [B, 1, hidden] and the attention's output [B, H, 1, d], both float32 and
+        contiguous, B under GEMM_TOKENS (a decode step); None for anything else (the caller's torch path serves)."""
+        b, _, t, _ = attn_out.shape
+        if (t != 1 or b >= GEMM_TOKENS or x.dtype != torch.float32 or attn_out.dtype != torch.float32
+                or not x.is_contiguous() or not attn_out.is_contiguous()):
+            return None
+        self._room(b)
+        out = torch.empty(x.shape)
+        aside = self.kernels[0].aside
+        target = aside.native_share() if aside is not None else None
+        shares = 0 if target is None else sum(1 << i for i, k in enumerate(self.kernels) if k._shares or aside.spins)
+        share, handle = target if shares else (None, None)
+        self._call(self._jobs, self._bias_at, x.data_ptr(), attn_out.data_ptr(), b, self.norm.scale.data_ptr(), self.norm.eps,
+                   *self._at, out.data_ptr(), share, handle, shares)
         return out
 
 

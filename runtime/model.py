@@ -23,7 +23,7 @@ from torch import nn
 
 from .errors import ModelError
 from .norms import norm_call
-from .weights import GgmlLinear, check_weight_format, normed_call, packed_call, quantize_linears
+from .weights import GgmlLinear, block_end, check_weight_format, normed_call, packed_call, quantize_linears
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text")
 GLOBAL, SLIDING = "full_attention", "sliding_attention"  # transformers' layer_types
@@ -331,6 +331,10 @@ class DecoderModel:
     def finish_layer(self, layer: int, x: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         """Residual + output projection + MLP; attn_out is [B, H, T, d]."""
         plan = self.plans[layer]
+        if plan.block_end is not None:  # weights 'ggml': one native call
+            out = plan.block_end(x, attn_out)
+            if out is not None:
+                return out
         b, _, t, _ = attn_out.shape
         out = plan.o_proj(attn_out.transpose(1, 2).reshape(b, t, -1))
         if plan.gemma:
@@ -373,6 +377,7 @@ class LayerPlan:
             else (None, False)
         self.mlp = normed_call(mlp_norm, mlp)
         self.packed_mlp = (gate_up, mlp.act_fn.forward, mlp.down_proj.forward) if packed else None
+        self.block_end = block_end(attn.o_proj, mlp, mlp_norm) if packed and not self.gemma else None
 
     def mlp_out(self, x: torch.Tensor) -> torch.Tensor:
         """The gated MLP of x before its norm; with gate and up packed as one layer (int4, ggml), one call for both

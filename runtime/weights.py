@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from .errors import ModelError
-from .ggml_weights import GGML_BLOCK, GgmlMatmul, blocks_for, dequantized, ggml, ggml_unavailable
+from .ggml_weights import GGML_BLOCK, GgmlBlockEnd, GgmlMatmul, blocks_for, dequantized, ggml, ggml_unavailable
 from .norms import RmsNorm, norm_call, rms_norm_of
 
 WEIGHT_FORMATS = ("native", "int8", "int4", "ggml")
@@ -219,6 +219,36 @@ def packed_call(*projections: nn.Module, norm: nn.Module | None = None):
         y = forward(x)
         return tuple(y[..., cut] for cut in cuts)
     return call, True
+
+
+def block_end(o_proj: nn.Module, mlp: nn.Module, norm: nn.Module) -> GgmlBlockEnd | None:
+    """A block's end (its output projection, residual, MLP norm, gated MLP, residual) in one native call where every
+    part is ggml's and Llama's: ``o_proj``, the packed gate/up layer (gate's outputs first) and down ``GgmlLinear``
+    (with their biases, if any), an activation that is SiLU to the bit and a Llama- or Gemma-3-style norm; else
+    None."""
+    gate, up, down = (getattr(mlp, name, None) for name in ("gate_proj", "up_proj", "down_proj"))
+    fused = getattr(gate, "fused", None)
+    if not (isinstance(o_proj, GgmlLinear) and isinstance(down, GgmlLinear) and isinstance(fused, GgmlLinear)
+            and getattr(up, "fused", None) is fused):
+        return None
+    ff = down.in_features
+    if (gate.start, gate.stop, up.start, up.stop, fused.out_features) != (0, ff, ff, 2 * ff, 2 * ff):
+        return None
+    spec = rms_norm_of(norm)
+    if spec is None or not _is_silu(getattr(mlp, "act_fn", None)):
+        return None
+    return GgmlBlockEnd(o_proj.kernel, fused.kernel, down.kernel, spec, (o_proj.bias, fused.bias, down.bias))
+
+
+def _is_silu(act) -> bool:
+    """Whether ``act`` computes torch's SiLU (transformers' ``SiLUActivation``, ``nn.SiLU``), tried on a probe."""
+    if not callable(act):
+        return False
+    probe = torch.linspace(-30.0, 30.0, 121)
+    try:
+        return torch.equal(act(probe), torch.nn.functional.silu(probe))
+    except (TypeError, RuntimeError):
+        return False
 
 
 class RescoredHead(nn.Module):

@@ -186,6 +186,47 @@ def test_under_ggml_a_layers_norms_are_taken_in_its_projections_calls(monkeypatc
     assert len(calls) == torch_norms
 
 
+@pytest.mark.parametrize("spin_us", [None, 0, 300])  # no helper thread, a sleeping one, a spinning one
+@pytest.mark.parametrize("batch", [1, 3])
+def test_a_blocks_end_in_one_native_call_is_its_layers_calls(spin_us, batch):
+    """The output projection, residual, MLP norm, gate/up, SiLU, down and residual of a Llama block in one call
+    (ekv_ggml_block_end; the fixture's output projection has a bias): the torch path's result within SiLU's
+    exponential's rounding (glibc's against torch's), with
+    the layers' rows shared with a helper thread or not; what it does not take (a bfloat16 input, a prefill chunk)
+    goes the torch path."""
+    model = load_model(_fixture(), CPU, torch.float32, 256, weights="ggml")
+    aside = None if spin_us is None else AsideThread.open(spin_us)
+    model.lend_aside(aside, "test")
+    generator = torch.Generator().manual_seed(batch)
+    x = torch.randn(batch, 1, model.dims.hidden, generator=generator)
+    attn = torch.randn(batch, model.dims.n_heads, 1, model.dims.head_dim, generator=generator)
+    for layer, plan in enumerate(model.plans):
+        fused, plan.block_end = plan.block_end, None
+        expected = model.finish_layer(layer, x, attn)
+        plan.block_end = fused
+        assert fused is not None and fused(x, attn) is not None
+        torch.testing.assert_close(model.finish_layer(layer, x, attn), expected, rtol=1e-5, atol=1e-5)
+        assert fused(x.bfloat16(), attn.bfloat16()) is None and fused(x, attn.expand(-1, -1, 2, -1)) is None
+    if aside is not None:
+        aside.close()
+
+
+def test_a_block_end_is_fused_only_where_every_part_is_ggml_and_llamas():
+    """An activation other than SiLU and non-ggml weights keep the torch path (as Gemma 3's blocks do: their
+    attention and MLP outputs are normed)."""
+    from edgekv.runtime.model import LayerPlan
+
+    model = load_model(_fixture(), CPU, torch.float32, 256, weights="ggml")
+    block = model.layers[0]
+    assert LayerPlan(block).block_end is not None
+    block.mlp.act_fn = nn.GELU()
+    assert LayerPlan(block).block_end is None
+    block.mlp.act_fn = nn.SiLU()
+    assert LayerPlan(block).block_end is not None
+    native = load_model(_fixture(), CPU, torch.float32, 256)
+    assert all(plan.block_end is None for plan in native.plans)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("policy", ["full", "kvswap"])
 def test_ggml_weights_decode_close_to_the_models_own(tmp_path, dtype, policy):

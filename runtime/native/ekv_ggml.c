@@ -91,3 +91,44 @@ int64_t ekv_ggml_call(void *job_buffer, const float *x, int64_t tokens, uint8_t 
     for (int64_t unit = 0; unit < units; unit++) ekv_ggml_unit(job, unit, 0);
     return 0;
 }
+
+/* ---- a Llama-style block's end in one call (runtime/ggml_weights.py GgmlBlockEnd) ----------------------------- */
+
+typedef void (*ekv_share_fn)(void *aside, void (*fn)(void *, int64_t, int), void *ctx, int64_t units);
+
+/* One layer of a block's end: units run here, or shared with the helper thread (`share` and `aside` given) */
+static void layer_call(void *job, const float *x, int64_t tokens, uint8_t *xq, float *out, const float *norm_scale,
+                       float eps, ekv_share_fn share, void *aside) {
+    const int64_t units = ekv_ggml_call(job, x, tokens, xq, out, share == NULL, norm_scale, eps);
+    if (share != NULL) share(aside, ekv_ggml_unit, job, units);
+}
+
+/* x + o(attn), then that plus down(silu(gate) * up) of its RMS norm, into `out` [tokens, hidden] (float32): the
+ * output projection, the residual, the MLP's norm (in the gate/up layer's quantizer), the packed gate/up layer (its
+ * first `ff` outputs the gate's, the next `ff` the up's), SiLU times up, the down projection and the residual again;
+ * each layer's bias (`biases[i]`, float32, or NULL) added to its output as torch adds it.  In torch the glue between
+ * the three calls was ten dispatched ops a layer (a transpose, adds, a split, SiLU, a product, ...), each dearer inside
+ * the decode step than its work.  `shares` bit i: layer i (o, gate/up, down) shares its units through `share(aside,
+ * ...)` (ekv_aside.c ekv_aside_share), as its own call would.  `xq` holds one token batch's quantized activations of
+ * the widest layer input; `scratch` tokens * (hidden + 3 ff) floats. */
+void ekv_ggml_block_end(void *const jobs[3], const float *const biases[3], const float *x, const float *attn,
+                        int64_t tokens, const float *norm_scale, float eps, uint8_t *xq, float *scratch, float *out,
+                        ekv_share_fn share, void *aside, int shares) {
+    const ggml_job *o = jobs[0], *down = jobs[2];
+    const int64_t hidden = o->rows, ff = down->inputs;
+    const float *o_bias = biases[0], *gate_up_bias = biases[1], *down_bias = biases[2];
+    float *projected = scratch, *gate_up = scratch + tokens * hidden, *act = gate_up + tokens * 2 * ff;
+    layer_call(jobs[0], attn, tokens, xq, projected, NULL, 0.0f, shares & 1 ? share : NULL, aside);
+    for (int64_t i = 0; i < tokens * hidden; i++)
+        out[i] = x[i] + (o_bias ? projected[i] + o_bias[i % hidden] : projected[i]);
+    layer_call(jobs[1], out, tokens, xq, gate_up, norm_scale, eps, shares & 2 ? share : NULL, aside);
+    for (int64_t t = 0; t < tokens; t++) {
+        float *gate = gate_up + t * 2 * ff, *up = gate + ff;
+        if (gate_up_bias)
+            for (int64_t i = 0; i < 2 * ff; i++) gate[i] += gate_up_bias[i];
+        for (int64_t i = 0; i < ff; i++) act[t * ff + i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
+    }
+    layer_call(jobs[2], act, tokens, xq, projected, NULL, 0.0f, shares & 4 ? share : NULL, aside);
+    for (int64_t i = 0; i < tokens * hidden; i++)
+        out[i] += down_bias ? projected[i] + down_bias[i % hidden] : projected[i];
+}
