@@ -134,7 +134,8 @@ def ggml() -> Ggml | str:
     glue = unit_kernel("ggml", "ekv_ggml", log, "weights 'ggml' unavailable", {
         "ekv_ggml_layer": ([p, p, p, p, i64, i64, i32, i64], i32),
         "ekv_ggml_call": ([p, p, i64, p, p, i32, p, ctypes.c_float], i64),
-        "ekv_ggml_block_end": ([p, p, p, p, i64, p, ctypes.c_float, p, p, p, p, p, i32], None)})
+        "ekv_ggml_block_end": ([p, p, p, p, i64, p, ctypes.c_float, p, p, p, p, p, i32], None),
+        "ekv_ggml_heads": ([p, p, p, i64, p, ctypes.c_float, p, p, p, p, i32, i32, i32, p, p, p, p, p], None)})
     if glue is None:
         return "edgekv's glue to ggml (runtime/native/ekv_ggml.c) did not build: the log says why"
     cpu.ggml_cpu_init()  # the fp16 tables the dot products read
@@ -277,6 +278,51 @@ class GgmlBlockEnd:
         self._call(self._jobs, self._bias_at, x.data_ptr(), attn_out.data_ptr(), b, self.norm.scale.data_ptr(), self.norm.eps,
                    *self._at, out.data_ptr(), share, handle, shares)
         return out
+
+
+class GgmlHeads:
+    """A layer's call with its input norm, cut into heads and rotated, in one native call (ekv_ggml.c
+    ekv_ggml_heads): a packed q/k/v layer into q and k rotated and v (``k_heads`` > 0), or q's rows alone into q (the
+    next layer's query).  The torch path's numbers to the bit; a decode step's views, split and rotation were 7 to 13
+    torch calls a layer."""
+
+    def __init__(self, kernel: GgmlMatmul, bias: torch.Tensor | None, norm: RmsNorm, head_dim: int, q_heads: int,
+                 k_heads: int = 0):
+        self.kernel, self.norm, self.head_dim, self.q_heads, self.k_heads = kernel, norm, head_dim, q_heads, k_heads
+        self.v_heads = kernel.rows // head_dim - q_heads - k_heads
+        self._bias = None if bias is None else bias.detach().float().contiguous()
+        self._bias_at = None if bias is None else self._bias.data_ptr()
+        self._call = kernel.lib.glue.ekv_ggml_heads
+        self._tokens = 0
+
+    def _room(self, tokens: int) -> None:
+        if tokens > self._tokens:
+            self._xq = np.empty(tokens * self.kernel.xq_bytes, dtype=np.uint8)
+            self._scratch = np.empty(tokens * self.kernel.rows, dtype=np.float32)
+            self._at, self._tokens = (self._xq.ctypes.data, self._scratch.ctypes.data), tokens
+
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None:
+        """(q [B, H, 1, d], k [B, H_kv, 1, d], v [B, H_kv, 1, d]; k and v None for q's rows alone) for x [B, 1, in]
+        and RoPE's cos and signed sin [B, 1, 1, d] (runtime/model.py rope_pair), all float32 and contiguous, B under
+        GEMM_TOKENS (a decode step); None for anything else (the caller's torch path serves)."""
+        b, t = x.shape[:2]
+        if (t != 1 or b >= GEMM_TOKENS or x.dtype != torch.float32 or cos.dtype != torch.float32
+                or signed_sin.dtype != torch.float32 or cos.numel() != b * self.head_dim != signed_sin.numel()
+                or not (x.is_contiguous() and cos.is_contiguous() and signed_sin.is_contiguous())):
+            return None
+        self._room(b)
+        d = self.head_dim
+        q = torch.empty(b, self.q_heads, 1, d)
+        k = torch.empty(b, self.k_heads, 1, d) if self.k_heads else None
+        v = torch.empty(b, self.v_heads, 1, d) if self.v_heads else None
+        aside = self.kernel.aside
+        target = aside.native_share() if aside is not None and (self.kernel._shares or aside.spins) else None
+        share, handle = target or (None, None)
+        self._call(self.kernel._job_at, self._bias_at, x.data_ptr(), b, self.norm.scale.data_ptr(), self.norm.eps,
+                   *self._at, cos.data_ptr(), signed_sin.data_ptr(), d, self.q_heads, self.k_heads, q.data_ptr(),
+                   None if k is None else k.data_ptr(), None if v is None else v.data_ptr(), share, handle)
+        return q, k, v
 
 
 def _norm_args(norm: RmsNorm | None) -> tuple[int | None, float]:

@@ -23,7 +23,8 @@ from torch import nn
 
 from .errors import ModelError
 from .norms import norm_call
-from .weights import GgmlLinear, block_end, check_weight_format, normed_call, packed_call, quantize_linears
+from .weights import (GgmlLinear, block_end, check_weight_format, heads_call, normed_call, packed_call,
+                      quantize_linears)
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text")
 GLOBAL, SLIDING = "full_attention", "sliding_attention"  # transformers' layer_types
@@ -312,12 +313,20 @@ class DecoderModel:
     def query(self, layer: int, x: torch.Tensor, rope: "Rope") -> torch.Tensor:
         """Post-RoPE queries [B, H, T, d] of ``layer`` for hidden states x [B, T, hidden] (before its norm)."""
         plan = self.plans[layer]
+        if plan.q_heads is not None:
+            heads = plan.q_heads(x, *rope.at(layer))
+            if heads is not None:
+                return heads[0]
         return self._heads(plan.q_proj(x), plan.q_norm, *rope.at(layer))
 
     def qkv(self, layer: int, x: torch.Tensor, rope: "Rope"):
         """Post-RoPE q [B, H, T, d], k and v [B, H_kv, T, d] of ``layer`` for x [B, T, hidden]."""
         plan = self.plans[layer]
         cos, sin = rope.at(layer)
+        if plan.qkv_heads is not None:  # weights 'ggml': one native call
+            heads = plan.qkv_heads(x, cos, sin)
+            if heads is not None:
+                return heads
         if plan.qkv_whole is not None:  # packed, no q/k norms: q's and k's heads side by side, rotated in one pass
             y = plan.qkv_whole(x)
             q, k = self._heads(y[..., : plan.qk_columns], None, cos, sin).split(plan.qk_heads, dim=1)
@@ -368,6 +377,10 @@ class LayerPlan:
         self.qk_columns = attn.q_proj.out_features + attn.k_proj.out_features
         self.qk_heads = [attn.q_proj.out_features // attn.head_dim, attn.k_proj.out_features // attn.head_dim]
         self.q_proj, self.o_proj = normed_call(inputs, attn.q_proj), attn.o_proj.forward
+        # weights 'ggml': the projections, their heads and RoPE in one native call (packed q/k/v, and q's rows)
+        self.qkv_heads = heads_call(attn.q_proj.fused, inputs, attn.head_dim, *self.qk_heads) if whole else None
+        self.q_heads = heads_call(attn.q_proj, inputs, attn.head_dim, self.qk_heads[0]) if self.q_norm is None \
+            else None
         self.gemma = hasattr(block, "pre_feedforward_layernorm")  # normed attention and MLP outputs
         if self.gemma:
             self.post_attention_norm = norm_call(block.post_attention_layernorm)

@@ -76,7 +76,9 @@ LIBRARIES = {
     "dense": NativeLibrary("dense", "ekv_dense.c", ("-O3", "-march=native", "-fassociative-math", "-fno-signed-zeros",
                                                     "-fno-trapping-math", "-fno-math-errno"), ("-lm",),
                            "the in-memory cache's decode attention", per_machine=True, headers=("ekv_float.h",)),
-    "ggml": NativeLibrary("ggml", "ekv_ggml.c", ("-O2",), ("-lm",), "the glue to ggml's dot products (weights 'ggml')"),
+    # no contraction into FMAs (aarch64's default): its RoPE rounds each product as torch's separate calls do
+    "ggml": NativeLibrary("ggml", "ekv_ggml.c", ("-O2", "-ffp-contract=off"), ("-lm",),
+                          "the glue to ggml's dot products (weights 'ggml')"),
     "aside": NativeLibrary("aside", "ekv_aside.c", ("-O2", "-pthread"), ("-lpthread",),
                            "the decode step's helper thread"),
     "slots": NativeLibrary("slots", "ekv_slots.c", ("-O2",), (), "the reuse buffer's slot assignment"),

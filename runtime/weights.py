@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from .errors import ModelError
-from .ggml_weights import GGML_BLOCK, GgmlBlockEnd, GgmlMatmul, blocks_for, dequantized, ggml, ggml_unavailable
+from .ggml_weights import GGML_BLOCK, GgmlBlockEnd, GgmlHeads, GgmlMatmul, blocks_for, dequantized, ggml, ggml_unavailable
 from .norms import RmsNorm, norm_call, rms_norm_of
 
 WEIGHT_FORMATS = ("native", "int8", "int4", "ggml")
@@ -151,12 +151,17 @@ class GgmlLinear(PackedLinear):
         """Outputs ``start:stop`` by a kernel over those rows' blocks alone (a view, no copy): each output is its own
         row's dot product, so they are the whole layer's to the bit (the next layer's query: q without k and v);
         ``norm``: of x RMS-normed, as ``normed_call``."""
-        kernel = self._row_runs.get((start, stop))
-        if kernel is None:  # a slice's own call and its normed one share the kernel
-            kernel = self._row_runs[start, stop] = self.kernel.row_run(start, stop)
-            self.kernels.append(kernel)
+        kernel = self.row_kernel(start, stop)
         bias = None if self.bias is None else self.bias[start:stop]
         return lambda x: self._through(kernel, bias, x, norm)
+
+    def row_kernel(self, start: int, stop: int) -> GgmlMatmul:
+        """The kernel of outputs ``start:stop`` alone, made once (a slice's calls share it)."""
+        kernel = self._row_runs.get((start, stop))
+        if kernel is None:
+            kernel = self._row_runs[start, stop] = self.kernel.row_run(start, stop)
+            self.kernels.append(kernel)
+        return kernel
 
     def dequantized(self):
         k = self.kernel
@@ -219,6 +224,22 @@ def packed_call(*projections: nn.Module, norm: nn.Module | None = None):
         y = forward(x)
         return tuple(y[..., cut] for cut in cuts)
     return call, True
+
+
+def heads_call(layer: nn.Module, norm: nn.Module, head_dim: int, q_heads: int, k_heads: int = 0) -> GgmlHeads | None:
+    """``layer`` of x normed by ``norm``, cut into heads and RoPE'd in one native call where it is ggml's and the norm
+    Llama's or Gemma 3's: a packed q/k/v ``GgmlLinear`` (``k_heads`` > 0), or q's ``PackedSlice`` of one (the next
+    layer's query); else None."""
+    spec = rms_norm_of(norm)
+    if spec is None or head_dim % 2:
+        return None
+    if isinstance(layer, GgmlLinear):
+        return GgmlHeads(layer.kernel, layer.bias, spec, head_dim, q_heads, k_heads)
+    fused = getattr(layer, "fused", None)
+    if isinstance(layer, PackedSlice) and isinstance(fused, GgmlLinear):
+        bias = None if fused.bias is None else fused.bias[layer.start : layer.stop]
+        return GgmlHeads(fused.row_kernel(layer.start, layer.stop), bias, spec, head_dim, q_heads, k_heads)
+    return None
 
 
 def block_end(o_proj: nn.Module, mlp: nn.Module, norm: nn.Module) -> GgmlBlockEnd | None:

@@ -211,6 +211,31 @@ def test_a_blocks_end_in_one_native_call_is_its_layers_calls(spin_us, batch):
         aside.close()
 
 
+@pytest.mark.parametrize("spin_us", [None, 300])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_projections_into_rotated_heads_in_one_native_call_are_the_torch_paths_to_the_bit(spin_us, batch):
+    """A packed q/k/v layer (the fixture's has biases) with its input norm, heads and RoPE in one call
+    (ekv_ggml_heads), and the next layer's query from q's rows alone: the torch path's tensors bit for bit, at
+    different positions a row; a bfloat16 input or a prefill chunk goes the torch path."""
+    model = load_model(_fixture(), CPU, torch.float32, 256, weights="ggml")
+    aside = None if spin_us is None else AsideThread.open(spin_us)
+    model.lend_aside(aside, "test")
+    x = torch.randn(batch, 1, model.dims.hidden, generator=torch.Generator().manual_seed(batch))
+    rope = model.rope(torch.tensor([[5 + 70 * row] for row in range(batch)]))
+    for layer, plan in enumerate(model.plans):
+        fused = plan.qkv_heads, plan.q_heads
+        assert None not in fused
+        got = model.qkv(layer, x, rope), model.query(layer, x, rope)
+        plan.qkv_heads = plan.q_heads = None
+        expected = model.qkv(layer, x, rope), model.query(layer, x, rope)
+        plan.qkv_heads, plan.q_heads = fused
+        for mine, theirs in zip([*got[0], got[1]], [*expected[0], expected[1]]):
+            assert mine.shape == theirs.shape and torch.equal(mine, theirs)
+        assert fused[0](x.bfloat16(), *rope.at(layer)) is None and fused[1](x.expand(-1, 2, -1), *rope.at(layer)) is None
+    if aside is not None:
+        aside.close()
+
+
 def test_a_block_end_is_fused_only_where_every_part_is_ggml_and_llamas():
     """An activation other than SiLU and non-ggml weights keep the torch path (as Gemma 3's blocks do: their
     attention and MLP outputs are normed)."""
@@ -224,7 +249,7 @@ def test_a_block_end_is_fused_only_where_every_part_is_ggml_and_llamas():
     block.mlp.act_fn = nn.SiLU()
     assert LayerPlan(block).block_end is not None
     native = load_model(_fixture(), CPU, torch.float32, 256)
-    assert all(plan.block_end is None for plan in native.plans)
+    assert all(plan.block_end is plan.qkv_heads is plan.q_heads is None for plan in native.plans)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

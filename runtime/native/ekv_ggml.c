@@ -132,3 +132,34 @@ void ekv_ggml_block_end(void *const jobs[3], const float *const biases[3], const
     for (int64_t i = 0; i < tokens * hidden; i++)
         out[i] += down_bias ? projected[i] + down_bias[i % hidden] : projected[i];
 }
+
+/* ---- a block's projections into rotated heads in one call (runtime/ggml_weights.py GgmlHeads) ------------------- */
+
+/* x's rows through the layer (normed first where `norm_scale`; `bias` float32 or NULL added as torch adds it), each
+ * row cut into heads of `d`: its first `q_heads` into q [tokens, q_heads, d] and the next `k_heads` into k, both
+ * rotated by RoPE as runtime/model.py _rotate does (y * cos + roll(y, d / 2) * signed_sin, the products rounded apart
+ * as torch's separate calls round them: this file is built without FMA), and the rest of the row into v unrotated.
+ * cos and signed_sin: [tokens, d].  A packed q/k/v layer is 1 + 13 dispatched torch calls a layer (the split, the
+ * views, the transposes, the rotation's four), the next layer's query 1 + 6. */
+void ekv_ggml_heads(void *job_buffer, const float *bias, const float *x, int64_t tokens, const float *norm_scale,
+                    float eps, uint8_t *xq, float *scratch, const float *cos, const float *signed_sin, int d,
+                    int q_heads, int k_heads, float *q, float *k, float *v, ekv_share_fn share, void *aside) {
+    const ggml_job *job = job_buffer;
+    const int64_t rows = job->rows, rotated = (int64_t)(q_heads + k_heads) * d, half = d / 2;
+    layer_call(job_buffer, x, tokens, xq, scratch, norm_scale, eps, share, aside);
+    for (int64_t t = 0; t < tokens; t++) {
+        float *y = scratch + t * rows;
+        if (bias)
+            for (int64_t i = 0; i < rows; i++) y[i] += bias[i];
+        const float *c = cos + t * d, *s = signed_sin + t * d;
+        for (int h = 0; h < q_heads + k_heads; h++) {
+            const float *head = y + (int64_t)h * d;
+            float *o = h < q_heads ? q + (t * q_heads + h) * d : k + (t * k_heads + h - q_heads) * d;
+            for (int64_t i = 0; i < d; i++) {
+                const float turned = head[i < half ? i + half : i - half] * s[i];
+                o[i] = head[i] * c[i] + turned;
+            }
+        }
+        for (int64_t i = rotated; i < rows; i++) v[t * (rows - rotated) + i - rotated] = y[i];
+    }
+}
