@@ -36,7 +36,8 @@ from .forward import decode_attention, decode_attention_part, merge_attention
 from .kv_policy import KVPolicy
 from .config import RuntimeConfig
 from .model import DecoderModel
-from .record_attention import RecordAttention
+from .native_build import address
+from .record_attention import RecordAttention, native_attention
 from .selector import Selector
 from .transfer import to_device
 from .slot_memory import LAYERS_IN_FLIGHT, slot_memory
@@ -99,6 +100,16 @@ class OffloadedKV(KVPolicy):
                                    dtype=model.dtype, device=model.device)
         self.sinks = torch.zeros(dims.n_layers, batch, 2, dims.n_kv_heads, self.sink_groups * self.G, dims.head_dim,
                                  dtype=model.dtype, device=model.device)
+        # on a CPU a step's K and V land in the ring by one native call (record_attention.py native_attention's
+        # ekv_put_rows), where torch's two index_put calls cost ~70 us a layer inside the step: the ring's rows of
+        # one token's head, [K|V, B, H_kv] of layer 0 at the ring's first position, and then at the step's
+        lib = native_attention() if model.device.type == "cpu" else None
+        self._put_rows = None if lib is None else lib.ekv_put_rows
+        self._ring_first_rows = ((np.arange(2)[:, None, None] + 2 * np.arange(batch)[None, :, None]) * dims.n_kv_heads
+                                 + np.arange(dims.n_kv_heads)) * self.rolling.shape[4]
+        self._ring_layer_rows = self._ring_first_rows.size * self.rolling.shape[4]
+        self._ring_row_bytes = dims.head_dim * self.rolling.element_size()
+        self._ring_step_rows = None
         self.n_groups = np.zeros(batch, dtype=np.int64)
         self.rb_len = np.zeros(batch, dtype=np.int64)
         self._picking: dict[int, HostPicks] = {}  # layer -> picks launched, not yet on the host
@@ -314,7 +325,18 @@ class OffloadedKV(KVPolicy):
         if self._step is None:
             write_at = self.n_groups % self.ring_groups * self.G + self.rb_len
             self._step = (to_device(write_at, device), self._resident_mask(device))
+            self._ring_step_rows = np.ascontiguousarray(self._ring_first_rows + write_at[:, None])
         return self._step
+
+    def _write_ring(self, layer: int, k: torch.Tensor, v: torch.Tensor, write_at: torch.Tensor) -> None:
+        """The step's own K and V [B, H_kv, 1, d] into their ring slot of ``layer`` (at ``write_at`` [B])."""
+        if self._put_rows is not None and k.is_contiguous() and v.is_contiguous() and k.dtype == self.rolling.dtype:
+            self._put_rows(self.rolling.data_ptr(), self._ring_row_bytes, address(self._ring_step_rows),
+                           layer * self._ring_layer_rows, k.data_ptr(), v.data_ptr(), k.shape[0] * k.shape[1])
+            return
+        rolling = self.rolling[layer]
+        rolling[self._batch_index, 0, :, write_at] = k[:, :, 0]
+        rolling[self._batch_index, 1, :, write_at] = v[:, :, 0]
 
     def _resident_mask(self, device) -> torch.Tensor:
         """[B, S + (W + 1) * G]: which sink and ring positions hold tokens to attend (never one the picks hold)."""
@@ -348,10 +370,8 @@ class OffloadedKV(KVPolicy):
         if not self.selector.reads_ahead:
             started = time.perf_counter()
             self._fetch_picks(layer, *self._pick(layer, q), self._active, started)
-        rolling = self.rolling[layer]
         write_at, resident = self._step_tensors(q.device)
-        rolling[self._batch_index, 0, :, write_at] = k[:, :, 0]
-        rolling[self._batch_index, 1, :, write_at] = v[:, :, 0]
+        self._write_ring(layer, k, v, write_at)
         correcting = self._corrects(layer)
         self.corrected_layer_steps += [correcting, 1]
         if correcting:  # rescored while the guess's reads may still be landing

@@ -37,7 +37,8 @@ def native_attention() -> ctypes.CDLL | None:
               i64, p]
     return unit_kernel("attend", "ekv_attend", log, "attending through torch", {
         "ekv_attend": (attend, i32), "ekv_attend_job": ([p, *attend], i64),
-        "ekv_attend_scratch_bytes": ([i32, i32, i64, i32], i64)}, maxima=("head_dim", "group_queries"))
+        "ekv_attend_scratch_bytes": ([i32, i32, i64, i32], i64), "ekv_put_rows": ([p, i64, p, i64, p, p, i64], None)},
+        maxima=("head_dim", "group_queries"))
 
 
 class RecordAttention:

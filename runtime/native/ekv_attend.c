@@ -248,3 +248,14 @@ int ekv_attend(const float *q, int batch, int n_kv_heads, int group_queries, int
     for (int64_t u = 0; u < units; u++) ekv_attend_unit(&job, u, 0);
     return 0;
 }
+
+/* The step's own K and V into their window ring (runtime/offload.py OffloadedKV._write_ring): `rows` rows of
+ * `row_bytes` from k, then as many from v (each contiguous, [batch, H_kv] rows of one token's head), to rows
+ * `at[i] + offset` of `dst` (`at`: K's rows, then V's).  One call where torch's two index_put calls cost ~70 us a
+ * layer inside a decode step. */
+void ekv_put_rows(uint8_t *dst, int64_t row_bytes, const int64_t *at, int64_t offset, const uint8_t *k,
+                  const uint8_t *v, int64_t rows) {
+    for (int64_t i = 0; i < rows; i++) memcpy(dst + (at[i] + offset) * row_bytes, k + i * row_bytes, row_bytes);
+    for (int64_t i = 0; i < rows; i++)
+        memcpy(dst + (at[rows + i] + offset) * row_bytes, v + i * row_bytes, row_bytes);
+}
