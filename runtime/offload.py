@@ -110,6 +110,7 @@ class OffloadedKV(KVPolicy):
         self._ring_layer_rows = self._ring_first_rows.size * self.rolling.shape[4]
         self._ring_row_bytes = dims.head_dim * self.rolling.element_size()
         self._ring_step_rows = None
+        self._dense_segments: dict[int, np.ndarray] = {}  # layer -> its sinks and ring as the native attention reads them
         self.n_groups = np.zeros(batch, dtype=np.int64)
         self.rb_len = np.zeros(batch, dtype=np.int64)
         self._picking: dict[int, HostPicks] = {}  # layer -> picks launched, not yet on the host
@@ -405,7 +406,11 @@ class OffloadedKV(KVPolicy):
         straight from the slots where the native kernel serves, else through a gathered copy."""
         if self.record_attention is not None:
             records = self.slot_memory.buffer_records(self.slots.buffer_index(layer))
-            return self.record_attention(q, records, slots, valid, [self.sinks[layer], self.rolling[layer]], resident)
+            dense = self._dense_segments.get(layer)
+            if dense is None:  # the sinks and the ring stay where they are: found once a layer
+                dense = self._dense_segments[layer] = self.record_attention.segments([self.sinks[layer],
+                                                                                      self.rolling[layer]])
+            return self.record_attention(q, records, slots, valid, dense, resident)
         keys, values, mask = self._keys_values(layer, q, slots, valid, resident)
         return decode_attention(self.model, q, keys, values, mask)
 

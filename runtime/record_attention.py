@@ -57,6 +57,9 @@ class RecordAttention:
         self.scales = np.array([codec.spans[name][0] for name in SCALES] if coded else [0] * 4, dtype=np.int64)
         self.keys_per_channel = int(coded and codec.keys_per_channel)
         self._scratch = np.empty(0, dtype=np.uint8)
+        self._job: np.ndarray | None = None  # a shared call's job, made once (the call returns once it is done)
+        self._worker_bytes: dict[tuple[int, int, int], int] = {}  # (picks, dense tokens, group queries) -> scratch
+        self._mask_of, self._mask_args = None, ()  # the last dense mask, and (its uint8 view, address, row stride)
 
     @classmethod
     def for_layout(cls, layout: RecordLayout, n_heads: int, scaling: float, device: torch.device, dtype: torch.dtype
@@ -72,43 +75,54 @@ class RecordAttention:
             return None
         return cls(lib, layout, scaling, dtype)
 
-    def __call__(self, q: torch.Tensor, records: np.ndarray, slots: np.ndarray, valid: np.ndarray,
-                 dense: list[torch.Tensor], dense_mask: torch.Tensor) -> torch.Tensor:
-        """q [B, H, 1, d]; records uint8 [n_slots, stride] (the slots); slots int64 and valid bool [B, M] (flat slot
-        of each pick); dense: segments [B, 2, H_kv, S_i, d] in the model's dtype; dense_mask bool [B, sum S_i].
-        Returns the attention output [B, H, 1, d] in q's dtype."""
-        b, h, _, d = q.shape
-        layout, group_queries = self.layout, h // self.layout.n_kv_heads
-        query = q.reshape(b, h, d).float().contiguous()
-        out = torch.empty(b, h, d)
-        slots = np.ascontiguousarray(slots, dtype=np.int64)
-        valid = np.ascontiguousarray(valid, dtype=bool).view(np.uint8)
-        mask = dense_mask.contiguous().view(torch.uint8)
+    def segments(self, dense: list[torch.Tensor]) -> np.ndarray:
+        """Dense segments [B, 2, H_kv, S_i, d] as the kernel takes them, [n, 2] int64 (address, S_i): made once by a
+        caller whose segments stay where they are (a policy's sinks and ring, a layer each)."""
         if any(segment.dtype != self.dtype or not segment.is_contiguous() for segment in dense):
             raise ValueError(f"dense segments of {[(s.dtype, s.is_contiguous()) for s in dense]} (dtype, contiguous): "
                              f"the kernel reads contiguous {self.dtype}, the model's dtype")
-        segments = np.array([[segment.data_ptr(), segment.shape[3]] for segment in dense],
-                            dtype=np.int64).reshape(-1, 2)
-        worker_bytes = -(-self.lib.ekv_attend_scratch_bytes(slots.shape[1], layout.group_tokens,
-                                                            int(segments[:, 1].sum()), group_queries) // 64) * 64
+        return np.array([[segment.data_ptr(), segment.shape[3]] for segment in dense], dtype=np.int64).reshape(-1, 2)
+
+    def __call__(self, q: torch.Tensor, records: np.ndarray, slots: np.ndarray, valid: np.ndarray,
+                 dense: list[torch.Tensor] | np.ndarray, dense_mask: torch.Tensor) -> torch.Tensor:
+        """q [B, H, 1, d]; records uint8 [n_slots, stride] (the slots); slots int64 and valid bool [B, M] (flat slot
+        of each pick); dense: segments [B, 2, H_kv, S_i, d] in the model's dtype, or ``segments`` of them;
+        dense_mask bool [B, sum S_i] (a step's layers pass the same one: it is prepared once).  Returns the attention
+        output [B, H, 1, d] in q's dtype."""
+        b, h, _, d = q.shape
+        layout, group_queries = self.layout, h // self.layout.n_kv_heads
+        query = q if q.dtype == torch.float32 and q.is_contiguous() else q.float().contiguous()
+        out = torch.empty(b, h, 1, d)
+        slots = np.ascontiguousarray(slots, dtype=np.int64)
+        valid = np.ascontiguousarray(valid, dtype=bool).view(np.uint8)
+        if dense_mask is not self._mask_of:  # held, so no later mask takes its id
+            mask = dense_mask.contiguous().view(torch.uint8)
+            self._mask_of, self._mask_args = dense_mask, (mask, mask.data_ptr(), mask.stride(0))
+        segments = dense if isinstance(dense, np.ndarray) else self.segments(dense)
+        sizes = (slots.shape[1], int(segments[:, 1].sum()), group_queries)
+        worker_bytes = self._worker_bytes.get(sizes)
+        if worker_bytes is None:
+            worker_bytes = self._worker_bytes[sizes] = -(-self.lib.ekv_attend_scratch_bytes(
+                sizes[0], layout.group_tokens, sizes[1], group_queries) // 64) * 64
         workers = 1 if self.aside is None else 2  # the caller's part of the scratch, then the helper's
         if self._scratch.nbytes < workers * worker_bytes:
             self._scratch = np.empty(workers * worker_bytes, dtype=np.uint8)
         arguments = (query.data_ptr(), b, layout.n_kv_heads, group_queries, d, self.scaling, address(records),
                      records.strides[0], records.shape[0], address(slots), address(valid), slots.shape[1],
                      layout.group_tokens, self.record_kind, address(self.scales), self.keys_per_channel,
-                     address(segments), len(dense), mask.data_ptr(), mask.stride(0), self.dense_kind,
+                     address(segments), len(segments), *self._mask_args[1:], self.dense_kind,
                      address(self._scratch), worker_bytes, out.data_ptr())
         if self.aside is None:
             code = self.lib.ekv_attend(*arguments)
         else:
-            job = np.empty(self.lib.job_bytes, dtype=np.uint8)
-            code = self.lib.ekv_attend_job(address(job), *arguments)
+            if self._job is None:
+                self._job = np.empty(self.lib.job_bytes, dtype=np.uint8)
+            code = self.lib.ekv_attend_job(address(self._job), *arguments)
             if code > 0:
-                self.aside.share(self.lib.unit, job, code)
+                self.aside.share(self.lib.unit, self._job, code)
             code = min(code, 0)
         if code != 0:  # for_layout checked the head shape, the slot table gives slots inside the buffer: a bug
             raise RuntimeError("the native attention refused its input: " + (
                 "a valid pick's slot lies outside the slots" if code == -1 else "a head shape above its maxima, an "
                 "unknown kind or a short scratch"))
-        return out.to(q.dtype).view(b, h, 1, d)
+        return out if q.dtype == torch.float32 else out.to(q.dtype)
