@@ -34,7 +34,7 @@ def native_aside() -> ctypes.CDLL | None:
     return native_build.load_or_none("aside", log, "the decode step computes on its own thread", {
         "ekv_aside_open": ([], p), "ekv_aside_post": ([p, p, p, i64], i64), "ekv_aside_done": ([p, i64], i32),
         "ekv_aside_wait": ([p, i64], None), "ekv_aside_share": ([p, p, p, i64], None), "ekv_aside_close": ([p], None),
-        "ekv_aside_spin": ([p, i64], None)})
+        "ekv_aside_spin": ([p, i64], None), "ekv_aside_post_chain": ([p, p, p, p, i32], i64)})
 
 
 def unit_function(lib: ctypes.CDLL, name: str) -> int:
@@ -99,6 +99,19 @@ class AsideThread:
             return 0
         ticket = self._lib.ekv_aside_post(self._handle, fn, address(job), units)
         self._kept.append((ticket, (job, *keep)))
+        return ticket
+
+    def post_chain(self, jobs: list[tuple[int, np.ndarray, int]], keep: tuple = ()) -> int:
+        """Each (fn, job, units) of ``jobs`` posted in order in one call (``post`` each); the last one's ticket."""
+        if not self._closed.alive:
+            for fn, job, units in jobs:
+                run_units(fn, job, units, worker=1)
+            return 0
+        n = len(jobs)
+        fns, units = (ctypes.c_void_p * n)(*(job[0] for job in jobs)), (ctypes.c_int64 * n)(*(job[2] for job in jobs))
+        ctxs = (ctypes.c_void_p * n)(*(address(job[1]) for job in jobs))
+        ticket = self._lib.ekv_aside_post_chain(self._handle, fns, ctxs, units, n)
+        self._kept.append((ticket, (*(job[1] for job in jobs), *keep)))
         return ticket
 
     def done(self, ticket: int) -> bool:

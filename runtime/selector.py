@@ -347,14 +347,15 @@ class LowRankSelector(Selector):
             scratch = self._posted_scratch.pop() if self._posted_scratch else torch.empty(0)
             job = self._native_job(layer, q, max_groups, out, scratch)
             if job is not None:
-                for fn in job.phases:  # the helper runs posted jobs in order: a phase's units after the last one's
-                    ticket = self.aside.post(fn, job.buffer, job.units, keep=job.keep)
+                # the helper runs posted jobs in order: a phase's units after the last one's
+                jobs, keep = [(fn, job.buffer, job.units) for fn in job.phases], job.keep
                 call = self._top_call(out, counts, first)
                 if call is not None:  # then the top-M, there too: the caller only reads the picks
                     lib, picks, kept_counts, args = call
                     top_job = np.empty(lib.top_job_bytes, dtype=np.uint8)
-                    units = _top_units(lib.ekv_top_job(address(top_job), *args))
-                    ticket = self.aside.post(lib.top_unit, top_job, units, keep=(picks, kept_counts, out))
+                    jobs.append((lib.top_unit, top_job, _top_units(lib.ekv_top_job(address(top_job), *args))))
+                    keep += (picks, kept_counts)
+                ticket = self.aside.post_chain(jobs, keep)
 
                 def made() -> np.ndarray:
                     self._posted_scratch.append(job.keep[1])

@@ -139,6 +139,14 @@ int64_t ekv_aside_post(ekv_aside *a, ekv_unit_fn fn, void *ctx, int64_t units) {
     return ticket;
 }
 
+/* `n` jobs posted in order in one call (a select's scores, votes and top-M: one crossing from Python where there were
+ * three); returns the last one's ticket. */
+int64_t ekv_aside_post_chain(ekv_aside *a, const ekv_unit_fn *fns, void *const *ctxs, const int64_t *units, int n) {
+    int64_t ticket = 0;
+    for (int i = 0; i < n; i++) ticket = ekv_aside_post(a, fns[i], ctxs[i], units[i]);
+    return ticket;
+}
+
 /* 1 once posted job `ticket` is done (and every one before it), else 0 (never waits) */
 int ekv_aside_done(ekv_aside *a, int64_t ticket) {
     pthread_mutex_lock(&a->lock);
