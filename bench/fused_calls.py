@@ -2,17 +2,26 @@
 steps for ``--rounds`` rounds on one prefilled batch, so the files, the picks and the machine's drift are the same for
 both; per form the median step.  ``--replace`` names which (default: all):
 
+- ``block end``: a Llama block's output projection, residual, MLP norm, gate/up, SiLU, down and residual in one
+  native call under ggml (ekv_ggml.c ekv_ggml_block_end), against the torch glue between the layers' calls;
+- ``heads``: the packed q/k/v layer and the next layer's query cut into RoPE'd heads in the ggml call
+  (ekv_ggml_heads), against torch's views and rotation;
+- ``native queries``: the low-rank queries in one native call (ekv_score.c), against torch's broadcast matmul;
+- ``ring``: the step's K and V into the window ring in one native call, against torch's index_put;
+- ``post chain``: a posted select's scores, votes and top-M posted in one call, against a call each;
 - ``glue norms``: a block's input and MLP norms taken in its projections' ggml calls (runtime/native/ekv_ggml.c),
   against torch's fused norm before them;
 - ``norms``: torch's one fused RMS norm call, against Hugging Face's norm modules;
 - ``q rows``: the next layer's query from q's rows alone, against q cut from the whole packed q/k/v layer;
 - ``rope``: q's and k's heads rotated in one pass, against a rotation each;
-- ``einsum``: the low-rank queries by a broadcast matmul, against einsum;
+- ``einsum``: the low-rank queries by a broadcast matmul, against einsum (with ``native queries``: einsum);
 - ``rows once``: the scorer's K_lr arguments found once a layer, against every select;
 - ``native top``: the top-M in one native call (on the helper for a posted select), against torch's topk.
 
-Every replaced form but ``glue norms`` gives the same bits, so both decode the same tokens (the top-M: the same picks
-but where scores tie exactly); the glue's norm differs from torch's in last bits.
+The torch-path forms (``norms``, ``q rows``, ``rope``) undo ``heads`` too, and ``norms`` ``block end``: the fused
+calls bypass them.  Every replaced form but ``glue norms``, ``block end`` (glibc's exponential in SiLU against
+torch's) and ``native queries`` (the sums' order) gives the same bits, so both decode the same tokens (the top-M: the
+same picks but where scores tie exactly); those three differ in last bits.
 
     python -m bench.fused_calls --model smollm2 --context 8192 --batch 1 --weights ggml --dtype float32 \\
         --policy kvswap --kvswap G=4,M=205,C=256,sigma=2 --extra '<the deployed fields>' [--replace "glue norms"]
@@ -26,20 +35,39 @@ from bench.deployed_batch import alternate, alternating_room, parser, print_medi
 from edgekv.runtime import model as model_module
 from edgekv.runtime import weights
 from edgekv.runtime.model import LayerPlan
+from edgekv.runtime.aside import AsideThread
 from edgekv.runtime.norms import norm_call
 from edgekv.runtime.selector import LowRankSelector
 
-FORMS = ("glue norms", "norms", "q rows", "rope", "einsum", "rows once", "native top")
+FORMS = ("block end", "heads", "native queries", "ring", "post chain", "glue norms", "norms", "q rows", "rope", "einsum",
+         "rows once", "native top")
 
 
-def _einsum_queries(self, layer, q):
-    """``LowRankSelector._low_rank_queries`` as it was: einsum."""
-    b, h, _, d = q.shape
-    grouped = q.reshape(b, self.n_kv_heads, h // self.n_kv_heads, d)
-    adapter = self.adapter[layer].view(self.n_kv_heads, d, -1)
-    if self.score_reduce == "sum":
-        return torch.einsum("bgd,gdr->br", grouped.sum(dim=2).to(self.dtype), adapter)[:, None, :]
-    return torch.einsum("bgnd,gdr->bgnr", grouped.to(self.dtype), adapter).reshape(b, h, -1) * self.scaling
+def _queries_by(product):
+    """``LowRankSelector._low_rank_queries`` as it was, the heads' queries times the adapter by ``product``."""
+    def queries(self, layer, q):
+        b, h, _, d = q.shape
+        grouped = q.reshape(b, self.n_kv_heads, h // self.n_kv_heads, d)
+        adapter = self.adapter[layer].view(self.n_kv_heads, d, -1)
+        if self.score_reduce == "sum":
+            return torch.einsum("bgd,gdr->br", grouped.sum(dim=2).to(self.dtype), adapter)[:, None, :]
+        return product(grouped.to(self.dtype), adapter).reshape(b, h, -1) * self.scaling
+    return queries
+
+
+_einsum_queries = _queries_by(lambda grouped, adapter: torch.einsum("bgnd,gdr->bgnr", grouped, adapter))
+_matmul_queries = _queries_by(torch.matmul)  # before the native projection
+
+
+def _posted_each(self, jobs, keep=()):
+    """``AsideThread.post_chain`` as it was: a post a job."""
+    ticket = 0
+    for fn, job, units in jobs:
+        ticket = self.post(fn, job, units, keep=keep)
+    return ticket
+
+
+_CHAIN = AsideThread.post_chain
 
 
 def _rows_found_again(self, layer):
@@ -62,6 +90,10 @@ def _plans(model, replaced: set[str]) -> list[LayerPlan]:
                 patches.enter_context(mock.patch.object(module, "norm_call", _module_forward))
         plans = [LayerPlan(block) for block in model.layers]
         for plan, block in zip(plans, model.layers):
+            if replaced & {"heads", "norms", "q rows", "rope"}:
+                plan.qkv_heads = plan.q_heads = None
+            if replaced & {"block end", "norms"}:
+                plan.block_end = None
             if "rope" in replaced:
                 plan.qkv_whole = None
             q_proj = block.self_attn.q_proj
@@ -95,13 +127,21 @@ def main(argv=None) -> None:
         old_norm = _module_forward if "norms" in replaced else norm_call
         final_norm = {True: model._final_norm, False: old_norm(model.norm)}
 
+        put_rows = getattr(policy, "_put_rows", None)
+        queries = _einsum_queries if "einsum" in replaced else _matmul_queries
+
         def setting(fused: bool):
             def apply():
                 model.plans, model._final_norm = plans[fused], final_norm[fused]
-                for name, attr, new, old in (("einsum", "_low_rank_queries", matmul, _einsum_queries),
+                for name, attr, new, old in (("native queries", "_low_rank_queries", matmul, queries),
+                                             ("einsum", "_low_rank_queries", matmul, _einsum_queries),
                                              ("rows once", "_native_rows", _ROWS_ONCE, _rows_found_again),
                                              ("native top", "_top_call", native_top, lambda *_: None)):
-                    setattr(LowRankSelector, attr, new if fused or name not in replaced else old)
+                    if fused or name in replaced:
+                        setattr(LowRankSelector, attr, new if fused else old)
+                AsideThread.post_chain = _CHAIN if fused or "post chain" not in replaced else _posted_each
+                if put_rows is not None:
+                    policy._put_rows = put_rows if fused or "ring" not in replaced else None
             return apply
 
         settings = {"fused calls": setting(True), "replaced forms": setting(False)}
