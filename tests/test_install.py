@@ -252,6 +252,17 @@ def test_solution_table_takes_the_smallest_covering_pair_else_the_nearest(tmp_pa
         load_deployed(_deployed(tmp_path, colour="red"))
 
 
+def test_each_solution_keeps_its_own_record_alignment_and_so_the_memory_it_was_solved_for(tmp_path):
+    """A row solved at another G than the top row's has its own ``io_align_bytes`` (a G=2 record of the fixture is
+    1 KiB where G=4's takes 2 KiB): run at the top row's, its slots took twice the bytes the solver counted, and a
+    deploy whose solver picked such a row failed its own smoke run's budget check (1.04 of 1 MiB)."""
+    base, table = load_deployed(_deployed(tmp_path, io_align_bytes=2048, solutions=[
+        {"batch": 1, "context": 256, "G": 2, "M": 6, "C": 6, "sigma": 4, "reuse": True, "io_align_bytes": 1024},
+        {"batch": 2, "context": 512, "G": 4, "M": 8, "C": 8, "sigma": 4, "reuse": True, "io_align_bytes": 2048}]))
+    assert base.io.io_align_bytes == 2048
+    assert table.pick(1, 200).io.io_align_bytes == 1024 and table.pick(2, 500).io.io_align_bytes == 2048
+
+
 def test_engine_runs_each_batch_with_its_solution(model_dirs, kv_dir, tmp_path):
     with Engine.from_pretrained(model_dirs["llama"], kv_offload_path=kv_dir, config=_deployed(tmp_path),
                                 device="cpu") as engine:
