@@ -39,8 +39,8 @@ from edgekv.runtime.aside import AsideThread
 from edgekv.runtime.norms import norm_call
 from edgekv.runtime.selector import LowRankSelector
 
-FORMS = ("block end", "heads", "native queries", "ring", "post chain", "glue norms", "norms", "q rows", "rope", "einsum",
-         "rows once", "native top")
+FORMS = ("block end", "heads", "native queries", "ring", "post chain", "glue norms", "norms", "q rows", "rope",
+         "einsum", "rows once", "native top")
 
 
 def _queries_by(product):

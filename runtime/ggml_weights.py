@@ -275,8 +275,8 @@ class GgmlBlockEnd:
         target = aside.native_share() if aside is not None else None
         shares = 0 if target is None else sum(1 << i for i, k in enumerate(self.kernels) if k._shares or aside.spins)
         share, handle = target if shares else (None, None)
-        self._call(self._jobs, self._bias_at, x.data_ptr(), attn_out.data_ptr(), b, self.norm.scale.data_ptr(), self.norm.eps,
-                   *self._at, out.data_ptr(), share, handle, shares)
+        self._call(self._jobs, self._bias_at, x.data_ptr(), attn_out.data_ptr(), b, self.norm.scale.data_ptr(),
+                   self.norm.eps, *self._at, out.data_ptr(), share, handle, shares)
         return out
 
 

@@ -101,8 +101,9 @@ class OffloadedKV(KVPolicy):
         self.sinks = torch.zeros(dims.n_layers, batch, 2, dims.n_kv_heads, self.sink_groups * self.G, dims.head_dim,
                                  dtype=model.dtype, device=model.device)
         # on a CPU a step's K and V land in the ring by one native call (record_attention.py native_attention's
-        # ekv_put_rows), where torch's two index_put calls cost ~70 us a layer inside the step: the ring's rows of
-        # one token's head, [K|V, B, H_kv] of layer 0 at the ring's first position, and then at the step's
+        # ekv_put_rows), where torch's two index_put calls cost ~70 us a layer inside the step.  The ring as rows of
+        # one token's head: each (K|V, sequence, KV head)'s row of layer 0 at ring position 0; a step adds its write
+        # positions (``_ring_step_rows``), a layer its offset
         lib = native_attention() if model.device.type == "cpu" else None
         self._put_rows = None if lib is None else lib.ekv_put_rows
         self._ring_first_rows = ((np.arange(2)[:, None, None] + 2 * np.arange(batch)[None, :, None]) * dims.n_kv_heads
@@ -110,7 +111,7 @@ class OffloadedKV(KVPolicy):
         self._ring_layer_rows = self._ring_first_rows.size * self.rolling.shape[4]
         self._ring_row_bytes = dims.head_dim * self.rolling.element_size()
         self._ring_step_rows = None
-        self._dense_segments: dict[int, np.ndarray] = {}  # layer -> its sinks and ring as the native attention reads them
+        self._dense_segments: dict[int, np.ndarray] = {}  # layer -> its sinks and ring as native attention takes them
         self.n_groups = np.zeros(batch, dtype=np.int64)
         self.rb_len = np.zeros(batch, dtype=np.int64)
         self._picking: dict[int, HostPicks] = {}  # layer -> picks launched, not yet on the host

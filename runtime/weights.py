@@ -35,7 +35,8 @@ import torch
 from torch import nn
 
 from .errors import ModelError
-from .ggml_weights import GGML_BLOCK, GgmlBlockEnd, GgmlHeads, GgmlMatmul, blocks_for, dequantized, ggml, ggml_unavailable
+from .ggml_weights import (GGML_BLOCK, GgmlBlockEnd, GgmlHeads, GgmlMatmul, blocks_for, dequantized, ggml,
+                           ggml_unavailable)
 from .norms import RmsNorm, norm_call, rms_norm_of
 
 WEIGHT_FORMATS = ("native", "int8", "int4", "ggml")

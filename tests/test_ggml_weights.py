@@ -231,7 +231,8 @@ def test_projections_into_rotated_heads_in_one_native_call_are_the_torch_paths_t
         plan.qkv_heads, plan.q_heads = fused
         for mine, theirs in zip([*got[0], got[1]], [*expected[0], expected[1]]):
             assert mine.shape == theirs.shape and torch.equal(mine, theirs)
-        assert fused[0](x.bfloat16(), *rope.at(layer)) is None and fused[1](x.expand(-1, 2, -1), *rope.at(layer)) is None
+        assert fused[0](x.bfloat16(), *rope.at(layer)) is None
+        assert fused[1](x.expand(-1, 2, -1), *rope.at(layer)) is None
     if aside is not None:
         aside.close()
 
