@@ -203,6 +203,11 @@ class GgmlMatmul:
         """A kernel for output rows ``start:stop`` alone, over this one's blocks (a view, no copy)."""
         return GgmlMatmul(self.lib, self.type_name, self.blocks[start:stop], self.inputs)
 
+    def shares_now(self) -> bool:
+        """Whether a call shares its rows with the lent helper thread: where the helper spins, else from
+        SHARED_WEIGHTS weights."""
+        return self.aside is not None and (self._shares or self.aside.spins)
+
     def _room(self, tokens: int) -> None:
         """Room for ``tokens`` tokens' quantized activations, grown to the largest decode call (under GEMM_TOKENS)."""
         if tokens > self._xq_tokens:
@@ -229,12 +234,37 @@ class GgmlMatmul:
             return self._activations(x, tokens, norm) @ widened.t()
         self._room(tokens)
         out = torch.empty(tokens, self.rows)
-        shared = self.aside is not None and (self._shares or self.aside.spins)
+        shared = self.shares_now()
         units = self._call(self._job_at, x.data_ptr(), tokens, self._xq_at, out.data_ptr(), not shared,
                            *_norm_args(norm))
         if shared:
             self.aside.share(self._unit, self._job, units)
         return out
+
+
+class TokenScratch:
+    """A fused call's scratch, grown to the largest decode call: each token's quantized activations (``xq_bytes``)
+    and ``floats`` float32 of intermediate outputs."""
+
+    def __init__(self, xq_bytes: int, floats: int):
+        self.xq_bytes, self.floats, self.tokens, self.at = xq_bytes, floats, 0, (0, 0)
+
+    def room(self, tokens: int) -> tuple[int, int]:
+        """(the activations' address, the floats' address) for ``tokens`` tokens."""
+        if tokens > self.tokens:
+            self._xq = np.empty(tokens * self.xq_bytes, dtype=np.uint8)
+            self._floats = np.empty(tokens * self.floats, dtype=np.float32)
+            self.at, self.tokens = (self._xq.ctypes.data, self._floats.ctypes.data), tokens
+        return self.at
+
+
+def _share_target(kernels: tuple[GgmlMatmul, ...]) -> tuple[int, int | None, int | None]:
+    """(bit i set where ``kernels[i]`` shares its rows now, ekv_aside_share's address, the helper's handle) for a
+    fused call: nothing shared where no helper is lent or it is closed."""
+    aside = kernels[0].aside
+    target = aside.native_share() if aside is not None else None
+    shares = 0 if target is None else sum(1 << i for i, kernel in enumerate(kernels) if kernel.shares_now())
+    return (shares, *target) if shares else (0, None, None)
 
 
 class GgmlBlockEnd:
@@ -247,20 +277,12 @@ class GgmlBlockEnd:
                  biases: tuple[torch.Tensor | None, ...] = (None, None, None)):
         """``biases``: each layer's bias (float32) or None."""
         self.kernels, self.norm = (o, gate_up, down), norm
-        self._floats_a_token = o.rows + 3 * down.inputs  # the output projection's or down's, gate/up's, SiLU x up
-        self._xq_bytes = max(kernel.xq_bytes for kernel in self.kernels)
+        # the output projection's or down's outputs, gate/up's, SiLU x up
+        self._scratch = TokenScratch(max(kernel.xq_bytes for kernel in self.kernels), o.rows + 3 * down.inputs)
         self._biases = [None if b is None else b.detach().float().contiguous() for b in biases]
         self._jobs = (ctypes.c_void_p * 3)(*(kernel._job_at for kernel in self.kernels))
         self._bias_at = (ctypes.c_void_p * 3)(*(None if b is None else b.data_ptr() for b in self._biases))
         self._call = o.lib.glue.ekv_ggml_block_end
-        self._tokens = 0
-
-    def _room(self, tokens: int) -> None:
-        """Scratch for ``tokens`` tokens, grown to the largest decode call."""
-        if tokens > self._tokens:
-            self._xq = np.empty(tokens * self._xq_bytes, dtype=np.uint8)
-            self._scratch = np.empty(tokens * self._floats_a_token, dtype=np.float32)
-            self._at, self._tokens = (self._xq.ctypes.data, self._scratch.ctypes.data), tokens
 
     def __call__(self, x: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor | None:
         """The block's output for x [B, 1, hidden] and the attention's output [B, H, 1, d], both float32 and
@@ -269,14 +291,10 @@ class GgmlBlockEnd:
         if (t != 1 or b >= GEMM_TOKENS or x.dtype != torch.float32 or attn_out.dtype != torch.float32
                 or not x.is_contiguous() or not attn_out.is_contiguous()):
             return None
-        self._room(b)
         out = torch.empty(x.shape)
-        aside = self.kernels[0].aside
-        target = aside.native_share() if aside is not None else None
-        shares = 0 if target is None else sum(1 << i for i, k in enumerate(self.kernels) if k._shares or aside.spins)
-        share, handle = target if shares else (None, None)
+        shares, share, handle = _share_target(self.kernels)
         self._call(self._jobs, self._bias_at, x.data_ptr(), attn_out.data_ptr(), b, self.norm.scale.data_ptr(),
-                   self.norm.eps, *self._at, out.data_ptr(), share, handle, shares)
+                   self.norm.eps, *self._scratch.room(b), out.data_ptr(), share, handle, shares)
         return out
 
 
@@ -293,13 +311,7 @@ class GgmlHeads:
         self._bias = None if bias is None else bias.detach().float().contiguous()
         self._bias_at = None if bias is None else self._bias.data_ptr()
         self._call = kernel.lib.glue.ekv_ggml_heads
-        self._tokens = 0
-
-    def _room(self, tokens: int) -> None:
-        if tokens > self._tokens:
-            self._xq = np.empty(tokens * self.kernel.xq_bytes, dtype=np.uint8)
-            self._scratch = np.empty(tokens * self.kernel.rows, dtype=np.float32)
-            self._at, self._tokens = (self._xq.ctypes.data, self._scratch.ctypes.data), tokens
+        self._scratch = TokenScratch(kernel.xq_bytes, kernel.rows)
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None:
@@ -311,17 +323,15 @@ class GgmlHeads:
                 or signed_sin.dtype != torch.float32 or cos.numel() != b * self.head_dim != signed_sin.numel()
                 or not (x.is_contiguous() and cos.is_contiguous() and signed_sin.is_contiguous())):
             return None
-        self._room(b)
         d = self.head_dim
         q = torch.empty(b, self.q_heads, 1, d)
         k = torch.empty(b, self.k_heads, 1, d) if self.k_heads else None
         v = torch.empty(b, self.v_heads, 1, d) if self.v_heads else None
-        aside = self.kernel.aside
-        target = aside.native_share() if aside is not None and (self.kernel._shares or aside.spins) else None
-        share, handle = target or (None, None)
+        _, share, handle = _share_target((self.kernel,))
         self._call(self.kernel._job_at, self._bias_at, x.data_ptr(), b, self.norm.scale.data_ptr(), self.norm.eps,
-                   *self._at, cos.data_ptr(), signed_sin.data_ptr(), d, self.q_heads, self.k_heads, q.data_ptr(),
-                   None if k is None else k.data_ptr(), None if v is None else v.data_ptr(), share, handle)
+                   *self._scratch.room(b), cos.data_ptr(), signed_sin.data_ptr(), d, self.q_heads, self.k_heads,
+                   q.data_ptr(), None if k is None else k.data_ptr(), None if v is None else v.data_ptr(), share,
+                   handle)
         return q, k, v
 
 

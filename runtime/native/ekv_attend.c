@@ -255,7 +255,7 @@ int ekv_attend(const float *q, int batch, int n_kv_heads, int group_queries, int
  * layer inside a decode step. */
 void ekv_put_rows(uint8_t *dst, int64_t row_bytes, const int64_t *at, int64_t offset, const uint8_t *k,
                   const uint8_t *v, int64_t rows) {
-    for (int64_t i = 0; i < rows; i++) memcpy(dst + (at[i] + offset) * row_bytes, k + i * row_bytes, row_bytes);
-    for (int64_t i = 0; i < rows; i++)
-        memcpy(dst + (at[rows + i] + offset) * row_bytes, v + i * row_bytes, row_bytes);
+    for (int64_t i = 0; i < 2 * rows; i++)
+        memcpy(dst + (at[i] + offset) * row_bytes, (i < rows ? k + i * row_bytes : v + (i - rows) * row_bytes),
+               row_bytes);
 }
