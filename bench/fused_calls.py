@@ -16,7 +16,9 @@ both; per form the median step.  ``--replace`` names which (default: all):
 - ``rope``: q's and k's heads rotated in one pass, against a rotation each;
 - ``einsum``: the low-rank queries by a broadcast matmul, against einsum (with ``native queries``: einsum);
 - ``rows once``: the scorer's K_lr arguments found once a layer, against every select;
-- ``native top``: the top-M in one native call (on the helper for a posted select), against torch's topk.
+- ``native top``: the top-M in one native call (on the helper for a posted select), against torch's topk;
+- ``launch``: a posted select's queries, jobs and post in one native call (ekv_score.c ekv_score_launch), against
+  a call each.
 
 The torch-path forms (``norms``, ``q rows``, ``rope``) undo ``heads`` too, and ``norms`` ``block end``: the fused
 calls bypass them.  Every replaced form but ``glue norms``, ``block end`` (glibc's exponential in SiLU against
@@ -40,7 +42,7 @@ from edgekv.runtime.norms import norm_call
 from edgekv.runtime.selector import LowRankSelector
 
 FORMS = ("block end", "heads", "native queries", "ring", "post chain", "glue norms", "norms", "q rows", "rope",
-         "einsum", "rows once", "native top")
+         "einsum", "rows once", "native top", "launch")
 
 
 def _queries_by(product):
@@ -121,6 +123,7 @@ def main(argv=None) -> None:
     if replaced - set(FORMS):
         ap.error(f"--replace: {', '.join(sorted(replaced - set(FORMS)))} is no form; the forms: {', '.join(FORMS)}")
     matmul, native_top = LowRankSelector._low_rank_queries, LowRankSelector._top_call
+    launch = LowRankSelector._launch_posted
     with text_batch(args, room=alternating_room(args, 2), policy=args.policy) as (policy, step):
         model = policy.model
         plans = {True: model.plans, False: _plans(model, replaced)}
@@ -136,7 +139,8 @@ def main(argv=None) -> None:
                 for name, attr, new, old in (("native queries", "_low_rank_queries", matmul, queries),
                                              ("einsum", "_low_rank_queries", matmul, _einsum_queries),
                                              ("rows once", "_native_rows", _ROWS_ONCE, _rows_found_again),
-                                             ("native top", "_top_call", native_top, lambda *_: None)):
+                                             ("native top", "_top_call", native_top, lambda *_: None),
+                                             ("launch", "_launch_posted", launch, lambda *_: None)):
                     if fused or name in replaced:
                         setattr(LowRankSelector, attr, new if fused else old)
                 AsideThread.post_chain = _CHAIN if fused or "post chain" not in replaced else _posted_each

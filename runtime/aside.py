@@ -78,6 +78,7 @@ class AsideThread:
         self.spins = spins  # a job shared with it costs no wake-up: small ones are worth sharing too
         self._kept: deque[tuple[int, tuple]] = deque()  # (ticket, what a posted job points into), oldest first
         self._share_at = unit_function(lib, "ekv_aside_share")
+        self._post_chain_at = unit_function(lib, "ekv_aside_post_chain")
         self._closed = weakref.finalize(self, lib.ekv_aside_close, handle)  # at close, collection or exit
 
     @classmethod
@@ -137,6 +138,16 @@ class AsideThread:
         """(``ekv_aside_share``'s address, this thread's handle) for a kernel that shares its jobs from C, as ``share``
         does; None once closed (the kernel then runs every unit itself)."""
         return (self._share_at, self._handle) if self._closed.alive else None
+
+    def native_post(self) -> tuple[int, int] | None:
+        """(``ekv_aside_post_chain``'s address, this thread's handle) for a kernel that posts its jobs from C; then
+        ``posted`` keeps what they point into.  None once closed (the caller posts through ``post_chain``)."""
+        return (self._post_chain_at, self._handle) if self._closed.alive else None
+
+    def posted(self, ticket: int, keep: tuple) -> None:
+        """A chain posted from C (``native_post``) with ``ticket``: ``keep`` (what its jobs point into) lives until it
+        is done."""
+        self._kept.append((ticket, keep))
 
     def _forget(self, ticket: int) -> None:
         """Jobs up to ``ticket`` are done: what they pointed into may go."""

@@ -138,10 +138,14 @@ def native_scorer() -> ctypes.CDLL | None:
         "ekv_group_scores": (scores, i32), "ekv_score_job": ([p, *scores], i64), "ekv_score_max_rank": ([], i32),
         "ekv_score_job_bytes": ([], i32), "ekv_score_scratch_floats": ([i32, i32, i32, i32], i64),
         "ekv_top": (top, i32), "ekv_top_job": ([p, *top], i64), "ekv_top_job_bytes": ([], i32),
-        "ekv_low_rank_queries": ([p, i32, i32, i32, i32, p, i32, ctypes.c_float, i32, p], i32)})
+        "ekv_low_rank_queries": ([p, i32, i32, i32, i32, p, i32, ctypes.c_float, i32, p], i32),
+        "ekv_launch_bytes": ([], i32),
+        "ekv_score_launch": ([p, p, p, p, i32, i32, i32, i32, p, i32, ctypes.c_float, p, p, i64, i64, p, i64, i32, i32,
+                              i32, i32, p, i64, p, i64, p, i32, i32, i32, p], i64)})
     if lib is None:
         return None
     lib.job_bytes, lib.top_job_bytes = lib.ekv_score_job_bytes(), lib.ekv_top_job_bytes()
+    lib.launch_bytes = lib.ekv_launch_bytes()
     lib.top_unit = unit_function(lib, "ekv_top_unit")  # a posted select's last phase: the top-M, one unit a sequence
     lib.phases = {False: (unit_function(lib, "ekv_score_unit"),),  # "sum": the logits' group maxima
                   True: (unit_function(lib, "ekv_score_unit"), unit_function(lib, "ekv_score_vote_unit"))}  # softmax
@@ -343,6 +347,9 @@ class LowRankSelector(Selector):
         counts = np.asarray(n_groups)
         max_groups = int(counts.max(initial=0))
         if self.aside is not None and max_groups:
+            posted = self._launch_posted(layer, q, counts, max_groups, first)
+            if posted is not None:
+                return posted
             out = torch.empty(q.shape[0], self.max_groups)
             scratch = self._posted_scratch.pop() if self._posted_scratch else torch.empty(0)
             job = self._native_job(layer, q, max_groups, out, scratch)
@@ -366,6 +373,45 @@ class LowRankSelector(Selector):
 
                 return ScoredAside(self.aside, ticket, made)
         return super().launch(layer, q, n_groups, first)
+
+    def _launch_posted(self, layer: int, q: torch.Tensor, counts: np.ndarray, max_groups: int, first: int
+                       ) -> "ScoredAside | None":
+        """``launch``'s queries, scores' job and top-M's job made and posted to the helper in one native call
+        (ekv_score.c ekv_score_launch); None where it does not serve (no native scorer for the rows, a GPU, a closed
+        helper) or refuses, and the calls one by one take the launch."""
+        rows = self._native_rows(layer)
+        post = self.aside.native_post()
+        if rows is None or post is None or q.device.type != "cpu" or self.adapter[layer] is None:
+            return None
+        lib, kind, row_args = rows
+        if q.dtype != torch.float32 or not q.is_contiguous():
+            q = q.float().contiguous()
+        batch, heads, _, head_dim = q.shape
+        softmax = self.score_reduce == "softmax"
+        n_queries, n_tokens = heads if softmax else 1, max_groups * self.G
+        scratch = self._posted_scratch.pop() if self._posted_scratch else torch.empty(0)
+        needed = lib.ekv_score_scratch_floats(batch, n_queries, n_tokens, self.G)
+        if scratch.numel() < needed:
+            scratch = torch.empty(needed)
+        queries, out = torch.empty(batch, n_queries, self.rank), torch.empty(batch, self.max_groups)
+        counts = np.ascontiguousarray(counts, dtype=np.int64)
+        picks = np.empty((batch, self.M), dtype=np.int64)
+        jobs = np.empty(lib.launch_bytes, dtype=np.uint8)
+        ticket = lib.ekv_score_launch(
+            address(jobs), *post, q.data_ptr(), batch, heads, self.n_kv_heads, head_dim, self.adapter[layer].data_ptr(),
+            self.rank, self.scaling, queries.data_ptr(), *row_args, kind, n_tokens, self.G, int(softmax),
+            scratch.data_ptr(), scratch.numel(), out.data_ptr(), out.stride(0), address(counts), first, self.M,
+            self.max_groups, address(picks))
+        if ticket < 0:
+            self._posted_scratch.append(scratch)
+            return None
+        self.aside.posted(ticket, (jobs, queries, scratch, out, counts, picks))
+
+        def made() -> np.ndarray:
+            self._posted_scratch.append(scratch)
+            return picks
+
+        return ScoredAside(self.aside, ticket, made)
 
     def _top(self, group_scores: torch.Tensor, counts: np.ndarray, first: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The top-M of each row's group scores [B, max_groups] among the groups ``first <= g < counts[b]``: on a CPU

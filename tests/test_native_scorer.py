@@ -222,6 +222,32 @@ def test_picks_scored_on_the_helper_thread_equal_those_scored_on_the_callers(klr
     selector.aside.close()
 
 
+@pytest.mark.parametrize("klr_dtype", ["float32", "bfloat16", "int8", "int4"])
+@pytest.mark.parametrize("score_reduce", ["sum", "softmax"])
+def test_a_launch_posted_in_one_native_call_picks_what_its_calls_one_by_one_pick(klr_dtype, score_reduce, monkeypatch):
+    """``launch`` with a helper projects the queries, makes the scores' and the top-M's jobs and posts them in one
+    native call (ekv_score.c ekv_score_launch): the picks, bit for bit, of the same jobs made and posted call by call,
+    for a batch of different lengths, an odd rank, a first group past the sinks and a bfloat16 query not contiguous."""
+    monkeypatch.setattr(aside_module, "cores", lambda: 2)
+    torch.manual_seed(17)
+    lengths = [4 * 300 + 2, 4 * 41, 4 * 9]
+    selector = filled_selector(klr_dtype, score_reduce, 13, 4, 3, lengths, M=11)
+    counts = torch.tensor([n // 4 for n in lengths])
+    queries = [torch.randn(3, 6, 1, 16), torch.randn(3, 1, 6, 16, dtype=torch.bfloat16).transpose(1, 2)]
+    selector.aside = aside_module.AsideThread.open()
+    one_call = selector._launch_posted
+    served = []
+    monkeypatch.setattr(selector, "_launch_posted", lambda *a: served.append(one_call(*a)) or served[-1])
+    launched = [selector.launch(0, q, counts, first=1).host().copy() for q in queries]
+    assert len(served) == 2 and all(isinstance(p, selector_module.ScoredAside) for p in served)
+    monkeypatch.setattr(selector, "_launch_posted", lambda *a: None)
+    by_calls = [selector.launch(0, q, counts, first=1) for q in queries]
+    assert all(isinstance(p, selector_module.ScoredAside) for p in by_calls)
+    for picks, picking in zip(launched, by_calls):
+        assert (picks[:, 0] >= 1).all() and np.array_equal(picks, picking.host())
+    selector.aside.close()
+
+
 def test_with_one_core_there_is_no_helper_and_a_closed_ones_jobs_run_on_the_caller(monkeypatch):
     """A helper would only take turns with the compute on one core: none opens.  After ``close`` (its jobs finished)
     a job posted or shared runs on the caller's thread, with the same picks."""

@@ -603,3 +603,43 @@ int ekv_top(const float *scores, int64_t scores_stride, int batch, const int64_t
     for (int64_t u = 0; u < units; u++) ekv_top_unit(&job, u, 0);
     return 0;
 }
+
+/* ---- a posted select in one call (LowRankSelector._launch_posted) ------------------------------------------------ */
+
+typedef int64_t (*ekv_post_chain_fn)(void *aside, void (*const *fns)(void *, int64_t, int), void *const *ctxs,
+                                     const int64_t *units, int n);
+
+typedef struct { /* a posted select's jobs: its scores' and its top-M's, alive until the helper has run them */
+    score_job score;
+    top_job top;
+} launch_jobs;
+
+int ekv_launch_bytes(void) { return (int)sizeof(launch_jobs); }
+
+/* The low-rank queries of q (ekv_low_rank_queries, into `queries`; "sum" unless `softmax`), their scores' job over the
+ * rows (ekv_score_job), the top-M's over those scores (ekv_top_job), and the three posted to the helper thread by
+ * `post_chain` (ekv_aside.c ekv_aside_post_chain, passed by address with its handle `aside`): one call from Python
+ * where the launch took six, each dearer inside the decode step than alone.  Returns the posted chain's ticket, or -1
+ * (nothing posted) for arguments a part refuses: the caller then takes the calls one by one, which say why. */
+int64_t ekv_score_launch(launch_jobs *jobs, ekv_post_chain_fn post_chain, void *aside, const float *q, int batch,
+                         int heads, int kv_heads, int d, const float *adapter, int rank, float scaling, float *queries,
+                         const uint8_t *rows, int64_t rank_row_bytes, int64_t seq_stride_bytes, const uint16_t *scales,
+                         int64_t scale_seq_stride, int kind, int n_tokens, int group_tokens, int softmax,
+                         float *scratch, int64_t scratch_floats, float *out, int64_t out_stride,
+                         const int64_t *counts, int first, int M, int max_groups, int64_t *picks) {
+    if (ekv_low_rank_queries(q, batch, heads, kv_heads, d, adapter, rank, scaling, !softmax, queries)) return -1;
+    int64_t units = ekv_score_job(&jobs->score, rows, rank_row_bytes, seq_stride_bytes, scales, scale_seq_stride,
+                                  queries, batch, softmax ? heads : 1, rank, n_tokens, group_tokens, kind, softmax,
+                                  scratch, scratch_floats, out, out_stride);
+    int64_t top_units = ekv_top_job(&jobs->top, out, out_stride, batch, counts, first, M, max_groups, picks);
+    if (units < 0 || top_units < 0) return -1;
+    void (*fns[3])(void *, int64_t, int) = {ekv_score_unit, ekv_score_vote_unit, ekv_top_unit};
+    void *ctxs[3] = {&jobs->score, &jobs->score, &jobs->top};
+    int64_t phase_units[3] = {units, units, top_units};
+    if (!softmax) { /* "sum": the scores' one phase, then the top-M */
+        fns[1] = ekv_top_unit;
+        ctxs[1] = &jobs->top;
+        phase_units[1] = top_units;
+    }
+    return post_chain(aside, fns, ctxs, phase_units, softmax ? 3 : 2);
+}
