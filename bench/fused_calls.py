@@ -18,7 +18,9 @@ both; per form the median step.  ``--replace`` names which (default: all):
 - ``rows once``: the scorer's K_lr arguments found once a layer, against every select;
 - ``native top``: the top-M in one native call (on the helper for a posted select), against torch's topk;
 - ``launch``: a posted select's queries, jobs and post in one native call (ekv_score.c ekv_score_launch), against
-  a call each.
+  a call each;
+- ``fetch plan``: a layer's slots assigned and reads planned in one native call (runtime/fetch_plan.py), against
+  the slot table's and the store's calls.
 
 The torch-path forms (``norms``, ``q rows``, ``rope``) undo ``heads`` too, and ``norms`` ``block end``: the fused
 calls bypass them.  Every replaced form but ``glue norms``, ``block end`` (glibc's exponential in SiLU against
@@ -42,7 +44,7 @@ from edgekv.runtime.norms import norm_call
 from edgekv.runtime.selector import LowRankSelector
 
 FORMS = ("block end", "heads", "native queries", "ring", "post chain", "glue norms", "norms", "q rows", "rope",
-         "einsum", "rows once", "native top", "launch")
+         "einsum", "rows once", "native top", "launch", "fetch plan")
 
 
 def _queries_by(product):
@@ -131,6 +133,7 @@ def main(argv=None) -> None:
         final_norm = {True: model._final_norm, False: old_norm(model.norm)}
 
         put_rows = getattr(policy, "_put_rows", None)
+        planner = getattr(policy, "_planner", None)
         queries = _einsum_queries if "einsum" in replaced else _matmul_queries
 
         def setting(fused: bool):
@@ -146,6 +149,8 @@ def main(argv=None) -> None:
                 AsideThread.post_chain = _CHAIN if fused or "post chain" not in replaced else _posted_each
                 if put_rows is not None:
                     policy._put_rows = put_rows if fused or "ring" not in replaced else None
+                if planner is not None:
+                    policy._planner = planner if fused or "fetch plan" not in replaced else None
             return apply
 
         settings = {"fused calls": setting(True), "replaced forms": setting(False)}

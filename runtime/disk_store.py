@@ -241,6 +241,7 @@ class DiskKVStore:
         self.verify_fraction = verify_fraction
         self._sums: dict[int, np.ndarray] = {}  # seq -> uint32 [layer, group]: each written record's checksum
         self._sum_tables: tuple[np.ndarray, np.ndarray] | None = None  # their addresses and row bytes by sequence
+        self.tables_version = 0  # moves when the files' or checksums' tables move (native_plan_fields)
         self._tabled = np.zeros(n_layers, dtype=bool)  # layers some sequence laid out (place) or relocated
         self._rng = np.random.default_rng()
         self.records_verified = 0
@@ -281,7 +282,7 @@ class DiskKVStore:
         self._placement[seq] = Placement(self.n_layers, self.max_groups, self.n_paths)
         if self.verify_fraction > 0:
             self._sums[seq] = np.zeros((self.n_layers, self.max_groups), dtype=np.uint32)
-            self._sum_tables = None
+        self._tables_moved()
         for layer in range(self.n_layers):  # recorded one by one: a failed open leaves the others for release
             for path in range(self.n_paths):
                 self._fds[seq, layer, path] = self._open(self._path(seq, layer, path))
@@ -320,7 +321,7 @@ class DiskKVStore:
             grown = np.zeros((self.n_layers, max(n_groups, 2 * table.shape[1])), dtype=np.uint32)
             grown[:, : table.shape[1]] = table
             table = self._sums[seq] = grown
-            self._sum_tables = None
+            self._tables_moved()
         return table
 
     def share_prefix(self, seq: int, owner: int, n_groups: int) -> None:
@@ -403,16 +404,20 @@ class DiskKVStore:
         """Reads of group records ``groups[i]`` of sequences ``seqs[i]`` (the records' owners) into aligned host
         ``addresses[i]``: each record from its least-loaded copy, adjacent records of a file in one request."""
         batch = self._requests(layer, seqs, groups, addresses)
+        self.count_reads(batch, len(seqs))
+        return batch
+
+    def count_reads(self, batch: "VerifiedBatch", wanted: int) -> None:
+        """A batch of ``wanted`` records planned for reading (``batch``, or the caller's native planning), counted."""
         self.requests += len(batch)
-        self.records_read += len(seqs)
+        self.records_read += wanted
         if batch.gap_counts is not None:
             self.gap_records_read += int(batch.gap_counts.sum())
         if self.n_paths == 1:
-            self.records_by_path[0] += len(seqs)
+            self.records_by_path[0] += wanted
         else:
-            wanted = batch.counts if batch.gap_counts is None else batch.counts - batch.gap_counts
-            self.records_by_path += np.bincount(batch.paths, weights=wanted, minlength=self.n_paths).astype(np.int64)
-        return batch
+            by_request = batch.counts if batch.gap_counts is None else batch.counts - batch.gap_counts
+            self.records_by_path += np.bincount(batch.paths, weights=by_request, minlength=self.n_paths).astype(np.int64)
 
     def relocate(self, seq: int, layer: int, per_path: list[np.ndarray], in_memory=None) -> None:
         """Write the listed groups of ``seq`` again, appended to each path in the given order (a clustering found
@@ -520,18 +525,13 @@ class DiskKVStore:
         none is; None elsewhere, and where it refuses (a closed file, a sequence without checksums): the numpy path
         then raises the error."""
         n = len(seqs)
-        every = self.verify_fraction >= 1
-        if not n or self._prefix or self._tabled[layer] or not (every or self.verify_fraction <= 0):
+        if not n or not self.plans_natively(layer):
             return None
         lib = native_requests()
         if lib is None:
             return None
-        if every and self._sum_tables is None:
-            bases, row_bytes = np.zeros((2, len(self._fds)), dtype=np.int64)
-            for seq, table in self._sums.items():
-                bases[seq], row_bytes[seq] = table.ctypes.data, table.strides[0]
-            self._sum_tables = bases, row_bytes
-        sums = self._sum_tables if every else (None, None)
+        every = self.verify_fraction >= 1
+        sums = self._sums_by_sequence() if every else (None, None)
         seqs, groups = np.ascontiguousarray(seqs), np.ascontiguousarray(groups)
         addresses = np.ascontiguousarray(addresses, dtype=np.int64)
         fds, counts, paths, gap_counts = np.empty((4, n), dtype=np.int32)
@@ -560,6 +560,36 @@ class DiskKVStore:
         return VerifiedBatch(fds[:k], offsets[:k], read_addresses[:t], self.layout.stride_bytes, counts[:k], paths[:k],
                              layer, read_seqs[:t], read_groups[:t], expected[:t], check[:t],
                              gap_counts[:k] if t > n else None)
+
+    def plans_natively(self, layer: int) -> bool:
+        """Whether ``layer``'s reads may be planned natively (ekv_requests.c): every group in the stripe, no stored
+        context attached, every record checked or none."""
+        return not (self._prefix or self._tabled[layer]) and (self.verify_fraction >= 1 or self.verify_fraction <= 0)
+
+    def native_plan_fields(self, layer: int) -> dict[str, int]:
+        """What ``ekv_requests_plan`` takes of the files and checksums for ``layer`` (runtime/native/ekv_fetch.c's
+        job fields), valid until ``tables_version`` moves (a sequence opens or goes, a checksum table grows)."""
+        table, every = self._fds, self.verify_fraction >= 1
+        bases, row_bytes = self._sums_by_sequence() if every else (None, None)
+        return {"n_seqs": len(table), "fds": address(table) + layer * table.strides[1],
+                "fd_seq_stride": table.strides[0] // 4, "fd_path_stride": table.strides[2] // 4,
+                "n_paths": self.n_paths, "check": int(every), "sum_tables": 0 if bases is None else address(bases),
+                "sum_row_bytes": 0 if row_bytes is None else address(row_bytes), "layer": layer,
+                "sink": address(self._gap_sink())}
+
+    def _sums_by_sequence(self) -> tuple[np.ndarray, np.ndarray]:
+        """Each sequence's checksum table address and row bytes (0: none), made again once tables moved."""
+        if self._sum_tables is None:
+            bases, row_bytes = np.zeros((2, len(self._fds)), dtype=np.int64)
+            for seq, table in self._sums.items():
+                bases[seq], row_bytes[seq] = table.ctypes.data, table.strides[0]
+            self._sum_tables = bases, row_bytes
+        return self._sum_tables
+
+    def _tables_moved(self) -> None:
+        """A sequence's files opened or closed, or a checksum table grew: what was taken of their addresses goes."""
+        self._sum_tables = None
+        self.tables_version += 1
 
     def _gap_sink(self) -> np.ndarray:
         """Where every record of a gap read through lands: one record, written over and over, never read (scratch,
@@ -628,7 +658,7 @@ class DiskKVStore:
             os.close(fd)
         self._placement.pop(seq, None)
         self._sums.pop(seq, None)
-        self._sum_tables = None
+        self._tables_moved()
         self._moved = {key: moved for key, moved in self._moved.items() if key[0] != seq}
         if seq < len(self._fds):
             for layer, path in zip(*np.nonzero(self._fds[seq] >= 0)):

@@ -32,6 +32,8 @@ import torch
 
 from .aside import AsideThread, PostOrShare
 from .disk_store import DiskKVStore, StoreError
+from .reader import ReadBatch
+from .fetch_plan import FetchPlanner
 from .forward import decode_attention, decode_attention_part, merge_attention
 from .kv_policy import KVPolicy
 from .config import RuntimeConfig
@@ -85,6 +87,8 @@ class OffloadedKV(KVPolicy):
                                        model.device, batch * self.M, cfg.io.slot_memory)
         self.record_attention = RecordAttention.for_layout(self.layout, dims.n_heads, model.scaling, model.device,
                                                            model.dtype)
+        # a layer's slots assigned and reads planned in one native call where the parts allow (runtime/fetch_plan.py)
+        self._planner = FetchPlanner.for_policy(slots, self.slot_memory, store)
         # on a CPU a helper thread makes the next layer's scores and shares a correction's and the records' attention
         # (runtime/aside.py): the core the step leaves to the reads is idle most of the step
         self.aside = AsideThread.open() if model.device.type == "cpu" else None
@@ -256,12 +260,15 @@ class OffloadedKV(KVPolicy):
         owners = record_owners(groups, self.owner, self.shared_groups)
         if self.recluster_steps and (self.decode_steps[active] < self.recluster_steps).any():  # until all re-laid
             self._keep_picks(layer, groups, valid, owners)
-        slots, misses = self.slots.assign(layer, groups, valid, owners)
+        planned = None
+        if self._planner is not None and not self.shared_groups.any():  # it takes each row's own records only
+            planned = self._planner.plan(layer, groups, valid)
+        slots, misses, reads = planned or (*self.slots.assign(layer, groups, valid, owners), None)
         self.select_s += time.perf_counter() - started
         after = None
         if (layer - 1) in self._pending and self._corrects(layer - 1):  # the layer before corrects first (_fetch)
             after = self._corrected[layer - 1] = threading.Event()
-        future = self._read_misses(layer, misses, self._io, after)
+        future = self._read_misses(layer, misses, self._io, after, reads)
         self._pending[layer] = (slots, valid, future, np.where(valid, groups, -1))
 
     def _corrects(self, layer: int) -> bool:
@@ -285,13 +292,15 @@ class OffloadedKV(KVPolicy):
         """The picks for ``layer`` from ``q`` on the host now: groups [B, M], valid [B, M] (active rows only)."""
         return self._launch_pick(layer, q).result()
 
-    def _read_misses(self, layer: int, misses, executor: ThreadPoolExecutor, after: threading.Event | None = None
-                     ) -> Future:
-        """The misses' reads, submitted to ``executor`` (to start once ``after`` is set); their bytes count as read."""
+    def _read_misses(self, layer: int, misses, executor: ThreadPoolExecutor, after: threading.Event | None = None,
+                     reads: ReadBatch | None = None) -> Future:
+        """The misses' reads (``reads``: planned already), submitted to ``executor`` (to start once ``after`` is set);
+        their bytes count as read."""
         buffer = self.slots.buffer_index(layer)
-        addresses = self.slot_memory.read_addresses(layer, buffer, misses)
         self.bytes_read += np.bincount(misses.seq, minlength=self.batch) * self.layout.stride_bytes
-        reads = self.store.batch(layer, misses.seq, misses.group, addresses)
+        if reads is None:
+            addresses = self.slot_memory.read_addresses(layer, buffer, misses)
+            reads = self.store.batch(layer, misses.seq, misses.group, addresses)
         return executor.submit(self._fetch, layer, buffer, misses, reads, after)
 
     def _fetch(self, layer: int, buffer: int, misses, reads, after: threading.Event | None = None) -> None:

@@ -40,7 +40,11 @@ class HostSlots:
 
     def read_addresses(self, layer: int, buffer: int, misses: Misses) -> np.ndarray:
         """Where the reader puts each missed record (in order)."""
-        return address(self._bytes[buffer]) + misses.slot * self.layout.stride_bytes
+        return self.slot_base(buffer) + misses.slot * self.layout.stride_bytes
+
+    def slot_base(self, buffer: int) -> int:
+        """The address of ``buffer``'s slot 0: a record's lands at slot x the layout's stride past it."""
+        return address(self._bytes[buffer])
 
     def before_read(self, layer: int, buffer: int) -> None:
         """On an I/O thread, before the layer's reads into ``buffer``: the memory they land in is free (on the CPU

@@ -207,13 +207,36 @@ class SlotTable(Slots):
         self.slot_of = np.full((n_layers, batch, max_groups), -1, dtype=np.int64)
         self.pool = np.arange(batch)  # per sequence, its pool's label: one of the pool's members
         self._seq_of_slot = np.arange(batch * capacity) // capacity
-        self._clock = 0
+        self._clock_cell = np.zeros(1, dtype=np.int64)  # the clock in memory: native calls advance it in place
         self.hits = np.zeros(batch, dtype=np.int64)
         self.lookups = np.zeros(batch, dtype=np.int64)
         self.replacement = REPLACEMENTS[replacement](self)
 
+    @property
+    def _clock(self) -> int:
+        return int(self._clock_cell[0])
+
+    @_clock.setter
+    def _clock(self, value: int) -> None:
+        self._clock_cell[0] = value
+
     def buffer_index(self, layer: int) -> int:
         return layer
+
+    def native_fields(self, layer: int) -> dict[str, int] | None:
+        """What ``ekv_slots_assign`` takes of ``layer``'s tables (runtime/native/ekv_fetch.c's job fields: sizes,
+        addresses), for a native caller that passes no owners and counts its picks; None for a replacement the native
+        code does not keep."""
+        order = NATIVE_ORDERS.get(type(self.replacement))
+        if order is None:
+            return None
+        frequency, cost = self.replacement.native_rows(layer)
+        return {"sequences": len(self.pool), "capacity": self.capacity, "max_groups": self.max_groups,
+                "pool": address(self.pool), "group_at": address(self.group_at[layer]),
+                "owner_at": address(self.owner_at[layer]), "inserted_at": address(self.inserted_at[layer]),
+                "used_at": address(self.used_at[layer]), "slot_of": address(self.slot_of[layer]), "score_kind": order,
+                "clock": address(self._clock_cell), "hits": address(self.hits), "lookups": address(self.lookups),
+                "frequency": frequency or 0, "cost": cost or 0}
 
     @staticmethod
     def n_buffers(n_layers: int) -> int:
@@ -296,18 +319,16 @@ class SlotTable(Slots):
         batch, picks = groups.shape
         slots = np.empty((batch, picks), dtype=np.int64)
         new = np.empty((3, batch * picks), dtype=np.int64)  # each new record's owner, slot and group
-        clock = ctypes.c_int64(self._clock)
         tables = (self.group_at[layer], self.owner_at[layer], self.inserted_at[layer], self.used_at[layer],
                   self.slot_of[layer])
         n_new = lib.ekv_slots_assign(
             len(self.pool), batch, picks, address(groups), address(valid),
             None if owners is None else address(owners), self.capacity, self.max_groups, address(self.pool),
-            *(address(table) for table in tables), order, ctypes.byref(clock), address(slots),
+            *(address(table) for table in tables), order, address(self._clock_cell), address(slots),
             *(address(row) for row in new), address(self.hits) if count else None,
             address(self.lookups) if count else None, *self.replacement.native_rows(layer))
         if n_new < 0:
             return None
-        self._clock = clock.value
         return slots, Misses(new[0, :n_new], new[1, :n_new], new[2, :n_new])
 
     def _victims(self, layer: int, protected: np.ndarray, pools: np.ndarray) -> np.ndarray:

@@ -18,7 +18,7 @@ typedef struct {
     int64_t at;  /* the read's place in the caller's arrays: equal keys keep their order (a stable sort) */
 } read_t;
 
-static int before(const read_t *a, const read_t *b) { return a->key < b->key || (a->key == b->key && a->at < b->at); }
+static int read_before(const read_t *a, const read_t *b) { return a->key < b->key || (a->key == b->key && a->at < b->at); }
 
 /* a stable merge sort of n reads (a few hundred a call: a bottom-up merge through `spare`) */
 static void sort_reads(read_t *reads, read_t *spare, int64_t n) {
@@ -26,7 +26,7 @@ static void sort_reads(read_t *reads, read_t *spare, int64_t n) {
         for (int64_t lo = 0; lo < n; lo += 2 * width) {
             int64_t mid = lo + width < n ? lo + width : n, hi = lo + 2 * width < n ? lo + 2 * width : n;
             int64_t a = lo, b = mid, k = lo;
-            while (a < mid && b < hi) spare[k++] = before(&reads[b], &reads[a]) ? reads[b++] : reads[a++];
+            while (a < mid && b < hi) spare[k++] = read_before(&reads[b], &reads[a]) ? reads[b++] : reads[a++];
             while (a < mid) spare[k++] = reads[a++];
             while (b < hi) spare[k++] = reads[b++];
         }
