@@ -417,7 +417,8 @@ class DiskKVStore:
             self.records_by_path[0] += wanted
         else:
             by_request = batch.counts if batch.gap_counts is None else batch.counts - batch.gap_counts
-            self.records_by_path += np.bincount(batch.paths, weights=by_request, minlength=self.n_paths).astype(np.int64)
+            self.records_by_path += np.bincount(batch.paths, weights=by_request,
+                                                minlength=self.n_paths).astype(np.int64)
 
     def relocate(self, seq: int, layer: int, per_path: list[np.ndarray], in_memory=None) -> None:
         """Write the listed groups of ``seq`` again, appended to each path in the given order (a clustering found

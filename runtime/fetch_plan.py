@@ -21,8 +21,8 @@ log = logging.getLogger(__name__)
 FIELDS = ("sequences", "batch", "picks", "capacity", "max_groups", "pool", "group_at", "owner_at", "inserted_at",
           "used_at", "slot_of", "score_kind", "clock", "hits", "lookups", "frequency", "cost",
           "slots", "new_owner", "new_slot", "new_group", "slot_base", "stride", "addresses",
-          "n_seqs", "fds", "fd_seq_stride", "fd_path_stride", "n_paths", "check", "sum_tables", "sum_row_bytes", "layer",
-          "sink", "scratch", "req_fds", "req_offsets", "req_counts", "req_paths", "req_gap_counts",
+          "n_seqs", "fds", "fd_seq_stride", "fd_path_stride", "n_paths", "check", "sum_tables", "sum_row_bytes",
+          "layer", "sink", "scratch", "req_fds", "req_offsets", "req_counts", "req_paths", "req_gap_counts",
           "read_addresses", "read_seqs", "read_groups", "expected", "check_flags", "capacity_records")
 
 
@@ -65,7 +65,8 @@ class LayerJob:
                   "stride": store.layout.stride_bytes, "scratch": address(self.scratch), "req_fds": requests,
                   "req_counts": requests + request_rows, "req_paths": requests + 2 * request_rows,
                   "req_gap_counts": requests + 3 * request_rows, "req_offsets": address(self.offsets),
-                  "read_addresses": records, "read_seqs": records + record_rows, "read_groups": records + 2 * record_rows,
+                  "read_addresses": records, "read_seqs": records + record_rows,
+                  "read_groups": records + 2 * record_rows,
                   "expected": address(self.expected), "check_flags": address(self.check),
                   "capacity_records": self.capacity}
         self.fields = np.array([fields[name] for name in FIELDS], dtype=np.int64)

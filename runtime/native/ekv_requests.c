@@ -18,7 +18,9 @@ typedef struct {
     int64_t at;  /* the read's place in the caller's arrays: equal keys keep their order (a stable sort) */
 } read_t;
 
-static int read_before(const read_t *a, const read_t *b) { return a->key < b->key || (a->key == b->key && a->at < b->at); }
+static int read_before(const read_t *a, const read_t *b) {
+    return a->key < b->key || (a->key == b->key && a->at < b->at);
+}
 
 /* a stable merge sort of n reads (a few hundred a call: a bottom-up merge through `spare`) */
 static void sort_reads(read_t *reads, read_t *spare, int64_t n) {
