@@ -41,6 +41,10 @@ from .reader import KVReader, ReadBatch, record_starts
 
 log = logging.getLogger(__name__)
 WRITES_IN_FLIGHT = 8  # a flush's record writes issued at once (write_layers): one a layer, each to its own file
+# what ekv_requests_plan takes of the files and checksums (native_plan_fields), in its arguments' order: the first five
+# before the record stride and the gap and size caps, the rest after them
+FILE_FIELDS = ("n_seqs", "fds", "fd_seq_stride", "fd_path_stride", "n_paths", "check", "sum_tables", "sum_row_bytes",
+               "layer", "sink")
 
 
 class StoreError(OSError):
@@ -531,25 +535,21 @@ class DiskKVStore:
         lib = native_requests()
         if lib is None:
             return None
-        every = self.verify_fraction >= 1
-        sums = self._sums_by_sequence() if every else (None, None)
+        files = self.native_plan_fields(layer)
         seqs, groups = np.ascontiguousarray(seqs), np.ascontiguousarray(groups)
         addresses = np.ascontiguousarray(addresses, dtype=np.int64)
         fds, counts, paths, gap_counts = np.empty((4, n), dtype=np.int32)
         offsets = np.empty(n, dtype=np.int64)
         scratch = np.empty(lib.ekv_requests_scratch_bytes(n), dtype=np.uint8)
         total = ctypes.c_int64()
-        table = self._fds
         most = n + (n - 1) * self.gap_records  # every gap bridged
         for capacity in (min(2 * n, most), most):  # room for the records read: rarely more than twice the wanted
             read_addresses, read_seqs, read_groups = np.empty((3, capacity), dtype=np.int64)
             expected, check = np.empty(capacity, dtype=np.uint32), np.empty(capacity, dtype=bool)
             k = lib.ekv_requests_plan(
-                n, address(seqs), address(groups), address(addresses), len(table),
-                address(table) + layer * table.strides[1], table.strides[0] // 4, table.strides[2] // 4,
-                self.n_paths, self.layout.stride_bytes, self.max_request_records, self.gap_records, int(every),
-                None if sums[0] is None else address(sums[0]), None if sums[1] is None else address(sums[1]),
-                layer, address(self._gap_sink()), address(scratch), address(fds), address(offsets),
+                n, address(seqs), address(groups), address(addresses), *(files[name] for name in FILE_FIELDS[:5]),
+                self.layout.stride_bytes, self.max_request_records, self.gap_records,
+                *(files[name] for name in FILE_FIELDS[5:]), address(scratch), address(fds), address(offsets),
                 address(counts), address(paths), address(gap_counts), address(read_addresses),
                 address(read_seqs), address(read_groups), address(expected), address(check), capacity,
                 ctypes.byref(total))

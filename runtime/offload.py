@@ -257,13 +257,15 @@ class OffloadedKV(KVPolicy):
         thread, and the layer's attention finds them pending."""
         if self.on_select is not None:
             self.on_select(layer, groups, valid)
-        owners = record_owners(groups, self.owner, self.shared_groups)
         if self.recluster_steps and (self.decode_steps[active] < self.recluster_steps).any():  # until all re-laid
-            self._keep_picks(layer, groups, valid, owners)
+            self._keep_picks(layer, groups, valid, record_owners(groups, self.owner, self.shared_groups))
         planned = None
         if self._planner is not None and not self.shared_groups.any():  # it takes each row's own records only
             planned = self._planner.plan(layer, groups, valid)
-        slots, misses, reads = planned or (*self.slots.assign(layer, groups, valid, owners), None)
+        if planned is None:
+            owners = record_owners(groups, self.owner, self.shared_groups)
+            planned = (*self.slots.assign(layer, groups, valid, owners), None)
+        slots, misses, reads = planned
         self.select_s += time.perf_counter() - started
         after = None
         if (layer - 1) in self._pending and self._corrects(layer - 1):  # the layer before corrects first (_fetch)
