@@ -20,7 +20,9 @@ both; per form the median step.  ``--replace`` names which (default: all):
 - ``launch``: a posted select's queries, jobs and post in one native call (ekv_score.c ekv_score_launch), against
   a call each;
 - ``fetch plan``: a layer's slots assigned and reads planned in one native call (runtime/fetch_plan.py), against
-  the slot table's and the store's calls.
+  the slot table's and the store's calls;
+- ``io takes``: a layer's picks taken (slots, reads planned and started) on an I/O thread the moment the helper has
+  made them, against the compute thread taking them once the layer before has attended.
 
 The torch-path forms (``norms``, ``q rows``, ``rope``) undo ``heads`` too, and ``norms`` ``block end``: the fused
 calls bypass them.  Every replaced form but ``glue norms``, ``block end`` (glibc's exponential in SiLU against
@@ -44,7 +46,7 @@ from edgekv.runtime.norms import norm_call
 from edgekv.runtime.selector import LowRankSelector
 
 FORMS = ("block end", "heads", "native queries", "ring", "post chain", "glue norms", "norms", "q rows", "rope",
-         "einsum", "rows once", "native top", "launch", "fetch plan")
+         "einsum", "rows once", "native top", "launch", "fetch plan", "io takes")
 
 
 def _queries_by(product):
@@ -151,6 +153,8 @@ def main(argv=None) -> None:
                     policy._put_rows = put_rows if fused or "ring" not in replaced else None
                 if planner is not None:
                     policy._planner = planner if fused or "fetch plan" not in replaced else None
+                if hasattr(policy, "_takes_on_io"):
+                    policy._takes_on_io = fused or "io takes" not in replaced
             return apply
 
         settings = {"fused calls": setting(True), "replaced forms": setting(False)}

@@ -16,6 +16,7 @@ import ctypes
 import functools
 import logging
 import os
+import threading
 import weakref
 from collections import deque
 
@@ -71,12 +72,14 @@ def cores() -> int:
 
 class AsideThread:
     """One helper thread; ``open`` gives None where it would only take turns with the caller (one core) or cannot
-    start.  Only the caller's thread posts, shares and waits."""
+    start.  Only the caller's thread posts and shares; another may wait for a posted job (an I/O thread taking
+    picks)."""
 
     def __init__(self, lib: ctypes.CDLL, handle: int, spins: bool = False):
         self._lib, self._handle = lib, handle
         self.spins = spins  # a job shared with it costs no wake-up: small ones are worth sharing too
         self._kept: deque[tuple[int, tuple]] = deque()  # (ticket, what a posted job points into), oldest first
+        self._forgetting = threading.Lock()
         self._share_at = unit_function(lib, "ekv_aside_share")
         self._post_chain_at = unit_function(lib, "ekv_aside_post_chain")
         self._closed = weakref.finalize(self, lib.ekv_aside_close, handle)  # at close, collection or exit
@@ -150,9 +153,11 @@ class AsideThread:
         self._kept.append((ticket, keep))
 
     def _forget(self, ticket: int) -> None:
-        """Jobs up to ``ticket`` are done: what they pointed into may go."""
-        while self._kept and self._kept[0][0] <= ticket:
-            self._kept.popleft()
+        """Jobs up to ``ticket`` are done: what they pointed into may go (one thread at a time: two popping at once
+        could drop a job still running)."""
+        with self._forgetting:
+            while self._kept and self._kept[0][0] <= ticket:
+                self._kept.popleft()
 
     def close(self) -> None:
         """The jobs posted finish; the thread ends."""

@@ -119,7 +119,11 @@ class OffloadedKV(KVPolicy):
         self.n_groups = np.zeros(batch, dtype=np.int64)
         self.rb_len = np.zeros(batch, dtype=np.int64)
         self._picking: dict[int, HostPicks] = {}  # layer -> picks launched, not yet on the host
-        self._pending: dict[int, tuple[torch.Tensor, torch.Tensor, Future]] = {}
+        # layer -> (slots, valid, the reads' future, the guess); the picks taken on an I/O thread: (None, None, a
+        # future of the three, None)
+        self._pending: dict[int, tuple[np.ndarray | None, np.ndarray | None, Future, np.ndarray | None]] = {}
+        self._plan_lock = threading.Lock()  # slot tables, the planner and the store's counters: one planner at a time
+        self._takes_on_io = True  # where it serves (_io_takes); a bench compares the compute thread taking them
         # a layer's reads start as soon as it is picked, beside the layer before's tail and checksums
         self._io = ThreadPoolExecutor(max_workers=LAYERS_IN_FLIGHT, thread_name_prefix="ekv-io")
         self.read_deadline_s = cfg.io.read_deadline_s
@@ -231,7 +235,11 @@ class OffloadedKV(KVPolicy):
                                                          else None, post=self.post_or_share is None
                                                          or self.post_or_share.posting)
             self.select_s += time.perf_counter() - started
-            if self.model.device.type != "cuda":  # no queue to keep fed: the reads start once the picks are made
+            if self._io_takes(active) and not self._picking[layer].ready():  # on an I/O thread, once made
+                picks = self._picking.pop(layer)
+                after = self._after(layer)
+                self._pending[layer] = (None, None, self._io.submit(self._take_on_io, layer, picks, after), None)
+            elif self.model.device.type != "cuda":  # no queue to keep fed: the reads start once the picks are made
                 self._take_picks(wait_upto=-1)
 
     def take_picks(self) -> None:
@@ -259,19 +267,48 @@ class OffloadedKV(KVPolicy):
             self.on_select(layer, groups, valid)
         if self.recluster_steps and (self.decode_steps[active] < self.recluster_steps).any():  # until all re-laid
             self._keep_picks(layer, groups, valid, record_owners(groups, self.owner, self.shared_groups))
-        planned = None
+        with self._plan_lock:
+            slots, misses, reads = self._assign(layer, groups, valid)
+        self.select_s += time.perf_counter() - started
+        future = self._read_misses(layer, misses, self._io, self._after(layer), reads)
+        self._pending[layer] = (slots, valid, future, np.where(valid, groups, -1))
+
+    def _assign(self, layer: int, groups: np.ndarray, valid: np.ndarray) -> tuple[np.ndarray, object, ReadBatch | None]:
+        """The picks' flat slots, the misses and, where the planner served, the misses' reads."""
         if self._planner is not None and not self.shared_groups.any():  # it takes each row's own records only
             planned = self._planner.plan(layer, groups, valid)
-        if planned is None:
-            owners = record_owners(groups, self.owner, self.shared_groups)
-            planned = (*self.slots.assign(layer, groups, valid, owners), None)
-        slots, misses, reads = planned
-        self.select_s += time.perf_counter() - started
-        after = None
-        if (layer - 1) in self._pending and self._corrects(layer - 1):  # the layer before corrects first (_fetch)
-            after = self._corrected[layer - 1] = threading.Event()
-        future = self._read_misses(layer, misses, self._io, after, reads)
-        self._pending[layer] = (slots, valid, future, np.where(valid, groups, -1))
+            if planned is not None:
+                return planned
+        return (*self.slots.assign(layer, groups, valid, record_owners(groups, self.owner, self.shared_groups)), None)
+
+    def _io_takes(self, active: np.ndarray) -> bool:
+        """Whether an I/O thread takes picks still being made (assigns their slots, plans and reads the misses) the
+        moment the helper thread has made them, instead of the compute thread once the layer before has attended
+        (picks made already are taken at once, as ever).  On a CPU with the one-call planner, where no re-clustering
+        keeps the picks first and each row reads its own records; ``on_select`` then sees them when the layer
+        attends, on the compute thread."""
+        return (self._takes_on_io and self._planner is not None and self.model.device.type == "cpu"
+                and not self.shared_groups.any()
+                and not (self.recluster_steps and (self.decode_steps[active] < self.recluster_steps).any()))
+
+    def _after(self, layer: int) -> threading.Event | None:
+        """The gate of ``layer``'s reads when the layer before corrects this step (its reads go first, ``_fetch``)."""
+        if (layer - 1) in self._pending and self._corrects(layer - 1):
+            self._corrected[layer - 1] = threading.Event()
+            return self._corrected[layer - 1]
+        return None
+
+    def _take_on_io(self, layer: int, picks: "HostPicks | ScoredPicks", after: threading.Event | None
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """On an I/O thread: ``layer``'s picks once made, their slots assigned and the misses read (the planner and
+        the slot tables under ``_plan_lock``: the compute thread's corrections plan too).  Returns the layer's slots,
+        groups and valid."""
+        groups, valid = picks.result()
+        with self._plan_lock:
+            slots, misses, reads = self._assign(layer, groups, valid)
+            reads = self._plan_reads(layer, misses, reads)
+        self._fetch(layer, self.slots.buffer_index(layer), misses, reads, after)
+        return slots, groups, valid
 
     def _corrects(self, layer: int) -> bool:
         """Whether ``layer`` corrects its guess this step."""
@@ -298,12 +335,17 @@ class OffloadedKV(KVPolicy):
                      reads: ReadBatch | None = None) -> Future:
         """The misses' reads (``reads``: planned already), submitted to ``executor`` (to start once ``after`` is set);
         their bytes count as read."""
-        buffer = self.slots.buffer_index(layer)
+        with self._plan_lock:
+            reads = self._plan_reads(layer, misses, reads)
+        return executor.submit(self._fetch, layer, self.slots.buffer_index(layer), misses, reads, after)
+
+    def _plan_reads(self, layer: int, misses, reads: ReadBatch | None) -> ReadBatch:
+        """The misses' reads (``reads``: planned already), their bytes counted as read."""
         self.bytes_read += np.bincount(misses.seq, minlength=self.batch) * self.layout.stride_bytes
         if reads is None:
-            addresses = self.slot_memory.read_addresses(layer, buffer, misses)
+            addresses = self.slot_memory.read_addresses(layer, self.slots.buffer_index(layer), misses)
             reads = self.store.batch(layer, misses.seq, misses.group, addresses)
-        return executor.submit(self._fetch, layer, buffer, misses, reads, after)
+        return reads
 
     def _fetch(self, layer: int, buffer: int, misses, reads, after: threading.Event | None = None) -> None:
         """On an I/O thread: the misses read from disk (checksums checked), then moved where attention reads them.
@@ -448,6 +490,11 @@ class OffloadedKV(KVPolicy):
         start = time.perf_counter()
         self._wait(layer, future)
         self.io_stall_s += time.perf_counter() - start
+        if slots is None:  # taken on an I/O thread (_take_on_io)
+            slots, groups, valid = future.result()
+            if self.on_select is not None:
+                self.on_select(layer, groups, valid)
+            self._guess = np.where(valid, groups, -1)
         return slots, valid
 
     def _wait(self, layer: int, future: Future) -> None:

@@ -207,18 +207,12 @@ class SlotTable(Slots):
         self.slot_of = np.full((n_layers, batch, max_groups), -1, dtype=np.int64)
         self.pool = np.arange(batch)  # per sequence, its pool's label: one of the pool's members
         self._seq_of_slot = np.arange(batch * capacity) // capacity
-        self._clock_cell = np.zeros(1, dtype=np.int64)  # the clock in memory: native calls advance it in place
+        # each layer's clock in memory (native calls advance it in place): a table orders a layer's slots by it alone,
+        # so two threads may assign two layers' slots at once
+        self._clocks = np.zeros(n_layers, dtype=np.int64)
         self.hits = np.zeros(batch, dtype=np.int64)
         self.lookups = np.zeros(batch, dtype=np.int64)
         self.replacement = REPLACEMENTS[replacement](self)
-
-    @property
-    def _clock(self) -> int:
-        return int(self._clock_cell[0])
-
-    @_clock.setter
-    def _clock(self, value: int) -> None:
-        self._clock_cell[0] = value
 
     def buffer_index(self, layer: int) -> int:
         return layer
@@ -235,7 +229,7 @@ class SlotTable(Slots):
                 "pool": address(self.pool), "group_at": address(self.group_at[layer]),
                 "owner_at": address(self.owner_at[layer]), "inserted_at": address(self.inserted_at[layer]),
                 "used_at": address(self.used_at[layer]), "slot_of": address(self.slot_of[layer]), "score_kind": order,
-                "clock": address(self._clock_cell), "hits": address(self.hits), "lookups": address(self.lookups),
+                "clock": address(self._clocks[layer:]), "hits": address(self.hits), "lookups": address(self.lookups),
                 "frequency": frequency or 0, "cost": cost or 0}
 
     @staticmethod
@@ -324,7 +318,7 @@ class SlotTable(Slots):
         n_new = lib.ekv_slots_assign(
             len(self.pool), batch, picks, address(groups), address(valid),
             None if owners is None else address(owners), self.capacity, self.max_groups, address(self.pool),
-            *(address(table) for table in tables), order, address(self._clock_cell), address(slots),
+            *(address(table) for table in tables), order, address(self._clocks[layer:]), address(slots),
             *(address(row) for row in new), address(self.hits) if count else None,
             address(self.lookups) if count else None, *self.replacement.native_rows(layer))
         if n_new < 0:
@@ -361,8 +355,8 @@ class SlotTable(Slots):
         self._forget_slots(layer, slots)
         self.owner_at[layer, slots], self.group_at[layer, slots] = owner, group
         self.slot_of[layer, owner, group] = slots
-        self.inserted_at[layer, slots] = self._clock + np.arange(len(slots))
-        self._clock += len(slots)
+        self.inserted_at[layer, slots] = self._clocks[layer] + np.arange(len(slots))
+        self._clocks[layer] += len(slots)
 
     def _forget_slots(self, layer: int, slots: np.ndarray) -> None:
         held = slots[self.group_at[layer, slots] >= 0]
@@ -381,8 +375,8 @@ class SlotTable(Slots):
         stepped = np.zeros(len(self.pool), dtype=bool)
         stepped[pool] = True
         idle = (self.group[layer] >= 0) & stepped[self.pool][:, None]
-        self.used_at[layer, picked] = self._clock
-        self._clock += 1
+        self.used_at[layer, picked] = self._clocks[layer]
+        self._clocks[layer] += 1
         self.replacement.observe(layer, np.flatnonzero(picked), np.flatnonzero(idle.ravel() & ~picked))
 
     def reset(self, seq: int) -> None:

@@ -26,7 +26,7 @@ def twin(root, replacement, batch, **store_options):
 
 
 def counters(table, store):
-    return (table.hits.tolist(), table.lookups.tolist(), table._clock, store.requests, store.records_read,
+    return (table.hits.tolist(), table.lookups.tolist(), table._clocks.tolist(), store.requests, store.records_read,
             store.gap_records_read, store.records_by_path.tolist())
 
 
@@ -113,3 +113,43 @@ def test_a_decode_with_the_planner_makes_the_tokens_of_one_without(model_dirs, k
                      for r in results])
     assert runs[0] == runs[1]
     assert served and all(s is not None for s in served) and any(s[2] is not None for s in served)
+
+
+@pytest.mark.parametrize("extra", [{}, {"correction_recall": 0.85, "guess_from_before": True}])
+def test_picks_taken_on_an_io_thread_decode_what_the_compute_thread_taking_them_decodes(model_dirs, kv_dir, extra):
+    """The fixture model decoding with reuse and corrections, its picks taken on an I/O thread once made (on a CPU,
+    picks still being made at prefetch: here every layer's, as if the helper were slow) or on the compute thread
+    after the layer before attended: the same tokens, reads and hits, and every layer's picks seen in layer order
+    (``groups_selected``)."""
+    from edgekv.runtime import Engine
+    from edgekv.runtime.offload import HostPicks, OffloadedKV, ScoredPicks
+
+    config = {"G": 4, "M": 4, "C": 8, "max_context": 160, "max_batch": 2, "reuse": True, "correction": "corrected",
+              **extra}
+    prompts = [list(range(1, 50)), list(range(20, 41))]
+    runs, taken = [], []
+    take = OffloadedKV._take_on_io
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(OffloadedKV, "_take_on_io", lambda self, layer, *a: taken.append(layer) or take(self, layer, *a))
+        for on_io in (True, False):
+            with Engine.from_pretrained(model_dirs["llama"], kv_offload_path=kv_dir, config=config,
+                                        device="cpu") as engine:
+                events = []
+                engine.events.subscribe(lambda e: events.append((e.info["layer"], e.info["groups"].copy(),
+                                                                 e.info["valid"].copy()))
+                                        if e.kind == "groups_selected" else None)
+                before = len(taken)
+                patch.setattr(OffloadedKV, "_io_takes", OffloadedKV._io_takes if on_io else lambda self, active: False)
+                for picks in (HostPicks, ScoredPicks):
+                    patch.setattr(picks, "ready", lambda self: not on_io)
+                results = engine.generate(prompts, max_new_tokens=8, stop_token_ids=[])
+            runs.append(([(r.token_ids, *(r.stats[key] for key in ("kv_bytes_read", "reuse_hits", "kv_read_requests",
+                                                                    "kv_records_read", "kv_correction_records")))
+                          for r in results], events))
+            assert len(taken) - before == (len(events) if on_io else 0)  # every layer's picks, or none
+    (io_results, io_events), (compute_results, compute_events) = runs
+    assert io_results == compute_results
+    n_layers = len({layer for layer, *_ in io_events})
+    assert [layer for layer, *_ in io_events] == [layer for layer, *_ in compute_events]
+    assert [layer for layer, *_ in io_events][:n_layers] == list(range(n_layers))
+    assert all(np.array_equal(a, c) for (_, *io), (_, *cp) in zip(io_events, compute_events) for a, c in zip(io, cp))

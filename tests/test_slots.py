@@ -120,7 +120,7 @@ def test_the_native_assignment_keeps_the_tables_as_the_numpy_path_does(replaceme
         else:
             (slots_0, misses_0), (slots_1, misses_1) = results
             assert np.array_equal(slots_0, slots_1) and all(map(np.array_equal, misses_0, misses_1))
-        for name in ("group", "owner", "inserted", "used", "slot_of", "hits", "lookups", "_clock"):
+        for name in ("group", "owner", "inserted", "used", "slot_of", "hits", "lookups", "_clocks"):
             assert np.array_equal(getattr(tables[0], name), getattr(tables[1], name)), (step, name)
         if replacement == "cost":
             assert np.array_equal(tables[0].replacement.frequency, tables[1].replacement.frequency), step
