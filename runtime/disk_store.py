@@ -351,8 +351,10 @@ class DiskKVStore:
         a layer each in its own file, whose writes are in flight together (one after another, each waited for, 30
         O_DIRECT writes took ~4 ms of a batch 4 step from this machine's disk).  Returns once all landed; the first
         failed write's error is raised, after every write finished."""
-        runs = [run for layer in range(records.shape[0])
-                for run in self._write_runs(seq, layer, first_group, records[layer])]
+        runs = self._striped_runs(seq, first_group, records)
+        if runs is None:
+            runs = [run for layer in range(records.shape[0])
+                    for run in self._write_runs(seq, layer, first_group, records[layer])]
         if len(runs) < 2:
             for run in runs:
                 self._pwrite(*run)
@@ -363,6 +365,25 @@ class DiskKVStore:
         wait(futures)
         for future in futures:  # in order: the lowest layer's failure is the one raised
             future.result()
+
+    def _striped_runs(self, seq: int, first_group: int, records: np.ndarray) -> list[tuple[int, np.ndarray, int]] | None:
+        """``_write_runs`` of every layer at once, records [n_layers, n, stride], where every layer's groups are
+        striped and none is held elsewhere and each layer's records are one run (one path, or one record: a decode
+        flush); None elsewhere.  The checksums in one call, where 30 layers' numpy glue cost ~5 ms a flush."""
+        n_layers, n = records.shape[:2]
+        placement = self._placement[seq]
+        if (n != 1 and self.n_paths != 1) or first_group < self.prefix_groups(seq) or not placement.all_striped():
+            return None
+        groups = np.arange(first_group, first_group + n)
+        if seq in self._sums:
+            rows = np.ascontiguousarray(records).reshape(n_layers * n, -1)
+            sums = sums_at(address(rows) + np.arange(n_layers * n, dtype=np.int64) * rows.shape[1],
+                           self.layout.record_bytes, np.repeat(np.arange(n_layers), n), np.tile(groups, n_layers))
+            self._sum_table(seq, first_group + n)[:, groups] = sums.reshape(n_layers, n)
+        for layer in range(n_layers):
+            placement.stripe(layer, groups)
+        path, offset = first_group % self.n_paths, first_group // self.n_paths * self.layout.stride_bytes
+        return [(int(self._fds[seq, layer, path]), records[layer], offset) for layer in range(n_layers)]
 
     def _write_runs(self, seq: int, layer: int, first_group: int, records: np.ndarray
                     ) -> list[tuple[int, np.ndarray, int]]:

@@ -54,6 +54,10 @@ class Placement:
             index[groups, copy] = filled[p] + np.arange(len(groups))
             filled[p] += len(groups)
 
+    def all_striped(self) -> bool:
+        """Whether no layer has a table: each group g at path g % N, index g // N."""
+        return all(table is None for table in self._tables)
+
     def stripe(self, layer: int, groups: np.ndarray) -> None:
         """Place new groups in token order: group g on path g % N, after that path's records."""
         if self._tables[layer] is None:  # implicit: index g // N

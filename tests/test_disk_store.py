@@ -184,3 +184,41 @@ def test_a_flush_writes_every_layer_at_once_and_raises_the_first_failure(kv_dir,
             assert np.array_equal(dest[0], records[5 - layer, 0])
     finally:
         store.close()
+
+
+@pytest.mark.parametrize("paths,per_flush", [(1, 1), (1, 3), (2, 1), (3, 2)])
+def test_a_striped_flush_in_one_pass_stores_what_the_layers_one_by_one_store(tmp_path, monkeypatch, paths, per_flush):
+    """``write_layers`` where every layer is striped (the checksums in one call, the runs found at once) leaves the
+    files, checksums, placement and counters that ``_write_runs`` layer by layer leaves: one to three KV paths, one
+    to three records a layer a flush (more than one on several paths takes the layers one by one), 5 layers."""
+    layout = RecordLayout(group_tokens=4, n_kv_heads=1, head_dim=8, dtype=torch.float32, align_bytes=512)
+    torch.manual_seed(0)
+    flushes = [aligned_zeros((5, per_flush, layout.stride_bytes), layout.align_bytes) for _ in range(4)]
+    for records in flushes:
+        for layer in range(5):
+            records[layer] = layout.pack(torch.randn(1, 4 * per_flush, 8), torch.randn(1, 4 * per_flush, 8))
+    striped = DiskKVStore.__dict__["_striped_runs"]
+    found, stores = [], []
+    for at_once in (True, False):
+        roots = [tmp_path / f"{at_once}-{p}" for p in range(paths)]
+        for root in roots:
+            root.mkdir()
+        store = DiskKVStore(roots, 5, layout, open_reader("python"))
+        stores.append(store)
+        monkeypatch.setattr(DiskKVStore, "_striped_runs", lambda self, *a: found.append(striped(self, *a)) or
+                            found[-1] if at_once else None)
+        store.open_sequence(0)
+        for i, records in enumerate(flushes):
+            store.write_layers(0, 2 + i * per_flush, records)
+    try:
+        (one, each) = stores
+        assert np.array_equal(one._sums[0], each._sums[0]) and one.bytes_written == each.bytes_written
+        assert np.array_equal(one._placement[0]._striped_end, each._placement[0]._striped_end)
+        for layer in range(5):
+            for path in range(paths):
+                files = [s._path(0, layer, path).read_bytes() for s in stores]
+                assert files[0] == files[1] and len(files[0]) > 0
+        assert all(f is not None for f in found) == (per_flush == 1 or paths == 1)
+    finally:
+        for store in stores:
+            store.close()
