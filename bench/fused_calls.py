@@ -22,7 +22,9 @@ both; per form the median step.  ``--replace`` names which (default: all):
 - ``fetch plan``: a layer's slots assigned and reads planned in one native call (runtime/fetch_plan.py), against
   the slot table's and the store's calls;
 - ``io takes``: a layer's picks taken (slots, reads planned and started) on an I/O thread the moment the helper has
-  made them, against the compute thread taking them once the layer before has attended.
+  made them, against the compute thread taking them once the layer before has attended;
+- ``striped flush``: a flush's writes found for every layer at once (``DiskKVStore._striped_runs``), against layer
+  by layer.
 
 The torch-path forms (``norms``, ``q rows``, ``rope``) undo ``heads`` too, and ``norms`` ``block end``: the fused
 calls bypass them.  Every replaced form but ``glue norms``, ``block end`` (glibc's exponential in SiLU against
@@ -42,11 +44,13 @@ from edgekv.runtime import model as model_module
 from edgekv.runtime import weights
 from edgekv.runtime.model import LayerPlan
 from edgekv.runtime.aside import AsideThread
+from edgekv.runtime.disk_store import DiskKVStore
 from edgekv.runtime.norms import norm_call
 from edgekv.runtime.selector import LowRankSelector
 
 FORMS = ("block end", "heads", "native queries", "ring", "post chain", "glue norms", "norms", "q rows", "rope",
-         "einsum", "rows once", "native top", "launch", "fetch plan", "io takes")
+         "einsum", "rows once", "native top", "launch", "fetch plan", "io takes",
+         "striped flush")
 
 
 def _queries_by(product):
@@ -113,6 +117,11 @@ def _plans(model, replaced: set[str]) -> list[LayerPlan]:
     return plans
 
 
+def _no_runs(self, *args):
+    """``DiskKVStore._striped_runs`` declining: the layers' runs found one by one."""
+    return None
+
+
 def _module_forward(module):
     """A norm module's own forward (``norm_call`` replaced)."""
     return None if module is None else module.forward
@@ -128,6 +137,7 @@ def main(argv=None) -> None:
         ap.error(f"--replace: {', '.join(sorted(replaced - set(FORMS)))} is no form; the forms: {', '.join(FORMS)}")
     matmul, native_top = LowRankSelector._low_rank_queries, LowRankSelector._top_call
     launch = LowRankSelector._launch_posted
+    striped = DiskKVStore._striped_runs
     with text_batch(args, room=alternating_room(args, 2), policy=args.policy) as (policy, step):
         model = policy.model
         plans = {True: model.plans, False: _plans(model, replaced)}
@@ -149,6 +159,7 @@ def main(argv=None) -> None:
                     if fused or name in replaced:
                         setattr(LowRankSelector, attr, new if fused else old)
                 AsideThread.post_chain = _CHAIN if fused or "post chain" not in replaced else _posted_each
+                DiskKVStore._striped_runs = striped if fused or "striped flush" not in replaced else _no_runs
                 if put_rows is not None:
                     policy._put_rows = put_rows if fused or "ring" not in replaced else None
                 if planner is not None:

@@ -249,13 +249,16 @@ def test_the_fused_calls_bench_alternates_them_with_the_forms_they_replaced(caps
     from bench.fused_calls import main as fused_calls
     from edgekv.runtime.selector import LowRankSelector
 
-    top_call, launch = LowRankSelector._top_call, LowRankSelector._launch_posted
+    from edgekv.runtime.disk_store import DiskKVStore
+
+    top_call, launch, striped = LowRankSelector._top_call, LowRankSelector._launch_posted, DiskKVStore._striped_runs
     fused_calls(["--model", "fixture", "--context", "200", "--batch", "1", "--kvswap", "G=4,M=6,C=8,sigma=2",
                  "--extra", '{"reuse": true}', "--rounds", "2", "--steps", "2"])
     rows = re.findall(r"^kvswap batch 1 (fused calls|replaced forms): median ([\d.]+) ms a step \(([\d., ]+)\); "
                       r"([\d.]+) x the tok/s of replaced forms$", capsys.readouterr().out, re.M)
     assert [row[0] for row in rows] == ["fused calls", "replaced forms"] and float(rows[1][3]) == 1.0
     assert LowRankSelector._top_call is top_call and LowRankSelector._launch_posted is launch
+    assert DiskKVStore._striped_runs is striped
 
 
 def test_the_fused_calls_bench_replaces_only_the_forms_named_and_refuses_an_unknown_one(capsys):
