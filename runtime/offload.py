@@ -43,7 +43,7 @@ from .record_attention import RecordAttention, native_attention
 from .selector import Selector
 from .transfer import to_device
 from .slot_memory import LAYERS_IN_FLIGHT, slot_memory
-from .slots import Slots, record_owners
+from .slots import Misses, Slots, record_owners
 from .guesses import GuessSources, ProbeSchedule, in_rows
 
 _ABANDONED: dict = {}  # id(future) -> (future, buffers) of reads past their deadline: their memory lives until they land
@@ -273,7 +273,7 @@ class OffloadedKV(KVPolicy):
         future = self._read_misses(layer, misses, self._io, self._after(layer), reads)
         self._pending[layer] = (slots, valid, future, np.where(valid, groups, -1))
 
-    def _assign(self, layer: int, groups: np.ndarray, valid: np.ndarray) -> tuple[np.ndarray, object, ReadBatch | None]:
+    def _assign(self, layer: int, groups: np.ndarray, valid: np.ndarray) -> tuple[np.ndarray, Misses, ReadBatch | None]:
         """The picks' flat slots, the misses and, where the planner served, the misses' reads."""
         if self._planner is not None and not self.shared_groups.any():  # it takes each row's own records only
             planned = self._planner.plan(layer, groups, valid)
@@ -301,7 +301,7 @@ class OffloadedKV(KVPolicy):
     def _take_on_io(self, layer: int, picks: "HostPicks | ScoredPicks", after: threading.Event | None
                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """On an I/O thread: ``layer``'s picks once made, their slots assigned and the misses read (the planner and
-        the slot tables under ``_plan_lock``: the compute thread's corrections plan too).  Returns the layer's slots,
+        the slot tables under ``_plan_lock``: the compute thread's corrections assign and plan too).  Returns the layer's slots,
         groups and valid."""
         groups, valid = picks.result()
         with self._plan_lock:
@@ -532,7 +532,8 @@ class OffloadedKV(KVPolicy):
             missing &= ~over  # the guess's picks standing in are in memory
             guessed = (guessed & ~over) | (valid & over)
         self.guess_recall_counts += [int(guessed.sum()), int(valid.sum())]
-        slots, misses = self.slots.correct(layer, groups, valid, owners)
+        with self._plan_lock:
+            slots, misses = self.slots.correct(layer, groups, valid, owners)
         late = None
         gate = self._corrected.get(layer)  # the next layer's read, waiting for this one's (set again in attend)
         if len(misses.seq):
