@@ -366,7 +366,8 @@ class DiskKVStore:
         for future in futures:  # in order: the lowest layer's failure is the one raised
             future.result()
 
-    def _striped_runs(self, seq: int, first_group: int, records: np.ndarray) -> list[tuple[int, np.ndarray, int]] | None:
+    def _striped_runs(self, seq: int, first_group: int, records: np.ndarray
+                      ) -> list[tuple[int, np.ndarray, int]] | None:
         """``_write_runs`` of every layer at once, records [n_layers, n, stride], where every layer's groups are
         striped and none is held elsewhere and each layer's records are one run (one path, or one record: a decode
         flush); None elsewhere.  The checksums in one call, where 30 layers' numpy glue cost ~5 ms a flush."""

@@ -301,8 +301,8 @@ class OffloadedKV(KVPolicy):
     def _take_on_io(self, layer: int, picks: "HostPicks | ScoredPicks", after: threading.Event | None
                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """On an I/O thread: ``layer``'s picks once made, their slots assigned and the misses read (the planner and
-        the slot tables under ``_plan_lock``: the compute thread's corrections assign and plan too).  Returns the layer's slots,
-        groups and valid."""
+        the slot tables under ``_plan_lock``: the compute thread's corrections assign and plan too).  Returns the
+        layer's slots, groups and valid."""
         groups, valid = picks.result()
         with self._plan_lock:
             slots, misses, reads = self._assign(layer, groups, valid)
