@@ -62,7 +62,8 @@ class OffloadedKV(KVPolicy):
         """``cfg``: the policy's effective config (its G, M, S, W, window and recluster settings, read deadline).
         ``predict``: the selector gets the next layer's predicted query (flexgen's picks need none).
         ``placer``: a cluster.CoactivationLayout placing a prompt's groups on the KV paths (None: striped).
-        ``on_select(layer, groups [B, M], valid [B, M])``: the step's picks, for tuning and traces."""
+        ``on_select(layer, groups [B, M], valid [B, M])``: the step's picks, for tuning and traces (each layer's as it
+        attends: in layer order, whichever thread took them)."""
         super().__init__(model, batch, cfg.max_context)
         dims = model.dims
         self.store = store
@@ -119,9 +120,9 @@ class OffloadedKV(KVPolicy):
         self.n_groups = np.zeros(batch, dtype=np.int64)
         self.rb_len = np.zeros(batch, dtype=np.int64)
         self._picking: dict[int, HostPicks] = {}  # layer -> picks launched, not yet on the host
-        # layer -> (slots, valid, the reads' future, the guess); the picks taken on an I/O thread: (None, None, a
-        # future of the three, None)
-        self._pending: dict[int, tuple[np.ndarray | None, np.ndarray | None, Future, np.ndarray | None]] = {}
+        # layer -> (slots, groups, valid, the reads' future); the picks taken on an I/O thread: (None, None, None, a
+        # future of the three)
+        self._pending: dict[int, tuple[np.ndarray | None, np.ndarray | None, np.ndarray | None, Future]] = {}
         self._plan_lock = threading.Lock()  # slot tables, the planner and the store's counters: one planner at a time
         self._takes_on_io = True  # where it serves (_io_takes); a bench compares the compute thread taking them
         # a layer's reads start as soon as it is picked, beside the layer before's tail and checksums
@@ -238,7 +239,7 @@ class OffloadedKV(KVPolicy):
             if self._io_takes(active) and not self._picking[layer].ready():  # on an I/O thread, once made
                 picks = self._picking.pop(layer)
                 after = self._after(layer)
-                self._pending[layer] = (None, None, self._io.submit(self._take_on_io, layer, picks, after), None)
+                self._pending[layer] = (None, None, None, self._io.submit(self._take_on_io, layer, picks, after))
             elif self.model.device.type != "cuda":  # no queue to keep fed: the reads start once the picks are made
                 self._take_picks(wait_upto=-1)
 
@@ -263,15 +264,13 @@ class OffloadedKV(KVPolicy):
                      ) -> None:
         """The layer's picks on the host: the slot table says which are resident, the misses' reads go to an I/O
         thread, and the layer's attention finds them pending."""
-        if self.on_select is not None:
-            self.on_select(layer, groups, valid)
         if self.recluster_steps and (self.decode_steps[active] < self.recluster_steps).any():  # until all re-laid
             self._keep_picks(layer, groups, valid, record_owners(groups, self.owner, self.shared_groups))
         with self._plan_lock:
             slots, misses, reads = self._assign(layer, groups, valid)
         self.select_s += time.perf_counter() - started
         future = self._read_misses(layer, misses, self._io, self._after(layer), reads)
-        self._pending[layer] = (slots, valid, future, np.where(valid, groups, -1))
+        self._pending[layer] = (slots, groups, valid, future)
 
     def _assign(self, layer: int, groups: np.ndarray, valid: np.ndarray) -> tuple[np.ndarray, Misses, ReadBatch | None]:
         """The picks' flat slots, the misses and, where the planner served, the misses' reads."""
@@ -285,8 +284,7 @@ class OffloadedKV(KVPolicy):
         """Whether an I/O thread takes picks still being made (assigns their slots, plans and reads the misses) the
         moment the helper thread has made them, instead of the compute thread once the layer before has attended
         (picks made already are taken at once, as ever).  On a CPU with the one-call planner, where no re-clustering
-        keeps the picks first and each row reads its own records; ``on_select`` then sees them when the layer
-        attends, on the compute thread."""
+        keeps the picks first and each row reads its own records."""
         return (self._takes_on_io and self._planner is not None and self.model.device.type == "cpu"
                 and not self.shared_groups.any()
                 and not (self.recluster_steps and (self.decode_steps[active] < self.recluster_steps).any()))
@@ -486,15 +484,15 @@ class OffloadedKV(KVPolicy):
 
     def _wait_fetch(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
         """(slots, valid) of the layer's picks once their reads landed; the picks stay for ``_correct``."""
-        slots, valid, future, self._guess = self._pending.pop(layer)
+        slots, groups, valid, future = self._pending.pop(layer)
         start = time.perf_counter()
         self._wait(layer, future)
         self.io_stall_s += time.perf_counter() - start
         if slots is None:  # taken on an I/O thread (_take_on_io)
             slots, groups, valid = future.result()
-            if self.on_select is not None:
-                self.on_select(layer, groups, valid)
-            self._guess = np.where(valid, groups, -1)
+        if self.on_select is not None:  # here, in layer order, whichever thread took them
+            self.on_select(layer, groups, valid)
+        self._guess = np.where(valid, groups, -1)
         return slots, valid
 
     def _wait(self, layer: int, future: Future) -> None:
@@ -667,7 +665,7 @@ class OffloadedKV(KVPolicy):
         close under it (the kernel holds them for a syscall in progress)."""
         for gate in self._corrected.values():  # no correction is coming: queued reads may start (and finish)
             gate.set()
-        futures = [future for _, _, future, _ in self._pending.values()]
+        futures = [future for *_, future in self._pending.values()]
         self._pending.clear()
         self._picking.clear()
         errors = []

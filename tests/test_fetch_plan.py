@@ -153,3 +153,22 @@ def test_picks_taken_on_an_io_thread_decode_what_the_compute_thread_taking_them_
     assert [layer for layer, *_ in io_events] == [layer for layer, *_ in compute_events]
     assert [layer for layer, *_ in io_events][:n_layers] == list(range(n_layers))
     assert all(np.array_equal(a, c) for (_, *io), (_, *cp) in zip(io_events, compute_events) for a, c in zip(io, cp))
+
+
+def test_picks_events_come_in_layer_order_when_some_layers_picks_are_taken_on_an_io_thread(model_dirs, kv_dir,
+                                                                                           monkeypatch):
+    """Every other launch's picks made already (taken by the compute thread at once), the rest still being made
+    (taken on an I/O thread): each step's ``groups_selected`` events still come layer by layer."""
+    from edgekv.runtime import Engine
+    from edgekv.runtime.offload import HostPicks, ScoredPicks
+
+    calls = []
+    for picks in (HostPicks, ScoredPicks):
+        monkeypatch.setattr(picks, "ready", lambda self: calls.append(0) or len(calls) % 2 == 0)
+    config = {"G": 4, "M": 4, "C": 8, "max_context": 160, "max_batch": 2, "reuse": True}
+    with Engine.from_pretrained(model_dirs["llama"], kv_offload_path=kv_dir, config=config, device="cpu") as engine:
+        layers = []
+        engine.events.subscribe(lambda e: layers.append(e.info["layer"]) if e.kind == "groups_selected" else None)
+        engine.generate([list(range(1, 50)), list(range(20, 41))], max_new_tokens=6, stop_token_ids=[])
+    n_layers = engine.model.dims.n_layers
+    assert layers == list(range(n_layers)) * 5
