@@ -266,11 +266,17 @@ class OffloadedKV(KVPolicy):
         thread, and the layer's attention finds them pending."""
         if self.recluster_steps and (self.decode_steps[active] < self.recluster_steps).any():  # until all re-laid
             self._keep_picks(layer, groups, valid, record_owners(groups, self.owner, self.shared_groups))
+        slots, misses, reads = self._planned(layer, groups, valid)
+        self.select_s += time.perf_counter() - started
+        future = self._io.submit(self._fetch, layer, self.slots.buffer_index(layer), misses, reads, self._after(layer))
+        self._pending[layer] = (slots, groups, valid, future)
+
+    def _planned(self, layer: int, groups: np.ndarray, valid: np.ndarray) -> tuple[np.ndarray, Misses, ReadBatch]:
+        """The picks' flat slots, the misses and the misses' reads (their bytes counted), under ``_plan_lock``: the
+        compute thread and an I/O thread both assign and plan."""
         with self._plan_lock:
             slots, misses, reads = self._assign(layer, groups, valid)
-        self.select_s += time.perf_counter() - started
-        future = self._read_misses(layer, misses, self._io, self._after(layer), reads)
-        self._pending[layer] = (slots, groups, valid, future)
+            return slots, misses, self._plan_reads(layer, misses, reads)
 
     def _assign(self, layer: int, groups: np.ndarray, valid: np.ndarray) -> tuple[np.ndarray, Misses, ReadBatch | None]:
         """The picks' flat slots, the misses and, where the planner served, the misses' reads."""
@@ -302,9 +308,7 @@ class OffloadedKV(KVPolicy):
         the slot tables under ``_plan_lock``: the compute thread's corrections assign and plan too).  Returns the
         layer's slots, groups and valid."""
         groups, valid = picks.result()
-        with self._plan_lock:
-            slots, misses, reads = self._assign(layer, groups, valid)
-            reads = self._plan_reads(layer, misses, reads)
+        slots, misses, reads = self._planned(layer, groups, valid)
         self._fetch(layer, self.slots.buffer_index(layer), misses, reads, after)
         return slots, groups, valid
 
@@ -329,13 +333,11 @@ class OffloadedKV(KVPolicy):
         """The picks for ``layer`` from ``q`` on the host now: groups [B, M], valid [B, M] (active rows only)."""
         return self._launch_pick(layer, q).result()
 
-    def _read_misses(self, layer: int, misses, executor: ThreadPoolExecutor, after: threading.Event | None = None,
-                     reads: ReadBatch | None = None) -> Future:
-        """The misses' reads (``reads``: planned already), submitted to ``executor`` (to start once ``after`` is set);
-        their bytes count as read."""
+    def _read_misses(self, layer: int, misses, executor: ThreadPoolExecutor) -> Future:
+        """The misses' reads, submitted to ``executor``; their bytes count as read."""
         with self._plan_lock:
-            reads = self._plan_reads(layer, misses, reads)
-        return executor.submit(self._fetch, layer, self.slots.buffer_index(layer), misses, reads, after)
+            reads = self._plan_reads(layer, misses, None)
+        return executor.submit(self._fetch, layer, self.slots.buffer_index(layer), misses, reads)
 
     def _plan_reads(self, layer: int, misses, reads: ReadBatch | None) -> ReadBatch:
         """The misses' reads (``reads``: planned already), their bytes counted as read."""
