@@ -68,11 +68,11 @@ def sums_at(addresses, record_bytes: int, layers, groups, use_native: bool = Tru
     return out
 
 
-def record_sums(records: np.ndarray, record_bytes: int, layer: int, groups) -> np.ndarray:
-    """uint32 [n] checksums of records [n, stride] (C-contiguous) holding ``groups`` of ``layer``."""
+def record_sums(records: np.ndarray, record_bytes: int, layers, groups) -> np.ndarray:
+    """uint32 [n] checksums of records [n, stride] holding ``groups`` of ``layers`` (one layer, or each record's)."""
     records = np.ascontiguousarray(records)
     return sums_at(address(records) + np.arange(len(records), dtype=np.int64) * records.shape[1], record_bytes,
-                   layer, groups)
+                   layers, groups)
 
 
 def crc32c(data: bytes) -> int:

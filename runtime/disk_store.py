@@ -377,13 +377,13 @@ class DiskKVStore:
             return None
         groups = np.arange(first_group, first_group + n)
         if seq in self._sums:
-            rows = np.ascontiguousarray(records).reshape(n_layers * n, -1)
-            sums = sums_at(address(rows) + np.arange(n_layers * n, dtype=np.int64) * rows.shape[1],
-                           self.layout.record_bytes, np.repeat(np.arange(n_layers), n), np.tile(groups, n_layers))
+            sums = record_sums(records.reshape(n_layers * n, -1), self.layout.record_bytes,
+                               np.repeat(np.arange(n_layers), n), np.tile(groups, n_layers))
             self._sum_table(seq, first_group + n)[:, groups] = sums.reshape(n_layers, n)
         for layer in range(n_layers):
             placement.stripe(layer, groups)
-        path, offset = first_group % self.n_paths, first_group // self.n_paths * self.layout.stride_bytes
+        paths, indexes = placement.copies(0, groups[:1])  # every layer's run where layer 0's first record goes
+        path, offset = int(paths[0, 0]), int(indexes[0, 0]) * self.layout.stride_bytes
         return [(int(self._fds[seq, layer, path]), records[layer], offset) for layer in range(n_layers)]
 
     def _write_runs(self, seq: int, layer: int, first_group: int, records: np.ndarray
