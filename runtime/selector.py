@@ -126,6 +126,9 @@ KLR_FORMATS = {"bfloat16": (torch.bfloat16, 16, 0), "float16": (torch.float16, 1
                "float32": (torch.float32, 32, 0), "int8": (torch.int8, 8, 2), "int4": (torch.uint8, 4, 2)}
 INT_LEVELS = {8: 127, 4: 7}  # the largest magnitude of a symmetric integer row element
 NATIVE_ROWS = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2, "int4": 3}  # K_lr formats ekv_score.c reads
+# K_lr is stored this many tokens a block, rank-major within a block: the native scorer reads a block as one
+# contiguous stretch (its BLOCK; ekv_score.c block_of says why)
+KLR_BLOCK_TOKENS = 64
 
 
 @functools.cache
@@ -139,10 +142,14 @@ def native_scorer() -> ctypes.CDLL | None:
         "ekv_score_job_bytes": ([], i32), "ekv_score_scratch_floats": ([i32, i32, i32, i32], i64),
         "ekv_top": (top, i32), "ekv_top_job": ([p, *top], i64), "ekv_top_job_bytes": ([], i32),
         "ekv_low_rank_queries": ([p, i32, i32, i32, i32, p, i32, ctypes.c_float, i32, p], i32),
-        "ekv_launch_bytes": ([], i32),
+        "ekv_launch_bytes": ([], i32), "ekv_score_block_tokens": ([], i32),
         "ekv_score_launch": ([p, p, p, p, i32, i32, i32, i32, p, i32, ctypes.c_float, p, p, i64, i64, p, i64, i32, i32,
                               i32, i32, p, i64, p, i64, p, i32, i32, i32, p], i64)})
     if lib is None:
+        return None
+    if lib.ekv_score_block_tokens() != KLR_BLOCK_TOKENS:
+        log.warning("the native K_lr scorer reads blocks of %d tokens where K_lr is stored in blocks of %d: scoring "
+                    "through torch; rebuild it (edgekv build-native)", lib.ekv_score_block_tokens(), KLR_BLOCK_TOKENS)
         return None
     lib.job_bytes, lib.top_job_bytes = lib.ekv_score_job_bytes(), lib.ekv_top_job_bytes()
     lib.launch_bytes = lib.ekv_launch_bytes()
@@ -153,10 +160,15 @@ def native_scorer() -> ctypes.CDLL | None:
     return lib
 
 
-def klr_token_bytes(rank: int, klr_dtype: str) -> int:
-    """Bytes of one token's K_lr row in one layer."""
+def klr_layer_bytes(rank: int, klr_dtype: str, max_context: int) -> int:
+    """Bytes of one layer's K_lr rows and scales for a sequence of ``max_context`` tokens (the rows in whole blocks)."""
     _, bits, scale = KLR_FORMATS[klr_dtype]
-    return -(-rank * bits // 8) + scale
+    return klr_blocks(max_context) * KLR_BLOCK_TOKENS * -(-rank * bits // 8) + max_context * scale
+
+
+def klr_blocks(max_context: int) -> int:
+    """The stored blocks of ``max_context`` tokens' K_lr rows."""
+    return -(-max_context // KLR_BLOCK_TOKENS)
 
 
 class LowRankSelector(Selector):
@@ -196,10 +208,12 @@ class LowRankSelector(Selector):
         self.adapter = [None] * n_layers if adapter is None else [a.to(device, self.dtype).contiguous()
                                                                   for a in adapter.matrices]
         self._stacked: torch.Tensor | None = None  # the adapters [L, H_kv * d, rank], once every layer has one
-        # rank-major: a token's row is a column, so scoring runs along the tokens (a query element times a stretch of
-        # tokens, no sum across a row); int4 packs two consecutive rank positions a byte
+        # in blocks of KLR_BLOCK_TOKENS tokens, rank-major within one: a token's row is a column, so scoring runs along
+        # the tokens (a query element times a stretch of tokens, no sum across a row); int4 packs two consecutive rank
+        # positions a byte
         width = -(-rank * self.bits // stored.itemsize // 8)
-        self.k_lr = torch.zeros(n_layers, batch, width, max_context, dtype=stored, device=device)
+        self.k_lr = torch.zeros(n_layers, batch, klr_blocks(max_context), width, KLR_BLOCK_TOKENS, dtype=stored,
+                                device=device)
         self.k_scale = torch.zeros(n_layers, batch, max_context if self.quantized else 0, dtype=torch.bfloat16, device=device)
         self.resident_bytes = self.k_lr.numel() * self.k_lr.element_size() + self.k_scale.numel() * self.k_scale.element_size()
         self.fitted_on = [0] * n_layers
@@ -243,13 +257,17 @@ class LowRankSelector(Selector):
         then the layers' stacked projections) and store the rows from ``first_token``."""
         rows = slice(first_token, first_token + flat.shape[-2])
         projected = flat.to(self.dtype) @ (self.adapter[layer] if adapter is None else adapter)
+        token = torch.arange(rows.start, rows.stop, device=self.device)
+        # [..., T, width] in at each token's block and column: the token's index leads where the indices straddle
+        # the rows' dimension
+        at = (layer, seq, token // KLR_BLOCK_TOKENS, slice(None), token % KLR_BLOCK_TOKENS)
         if not self.quantized:
-            self.k_lr[layer, seq, :, rows] = projected.transpose(-1, -2)
+            self.k_lr[at] = projected.movedim(-2, 0).to(self.k_lr.dtype)
             return
         levels = INT_LEVELS[self.bits]
         scale = projected.float().abs().amax(dim=-1).clamp_min(1e-12) / levels
         q = (projected.float() / scale[..., None]).round().clamp_(-levels - 1, levels)
-        self.k_lr[layer, seq, :, rows] = (q.to(torch.int8) if self.bits == 8 else _pack_nibbles(q)).transpose(-1, -2)
+        self.k_lr[at] = (q.to(torch.int8) if self.bits == 8 else _pack_nibbles(q)).movedim(-2, 0)
         self.k_scale[layer, seq, rows] = scale.to(torch.bfloat16)
 
     def end_prefill(self) -> None:
@@ -296,33 +314,33 @@ class LowRankSelector(Selector):
         return torch.matmul(grouped.to(self.dtype), adapter).reshape(b, h, -1) * self.scaling
 
     def _times_rows(self, layer: int, n_tokens: int, lhs: torch.Tensor) -> torch.Tensor:
-        """``lhs`` [B, c, r] times the K_lr rows (rank-major, [B, r, n_tokens]) in float32 -> [B, c, n_tokens]; integer
+        """``lhs`` [B, c, r] times the layer's first ``n_tokens`` K_lr rows in float32 -> [B, c, n_tokens]; integer
         rows against ``lhs`` rounded to int8, the integer products times the query's and the token's scales (the torch
         path: a CPU selection calls the native scorer where it serves).  The queries on the left and the tokens last:
         a softmax over tokens then runs on contiguous memory, and on a CPU this order was 1-4x faster than the rows
         times the queries (one thread, SmolLM2's shapes, 8K: 0.22 against 0.83 ms for 9 heads at rank 96, batch 1;
-        0.50 against 1.73 ms for one summed query at batch 4).  On a CPU the rows are converted a block at a time (a
-        whole float copy is fresh memory every select: at 4 x 32K its page faults tripled the select's time), on a
+        0.50 against 1.73 ms for one summed query at batch 4).  On a CPU the rows are converted some blocks at a time
+        (a whole float copy is fresh memory every select: at 4 x 32K its page faults tripled the select's time), on a
         GPU at once (one kernel; its allocator reuses the memory)."""
-        rows = self.k_lr[layer, :, :, :n_tokens]
-        batch, rank = rows.shape[0], self.rank
+        blocks = self.k_lr[layer, :, : klr_blocks(n_tokens)]  # [B, blocks, stored width, KLR_BLOCK_TOKENS]
+        batch, n_blocks = blocks.shape[:2]
         if self.quantized:
             codes, q_scale = integer_queries(lhs)
             lhs = codes.to(self.dtype)
-        block = max(256, CPU_BLOCK_BYTES // (4 * batch * rank)) if rows.device.type == "cpu" else n_tokens
-        if block >= n_tokens:
-            out = torch.bmm(lhs, self._as_float(rows))
-        else:
-            out = torch.empty(batch, lhs.shape[1], n_tokens, dtype=self.dtype, device=rows.device)
-            for start in range(0, n_tokens, block):
-                out[:, :, start : start + block] = torch.bmm(lhs, self._as_float(rows[..., start : start + block]))
+        step = max(4, CPU_BLOCK_BYTES // (4 * batch * self.rank * KLR_BLOCK_TOKENS)) if blocks.device.type == "cpu" \
+            else n_blocks
+        out = torch.empty(batch, lhs.shape[1], n_blocks, KLR_BLOCK_TOKENS, dtype=self.dtype, device=blocks.device)
+        for start in range(0, n_blocks, step):
+            part = torch.matmul(lhs[:, None], self._as_float(blocks[:, start : start + step]))  # [B, n, c, tokens]
+            out[:, :, start : start + step] = part.transpose(1, 2)
+        out = out.flatten(2)[..., :n_tokens]
         if self.quantized:  # the query's and the token's scales factor out of the integer dot product
             out.mul_(q_scale[:, :, None] * self.k_scale[layer, :, None, :n_tokens])
         return out
 
     def _as_float(self, rows: torch.Tensor) -> torch.Tensor:
-        """Stored K_lr rows [..., stored width, tokens] as float32 [..., rank, tokens] (int4: the nibbles unpacked,
-        unscaled)."""
+        """Stored K_lr rows [..., stored width, tokens] (a block's, or blocks') as float32 [..., rank, tokens] (int4:
+        the nibbles unpacked, unscaled)."""
         if self.bits != 4:
             return rows.to(self.dtype)
         return torch.stack([rows & 15, rows >> 4], dim=-2).flatten(-3, -2)[..., : self.rank, :].to(self.dtype) - 8
@@ -495,7 +513,7 @@ class LowRankSelector(Selector):
             return None
         if self._rows_args[layer] is None:
             rows, scales = self.k_lr[layer], self.k_scale[layer] if self.quantized else None
-            self._rows_args[layer] = (rows.data_ptr(), rows.stride(1) * rows.element_size(),
+            self._rows_args[layer] = (rows.data_ptr(), rows.stride(1) * rows.element_size(),  # a block's bytes
                                       rows.stride(0) * rows.element_size(), None if scales is None else scales.data_ptr(),
                                       0 if scales is None else scales.stride(0))
         return native_scorer(), kind, self._rows_args[layer]

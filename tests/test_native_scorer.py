@@ -7,12 +7,13 @@ import numpy as np
 import pytest
 import torch
 
+from tests.test_predictor import stored_rows
 from edgekv.runtime import aside as aside_module
 from edgekv.runtime import selector as selector_module
 from edgekv.runtime.adapter import LowRankAdapter
 from edgekv.runtime.config import PredictorConfig
 from edgekv.runtime.model import ModelDims
-from edgekv.runtime.selector import LowRankSelector, native_scorer
+from edgekv.runtime.selector import KLR_BLOCK_TOKENS, LowRankSelector, native_scorer
 
 pytestmark = pytest.mark.skipif(native_scorer() is None, reason="no C compiler for the native scorer")
 
@@ -122,11 +123,13 @@ def test_integer_queries_round_half_to_even_within_127_and_a_zero_query_scores_z
     lhs = torch.tensor([[127.0, 2.5, 3.5, -0.5, -127.0]])
     codes, scale = integer_queries(lhs)
     assert codes.dtype == torch.int8 and codes.tolist() == [[127, 2, 4, 0, -127]] and scale.tolist() == [1.0]
-    lib, rows = native_scorer(), torch.eye(8, dtype=torch.int8)[None]  # token t's row: 1 at rank position t
+    lib, rows = native_scorer(), torch.zeros(1, 8, KLR_BLOCK_TOKENS, dtype=torch.int8)  # one block, rank-major
+    rows[0, :, :8] = torch.eye(8, dtype=torch.int8)  # token t's row: 1 at rank position t
     ones, out = torch.ones(1, 8, dtype=torch.bfloat16), torch.empty(1, 8)
     q = torch.tensor([127.0, 2.5, 3.5, -0.5, -127.0, 1.5, -2.5, 0.25])
     scratch = torch.empty(lib.ekv_score_scratch_floats(1, 1, 8, 1))
-    assert lib.ekv_group_scores(rows.data_ptr(), 8, 64, ones.data_ptr(), 8, q.data_ptr(), 1, 1, 8, 8, 1, 2, 0,
+    assert lib.ekv_group_scores(rows.data_ptr(), rows[0].numel(), rows.numel(), ones.data_ptr(), 8, q.data_ptr(), 1,
+                                1, 8, 8, 1, 2, 0,
                                 scratch.data_ptr(), scratch.numel(), out.data_ptr(), 8) == 0
     assert out.tolist() == [[127, 2, 4, 0, -127, 2, -2, 0]]  # the native scorer's codes, read through the identity
     codes, scale = integer_queries(torch.zeros(1, 3))
@@ -146,7 +149,8 @@ def test_integer_scores_track_those_of_the_unrounded_query():
     q = torch.randn(1, 9, 1, 64)
     rounded = selector.token_scores(0, q, 4096)
     lhs = selector._low_rank_queries(0, q)
-    logits = (lhs @ selector._as_float(selector.k_lr[0, :, :, :4096])) * selector.k_scale[0, :, None, :4096].float()
+    rows = stored_rows(selector, 0, 0, 4096)[None]
+    logits = (lhs @ selector._as_float(rows)) * selector.k_scale[0, :, None, :4096].float()
     unrounded = logits.softmax(-1).sum(1)
     assert (rounded - unrounded).abs().max() <= 0.01 * unrounded.abs().max()
     top = [set(scores.view(1024, 4).amax(-1).topk(200).indices.tolist()) for scores in (rounded[0], unrounded[0])]
@@ -323,15 +327,17 @@ def test_a_step_posts_or_shares_the_next_layers_scores_by_which_its_trial_steps_
 
 
 @pytest.mark.parametrize("score_reduce", ["sum", "softmax"])
-def test_sequences_longer_than_a_part_score_the_same_bits_on_either_thread(score_reduce, monkeypatch):
-    """A sequence scores in parts of 1,024 tokens (runtime/native/ekv_score.c), each keeping its own softmax maximum
-    and sum: the group scores are the same bits with no helper, shared with it and posted to it, and within float32
-    rounding of the torch path's (three parts and a short last one, two parts, one)."""
+@pytest.mark.parametrize("G", [4, 3])
+def test_sequences_longer_than_a_part_score_the_same_bits_on_either_thread(score_reduce, G, monkeypatch):
+    """A sequence scores in parts of 1,024 tokens or more, whole groups and whole stored blocks of 64 (G=3: 1,152;
+    runtime/native/ekv_score.c), each keeping its own softmax maximum and sum: the group scores are the same bits with
+    no helper, shared with it and posted to it, and within float32 rounding of the torch path's (several parts and a
+    short last one, two parts, one)."""
     monkeypatch.setattr(aside_module, "cores", lambda: 2)
     torch.manual_seed(13)
-    lengths = [4 * 700 + 3, 4 * 300, 4 * 40]
-    selector = filled_selector("int4", score_reduce, 24, 4, 3, lengths, M=9)
-    q, counts = torch.randn(3, 6, 1, 16), np.array([n // 4 for n in lengths])
+    lengths = [G * 700 + 3, G * 300 + 100, G * 40]
+    selector = filled_selector("int4", score_reduce, 24, G, 3, lengths, M=9)
+    q, counts = torch.randn(3, 6, 1, 16), np.array([n // G for n in lengths])
     (alone, groups, valid), (torch_scores, _, _) = both_paths(selector, q, counts, monkeypatch)
     monkeypatch.undo()
     monkeypatch.setattr(aside_module, "cores", lambda: 2)

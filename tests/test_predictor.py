@@ -6,8 +6,16 @@ from edgekv.runtime import Engine, LowRankAdapter, build_adapter
 from edgekv.runtime.adapter import AdapterError
 from edgekv.runtime.config import PredictorConfig
 from edgekv.runtime.model import ModelDims
-from edgekv.runtime.selector import LowRankSelector
+from edgekv.runtime.selector import KLR_BLOCK_TOKENS, LowRankSelector
 from tests.conftest import save_model
+
+
+def stored_rows(selector, layer, seq, n_tokens):
+    """The first ``n_tokens`` K_lr rows of ``seq`` as stored, [stored width, n_tokens]: read by the layout itself
+    (token t's stored row i at [layer, seq, t // 64, i, t % 64]), not through the selector's code."""
+    blocks = selector.k_lr[layer, seq]
+    assert blocks.shape[-1] == KLR_BLOCK_TOKENS == 64
+    return torch.stack([blocks[t // 64, :, t % 64] for t in range(n_tokens)], dim=1)
 
 
 def make_selector(adapter, rank, G=4, M=2, max_context=64, klr_dtype="float32", score_reduce="sum", scaling=1.0):
@@ -49,7 +57,7 @@ def test_bf16_rows_are_rounded_once_and_scored_in_fp32(score_reduce):
     selector = make_selector(adapter, 8, max_context=40, klr_dtype="bfloat16", score_reduce=score_reduce, scaling=0.25)
     selector.append(0, 0, 0, k)
     rows = (k.transpose(0, 1).reshape(40, -1) @ adapter.matrices[0].float()).to(torch.bfloat16)
-    assert torch.equal(selector.k_lr[0, 0].T, rows)  # stored rank-major
+    assert torch.equal(stored_rows(selector, 0, 0, 40).T, rows)
     basis = adapter.matrices[0].float().view(2, 16, 8)
     per_head = torch.stack([q[0, h, 0] @ basis[h // 2] for h in range(4)])  # [H, r] in float32
     logits = rows.float() @ per_head.T  # [T, H]
@@ -141,7 +149,7 @@ def test_int4_k_lowrank_rows_are_the_nibbles_of_the_rounded_projection_at_a_quar
     projected = k.transpose(0, 1).reshape(64, -1) @ adapter.matrices[0].float()
     scale = projected.abs().amax(-1) / 7
     levels = (projected / scale[:, None]).round()  # in [-7, 7]
-    packed = int4.k_lr[0, 0].T  # stored rank-major
+    packed = stored_rows(int4, 0, 0, 64).T
     unpacked = torch.stack([packed & 15, packed >> 4], -1).flatten(-2).float() - 8
     assert torch.equal(unpacked[:, :rank], levels) and (unpacked[:, rank:] == 0).all()
     assert int4.resident_bytes == 64 * ((rank + 1) // 2 + 2)  # half a byte per element and a 2-byte scale per token

@@ -246,7 +246,8 @@ def test_the_kernels_built_for_narrower_vectors_compute_the_same(tmp_path, march
                 getattr(built[name], function).argtypes = getattr(native, function).argtypes
         built[name].max_head_dim, built[name].max_group_queries = 256, 32
     torch.manual_seed(3)
-    rows, scales = torch.randint(-127, 128, (2, 33, 704), dtype=torch.int8), torch.rand(2, 704).bfloat16()
+    # K_lr's stored blocks of 64 tokens (runtime/selector.py KLR_BLOCK_TOKENS): 11 a sequence, rank 33
+    rows, scales = torch.randint(-127, 128, (2, 11, 33, 64), dtype=torch.int8), torch.rand(2, 704).bfloat16()
     q = torch.randn(2, 9, 33)
     scores = []
     for lib in (selector.native_scorer(), built["score"]):

@@ -1,7 +1,7 @@
 /* The low-rank predictor's group scores in one call (runtime/selector.py LowRankSelector, on a CPU).
  *
- * For each sequence b: the c low-rank queries q[b] [c, rank] against its K_lr rows, stored rank-major (a token's row
- * is a column), then either
+ * For each sequence b: the c low-rank queries q[b] [c, rank] against its K_lr rows, stored in blocks of BLOCK tokens,
+ * rank-major within a block (a token's row is a column; block_of), then either
  *   - "sum" (c == 1): the logits as they are, or
  *   - "softmax": each query's softmax over the tokens, summed over the queries (one vote per head),
  * and the maximum over each group of G tokens -> out[b, n_tokens / G].  The torch path computes the same in float32
@@ -58,30 +58,25 @@ enum { QUERY_BLOCK = 3 };
 enum { QUERY_BLOCK = 1 };
 #endif
 
-/* rank row i of a block of `n` float rows' tokens from `first` as float, zero past n up to BLOCK */
-static inline void widen(float *restrict out, const uint8_t *restrict rows, int64_t rank_row_bytes, int i,
-                         int64_t first, int n, int kind) {
+/* The stored rows of the block holding tokens `first` (a multiple of BLOCK) onwards: K_lr is stored a block of BLOCK
+ * tokens at a time, `block_bytes` apart, each block rank-major (stored row i's BLOCK tokens, then row i + 1's), so a
+ * block is one contiguous stretch the hardware prefetcher follows.  Rank-major rows a whole context apart were one
+ * stream a stored row (48 at int4 rank 96), more than it follows: SmolLM2 8K, int4 rank 96, 9 queries, rows out of
+ * cache, 190-200 -> 120-150 us a sequence (issue 34, thirty-third session). */
+static inline const uint8_t *block_of(const uint8_t *rows, int64_t block_bytes, int64_t first) {
+    return rows + first / BLOCK * block_bytes;
+}
+
+/* rank row i of a block of `n` float rows' tokens (`block`: block_of) as float, zero past n up to BLOCK */
+static inline void widen(float *restrict out, const uint8_t *restrict block, int i, int n, int kind) {
     if (kind == ROWS_F32) {
-        const float *r = (const float *)(rows + i * rank_row_bytes) + first;
+        const float *r = (const float *)block + (int64_t)i * BLOCK;
         for (int j = 0; j < n; j++) out[j] = r[j];
     } else {
-        const uint16_t *r = (const uint16_t *)(rows + i * rank_row_bytes) + first;
+        const uint16_t *r = (const uint16_t *)block + (int64_t)i * BLOCK;
         for (int j = 0; j < n; j++) out[j] = bf16_to_float(r[j]);
     }
     for (int j = n; j < BLOCK; j++) out[j] = 0.0f;
-}
-
-/* The next block's stretch of every stored rank row, asked for ahead: a block reads one short stretch from each of
- * up to `rank` rows a whole row apart (rank-major rows, max_context bytes or more between them), more streams than
- * the hardware prefetcher follows, so each stretch was a demand miss.  SmolLM2 8K, int8 rank 96, 9 queries: rows
- * out of cache 377 -> 275 us a call (in cache: 210 us; their 0.8 MB take ~20 us at this machine's bandwidth), one
- * layer after another as a decode step selects 293 -> 236 us. */
-static inline void prefetch_block(const uint8_t *rows, int64_t rank_row_bytes, int rank, int64_t first, int kind) {
-    static const int token_bytes[] = {4, 2, 1, 1}; /* of one stored row (an int4 row byte holds two rank rows) */
-    int64_t start = first * token_bytes[kind], bytes = (int64_t)BLOCK * token_bytes[kind];
-    int stored = kind == ROWS_I4 ? (rank + 1) / 2 : rank;
-    for (int i = 0; i < stored; i++)
-        for (int64_t at = 0; at < bytes; at += 64) __builtin_prefetch(rows + i * rank_row_bytes + start + at, 0, 0);
 }
 
 /* The sums of `nq` queries (rank-long, `rank` apart) over one widened block, into sums [nq, BLOCK]: each stretch of
@@ -106,13 +101,13 @@ static inline __attribute__((always_inline)) void block_sums(const float *q, int
  * no other store aliases: in the caller's scratch, or filled a chunk of rank rows at a time, the same loops ran half
  * as fast), then the queries' sums run along the tokens, QUERY_BLOCK queries a pass (a query element times a stretch
  * of one rank row: whole vectors, no sum across a row) */
-static void logits_of(const uint8_t *rows, int64_t rank_row_bytes, const float *q, int queries,
+static void logits_of(const uint8_t *rows, int64_t block_bytes, const float *q, int queries,
                       int rank, int64_t from, int64_t to, int kind, float *restrict logits, int64_t stride) {
     float widened[MAX_RANK * BLOCK] __attribute__((aligned(sizeof(vfloat)))), sums[QUERY_BLOCK * BLOCK];
     for (int64_t first = from; first < to; first += BLOCK) {
         int n = to - first < BLOCK ? (int)(to - first) : BLOCK;
-        if (first + BLOCK < to) prefetch_block(rows, rank_row_bytes, rank, first + BLOCK, kind);
-        for (int i = 0; i < rank; i++) widen(widened + i * BLOCK, rows, rank_row_bytes, i, first, n, kind);
+        const uint8_t *block = block_of(rows, block_bytes, first);
+        for (int i = 0; i < rank; i++) widen(widened + i * BLOCK, block, i, n, kind);
         for (int h = 0; h < queries;) {
             int nq = queries - h >= QUERY_BLOCK ? QUERY_BLOCK : 1;
             if (nq == QUERY_BLOCK) /* constant counts, so the sums' loops unroll into registers */
@@ -132,15 +127,14 @@ static void logits_of(const uint8_t *rows, int64_t rank_row_bytes, const float *
  * rank positions 4k..4k+3 of token t as unsigned bytes, the lowest first (int4: the nibble 0..15, the code plus 8;
  * int8: the code plus 128); zero past n, and past the stored rows (the queries are zero there).  Plain loops the
  * compiler vectorises: a few shifts and masks a lane, once a block, for every query's dot products. */
-static void pack_codes(uint32_t *restrict packed, const uint8_t *rows, int64_t rank_row_bytes, int rank, int64_t first,
-                       int n, int kind) {
+static void pack_codes(uint32_t *restrict packed, const uint8_t *block, int rank, int n, int kind) {
     const int quads = (rank + 3) / 4;
     for (int k = 0; k < quads; k++) {
         uint32_t *restrict o = packed + (int64_t)k * BLOCK;
         if (kind == ROWS_I4) { /* two stored rows a quad: positions 4k, 4k + 1 in row 2k, 4k + 2, 4k + 3 in 2k + 1 */
-            const uint8_t *a = rows + (int64_t)(2 * k) * rank_row_bytes + first;
+            const uint8_t *a = block + (int64_t)(2 * k) * BLOCK;
             if (4 * k + 2 < rank) {
-                const uint8_t *b = a + rank_row_bytes;
+                const uint8_t *b = a + BLOCK;
                 for (int t = 0; t < n; t++) {
                     uint32_t y = a[t] | (uint32_t)b[t] << 16;
                     o[t] = (y | y << 4) & 0x0F0F0F0Fu;
@@ -151,7 +145,7 @@ static void pack_codes(uint32_t *restrict packed, const uint8_t *rows, int64_t r
         } else {
             for (int t = 0; t < n; t++) o[t] = 0;
             for (int i = 4 * k; i < 4 * k + 4 && i < rank; i++) {
-                const uint8_t *r = rows + i * rank_row_bytes + first;
+                const uint8_t *r = block + (int64_t)i * BLOCK;
                 for (int t = 0; t < n; t++) o[t] |= (uint32_t)(r[t] ^ 0x80u) << (8 * (i - 4 * k));
             }
         }
@@ -231,7 +225,7 @@ static inline __attribute__((always_inline)) void block_dots(const uint32_t *pac
 /* The integer rows' logits, as logits_of computes the float rows': logits[h * stride + t] = (q_h . codes_t) times
  * (the query's scale times the token's), each product rounded once, as the torch path rounds them (an integer dot
  * product is exact in float32 below 2^24: at most 127 * 128 * MAX_RANK). */
-static void integer_logits_of(const uint8_t *rows, int64_t rank_row_bytes, const uint16_t *scales, const int8_t *q,
+static void integer_logits_of(const uint8_t *rows, int64_t block_bytes, const uint16_t *scales, const int8_t *q,
                               const float *q_scales, int queries, int rank, int64_t from, int64_t to, int kind,
                               float *restrict logits, int64_t stride) {
     enum { MAX_QUADS = MAX_RANK / 4 };
@@ -246,8 +240,7 @@ static void integer_logits_of(const uint8_t *rows, int64_t rank_row_bytes, const
     }
     for (int64_t first = from; first < to; first += BLOCK) {
         int n = to - first < BLOCK ? (int)(to - first) : BLOCK;
-        if (first + BLOCK < to) prefetch_block(rows, rank_row_bytes, rank, first + BLOCK, kind);
-        pack_codes(packed, rows, rank_row_bytes, rank, first, n, kind);
+        pack_codes(packed, block_of(rows, block_bytes, first), rank, n, kind);
         for (int j = 0; j < n; j++) token_scale[j] = bf16_to_float(scales[first + j]);
         for (int h = 0; h < queries;) {
             int nq = queries - h >= QUERY_BLOCK ? QUERY_BLOCK : 1;
@@ -310,19 +303,31 @@ int ekv_low_rank_queries(const float *q, int batch, int heads, int kv_heads, int
  * sequence too, which no model's heads come near). */
 int ekv_score_max_rank(void) { return MAX_RANK; }
 
-/* A unit's stretch of one sequence's tokens, PART_TOKENS rounded up to whole groups: a batch of one scores in parts
- * the caller and the helper thread share (SmolLM2 8K: 8 parts).  Each part keeps its own softmax maximum and sum, and
- * the parts' sums add in order, so the scores are the same bits whichever worker runs which part. */
+/* The tokens of a stored block: the caller lays K_lr out in blocks of this many (runtime/selector.py KLR_BLOCK_TOKENS
+ * checks it). */
+int ekv_score_block_tokens(void) { return BLOCK; }
+
+/* A unit's stretch of one sequence's tokens, PART_TOKENS rounded up to whole groups and whole stored blocks: a batch
+ * of one scores in parts the caller and the helper thread share (SmolLM2 8K: 8 parts).  Each part keeps its own
+ * softmax maximum and sum, and the parts' sums add in order, so the scores are the same bits whichever worker runs
+ * which part. */
 enum { PART_TOKENS = 1024 };
 
 static int64_t part_tokens(int group_tokens) {
-    return (PART_TOKENS + group_tokens - 1) / group_tokens * group_tokens;
+    int64_t a = group_tokens, b = BLOCK;
+    while (b) {
+        int64_t r = a % b;
+        a = b;
+        b = r;
+    }
+    const int64_t whole = (int64_t)group_tokens / a * BLOCK; /* the least multiple of both */
+    return (PART_TOKENS + whole - 1) / whole * whole;
 }
 
 /* One call's arguments (ekv_score_job), so its (sequence, part) units can run on a helper thread (ekv_aside.c). */
 typedef struct {
     const uint8_t *rows;
-    int64_t rank_row_bytes, seq_stride_bytes;
+    int64_t block_bytes, seq_stride_bytes;
     const uint16_t *scales;
     int64_t scale_seq_stride;
     const float *q;
@@ -368,12 +373,14 @@ static void round_queries(const float *q, int64_t count, int rank, int quad_rank
  * ekv_score_scratch_floats; one job's alone until it is done).  Returns the units of each of its phases (a sequence
  * times its parts: run every unit of ekv_score_unit, then, with softmax, every unit of ekv_score_vote_unit), or -1
  * for arguments it refuses (see ekv_group_scores). */
-int64_t ekv_score_job(score_job *job, const uint8_t *rows, int64_t rank_row_bytes, int64_t seq_stride_bytes,
+int64_t ekv_score_job(score_job *job, const uint8_t *rows, int64_t block_bytes, int64_t seq_stride_bytes,
                       const uint16_t *scales, int64_t scale_seq_stride, const float *q, int batch, int queries,
                       int rank, int n_tokens, int group_tokens, int kind, int softmax, float *scratch,
                       int64_t scratch_floats, float *out, int64_t out_seq_stride) {
+    static const int token_bytes[] = {4, 2, 1, 1}; /* of a stored row (an int4 byte holds two rank positions) */
     if (rank > MAX_RANK || queries > MAX_QUERIES || n_tokens % group_tokens || kind < ROWS_F32 || kind > ROWS_I4 ||
         (kind >= ROWS_I8 && scales == NULL) ||
+        block_bytes < (int64_t)(kind == ROWS_I4 ? (rank + 1) / 2 : rank) * BLOCK * token_bytes[kind] ||
         scratch_floats < ekv_score_scratch_floats(batch, queries, n_tokens, group_tokens))
         return -1;
     int64_t part = part_tokens(group_tokens);
@@ -382,7 +389,7 @@ int64_t ekv_score_job(score_job *job, const uint8_t *rows, int64_t rank_row_byte
     float *stats = scratch + count * n_tokens, *q_scales = stats + count * parts * 2;
     int8_t *q_codes = (int8_t *)(q_scales + count);
     if (kind >= ROWS_I8) round_queries(q, count, rank, (rank + 3) / 4 * 4, q_codes, q_scales);
-    *job = (score_job){rows, rank_row_bytes, seq_stride_bytes, scales, scale_seq_stride, q, q_codes, q_scales, batch,
+    *job = (score_job){rows, block_bytes, seq_stride_bytes, scales, scale_seq_stride, q, q_codes, q_scales, batch,
                        queries, rank, n_tokens, group_tokens, kind, softmax, parts, part, scratch, stats, out,
                        out_seq_stride};
     return (int64_t)batch * parts;
@@ -408,11 +415,11 @@ void ekv_score_unit(void *ctx, int64_t unit, int worker) {
     float *logits = j->logits + b * j->queries * j->n_tokens;
     const uint8_t *rows = j->rows + b * j->seq_stride_bytes;
     if (j->kind >= ROWS_I8)
-        integer_logits_of(rows, j->rank_row_bytes, j->scales + b * j->scale_seq_stride,
+        integer_logits_of(rows, j->block_bytes, j->scales + b * j->scale_seq_stride,
                           j->q_codes + b * j->queries * ((j->rank + 3) / 4 * 4), j->q_scales + b * j->queries,
                           j->queries, j->rank, from, to, j->kind, logits, j->n_tokens);
     else
-        logits_of(rows, j->rank_row_bytes, j->q + b * j->queries * j->rank, j->queries, j->rank,
+        logits_of(rows, j->block_bytes, j->q + b * j->queries * j->rank, j->queries, j->rank,
                   from, to, j->kind, logits, j->n_tokens);
     if (!j->softmax) {
         group_maxima(logits + from, from, to, j->group_tokens, j->out + b * j->out_seq_stride);
@@ -455,17 +462,20 @@ void ekv_score_vote_unit(void *ctx, int64_t unit, int worker) {
     group_maxima(votes + from, from, to, j->group_tokens, j->out + b * j->out_seq_stride);
 }
 
-/* scratch: ekv_score_scratch_floats.  rows: K_lr rank-major, rank row i of sequence b at rows + b * seq_stride_bytes
- * + i * rank_row_bytes (int4: row i / 2, nibble i % 2); scales: bfloat16 [n] a sequence, or NULL for float rows.
+/* scratch: ekv_score_scratch_floats.  rows: K_lr in blocks of BLOCK tokens (block_of), rank-major within one: token
+ * t's rank row i of sequence b at rows + b * seq_stride_bytes + t / BLOCK * block_bytes + (i * BLOCK + t % BLOCK)
+ * times the row format's bytes (int4: stored row i / 2, nibble i % 2); scales: bfloat16 [n] a sequence, or NULL for
+ * float rows.
  * q: float [batch, queries, rank] (rounded to int8 here for integer rows).  Returns 0, or -1 (nothing computed: the
  * caller takes the torch path) when the rank or the queries exceed their maxima, n_tokens is not a whole number of
- * groups, the kind is unknown, integer rows come without their scales, or the scratch is short. */
-int ekv_group_scores(const uint8_t *rows, int64_t rank_row_bytes, int64_t seq_stride_bytes, const uint16_t *scales,
+ * groups, the kind is unknown, integer rows come without their scales, a block is shorter than its rows, or the
+ * scratch is short. */
+int ekv_group_scores(const uint8_t *rows, int64_t block_bytes, int64_t seq_stride_bytes, const uint16_t *scales,
                      int64_t scale_seq_stride, const float *q, int batch, int queries, int rank, int n_tokens,
                      int group_tokens, int kind, int softmax, float *scratch, int64_t scratch_floats, float *out,
                      int64_t out_seq_stride) {
     score_job job;
-    int64_t units = ekv_score_job(&job, rows, rank_row_bytes, seq_stride_bytes, scales, scale_seq_stride, q, batch,
+    int64_t units = ekv_score_job(&job, rows, block_bytes, seq_stride_bytes, scales, scale_seq_stride, q, batch,
                                   queries, rank, n_tokens, group_tokens, kind, softmax, scratch, scratch_floats, out,
                                   out_seq_stride);
     if (units < 0) return -1;
@@ -623,12 +633,12 @@ int ekv_launch_bytes(void) { return (int)sizeof(launch_jobs); }
  * (nothing posted) for arguments a part refuses: the caller then takes the calls one by one, which say why. */
 int64_t ekv_score_launch(launch_jobs *jobs, ekv_post_chain_fn post_chain, void *aside, const float *q, int batch,
                          int heads, int kv_heads, int d, const float *adapter, int rank, float scaling, float *queries,
-                         const uint8_t *rows, int64_t rank_row_bytes, int64_t seq_stride_bytes, const uint16_t *scales,
+                         const uint8_t *rows, int64_t block_bytes, int64_t seq_stride_bytes, const uint16_t *scales,
                          int64_t scale_seq_stride, int kind, int n_tokens, int group_tokens, int softmax,
                          float *scratch, int64_t scratch_floats, float *out, int64_t out_stride,
                          const int64_t *counts, int first, int M, int max_groups, int64_t *picks) {
     if (ekv_low_rank_queries(q, batch, heads, kv_heads, d, adapter, rank, scaling, !softmax, queries)) return -1;
-    int64_t units = ekv_score_job(&jobs->score, rows, rank_row_bytes, seq_stride_bytes, scales, scale_seq_stride,
+    int64_t units = ekv_score_job(&jobs->score, rows, block_bytes, seq_stride_bytes, scales, scale_seq_stride,
                                   queries, batch, softmax ? heads : 1, rank, n_tokens, group_tokens, kind, softmax,
                                   scratch, scratch_floats, out, out_stride);
     int64_t top_units = ekv_top_job(&jobs->top, out, out_stride, batch, counts, first, M, max_groups, picks);

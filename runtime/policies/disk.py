@@ -13,7 +13,7 @@ from ..disk_store import DiskKVStore, RecordLayout
 from ..model import ModelDims
 from ..offload import OffloadedKV
 from ..placement import PLACEMENT_BYTES_PER_GROUP
-from ..selector import Selector, klr_token_bytes
+from ..selector import Selector, klr_layer_bytes
 from ..slots import PreloadSlots, SlotTable
 from .base import PolicyEnv
 
@@ -38,7 +38,7 @@ def disk_parts(cfg: RuntimeConfig, dims: ModelDims, kv_itemsize: int, rank: int,
         cfg.picked_groups
     groups = cfg.max_groups
     return {
-        "k_lowrank": dims.n_layers * cfg.max_context * klr_token_bytes(rank, cfg.predictor.klr_dtype) if predicts else 0,
+        "k_lowrank": dims.n_layers * klr_layer_bytes(rank, cfg.predictor.klr_dtype, cfg.max_context) if predicts else 0,
         "k_cpu_pool": 0,
         "slots": slots * stride_bytes,
         "slot_table": SlotTable.index_bytes(dims.n_layers, cfg.C, groups, cfg.replacement) if cfg.reuse else 0,
