@@ -386,6 +386,22 @@ def test_solver_meets_the_quality_target_within_the_budget():
     assert sigma_1.sigma == 1 and sigma_1.quality_met
 
 
+def test_the_quality_solver_fills_the_budget_with_reuse_slots_between_the_tables_ratios():
+    """A budget that holds C = M and 60 % of the way to C/M = 1.25 but not 1.25: the solver takes the most slots that
+    fit (every slot more is more hits, less I/O exposed), not C = M with the rest of the budget unused."""
+    point = _point(400, 4, 1.03)
+    limits = solver.Limits(io_align_bytes=512, quality_target=1.05)
+
+    def need(C):
+        return solver._sequence_bytes(DIMS, torch.float32, limits, 8192, 4, 100, C, 4, True)[0]
+
+    budget = need(100) + 0.6 * (need(125) - need(100))
+    sol = solver.solve_for_quality(2, 8192, budget, DIMS, torch.float32, limits, [point],
+                                   lambda b, M, G, hit, record="auto": 1.0 - hit, lambda *a, **k: 0.1,
+                                   lambda G, C, M: min(1.0, C / M / 4))
+    assert sol.reuse and 100 < sol.C < 125 and sol.bytes_per_sequence == need(sol.C) <= budget < need(sol.C + 1)
+
+
 def test_a_corrected_point_wins_on_quality_and_pays_for_its_extra_reads():
     """At the same geometry the corrected point meets a target the guess misses; its deployed config says how it
     selects, and the reads the guess missed (1 - recall of the picks, within the cap) count as exposed I/O."""
