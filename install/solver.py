@@ -234,7 +234,7 @@ def solve_for_quality(batch: int, context: int, budget_bytes: float, dims: Model
     """Quality first: among the quality table's configurations (``points``, one context) that meet
     ``limits.quality_target`` (and ``quality_top1_min``), those that fit the budget (with no reuse buffer, or one of C/M in
     ``C_RATIOS``, or the most reuse slots the budget holds up to the largest of those: the rest of the budget, where
-    C/M = 1.25 missed it by 0.02 MiB and left 10 % unused, SmolLM2 8K at 1/13) and in each record format of
+    C/M = 1.25 missed it by 0.08 MiB and left 10 % unused, SmolLM2 8K at 1/13) and in each record format of
     ``record_choices`` (its measured loss multiplying the point's), the one that leaves the least I/O exposed (then the
     lower loss).  When none meets
     the target under the budget, the lowest-loss one that fits, reported through ``log`` and in the
