@@ -215,6 +215,9 @@ class PredictorConfig(Section):
                             "lowrank (KVSwap's predictor), random (a floor), oracle (a ceiling)")
     score_reduce: str = setting("sum", OneOf(SCORE_REDUCES), "heads' scores: logits summed, or one softmax vote each")
     adapter_path: str | None = setting(None, Text(), "a calibrated low-rank adapter (safetensors)")
+    prompt_adapter: bool = setting(False, Flag(), "each sequence predicts through a projection fitted on its own "
+                                   "prompt's keys (an SVD a layer as the prompt is stored; a prompt too short for a "
+                                   "stable fit takes the shared adapter); its projections count in its memory")
     klr_dtype: str = setting("bfloat16", OneOf(lambda: KLR_FORMATS),
                              "K_lr rows' format (int8: half the bytes, int4 a quarter)")
     correction: str = setting("guess", OneOf(CORRECTIONS), "guess: the layer-ahead picks as they are; corrected: "

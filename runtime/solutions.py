@@ -16,9 +16,10 @@ from .config import SECTIONS, ConfigError, RuntimeConfig, read_config_file
 METADATA_KEYS = ("platform", "model", "exposed_io_share", "alpha", "solutions", "measurements", "profile", "created",
                  "edgekv_version", "report", "kv_path", "kv_paths", "device", "dtype", "weights", "scorer_backend")
 # a row's own fields over the base config's; io_align_bytes too: a row's records are sized (and its memory solved) at
-# its own G's alignment, and the base's (the top row's G) made a smaller G's slots twice the bytes the solver counted
+# its own G's alignment, and the base's (the top row's G) made a smaller G's slots twice the bytes the solver counted;
+# prompt_adapter too: its projections are in the memory the solver counted for the row
 SOLUTION_KEYS = ("G", "M", "C", "sigma", "reuse", "adapter_path", "sink_tokens", "window_tokens", "klr_dtype",
-                 "kv_record_dtype", "io_align_bytes")
+                 "kv_record_dtype", "io_align_bytes", "prompt_adapter")
 
 
 class SolutionTable:

@@ -27,6 +27,7 @@ POLICIES = {
     "kvswap-int4-klr": ("kvswap", {"klr_dtype": "int4", "sigma": 3}),  # an odd rank: a half-empty last byte
     "kvswap-oracle": ("kvswap", {"selector": "oracle", "score_reduce": "softmax", "sigma": 1, "window_tokens": 4}),
     "kvswap-corrected": ("kvswap", {"correction": "corrected", "window_tokens": 4}),
+    "kvswap-prompt-adapter": ("kvswap", {"prompt_adapter": True}),  # the prompt's 36 stored keys fit rank H_kv*d/4
     "token": ("token", {}),
     "token-sinks-window": ("token", {"sink_tokens": 3, "window_tokens": 5}),
     "kvswap-clustered-cost": ("kvswap", {"clustering": True, "replacement": "cost", "recluster_steps": 3,

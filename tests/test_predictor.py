@@ -158,6 +158,53 @@ def test_int4_k_lowrank_rows_are_the_nibbles_of_the_rounded_projection_at_a_quar
     assert torch.corrcoef(torch.stack([got, want]))[0, 1] > 0.98
 
 
+@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("shared", ["file", None])
+@pytest.mark.parametrize("score_reduce", ["sum", "softmax"])
+def test_prompt_adapter_rows_project_through_their_own_prompts_fit(score_reduce, shared, native, monkeypatch):
+    """prompt_adapter: a row whose prompt gives KEYS_PER_RANK x rank keys stores its prompt, the keys a flush appends
+    after it and scores its queries through the SVD of its own prompt's keys, as a batch of one fitted on that prompt
+    alone would; a shorter prompt's row through the shared adapter (the file's, or fitted on the prompts waiting for it),
+    on the native scorer and on torch's path."""
+    from edgekv.runtime import selector as selector_module
+
+    if not native:
+        monkeypatch.setattr(selector_module, "native_scorer", lambda: None)
+    torch.manual_seed(5)
+    dims = ModelDims(n_layers=2, hidden=64, n_heads=4, n_kv_heads=2, head_dim=16, vocab=10)
+    rank = 8  # a row fits its own from 4 x 8 = 32 keys
+
+    def build(adapter, batch, prompt_adapter):
+        return LowRankSelector(adapter, rank, dims, batch, 64, 4, 2, PredictorConfig(
+            klr_dtype="float32", score_reduce=score_reduce, prompt_adapter=prompt_adapter), torch.device("cpu"), 0.25)
+
+    def fill(selector, rows):
+        """The prompts stored, prefill ended, then a decode flush each: every layer's group in one call."""
+        for seq, (prompt, _) in enumerate(rows):
+            for layer in range(2):
+                selector.append(layer, seq, 0, prompt[layer])
+        selector.end_prefill()
+        for seq, (prompt, tail) in enumerate(rows):
+            selector.append_layers(seq, prompt.shape[2], tail)
+
+    prompts = [torch.randn(2, 2, 40, 16), torch.randn(2, 2, 20, 16)]  # [L, H_kv, T, d]: 40 keys fit, 20 do not
+    tails = [torch.randn(2, 2, 4, 16), torch.randn(2, 2, 4, 16)]
+    file = LowRankAdapter([torch.linalg.qr(torch.randn(32, rank))[0] for _ in range(2)], 2, 16)
+    batched = build(file if shared else None, 2, True)
+    fill(batched, list(zip(prompts, tails)))
+    q = torch.randn(2, 4, 1, 16)
+    own = LowRankAdapter.fit([p.transpose(0, 1).reshape(40, -1) for p in prompts[0]], 2, 16, rank)
+    for seq, adapter in ((0, own), (1, file if shared else None)):  # None: a batch of one fits on its waiting keys
+        alone = build(adapter, 1, False)
+        fill(alone, [(prompts[seq], tails[seq])])
+        n = prompts[seq].shape[2] + 4
+        for layer in range(2):
+            assert torch.equal(stored_rows(batched, layer, seq, n), stored_rows(alone, layer, 0, n))
+            torch.testing.assert_close(batched.token_scores(layer, q, n)[seq],
+                                       alone.token_scores(layer, q[seq : seq + 1], n)[0], rtol=1e-6, atol=1e-6)
+    assert batched.resident_bytes == build(file, 2, False).resident_bytes + 2 * 2 * 32 * rank * 4  # [L, B, H_kv*d, r]
+
+
 def test_a_rows_picks_do_not_depend_on_the_rows_beside_it_even_in_ties():
     """topk breaks ties by the width it sees; the width is every group a sequence can have, not the batch's
     longest, so a request's picks never change with what else is batched (issue 28's isolation)."""

@@ -268,14 +268,17 @@ static void integer_logits_of(const uint8_t *rows, int64_t block_bytes, const ui
  * [batch, rank].  One call where torch dispatched a reshape, a cast, a broadcast matmul and a multiply, each dearer
  * inside the decode step than alone; the native and the torch scoring paths of a CPU both take these queries, so
  * they round the same numbers.  Returns 0, or -1 (nothing written) for a rank above MAX_RANK or heads that are not
- * a whole number of groups. */
-int ekv_low_rank_queries(const float *q, int batch, int heads, int kv_heads, int d, const float *adapter, int rank,
-                         float scaling, int summed, float *out) {
-    if (rank > MAX_RANK || rank < 1 || kv_heads < 1 || heads % kv_heads) return -1;
+ * a whole number of groups.  `adapter_seq_stride`: floats from one sequence's adapter to the next (0: one adapter
+ * for the batch; a prompt's own projection, config 'prompt_adapter', is a sequence's own). */
+int ekv_low_rank_queries(const float *q, int batch, int heads, int kv_heads, int d, const float *adapter,
+                         int64_t adapter_seq_stride, int rank, float scaling, int summed, float *out) {
+    if (rank > MAX_RANK || rank < 1 || kv_heads < 1 || heads % kv_heads || adapter_seq_stride < 0) return -1;
     const int group_queries = heads / kv_heads;
     float sums[MAX_RANK];
+    const float *shared = adapter;
     for (int b = 0; b < batch; b++) {
         const float *qb = q + (int64_t)b * heads * d;
+        adapter = shared + b * adapter_seq_stride;
         if (summed) {
             for (int j = 0; j < rank; j++) sums[j] = 0.0f;
             for (int g = 0; g < kv_heads; g++)
@@ -633,12 +636,15 @@ int ekv_launch_bytes(void) { return (int)sizeof(launch_jobs); }
  * where the launch took six, each dearer inside the decode step than alone.  Returns the posted chain's ticket, or -1
  * (nothing posted) for arguments a part refuses: the caller then takes the calls one by one, which say why. */
 int64_t ekv_score_launch(launch_jobs *jobs, ekv_post_chain_fn post_chain, void *aside, const float *q, int batch,
-                         int heads, int kv_heads, int d, const float *adapter, int rank, float scaling, float *queries,
+                         int heads, int kv_heads, int d, const float *adapter, int64_t adapter_seq_stride, int rank,
+                         float scaling, float *queries,
                          const uint8_t *rows, int64_t block_bytes, int64_t seq_stride_bytes, const uint16_t *scales,
                          int64_t scale_seq_stride, int kind, int n_tokens, int group_tokens, int softmax,
                          float *scratch, int64_t scratch_floats, float *out, int64_t out_stride,
                          const int64_t *counts, int first, int M, int max_groups, int64_t *picks) {
-    if (ekv_low_rank_queries(q, batch, heads, kv_heads, d, adapter, rank, scaling, !softmax, queries)) return -1;
+    if (ekv_low_rank_queries(q, batch, heads, kv_heads, d, adapter, adapter_seq_stride, rank, scaling, !softmax,
+                             queries))
+        return -1;
     int64_t units = ekv_score_job(&jobs->score, rows, block_bytes, seq_stride_bytes, scales, scale_seq_stride,
                                   queries, batch, softmax ? heads : 1, rank, n_tokens, group_tokens, kind, softmax,
                                   scratch, scratch_floats, out, out_stride);

@@ -30,15 +30,18 @@ def record_layout(cfg: RuntimeConfig, dims: ModelDims, dtype: torch.dtype) -> Re
 
 def disk_parts(cfg: RuntimeConfig, dims: ModelDims, kv_itemsize: int, rank: int, stride_bytes: int,
                predicts: bool) -> dict[str, int]:
-    """Per sequence: K_lr (``predicts``), the slot buffers (reuse: C per layer; none: the picks of two layers, a
-    correction's reads landing in the slots of the guesses it dropped), the slot table, the sinks and rolling
-    window in memory, the placement tables and the records' checksums."""
+    """Per sequence: K_lr (``predicts``) and its own float32 projections (``prompt_adapter``), the slot buffers
+    (reuse: C per layer; none: the picks of two layers, a correction's reads landing in the slots of the guesses it
+    dropped), the slot table, the sinks and rolling window in memory, the placement tables and the records'
+    checksums."""
     token_bytes = 2 * dims.n_kv_heads * dims.head_dim * kv_itemsize
     slots = SlotTable.n_buffers(dims.n_layers) * cfg.C if cfg.reuse else PreloadSlots.n_buffers(dims.n_layers) * \
         cfg.picked_groups
     groups = cfg.max_groups
     return {
         "k_lowrank": dims.n_layers * klr_layer_bytes(rank, cfg.predictor.klr_dtype, cfg.max_context) if predicts else 0,
+        "prompt_adapter": dims.n_layers * dims.n_kv_heads * dims.head_dim * rank * 4
+        if predicts and cfg.predictor.prompt_adapter else 0,
         "k_cpu_pool": 0,
         "slots": slots * stride_bytes,
         "slot_table": SlotTable.index_bytes(dims.n_layers, cfg.C, groups, cfg.replacement) if cfg.reuse else 0,
