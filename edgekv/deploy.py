@@ -13,7 +13,7 @@ import json
 import platform as host
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -341,6 +341,79 @@ def quality_table(d: Deployment, cache_root: Path, adapters: dict, calibration: 
     return points
 
 
+def runtime_fields(sol: solver.Solution, prof: Profile, adapters: dict) -> dict:
+    """A solution's runtime config fields as deployed: its selection, records and memory, the profile's correction
+    settings, the calibrated adapter of its sigma."""
+    corrected = sol.correction == "corrected"
+    return {"G": sol.G, "M": sol.M, "C": sol.C, "sigma": sol.sigma, "reuse": sol.reuse,
+            "sink_tokens": sol.sink_tokens, "window_tokens": sol.window_tokens,
+            "adapter_path": adapters[float(sol.sigma)], "io_align_bytes": sol.io_align_bytes,
+            "klr_dtype": sol.klr_dtype, "kv_record_dtype": sol.kv_record_dtype, "correction": sol.correction,
+            "correction_reads": sol.correction_reads, "score_reduce": sol.score_reduce,
+            "correction_recall": prof.correction_recall if corrected else 1.0,
+            "guess_from_before": prof.guess_from_before and corrected, "prompt_adapter": sol.prompt_adapter}
+
+
+def adapter_trial(d: Deployment, cache_root: Path, adapters: dict, calibration: str | None,
+                  runs: dict[str, solver.Solution]) -> dict:
+    """Each solution of ``runs`` ({name: solution at one context}) run as deployed on the quality table's windows:
+    its ppl ratio and top-1 agreement to full and the KV bytes it read a token (cached per model, calibration and
+    configurations).  Decides between the calibrated adapter and each sequence's own projection: the solver cannot
+    weigh the latter, which reads fewer bytes through the same slots (its picks move less from step to step)."""
+    from edgekv.evals.progress import Progress
+    from edgekv.evals.scoring import Adapters, ConfigScorer, calibration_windows
+
+    context = next(iter(runs.values())).context
+    configs = {name: {**runtime_fields(sol, d.prof, adapters), "max_context": context + 64}
+               for name, sol in runs.items()}
+    path = cache_root / "tables" / d.model_fp / "adapter_trial.json"
+    fp = {"model": d.model_fp, "context": context, "calibration": d.adapter_source, "edgekv": VERSION,
+          "configs": {name: {k: v for k, v in c.items() if k != "adapter_path"} for name, c in configs.items()}}
+    cached = _cached(path, fp, d.reprofile, "adapter trial", d.log)
+    if cached:
+        return cached["runs"]
+    windows, source = calibration_windows(d.model_dir, context, quality.WINDOWS, calibration)
+    d.log(f"adapter trial at {context}: {', '.join(configs)} on {source}")
+    out = {}
+    with Progress(len(configs) + 1, f"adapter trial {context}") as progress:
+        model = d.model(dtype=d.table_dtype)
+        scorer = ConfigScorer(model, d.kv_dir, Adapters.from_files(model, adapters), windows,
+                              quality.continuation(context), progress, max_batch=quality.WINDOWS, label=str(context))
+        for name, config in configs.items():
+            row = scorer("kvswap", config)
+            out[name] = {"ppl_ratio": round(row["ppl_ratio"], 4), "top1_agreement": round(row["top1_agreement"], 4),
+                         "kv_read_bytes_per_token": row["kv_read_bytes_per_token"]}
+    _save(path, fp, {"runs": out})
+    return out
+
+
+def choose_adapter(d: Deployment, cache_root: Path, adapters: dict, calibration: str | None, solve, limits,
+                   solutions: list) -> tuple[list, dict]:
+    """``solutions`` (``solve(limits)``, the calibrated adapter), or ``solve`` with each sequence's own projection
+    (its memory counted: fewer reuse slots) where the adapter trial measures that at the deployed batch and context
+    within the quality target and reading no more bytes a token; the trial's figures and the choice."""
+    own_solutions = solve(replace(limits, prompt_adapter=True))
+    top, own = deployed(solutions, d.prof), deployed(own_solutions, d.prof)
+    trial = adapter_trial(d, cache_root, adapters, calibration, {"calibrated": top, "prompt": own})
+    mine, theirs = trial["prompt"], trial["calibrated"]
+    chosen = quality.meets_target(mine["ppl_ratio"], mine["top1_agreement"], limits.quality_target,
+                                  limits.quality_top1_min) and \
+        mine["kv_read_bytes_per_token"] <= theirs["kv_read_bytes_per_token"]
+    words = lambda r: (f"ppl ratio {r['ppl_ratio']:.4g}, top-1 {r['top1_agreement']:.4g}, "  # noqa: E731
+                       f"{r['kv_read_bytes_per_token'] / 2**20:.2f} MiB read a token")
+    d.log(f"adapter: each sequence's own projection (C={own.C}: {words(mine)}) against the calibrated one (C={top.C}: "
+          f"{words(theirs)}): {'the own projection' if chosen else 'the calibrated adapter'} deployed")
+    if not chosen:
+        return solutions, {"chosen": "calibrated", **trial}
+    measured = replace(own, ppl_ratio=mine["ppl_ratio"], top1_agreement=mine["top1_agreement"], quality_met=True)
+    return [measured if s is own else s for s in own_solutions], {"chosen": "prompt", **trial}
+
+
+def deployed(solutions: list, prof: Profile) -> solver.Solution:
+    """The solution the config deploys: the profile's largest batch and context."""
+    return next(x for x in solutions if x.batch == prof.max_batch and x.context == prof.max_context)
+
+
 def solver_limits(prof: Profile, record_losses: dict | None = None, block_bytes: int | None = None) -> solver.Limits:
     """The solver's limits a profile sets (with the record table's losses once measured, and the disk's smallest
     block once profiled: ``disk_block_bytes``)."""
@@ -558,7 +631,6 @@ def run(platform: str | None = None, model: str | None = None, kv_paths: str | P
     measurements["record_table"] = {str(g): rows for g, rows in records.items()}
     limits = solver_limits(prof, records, disk_block_bytes(disk_profiles))
     quality_points = quality_table(d, cache_root, adapters, calibration, limits)
-    d.release_model()
     measurements["quality_table"] = [p.__dict__ for p in quality_points]
     queue_depth = 32
     slot_memory = platform_for(prof).slot_memory
@@ -566,13 +638,19 @@ def run(platform: str | None = None, model: str | None = None, kv_paths: str | P
     t_io = io_model(disk_profiles, dims, d.kv_dtype, limits.io_align_bytes, queue_depth, h2d_gib_s, limits.block_bytes)
     budget = prof.batch_budget_mib * 2**20
     rate = lambda G, C, M: tables.reuse_rate(reuse, G, C, M)  # noqa: E731
-    solutions = [
-        solver.solve_for_quality(b, s, budget, dims, d.kv_dtype, limits, quality.points_at(quality_points, s), t_io,
-                                 compute_profile.t_model_ms, rate, log=log) if quality_points else
-        solver.solve(b, s, budget, dims, d.kv_dtype, limits, t_io, compute_profile.t_model_ms, rate)
-        for b in batches for s in contexts
-    ]
-    top = next(x for x in solutions if x.batch == prof.max_batch and x.context == prof.max_context)
+
+    def solve(limits: solver.Limits) -> list[solver.Solution]:
+        return [solver.solve_for_quality(b, s, budget, dims, d.kv_dtype, limits, quality.points_at(quality_points, s),
+                                         t_io, compute_profile.t_model_ms, rate, log=log) if quality_points else
+                solver.solve(b, s, budget, dims, d.kv_dtype, limits, t_io, compute_profile.t_model_ms, rate)
+                for b in batches for s in contexts]
+
+    solutions = solve(limits)
+    if quality_points and prof.prompt_adapter:
+        solutions, measurements["adapter_trial"] = choose_adapter(d, cache_root, adapters, calibration, solve, limits,
+                                                                  solutions)
+    d.release_model()
+    top = deployed(solutions, prof)
     record_bytes = RecordLayout(top.G, dims.n_kv_heads, dims.head_dim, d.kv_dtype, top.io_align_bytes,
                                 top.kv_record_dtype).stride_bytes
     measurements["disk"]["at_record"] = rates_at(disk_profiles, record_bytes, queue_depth)
@@ -582,17 +660,11 @@ def run(platform: str | None = None, model: str | None = None, kv_paths: str | P
         "device": d.device.type, "dtype": str(d.kv_dtype).removeprefix("torch."),  # what serve, bench, eval run in
         "weights": d.weights,  # the linear layers' format (install/weights.py): what serve and generate load
         "kv_paths": [str(p) for p in d.kv_dirs],
-        "G": top.G, "M": top.M, "C": top.C, "sigma": top.sigma, "reuse": top.reuse,
+        **runtime_fields(top, prof, adapters),
         "exposed_io_share": prof.exposed_io_share, "alpha": prof.exposed_io_share,  # alpha: its old name, still read
-        "sink_tokens": top.sink_tokens, "window_tokens": top.window_tokens,
         "max_kv_mem_mib": prof.max_kv_mem_mib, "max_batch": prof.max_batch, "max_context": prof.max_context,
-        "adapter_path": adapters[float(top.sigma)], "io_align_bytes": top.io_align_bytes, "io_queue_depth": queue_depth,
-        "io_gap_bytes": io_gap_bytes,
-        "slot_memory": slot_memory, "klr_dtype": top.klr_dtype, "kv_record_dtype": top.kv_record_dtype,
+        "io_queue_depth": queue_depth, "io_gap_bytes": io_gap_bytes, "slot_memory": slot_memory,
         "ttft_costs_path": str(ttft_costs),
-        "correction": top.correction, "correction_reads": top.correction_reads, "score_reduce": top.score_reduce,
-        "correction_recall": prof.correction_recall if top.correction == "corrected" else 1.0,
-        "guess_from_before": prof.guess_from_before and top.correction == "corrected",
         "solutions": [{**x.to_json(), "adapter_path": adapters[float(x.sigma)]} for x in solutions],
         "measurements": measurements, "edgekv_version": VERSION,
     }
@@ -609,6 +681,7 @@ def run(platform: str | None = None, model: str | None = None, kv_paths: str | P
         f"{top.io_align_bytes} B {top.correction}"
         + (f" correction_recall {config['correction_recall']:g}" if config["correction_recall"] < 1 else "")
         + (" guess_from_before" if config["guess_from_before"] else "")
+        + (" prompt_adapter" if top.prompt_adapter else "")
         + (f" ppl ratio {top.ppl_ratio:.4g}" if top.ppl_ratio is not None else "") + f" at batch {top.batch}, context {top.context}; {len(solutions)} solutions; tuning {tuning_s:.0f} s)")
 
     stats, chat = smoke_run(d.model_dir, d.kv_dirs, out / "config.json", prof, d.device, scorer) if smoke else (None, None)

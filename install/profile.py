@@ -55,7 +55,7 @@ SCHEMA = {
         "context_min": (int, True, None), "context_step": (int, True, None),
         "record_dtypes": (list, False, None), "record_ppl_max": (float, False, None),
         "corrections": (list, False, None), "correction_recall": (float, False, None),
-        "guess_from_before": (bool, False, None),
+        "guess_from_before": (bool, False, None), "prompt_adapter": (bool, False, None),
     },
     "profiling": {"disk_seconds": (float, True, None), "disk_file_mib": (int, True, None)},
     "power_meter": (str, True, POWER_METERS),
@@ -100,6 +100,7 @@ class Profile:
     corrections: tuple[str, ...] = ("guess", "corrected")  # selections the quality table measures (runtime 'correction')
     correction_recall: float = 1.0  # a corrected deployment's runtime 'correction_recall' (1: every layer, every step)
     guess_from_before: bool = False  # a corrected deployment's runtime 'guess_from_before'
+    prompt_adapter: bool = True  # the adapter trial weighs each sequence's own projection (runtime 'prompt_adapter')
     slot_memory: str | None = None  # on a GPU: device slots fed by copies, or mapped host ones (None: the platform's)
     weights: tuple[str, ...] = ()  # weight formats the install step tries, fastest first (install/weights.py)
     weights_ppl_max: float = 1.01  # the most perplexity a weight format may cost against the model's own weights
@@ -160,6 +161,7 @@ def load_profile(source: str | Path, profiles_dir: Path = PROFILES_DIR) -> Profi
         corrections=tuple(flat.get("solver.corrections") or ("guess", "corrected")),
         correction_recall=float(flat.get("solver.correction_recall", 1.0)),
         guess_from_before=flat.get("solver.guess_from_before", False),
+        prompt_adapter=flat.get("solver.prompt_adapter", True),
         slot_memory=flat.get("memory.slot_memory"),
     )
 

@@ -52,6 +52,7 @@ class Limits:
     quality_top1_min: float | None = None  # and the top-1 agreement with full it must keep (None: any)
     record_losses: dict = field(default_factory=dict)  # {G: {kv_record_dtype: ppl ratio to exact records}}; {}: exact only
     record_ppl_max: float = 1.01  # without a quality target: the most loss a record format may cost
+    prompt_adapter: bool = False  # each sequence holds its own projections, fitted on its prompt (runtime config's)
 
     def record_layout(self, dims: ModelDims, kv_dtype: torch.dtype, G: int, record_dtype: str) -> RecordLayout:
         """The layout of a record of G tokens in ``record_dtype``, padded as these limits say (its ``align_bytes``
@@ -104,6 +105,7 @@ class Solution:
     t_correct_ms: float = 0.0  # the reads a correction makes per step (the picks the guess missed): never hidden
     top1_agreement: float | None = None  # the quality table's measured top-1 agreement with full (None: no table)
     io_align_bytes: int = 4096  # what its records pad to (Limits.align_bytes)
+    prompt_adapter: bool = False  # its memory holds each sequence's own projections (Limits.prompt_adapter)
 
     def to_json(self) -> dict:
         return {k: round(v, 4) if isinstance(v, float) else v for k, v in asdict(self).items()}
@@ -120,7 +122,8 @@ def _sequence_bytes(dims: ModelDims, kv_dtype: torch.dtype, limits: Limits, cont
     cfg = RuntimeConfig.from_flat({"G": G, "M": M, "C": C, "sigma": sigma, "max_batch": 1, "max_context": context,
                                    "reuse": reuse, "io_align_bytes": layout.align_bytes,
                                    "klr_dtype": klr_dtype or limits.klr_dtype, "sink_tokens": sink_tokens,
-                                   "window_tokens": window_tokens, "kv_record_dtype": record_dtype, **(correction or {})})
+                                   "window_tokens": window_tokens, "kv_record_dtype": record_dtype,
+                                   "prompt_adapter": limits.prompt_adapter, **(correction or {})})
     itemsize = torch.empty(0, dtype=kv_dtype).element_size()
     return plan_memory("kvswap", cfg, dims, itemsize, rank, layout.stride_bytes).total_bytes, rank
 
@@ -206,7 +209,8 @@ def solve(batch: int, context: int, budget_bytes: float, dims: ModelDims, kv_dty
             hidden = (1 - limits.exposed_io_share) * io <= model
             sol = Solution(batch, context, G, fit.M, fit.C, fit.sigma, hit, io, model, hidden, fit.mg_scaled,
                            fit.bytes_per_sequence, fit.reuse, klr_dtype=limits.klr_dtype, kv_record_dtype=record,
-                           io_align_bytes=limits.record_layout(dims, kv_dtype, G, record).align_bytes)
+                           io_align_bytes=limits.record_layout(dims, kv_dtype, G, record).align_bytes,
+                           prompt_adapter=limits.prompt_adapter)
             if best is None or _exposed(sol) < _exposed(best) - 1e-9:
                 best = sol
             if hidden:
@@ -278,7 +282,8 @@ def solve_for_quality(batch: int, context: int, budget_bytes: float, dims: Model
                                         (1 - limits.exposed_io_share) * io <= model, False, total, reuse, p.sink_tokens,
                                         p.window_tokens, ppl_ratio, met, p.klr_dtype, record, **correction,
                                         t_correct_ms=fix, top1_agreement=p.top1_agreement,
-                                        io_align_bytes=limits.record_layout(dims, kv_dtype, p.G, record).align_bytes))
+                                        io_align_bytes=limits.record_layout(dims, kv_dtype, p.G, record).align_bytes,
+                                        prompt_adapter=limits.prompt_adapter))
     if not fitting:
         raise ValueError(
             f"no configuration of the quality table fits {budget_bytes / 2**20:.2f} MiB per sequence at context {context}; "

@@ -577,6 +577,73 @@ def test_each_corrected_family_is_measured_again_at_the_largest_int4_rank_that_f
     assert quality.rank_filled(points + filled, bytes_of, budget, key_dims) == []
 
 
+def test_each_sequences_own_projection_is_in_the_memory_the_solver_fills():
+    """prompt_adapter: a sequence's own projections (float32 [L, H_kv * d, rank]) are in its memory plan, so the same
+    point under the same budget gets fewer reuse slots; fails when the solver plans without them."""
+    from edgekv.runtime.adapter import LowRankAdapter
+
+    budget = _full_bytes(8192) / 4
+    chosen = {}
+    for own in (False, True):
+        limits = solver.Limits(io_align_bytes=512, quality_target=1.05, prompt_adapter=own)
+        chosen[own] = solver.solve_for_quality(2, 8192, budget, DIMS, torch.float32, limits, SYNTHETIC,
+                                               lambda b, M, G, hit, record="auto": 10.0 * (1 - hit),
+                                               lambda b, S, rank, M, G, reuse=True: 1.0,
+                                               lambda G, C, M: min(1.0, C / (4 * M)))  # more slots, less exposed
+    plain, own = chosen[False], chosen[True]
+    assert (own.G, own.M, own.sigma, own.prompt_adapter, plain.prompt_adapter) == (plain.G, plain.M, plain.sigma,
+                                                                                    True, False)
+    rank = LowRankAdapter.rank_for(DIMS.n_kv_heads, DIMS.head_dim, own.sigma)
+    projections = DIMS.n_layers * DIMS.n_kv_heads * DIMS.head_dim * rank * 4
+    cfg = RuntimeConfig.from_flat({"G": own.G, "M": own.M, "C": own.C, "sigma": own.sigma, "max_batch": 1,
+                                   "max_context": 8192, "io_align_bytes": own.io_align_bytes, "prompt_adapter": True,
+                                   "sink_tokens": own.sink_tokens, "window_tokens": own.window_tokens})
+    stride = solver.Limits(io_align_bytes=512).record_layout(DIMS, torch.float32, own.G, "auto").stride_bytes
+    assert plan_memory("kvswap", cfg, DIMS, 4, rank, stride).per_sequence_bytes["prompt_adapter"] == projections
+    assert own.C < plain.C and own.bytes_per_sequence <= budget < plain.bytes_per_sequence + projections
+
+
+def _adapter_choice(monkeypatch, mine: dict, theirs_bytes: float, top1_min=None):
+    """choose_adapter over two one-row solves and a trial that measured ``mine`` (the own projection) against a
+    calibrated run reading ``theirs_bytes`` a token."""
+    from types import SimpleNamespace
+
+    import edgekv.deploy as deploy
+
+    def solve(limits):
+        return [solver.Solution(1, 1024, 4, 10, 12 if limits.prompt_adapter else 14, 4.0, 0.5, 1.0, 1.0, True, False,
+                                1000, True, ppl_ratio=1.02, quality_met=True, top1_agreement=0.97,
+                                prompt_adapter=limits.prompt_adapter)]
+
+    trial = {"prompt": {"kv_read_bytes_per_token": 90.0, **mine},
+             "calibrated": {"ppl_ratio": 1.02, "top1_agreement": 0.97, "kv_read_bytes_per_token": theirs_bytes}}
+    asked = []
+    monkeypatch.setattr(deploy, "adapter_trial", lambda d, cache, adapters, calibration, runs: asked.append(
+        {name: (s.C, s.prompt_adapter) for name, s in runs.items()}) or trial)
+    logs = []
+    d = SimpleNamespace(prof=SimpleNamespace(max_batch=1, max_context=1024), log=logs.append)
+    limits = solver.Limits(quality_target=1.05, quality_top1_min=top1_min)
+    solutions, record = deploy.choose_adapter(d, None, {}, None, solve, limits, solve(limits))
+    assert asked == [{"calibrated": (14, False), "prompt": (12, True)}]  # each as its own solve sized it
+    assert record["chosen"] == ("prompt" if solutions[0].prompt_adapter else "calibrated") and len(logs) == 1
+    return solutions[0]
+
+
+def test_the_deploy_takes_each_sequences_own_projection_when_it_meets_the_target_reading_no_more(monkeypatch):
+    own = _adapter_choice(monkeypatch, {"ppl_ratio": 1.01, "top1_agreement": 0.96}, 100.0)
+    assert (own.prompt_adapter, own.C, own.ppl_ratio, own.top1_agreement) == (True, 12, 1.01, 0.96)  # the trial's
+
+
+@pytest.mark.parametrize("mine, theirs_bytes, top1_min", [
+    ({"ppl_ratio": 1.01, "top1_agreement": 0.96}, 80.0, None),  # reads more than the calibrated adapter
+    ({"ppl_ratio": 1.06, "top1_agreement": 0.96}, 100.0, None),  # misses the ppl target
+    ({"ppl_ratio": 1.01, "top1_agreement": 0.94}, 100.0, 0.95),  # misses the top-1 floor
+])
+def test_the_deploy_keeps_the_calibrated_adapter_otherwise(monkeypatch, mine, theirs_bytes, top1_min):
+    plain = _adapter_choice(monkeypatch, mine, theirs_bytes, top1_min)
+    assert (plain.prompt_adapter, plain.C, plain.ppl_ratio) == (False, 14, 1.02)
+
+
 def test_solver_without_room_for_any_point_names_the_budget():
     with pytest.raises(ValueError, match="max_kv_mem_mib"):
         _solve_quality(1e-5, 1.05)
@@ -605,6 +672,10 @@ def test_deploy_with_a_quality_target_measures_the_table_and_says_whether_it_is_
                                                if config["correction"] == "corrected" else 1.0)
         assert config["guess_from_before"] == (data["solver"].get("guess_from_before", False)
                                                and config["correction"] == "corrected")
+        trial = config["measurements"]["adapter_trial"]  # the deployed configuration with either adapter
+        assert config["prompt_adapter"] == (trial["chosen"] == "prompt") == all(
+            s["prompt_adapter"] for s in config["solutions"])
+        assert all(trial[a]["kv_read_bytes_per_token"] > 0 for a in ("calibrated", "prompt"))
         met = [s["quality_met"] for s in config["solutions"]]
         report = (root / "q" / "local" / "report.txt").read_text()
         assert "quality table" in report
