@@ -24,7 +24,8 @@ FLAT_V1 = {"G": 4, "M": 100, "sigma": 8.0, "C": 200, "max_kv_mem_mib": None, "ma
 
 # an earlier config runs as before: issue 33's selection, issue 31's slot memory, issue 34's gaps read through (none)
 ADDED_SINCE_V1 = {"correction": "guess", "correction_reads": None, "correction_overlap": False, "slot_memory": "device",
-                  "decode_cpu_threads": None, "correction_recall": 1.0, "guess_from_before": False, "io_gap_bytes": 0}
+                  "decode_cpu_threads": None, "correction_recall": 1.0, "guess_from_before": False, "io_gap_bytes": 0,
+                  "prompt_adapter": False}
 
 
 def test_the_flat_key_set_of_earlier_versions_loads_and_writes_back_unchanged():
