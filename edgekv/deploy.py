@@ -381,7 +381,8 @@ def adapter_trial(d: Deployment, cache_root: Path, adapters: dict, calibration: 
                               quality.continuation(context), progress, max_batch=quality.WINDOWS, label=str(context))
         for name, config in configs.items():
             row = scorer("kvswap", config)
-            out[name] = {"ppl_ratio": round(row["ppl_ratio"], 4), "top1_agreement": round(row["top1_agreement"], 4),
+            out[name] = {"C": config["C"], "ppl_ratio": round(row["ppl_ratio"], 4),
+                         "top1_agreement": round(row["top1_agreement"], 4), "kl": round(row["kl"], 4),
                          "kv_read_bytes_per_token": row["kv_read_bytes_per_token"]}
     _save(path, fp, {"runs": out})
     return out
