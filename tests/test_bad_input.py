@@ -349,7 +349,8 @@ LOCAL = (PROFILES_DIR / "local.yaml").read_text()
     (LOCAL + "1: x\n", r"key 1 in the top level is not a field name"),  # was a TypeError from sorted()
     (LOCAL.replace("  max_batch: 4", "  max_batch: 4\n  null: 2"), r"key None in memory is not a field name"),
     (LOCAL.replace("sigma_max: 32", "sigma_max: .nan"), r"field 'solver.sigma_max' must be a finite number, got nan"),
-    (re.sub(r"max_kv_mem_mib: \d+", "max_kv_mem_mib: .inf", LOCAL), r"'memory.max_kv_mem_mib' must be a finite number"),
+    (re.sub(r"max_kv_mem_mib: [\d.]+", "max_kv_mem_mib: .inf", LOCAL),
+     r"'memory.max_kv_mem_mib' must be a finite number"),
     (LOCAL + "quality_target: .nan\n", r"field 'quality_target' must be a finite number"),  # all three were accepted
     (LOCAL.replace("paths: [deploy/local/kv]", 'path: "/tmp/a\\0b"'), r"field 'kv.path' entry 0 must be a folder path"),
     ("[" * 5000, r"YAML this loader cannot take \(RecursionError"),
