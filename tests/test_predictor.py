@@ -158,14 +158,16 @@ def test_int4_k_lowrank_rows_are_the_nibbles_of_the_rounded_projection_at_a_quar
     assert torch.corrcoef(torch.stack([got, want]))[0, 1] > 0.98
 
 
-@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("device, native", [("cpu", True), ("cpu", False),
+                                            pytest.param("cuda", False, marks=pytest.mark.cuda)])
 @pytest.mark.parametrize("shared", ["file", None])
 @pytest.mark.parametrize("score_reduce", ["sum", "softmax"])
-def test_prompt_adapter_rows_project_through_their_own_prompts_fit(score_reduce, shared, native, monkeypatch):
+def test_prompt_adapter_rows_project_through_their_own_prompts_fit(score_reduce, shared, device, native,
+                                                                   monkeypatch):
     """prompt_adapter: a row whose prompt gives KEYS_PER_RANK x rank keys stores its prompt, the keys a flush appends
     after it and scores its queries through the SVD of its own prompt's keys, as a batch of one fitted on that prompt
-    alone would; a shorter prompt's row through the shared adapter (the file's, or fitted on the prompts waiting for it),
-    on the native scorer and on torch's path."""
+    alone would; a shorter prompt's row through the shared adapter (the file's, or fitted on the prompts waiting for
+    it), on the native scorer and on torch's path (a GPU's)."""
     from edgekv.runtime import selector as selector_module
 
     if not native:
@@ -176,7 +178,7 @@ def test_prompt_adapter_rows_project_through_their_own_prompts_fit(score_reduce,
 
     def build(adapter, batch, prompt_adapter):
         return LowRankSelector(adapter, rank, dims, batch, 64, 4, 2, PredictorConfig(
-            klr_dtype="float32", score_reduce=score_reduce, prompt_adapter=prompt_adapter), torch.device("cpu"), 0.25)
+            klr_dtype="float32", score_reduce=score_reduce, prompt_adapter=prompt_adapter), torch.device(device), 0.25)
 
     def fill(selector, rows):
         """The prompts stored, prefill ended, then a decode flush each: every layer's group in one call."""
@@ -187,12 +189,12 @@ def test_prompt_adapter_rows_project_through_their_own_prompts_fit(score_reduce,
         for seq, (prompt, tail) in enumerate(rows):
             selector.append_layers(seq, prompt.shape[2], tail)
 
-    prompts = [torch.randn(2, 2, 40, 16), torch.randn(2, 2, 20, 16)]  # [L, H_kv, T, d]: 40 keys fit, 20 do not
-    tails = [torch.randn(2, 2, 4, 16), torch.randn(2, 2, 4, 16)]
+    prompts = [torch.randn(2, 2, 40, 16, device=device), torch.randn(2, 2, 20, 16, device=device)]  # [L, H_kv, T, d]:
+    tails = [torch.randn(2, 2, 4, 16, device=device), torch.randn(2, 2, 4, 16, device=device)]  # 40 keys fit, 20 not
     file = LowRankAdapter([torch.linalg.qr(torch.randn(32, rank))[0] for _ in range(2)], 2, 16)
     batched = build(file if shared else None, 2, True)
     fill(batched, list(zip(prompts, tails)))
-    q = torch.randn(2, 4, 1, 16)
+    q = torch.randn(2, 4, 1, 16, device=device)
     own = LowRankAdapter.fit([p.transpose(0, 1).reshape(40, -1) for p in prompts[0]], 2, 16, rank)
     for seq, adapter in ((0, own), (1, file if shared else None)):  # None: a batch of one fits on its waiting keys
         alone = build(adapter, 1, False)
