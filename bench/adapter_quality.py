@@ -7,6 +7,7 @@ measures the first text only).
 """
 import argparse
 import json
+from pathlib import Path
 
 import torch
 
@@ -26,7 +27,13 @@ def main(argv=None) -> None:
     ap.add_argument("--texts", default="calibration,builtin", help="calibration (the deploy's windows) or eval texts")
     ap.add_argument("--kv-path", default=None, help="scratch KV folder (default: the config's kv_path)")
     args = ap.parse_args(argv)
-    deployed = json.loads(open(args.config).read())
+    path = Path(args.config)
+    if not path.is_file():
+        raise SystemExit(f"--config {path} does not exist: run make deploy first, or point at its config.json")
+    try:
+        deployed = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise SystemExit(f"--config {path} is not a deployed config (JSON): {exc}") from exc
     trial = deployed.get("measurements", {}).get("adapter_trial")
     if trial is None:
         raise SystemExit(f"{args.config} holds no adapter trial: deploy with a quality target and solver.prompt_adapter")
