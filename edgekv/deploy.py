@@ -8,6 +8,7 @@ reused only when the fingerprint matches; ``reprofile`` measures again regardles
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import platform as host
@@ -299,9 +300,6 @@ def quality_table(d: Deployment, cache_root: Path, adapters: dict, calibration: 
     prof = d.prof
     if prof.quality_target is None:
         return []
-    from edgekv.evals.progress import Progress
-    from edgekv.evals.scoring import Adapters, ConfigScorer, calibration_windows
-
     path = cache_root / "tables" / d.model_fp / "quality.json"
     groups = [g for g in quality.GROUP_SIZES if g <= prof.g_max] or [1]
     fp = {"model": d.model_fp, "contexts": list(prof.quality_contexts), "sigmas": d.sigmas, "groups": groups,
@@ -330,15 +328,29 @@ def quality_table(d: Deployment, cache_root: Path, adapters: dict, calibration: 
     for context in prof.quality_contexts:
         grid = [p for p in quality.candidates(context, groups, d.sigmas, prof.corrections) if solver.smallest_bytes(
             dims, d.table_dtype, limits, context, p) <= budget]
-        windows, source = calibration_windows(d.model_dir, context, quality.WINDOWS, calibration)
-        d.log(f"quality table at {context}: up to {len(grid)} configurations on {source}")
-        with Progress(len(grid) + 1, f"quality table {context}") as progress:
-            model = d.model(dtype=d.table_dtype)
-            scorer = ConfigScorer(model, d.kv_dir, Adapters.from_files(model, adapters), windows,
-                                  quality.continuation(context), progress, max_batch=quality.WINDOWS, label=str(context))
+        what = f"quality table at {context}: up to {len(grid)} configurations"
+        with calibration_scorer(d, adapters, calibration, context, len(grid), f"quality table {context}", what,
+                                d.table_dtype) as scorer:
             points += quality.measure(scorer, grid, context, prof.quality_target, known, prof.quality_top1_min)
     quality.save(path, fp, points, {"seconds": round(time.perf_counter() - start, 1)})
     return points
+
+
+@contextlib.contextmanager
+def calibration_scorer(d: Deployment, adapters: dict, calibration: str | None, context: int, runs: int, desc: str,
+                       what: str, dtype: torch.dtype | None = None):
+    """The install step's scorer (evals ConfigScorer) on the calibration windows of ``context`` tokens, the model in
+    ``dtype`` (default: the deployed one) with the calibrated adapters, under a progress bar ``desc`` of ``runs``
+    configurations after full's; ``what`` is logged first with the windows' source."""
+    from edgekv.evals.progress import Progress
+    from edgekv.evals.scoring import Adapters, ConfigScorer, calibration_windows
+
+    windows, source = calibration_windows(d.model_dir, context, quality.WINDOWS, calibration)
+    d.log(f"{what} on {source}")
+    with Progress(runs + 1, desc) as progress:
+        model = d.model(dtype=dtype)
+        yield ConfigScorer(model, d.kv_dir, Adapters.from_files(model, adapters), windows,
+                           quality.continuation(context), progress, max_batch=quality.WINDOWS, label=str(context))
 
 
 def runtime_fields(sol: solver.Solution, prof: Profile, adapters: dict) -> dict:
@@ -360,9 +372,6 @@ def adapter_trial(d: Deployment, cache_root: Path, adapters: dict, calibration: 
     its ppl ratio and top-1 agreement to full and the KV bytes it read a token (cached per model, calibration and
     configurations).  Decides between the calibrated adapter and each sequence's own projection: the solver cannot
     weigh the latter, which reads fewer bytes through the same slots (its picks move less from step to step)."""
-    from edgekv.evals.progress import Progress
-    from edgekv.evals.scoring import Adapters, ConfigScorer, calibration_windows
-
     context = next(iter(runs.values())).context
     configs = {name: {**runtime_fields(sol, d.prof, adapters), "max_context": context + 64}
                for name, sol in runs.items()}
@@ -372,13 +381,9 @@ def adapter_trial(d: Deployment, cache_root: Path, adapters: dict, calibration: 
     cached = _cached(path, fp, d.reprofile, "adapter trial", d.log)
     if cached:
         return cached["runs"]
-    windows, source = calibration_windows(d.model_dir, context, quality.WINDOWS, calibration)
-    d.log(f"adapter trial at {context}: {', '.join(configs)} on {source}")
     out = {}
-    with Progress(len(configs) + 1, f"adapter trial {context}") as progress:
-        model = d.model(dtype=d.table_dtype)
-        scorer = ConfigScorer(model, d.kv_dir, Adapters.from_files(model, adapters), windows,
-                              quality.continuation(context), progress, max_batch=quality.WINDOWS, label=str(context))
+    with calibration_scorer(d, adapters, calibration, context, len(configs), f"adapter trial {context}",
+                            f"adapter trial at {context}: {', '.join(configs)}", d.table_dtype) as scorer:
         for name, config in configs.items():
             row = scorer("kvswap", config)
             out[name] = {"C": config["C"], "ppl_ratio": round(row["ppl_ratio"], 4),
@@ -443,9 +448,6 @@ def record_table(d: Deployment, cache_root: Path, adapters: dict, calibration: s
     prof = d.prof
     if not prof.record_dtypes:
         return {}
-    from edgekv.evals.progress import Progress
-    from edgekv.evals.scoring import Adapters, ConfigScorer, calibration_windows
-
     path = cache_root / "tables" / d.model_fp / "records.json"
     context = min(4096, prof.max_context - 64)
     # with a quality table the solver only weighs its points' group sizes; without, every G it may choose
@@ -457,11 +459,9 @@ def record_table(d: Deployment, cache_root: Path, adapters: dict, calibration: s
     cached = _cached(path, fp, d.reprofile, "record table", d.log)
     if cached:
         return {int(g): rows for g, rows in cached["records"].items()}
-    windows, source = calibration_windows(d.model_dir, context, quality.WINDOWS, calibration)
-    d.log(f"record table at {context}: {list(prof.record_dtypes)} records for G in {groups} on {source}")
-    with Progress(len(groups) * len(prof.record_dtypes) + 1, "record table") as progress:
-        scorer = ConfigScorer(d.model(), d.kv_dir, Adapters.from_files(d.model(), adapters), windows,
-                              quality.continuation(context), progress, max_batch=quality.WINDOWS, label=str(context))
+    what = f"record table at {context}: {list(prof.record_dtypes)} records for G in {groups}"
+    with calibration_scorer(d, adapters, calibration, context, len(groups) * len(prof.record_dtypes), "record table",
+                            what) as scorer:
         table = quality.record_table(scorer, context, groups, prof.record_dtypes)
     _save(path, fp, {"records": {str(g): rows for g, rows in table.items()}})
     return table

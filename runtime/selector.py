@@ -261,10 +261,14 @@ class LowRankSelector(Selector):
         own = flat.shape[0] >= KEYS_PER_RANK * self.rank
         self._row_fitted[layer, seq] = own or self.adapter[layer] is not None
         if own:
-            self.rows_adapter[layer, seq] = LowRankAdapter.fit([flat], self.n_kv_heads, self.head_dim,
-                                                               self.rank).matrices[0].to(self.device, self.dtype)
+            self.rows_adapter[layer, seq] = self._fitted(flat)
         elif self.adapter[layer] is not None:
             self.rows_adapter[layer, seq] = self.adapter[layer]
+
+    def _fitted(self, keys: torch.Tensor) -> torch.Tensor:
+        """The projection [H_kv * d, rank] fitted on ``keys`` [N, H_kv * d] (LowRankAdapter.fit), as the rows use it."""
+        return LowRankAdapter.fit([keys], self.n_kv_heads, self.head_dim, self.rank).matrices[0].to(
+            self.device, self.dtype).contiguous()
 
     def _projection(self, layer: int, seq: int) -> torch.Tensor | None:
         """The projection [H_kv * d, rank] ``seq``'s keys of ``layer`` are stored through, or None (not fitted yet)."""
@@ -323,8 +327,7 @@ class LowRankSelector(Selector):
             return
         if self.adapter[layer] is None:
             keys = torch.cat([flat for _, _, flat in waiting])
-            fitted = LowRankAdapter.fit([keys], self.n_kv_heads, self.head_dim, self.rank)
-            self.adapter[layer] = fitted.matrices[0].to(self.device, self.dtype).contiguous()
+            self.adapter[layer] = self._fitted(keys)
             self._stacked = None
             self.fitted_on[layer] = keys.shape[0]
         for seq, first_token, flat in waiting:
