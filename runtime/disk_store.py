@@ -11,7 +11,7 @@ because it decides where a record is read from:
 - integrity: each record's checksum (runtime/checksum.py) kept when written and checked when read back
   (``verify_fraction`` of them), a record that fails twice raising ``CorruptRecord``;
 - ownership: files named by process, so a dead process's files are removed when a store opens on the folder.
-Which groups to read is the selector's; when to read them is the pipeline's (runtime/offload.py).
+Which groups to read is the selector's; when to read them is the pipeline's (runtime/offload/).
 """
 from __future__ import annotations
 
@@ -296,6 +296,7 @@ class DiskKVStore:
         record order (runtime/cluster.py's layouts); groups written without one are striped in token order."""
         self._placement[seq].assign(layer, per_path)
         self._tabled[layer] = True
+        self._tables_moved()
 
     def attach_prefix(self, seq: int, blobs: list[tuple[Path, int, np.ndarray]]) -> None:
         """Serve the first groups of ``seq`` from stored blobs instead of its own files (no copy).
@@ -315,6 +316,7 @@ class DiskKVStore:
             raise
         groups = np.array([g for _, g, _ in blobs], dtype=np.int64)
         self._prefix[seq] = (np.array(fds, dtype=np.int32), groups, int(groups.sum()))
+        self._tables_moved()
         if seq in self._sums and blobs:
             self._sum_table(seq, int(groups.sum()))[:, : int(groups.sum())] = np.concatenate([s for _, _, s in blobs], axis=1)
 
@@ -446,6 +448,13 @@ class DiskKVStore:
             self.records_by_path += np.bincount(batch.paths, weights=by_request,
                                                 minlength=self.n_paths).astype(np.int64)
 
+    def read_stats(self) -> dict:
+        """What the store read (the policy's stats keys): requests, records by path, checks, gap records."""
+        return {"o_direct": self.o_direct, "n_paths": self.n_paths, "kv_read_requests": self.requests,
+                "kv_records_read": self.records_read, "kv_gap_records_read": self.gap_records_read,
+                "kv_records_by_path": self.records_by_path.tolist(), "kv_records_verified": self.records_verified,
+                "kv_records_reread": self.records_reread}
+
     def relocate(self, seq: int, layer: int, per_path: list[np.ndarray], in_memory=None) -> None:
         """Write the listed groups of ``seq`` again, appended to each path in the given order (a clustering found
         while decoding: co-activated groups become one request), and read them from there on.  ``in_memory``
@@ -465,6 +474,7 @@ class DiskKVStore:
         self.read(self._requests(layer, np.full(len(rows), seq), groups[rows], addresses))
         path, index = self._placement[seq].move(layer, per_path)
         self._tabled[layer] = True
+        self._tables_moved()
         if seq in self._prefix:  # a stored context's groups are read from here from now on, not from its blobs
             self._moved.setdefault((seq, layer), np.zeros(self.max_groups, dtype=bool))[groups] = True
         starts = np.flatnonzero(np.r_[True, path[1:] != path[:-1]])  # one contiguous run per path
@@ -610,7 +620,8 @@ class DiskKVStore:
         return self._sum_tables
 
     def _tables_moved(self) -> None:
-        """A sequence's files opened or closed, or a checksum table grew: what was taken of their addresses goes."""
+        """A sequence's files opened or closed, a checksum table grew, or a layer's reads are planned another way (a
+        layout placed or moved, a stored context attached): what was taken of their addresses and ways goes."""
         self._sum_tables = None
         self.tables_version += 1
 

@@ -1,29 +1,54 @@
-"""A layer's picks to its reads in one native call on the decode thread (runtime/native/ekv_fetch.c): the reuse
-buffer's slots assigned, the misses' host addresses and their requests planned, where ``SlotTable.assign``, the slot
-memory's addresses and ``DiskKVStore.batch`` took two native calls and the Python between them.  It serves where both
-native paths would (a replacement ekv_slots.c keeps, no shared prefix, host slots, a store whose layer plans natively)
-and gives the same slots, misses and batch; elsewhere the policy takes those calls one by one."""
+"""Planning a layer's fetch apart from moving its bytes: a layer's picks become one ``FetchPlan`` (the picks' flat
+slots, the misses, the misses' read batch), made by a planner; the offload pipeline performs it (runtime/offload/)
+and the reader moves the bytes (runtime/reader.py).
+
+Two implementations, chosen once when a policy is built (``planner_for``):
+
+- ``CallsPlanner``: the slot table's assignment, the slot memory's addresses and the store's request planning, call
+  by call: any slots, any slot memory.
+- ``NativePlanner``: the three in one native call a layer (runtime/native/ekv_fetch.c), where the slots are the reuse
+  buffer's ``SlotTable`` with a replacement ekv_slots.c keeps and the records land in host slots: the same slots,
+  misses and batch, without the Python between the calls.  A layer whose reads the store plans in Python only (a
+  stored context attached, records laid out by clustering) is planned call by call; that is known when the store's
+  tables move, and a layer's job is made again then.
+
+A planner holds the planning lock: the compute thread and an I/O thread both plan (picks taken on an I/O thread, a
+correction's reads), and one plan at a time keeps the slot tables and the store's counters whole.
+"""
 from __future__ import annotations
 
+import ctypes
 import functools
 import logging
+import threading
+from typing import NamedTuple
 
 import numpy as np
 
 from . import native_build
 from .disk_store import DiskKVStore, VerifiedBatch
 from .native_build import address
+from .reader import ReadBatch
 from .slots import Misses, SlotTable
 
 log = logging.getLogger(__name__)
 
-# a job's int64 fields in ekv_fetch.c's order (its F_* enum)
-FIELDS = ("sequences", "batch", "picks", "capacity", "max_groups", "pool", "group_at", "owner_at", "inserted_at",
-          "used_at", "slot_of", "score_kind", "clock", "hits", "lookups", "frequency", "cost",
-          "slots", "new_owner", "new_slot", "new_group", "slot_base", "stride", "addresses",
-          "n_seqs", "fds", "fd_seq_stride", "fd_path_stride", "n_paths", "check", "sum_tables", "sum_row_bytes",
-          "layer", "sink", "scratch", "req_fds", "req_offsets", "req_counts", "req_paths", "req_gap_counts",
-          "read_addresses", "read_seqs", "read_groups", "expected", "check_flags", "capacity_records")
+_I64, _P = ctypes.c_int64, ctypes.c_void_p
+
+
+class FetchJob(ctypes.Structure):
+    """runtime/native/ekv_fetch.h's ``struct ekv_fetch_job``, field for field (checked when the library loads)."""
+
+    _fields_ = [(name, _I64) for name in ("sequences", "batch", "picks", "capacity", "max_groups")] + [
+        (name, _P) for name in ("pool", "group_at", "owner_at", "inserted_at", "used_at", "slot_of")] + [
+        ("score_kind", _I64)] + [(name, _P) for name in ("clock", "hits", "lookups", "frequency", "cost", "slots",
+                                                        "new_owner", "new_slot", "new_group")] + [
+        ("slot_base", _I64), ("stride", _I64), ("addresses", _P), ("n_seqs", _I64), ("fds", _P)] + [
+        (name, _I64) for name in ("fd_seq_stride", "fd_path_stride", "n_paths", "check")] + [
+        ("sum_tables", _P), ("sum_row_bytes", _P), ("layer", _I64), ("sink", _I64)] + [
+        (name, _P) for name in ("scratch", "req_fds", "req_offsets", "req_counts", "req_paths", "req_gap_counts",
+                                "read_addresses", "read_seqs", "read_groups", "expected", "check_flags")] + [
+        ("capacity_records", _I64)]
 
 
 @functools.cache
@@ -31,21 +56,68 @@ def native_fetch():
     """The library, or None (logged once) when it cannot be built: the calls one by one serve."""
     p, i64, i32 = native_build.P, native_build.I64, native_build.I32
     lib = native_build.load_or_none("fetch", log, "assigning slots and planning reads in separate calls", {
-        "ekv_fetch_fields": ([], i32), "ekv_fetch_run": ([p, p, p, i64, i64, p], i64),
-        "ekv_requests_scratch_bytes": ([i64], i64)})
-    if lib is not None and lib.ekv_fetch_fields() != len(FIELDS):
-        raise RuntimeError(f"ekv_fetch.c's job has {lib.ekv_fetch_fields()} fields, runtime/fetch_plan.py FIELDS "
-                           f"{len(FIELDS)}: one of the two changed without the other")
+        "ekv_fetch_job_bytes": ([], i64), "ekv_fetch_job_fields": ([], i32), "ekv_fetch_job_offsets": ([p], None),
+        "ekv_fetch_run": ([p, p, p, p, i64, i64, p], i64), "ekv_requests_scratch_bytes": ([i64], i64)})
+    if lib is not None:
+        offsets = np.zeros(lib.ekv_fetch_job_fields(), dtype=np.int64)
+        lib.ekv_fetch_job_offsets(address(offsets))
+        ours = [getattr(FetchJob, name).offset for name, _ in FetchJob._fields_]
+        if lib.ekv_fetch_job_bytes() != ctypes.sizeof(FetchJob) or offsets.tolist() != ours:
+            raise RuntimeError("runtime/native/ekv_fetch.h's struct ekv_fetch_job and runtime/fetch_plan.py's FetchJob "
+                               "differ: one of the two changed without the other")
     return lib
 
 
+class FetchPlan(NamedTuple):
+    """A layer's picks planned: their flat ``slots`` [B, M] (0 where not valid), the records to read (``misses``), and
+    the misses' reads (``reads``, their bytes counted; empty when nothing misses, None for a correction that reads
+    nothing: its layer's read job has run already)."""
+
+    slots: np.ndarray
+    misses: Misses
+    reads: ReadBatch | None
+
+
+class CallsPlanner:
+    """The slot table's assignment, the slot memory's addresses and the store's planning, one call each; each read's
+    bytes count against its record's owner in ``bytes_read`` [B] (the policy's)."""
+
+    def __init__(self, slots, slot_memory, store: DiskKVStore, bytes_read: np.ndarray):
+        self.slots, self.slot_memory, self.store, self.bytes_read = slots, slot_memory, store, bytes_read
+        self.lock = threading.Lock()
+
+    def plan(self, layer: int, groups: np.ndarray, valid: np.ndarray, owners: np.ndarray | None) -> FetchPlan:
+        """``layer``'s picks groups, valid [B, M] (``owners`` [B, M] whose record each is; None: each row's own)."""
+        with self.lock:
+            return self._counted(layer, *self._assign(layer, groups, valid, owners))
+
+    def correct(self, layer: int, groups: np.ndarray, valid: np.ndarray, owners: np.ndarray) -> FetchPlan:
+        """A correction's picks of ``layer``, after its own ``plan`` this step: the slots already holding them stay,
+        and only the rest read (``Slots.correct``)."""
+        with self.lock:
+            slots, misses = self.slots.correct(layer, groups, valid, owners)
+            return self._counted(layer, slots, misses, None) if len(misses.seq) else FetchPlan(slots, misses, None)
+
+    def _assign(self, layer: int, groups: np.ndarray, valid: np.ndarray, owners: np.ndarray | None
+                ) -> tuple[np.ndarray, Misses, ReadBatch | None]:
+        """The picks' slots, the misses and, where planned already, their reads (None: the store plans them)."""
+        return (*self.slots.assign(layer, groups, valid, owners), None)
+
+    def _counted(self, layer: int, slots: np.ndarray, misses: Misses, reads: ReadBatch | None) -> FetchPlan:
+        self.bytes_read += np.bincount(misses.seq, minlength=len(self.bytes_read)) * self.store.layout.stride_bytes
+        if reads is None:
+            addresses = self.slot_memory.read_addresses(layer, self.slots.buffer_index(layer), misses)
+            reads = self.store.batch(layer, misses.seq, misses.group, addresses)
+        return FetchPlan(slots, misses, reads)
+
+
 class LayerJob:
-    """One layer's job for picks of one shape: its fields and the buffers it writes (the last step's until the next:
-    a layer's reads and attention are done with them by then)."""
+    """One layer's job for picks of one shape, and the buffers it writes (the last step's until the next: a layer's
+    reads and attention are done with them by then).  ``native``: the store plans this layer's reads natively."""
 
     def __init__(self, lib, slots: SlotTable, slot_memory, store: DiskKVStore, layer: int, batch: int, picks: int):
         entries = batch * picks
-        self.version = store.tables_version
+        self.version, self.native = store.tables_version, store.plans_natively(layer)
         self.capacity = entries + (entries - 1) * store.gap_records  # every gap bridged
         self.gap_records = store.gap_records
         self.slots = np.empty((batch, picks), dtype=np.int64)
@@ -59,58 +131,46 @@ class LayerJob:
         self.counts = np.zeros(2, dtype=np.int64)
         new, requests, records = (address(a) for a in (self.new, self.requests, self.records))
         rows, request_rows, record_rows = 8 * entries, 4 * entries, 8 * self.capacity
-        fields = {**slots.native_fields(layer), **store.native_plan_fields(layer), "batch": batch, "picks": picks,
-                  "slots": address(self.slots), "new_owner": new, "new_slot": new + rows, "new_group": new + 2 * rows,
-                  "addresses": new + 3 * rows, "slot_base": slot_memory.slot_base(slots.buffer_index(layer)),
-                  "stride": store.layout.stride_bytes, "scratch": address(self.scratch), "req_fds": requests,
-                  "req_counts": requests + request_rows, "req_paths": requests + 2 * request_rows,
-                  "req_gap_counts": requests + 3 * request_rows, "req_offsets": address(self.offsets),
-                  "read_addresses": records, "read_seqs": records + record_rows,
-                  "read_groups": records + 2 * record_rows,
-                  "expected": address(self.expected), "check_flags": address(self.check),
-                  "capacity_records": self.capacity}
-        self.fields = np.array([fields[name] for name in FIELDS], dtype=np.int64)
+        fields = {**slots.native_fields(layer), **(store.native_plan_fields(layer) if self.native else {}),
+                  "batch": batch, "picks": picks, "slots": address(self.slots), "new_owner": new,
+                  "new_slot": new + rows, "new_group": new + 2 * rows, "addresses": new + 3 * rows,
+                  "slot_base": slot_memory.slot_base(slots.buffer_index(layer)), "stride": store.layout.stride_bytes,
+                  "scratch": address(self.scratch), "req_fds": requests, "req_counts": requests + request_rows,
+                  "req_paths": requests + 2 * request_rows, "req_gap_counts": requests + 3 * request_rows,
+                  "req_offsets": address(self.offsets), "read_addresses": records, "read_seqs": records + record_rows,
+                  "read_groups": records + 2 * record_rows, "expected": address(self.expected),
+                  "check_flags": address(self.check), "capacity_records": self.capacity}
+        self.job = FetchJob(**fields)
+        self.address = ctypes.addressof(self.job)
 
 
-class FetchPlanner:
-    """The policy's picks to (slots, misses, their reads) in one native call a layer."""
+class NativePlanner(CallsPlanner):
+    """The picks to (slots, misses, their reads) in one native call a layer (runtime/native/ekv_fetch.c)."""
 
-    def __init__(self, lib, slots: SlotTable, slot_memory, store: DiskKVStore):
-        self._lib, self._slots, self._slot_memory, self._store = lib, slots, slot_memory, store
+    def __init__(self, lib, slots: SlotTable, slot_memory, store: DiskKVStore, bytes_read: np.ndarray):
+        super().__init__(slots, slot_memory, store, bytes_read)
+        self._lib = lib
         self._jobs: dict[tuple[int, int, int], LayerJob] = {}
 
-    @classmethod
-    def for_policy(cls, slots, slot_memory, store) -> "FetchPlanner | None":
-        """A planner where the policy's parts can take one (a slot table whose replacement ekv_slots.c keeps, slots in
-        host memory where the reads land, a disk store); None elsewhere."""
-        if not (isinstance(slots, SlotTable) and isinstance(store, DiskKVStore) and hasattr(slot_memory, "slot_base")):
-            return None
-        if slots.native_fields(0) is None:
-            return None
-        lib = native_fetch()
-        return None if lib is None else cls(lib, slots, slot_memory, store)
-
-    def plan(self, layer: int, groups: np.ndarray, valid: np.ndarray
-             ) -> tuple[np.ndarray, Misses, VerifiedBatch | None] | None:
-        """``layer``'s picks groups, valid [B, M] (each row its own records): their flat slots [B, M], the misses and
-        the misses' reads (None: planned the store's way, ``DiskKVStore.batch``), the store's counters counted; None
-        where it does not serve or the assignment refuses (nothing changed: ``SlotTable.assign`` says why)."""
-        store = self._store
-        if not store.plans_natively(layer):
-            return None
-        groups = np.ascontiguousarray(groups, dtype=np.int64)
-        valid = np.ascontiguousarray(valid, dtype=bool)
+    def _assign(self, layer, groups, valid, owners):
+        store = self.store
         key = (layer, *groups.shape)
         job = self._jobs.get(key)
         if job is None or job.version != store.tables_version or job.gap_records < store.gap_records:
-            job = self._jobs[key] = LayerJob(self._lib, self._slots, self._slot_memory, store, layer, *groups.shape)
-        n = self._lib.ekv_fetch_run(address(job.fields), address(groups), address(valid), store.max_request_records,
+            job = self._jobs[key] = LayerJob(self._lib, self.slots, self.slot_memory, store, layer, *groups.shape)
+        if not job.native:
+            return super()._assign(layer, groups, valid, owners)
+        groups = np.ascontiguousarray(groups, dtype=np.int64)
+        valid = np.ascontiguousarray(valid, dtype=bool)
+        owners = None if owners is None else np.ascontiguousarray(owners, dtype=np.int64)
+        n = self._lib.ekv_fetch_run(job.address, address(groups), address(valid),
+                                    None if owners is None else address(owners), store.max_request_records,
                                     store.gap_records, address(job.counts))
-        if n < 0:
-            return None
+        if n < 0:  # refused, nothing changed: a pick outside the table or its pool, which the table's own call names
+            return super()._assign(layer, groups, valid, owners)
         misses = Misses(job.new[0, :n], job.new[1, :n], job.new[2, :n])
         k, total = (int(c) for c in job.counts)
-        if n == 0 or k < 0:
+        if n == 0 or k < 0:  # nothing to read, or a file or checksum table the store's own planning names
             return job.slots, misses, None
         fds, counts, paths, gap_counts = job.requests[:, :k]
         reads = VerifiedBatch(fds, job.offsets[:k], job.records[0, :total], store.layout.stride_bytes, counts, paths,
@@ -118,3 +178,13 @@ class FetchPlanner:
                               job.check[:total], gap_counts if total > n else None)
         store.count_reads(reads, n)
         return job.slots, misses, reads
+
+
+def planner_for(slots, slot_memory, store: DiskKVStore, bytes_read: np.ndarray, native: bool = True) -> CallsPlanner:
+    """The native planner where its parts allow it (a slot table whose replacement ekv_slots.c keeps, slots in host
+    memory where the reads land, the library built, ``native`` asked), else the calls one by one."""
+    lib = native_fetch() if native and isinstance(slots, SlotTable) and hasattr(slot_memory, "slot_base") \
+        and slots.native_fields(0) is not None else None
+    if lib is None:
+        return CallsPlanner(slots, slot_memory, store, bytes_read)
+    return NativePlanner(lib, slots, slot_memory, store, bytes_read)

@@ -1,4 +1,4 @@
-"""Which guess a corrected layer attends and when it corrects (``correction: corrected``, runtime/offload.py): the
+"""Which guess a corrected layer attends and when it corrects (``correction: corrected``, runtime/offload/correction.py): the
 bookkeeping of the speculate-then-correct loop, apart from the code that reads and attends.  ``ProbeSchedule`` says
 which layers correct at a step (``correction_recall``), ``GuessSources`` where each layer's guess comes from
 (``guess_from_before``), ``in_rows`` how much of a correction a guess held."""
@@ -41,7 +41,7 @@ class GuessSources:
     """Where each layer's guess comes from, with ``guess_from_before``: the layer-ahead prediction, or the layer's own
     corrected picks of the step before.  At the first layers the prediction from the layer below is poor (SmolLM2
     8K: 0.47-0.65 of the corrected picks at layers 1 and 2) while a layer's picks change little from step to step
-    (0.84-0.90 there; ``bench.guess_sources``).  A layer corrected at two steps in a row switches to its picks of
+    (0.84-0.90 there).  A layer corrected at two steps in a row switches to its picks of
     the step before when they held more than the prediction did; it switches back when they hold less than the
     prediction last did.  Only a layer that corrects every step may: uncorrected, those picks would go stale."""
 

@@ -3,7 +3,7 @@
 The engine's layer loop calls, per decode step: ``prefetch(layer + 1, ...)`` before it
 computes ``layer`` (so a policy may start loading the next layer's KV), then
 ``attend(layer, ...)``, and ``end_step`` once all layers are done.  ``InMemoryKV`` is the
-reference (``full``); ``OffloadedKV`` (in offload.py) serves ``kvswap``, ``token`` and ``flexgen``;
+reference (``full``); ``OffloadedKV`` (runtime/offload/) serves ``kvswap``, ``token``, ``flexgen`` and ``hillinfer``;
 ``ArkvKV`` (arkv.py) serves ``arkv``.
 """
 from __future__ import annotations

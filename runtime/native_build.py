@@ -84,7 +84,7 @@ LIBRARIES = {
     "slots": NativeLibrary("slots", "ekv_slots.c", ("-O2",), (), "the reuse buffer's slot assignment"),
     "requests": NativeLibrary("requests", "ekv_requests.c", ("-O2",), (), "the disk store's request planning"),
     "fetch": NativeLibrary("fetch", "ekv_fetch.c", ("-O2",), (), "a layer's picks to their reads in one call",
-                           headers=("ekv_slots.c", "ekv_requests.c")),
+                           headers=("ekv_fetch.h", "ekv_slots.c", "ekv_requests.c")),
     # aarch64: the ARMv8 CRC32C instruction (every ARMv8.1+ core, Orin's A78AE included), not the table
     "crc32c": NativeLibrary("crc32c", "ekv_crc32c.c", ("-O2",), (), "the CRC-32C library",
                             machine_flags=(("aarch64", ("-march=armv8-a+crc",)),)),

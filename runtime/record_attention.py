@@ -1,6 +1,6 @@
 """A disk policy's decode attention straight from its host slots' records (runtime/native/ekv_attend.c), on a CPU.
 
-The torch path (``OffloadedKV._keys_values`` then ``forward.decode_attention``) gathers the picked records into a new
+The torch path (runtime/offload/attention.py ``GatheredAttention``) gathers the picked records into a new
 tensor, permutes it, concatenates the sinks and the ring, and attends the copy.  The kernel reads each key and value
 where it lies, once: SmolLM2 8K, batch 1, the deployed configuration (~900 keys a KV head), 0.29 -> 0.11 ms a layer
 in the decode step.  It serves float32, bfloat16, int8 and int4 records in host memory (codes widened with their

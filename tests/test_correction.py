@@ -1,4 +1,4 @@
-"""Speculate, then correct (issue 33): the layer-ahead guess is rescored with the layer's own query, and the groups
+"""Speculate, then correct: the layer-ahead guess is rescored with the layer's own query, and the groups
 it missed are read before attention.  Uncapped, the corrected picks are the oracle's (the same scores from the same
 K_lr at attention time), so the tokens must be the oracle selector's, bit for bit, while the guess's reads still
 overlap the layer before."""
@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from edgekv.runtime import Engine, forward, guesses, offload
+from edgekv.runtime import Engine, forward, guesses
+from edgekv.runtime.offload import correction, io
 from edgekv.runtime.config import ConfigError, RuntimeConfig
 from edgekv.runtime.slots import PreloadSlots, SlotTable
 
@@ -106,23 +107,24 @@ def test_the_next_layers_read_starts_once_the_correction_lands_before_this_layer
     from edgekv.runtime import aside
     monkeypatch.setattr(aside, "cores", lambda: 1)
     started: dict[int, threading.Event] = {}  # layer -> set once its read is past its gate
-    fetch, attention = offload.OffloadedKV._fetch, offload.OffloadedKV._attention
+    read, correct = io.ReadIO.read, correction.Correction._correct
     waits = []
 
-    def gated_fetch(self, layer, buffer, misses, reads, after=None):
+    def gated_read(self, layer, buffer, misses, reads, after=None):
         if after is not None:
             after.wait(timeout=30)
             started.setdefault(layer, threading.Event()).set()
-        return fetch(self, layer, buffer, misses, reads, after)
+        return read(self, layer, buffer, misses, reads, after)
 
     def attention_after_next_read(self, layer, *args):
-        if layer in self._corrected:  # the next layer's read waits for this one's correction
+        out = correct(self, layer, *args)  # corrected; the layer attends next
+        if layer in self._gates:  # the next layer's read waits for this one's correction
             waits.append(started.setdefault(layer + 1, threading.Event()).wait(timeout=10))
             started.pop(layer + 1)
-        return attention(self, layer, *args)
+        return out
 
-    monkeypatch.setattr(offload.OffloadedKV, "_fetch", gated_fetch)
-    monkeypatch.setattr(offload.OffloadedKV, "_attention", attention_after_next_read)
+    monkeypatch.setattr(io.ReadIO, "read", gated_read)
+    monkeypatch.setattr(correction.Correction, "_correct", attention_after_next_read)
     runs = _run(model_dirs["llama"], tmp_path / "kv", correction="corrected", reuse=reuse)
     assert all(r.stats["kv_correction_records"] > 0 for r in runs)
     assert len(waits) == 11 and all(waits)  # each decode step's layer 0 held up layer 1's read, and let it go first
@@ -141,7 +143,7 @@ def test_overlapped_correction_attends_the_same_picks_merged_by_log_sum_exp(mode
                                                                            extra):
     # the picks in memory attended while the correction's reads land, then those: the same attention up to rounding
     merges = []
-    monkeypatch.setattr(offload, "merge_attention", lambda parts, dtype: merges.append(len(parts)) or
+    monkeypatch.setattr(correction, "merge_attention", lambda parts, dtype: merges.append(len(parts)) or
                         forward.merge_attention(parts, dtype))
     runs = {overlap: _run(model_dirs["llama"], tmp_path / str(overlap), policy=policy, correction="corrected",
                           correction_overlap=overlap, **extra) for overlap in (False, True)}

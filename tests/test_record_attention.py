@@ -39,7 +39,7 @@ def _case(batch, n_heads, n_kv, head_dim, G, picks, dtype, seed=0, record_dtype=
 
 
 def _torch_attention(layout, records, slots, valid, dense, resident, q):
-    """What OffloadedKV._keys_values gathers, then forward.decode_attention, in float64."""
+    """What offload.attention.GatheredAttention gathers, then forward.decode_attention, in float64."""
     picked = layout.decode(records, torch.float32)[torch.from_numpy(slots)].double()  # [B, M, 2, H_kv, G, d]
     b, m, _, h_kv, g, d = picked.shape
     kv = picked.permute(2, 0, 3, 1, 4, 5).reshape(2, b, h_kv, m * g, d)
@@ -166,22 +166,22 @@ def test_an_edited_shared_header_renames_the_libraries_that_include_it(tmp_path,
 def test_a_disk_policy_decodes_the_same_through_the_kernel_as_through_the_gathered_copy(model_dirs, tmp_path,
                                                                                        monkeypatch, arch, dtype,
                                                                                        record_dtype):
-    from edgekv.runtime import Engine, offload
+    from edgekv.runtime import Engine
+    from edgekv.runtime.offload import attention, pipeline
 
     prompts = [[3 + i % 150 for i in range(157)], [7 + (i * 13) % 150 for i in range(141)]]  # not a multiple of G
     config = {"G": 4, "M": 6, "C": 12, "sigma": 2, "max_context": 256, "max_batch": 2, "window_tokens": 4,
               "kv_record_dtype": record_dtype}
     runs, used = {}, []
-    native_attention = offload.OffloadedKV._attention
-    monkeypatch.setattr(offload.OffloadedKV, "_attention", lambda self, *a: used.append(
-        self.record_attention is not None) or native_attention(self, *a))
+    monkeypatch.setattr(pipeline, "picked_attention", lambda *a: used.append(attention.picked_attention(*a)) or
+                        used[-1])
     for name, for_layout in {"native": RecordAttention.for_layout, "torch": lambda *a: None}.items():
         monkeypatch.setattr(RecordAttention, "for_layout", for_layout)
         (tmp_path / name).mkdir()
         with Engine.from_pretrained(model_dirs[arch], kv_offload_path=tmp_path / name, config=config, policy="kvswap",
                                     device="cpu", dtype=dtype) as engine:
             runs[name] = engine.generate(prompts, max_new_tokens=8, stop_token_ids=[], output_logits=True)
-        assert used and all(used) == (name == "native")
+        assert used and all(isinstance(a, attention.SlotAttention) for a in used) == (name == "native")
         used.clear()
     assert_same_decodes(runs["native"], runs["torch"], dtype)
 

@@ -97,7 +97,7 @@ def test_the_native_assignment_keeps_the_tables_as_the_numpy_path_does(replaceme
         valid = rng.random((batch, picks)) < 0.8
         valid[1] &= step % 5 != 0
         owners = record_owners(groups, owner, shared)
-        if replacement == "cost" and step % 9 == 0:  # what clustering tells the replacement (offload.py)
+        if replacement == "cost" and step % 9 == 0:  # what clustering tells the replacement (runtime/offload/recluster.py)
             layer, seq, chosen = step % n_layers, int(rng.integers(batch)), rng.choice(max_groups, 8, replace=False)
             cost, prior = rng.choice([0.5, 1.0, 1.5, 2.25], 8), rng.integers(0, 3, 8)
             for table in tables:

@@ -1,57 +1,54 @@
-/* A layer's picks to its reads in one call (runtime/fetch_plan.py FetchPlanner, on the decode thread): the reuse
- * buffer's slots assigned (ekv_slots.c ekv_slots_assign), each missed record's host address in its slot, and the
- * misses' reads planned as requests (ekv_requests.c ekv_requests_plan).  Python made these two calls and the glue
- * between them, each dearer inside the decode step than alone; here a layer's job is made once (every table and
- * buffer it points into lives as long as the batch) and a step passes only its picks.  Both sources are compiled in,
- * so their reference behaviour stays where it is tested.
+/* A layer's picks to its reads in one call (runtime/fetch_plan.py NativePlanner, on the thread that takes the picks):
+ * the reuse buffer's slots assigned (ekv_slots.c ekv_slots_assign), each missed record's host address in its slot,
+ * and the misses' reads planned as requests (ekv_requests.c ekv_requests_plan).  A layer's job is made once (every
+ * table and buffer it points into lives as long as the batch) and a step passes only its picks.  Both sources are
+ * compiled in, so their reference behaviour stays where it is tested.
  */
+#include <stddef.h>
+
+#include "ekv_fetch.h"
 #include "ekv_slots.c"
 #include "ekv_requests.c"
 
-/* A job: int64 fields in this order (pointers as addresses), FetchPlanner.FIELDS in Python. */
-enum {
-    /* the slot assignment's tables (ekv_slots_assign's arguments but the picks; no owners: each row its own) */
-    F_SEQUENCES, F_BATCH, F_PICKS, F_CAPACITY, F_MAX_GROUPS, F_POOL, F_GROUP_AT, F_OWNER_AT, F_INSERTED_AT,
-    F_USED_AT, F_SLOT_OF, F_SCORE_KIND, F_CLOCK, F_HITS, F_LOOKUPS, F_FREQUENCY, F_COST,
-    F_SLOTS, F_NEW_OWNER, F_NEW_SLOT, F_NEW_GROUP, /* out: [batch * picks] each */
-    F_SLOT_BASE, F_STRIDE, F_ADDRESSES, /* the misses' host addresses: slot_base + slot * stride */
-    /* the planning's files and checksums (ekv_requests_plan's arguments) */
-    F_N_SEQS, F_FDS, F_FD_SEQ_STRIDE, F_FD_PATH_STRIDE, F_N_PATHS, F_CHECK, F_SUM_TABLES, F_SUM_ROW_BYTES, F_LAYER,
-    F_SINK, F_SCRATCH, /* ekv_requests_scratch_bytes(batch * picks) */
-    F_REQ_FDS, F_REQ_OFFSETS, F_REQ_COUNTS, F_REQ_PATHS, F_REQ_GAP_COUNTS, /* out, per request: [batch * picks] */
-    F_READ_ADDRESSES, F_READ_SEQS, F_READ_GROUPS, F_EXPECTED, F_CHECK_FLAGS, F_CAPACITY_RECORDS, /* per record read */
-    F_COUNT
-};
+#define FIELD(name) offsetof(struct ekv_fetch_job, name)
+static const int64_t JOB_OFFSETS[] = {
+    FIELD(sequences), FIELD(batch), FIELD(picks), FIELD(capacity), FIELD(max_groups), FIELD(pool), FIELD(group_at),
+    FIELD(owner_at), FIELD(inserted_at), FIELD(used_at), FIELD(slot_of), FIELD(score_kind), FIELD(clock), FIELD(hits),
+    FIELD(lookups), FIELD(frequency), FIELD(cost), FIELD(slots), FIELD(new_owner), FIELD(new_slot), FIELD(new_group),
+    FIELD(slot_base), FIELD(stride), FIELD(addresses), FIELD(n_seqs), FIELD(fds), FIELD(fd_seq_stride),
+    FIELD(fd_path_stride), FIELD(n_paths), FIELD(check), FIELD(sum_tables), FIELD(sum_row_bytes), FIELD(layer),
+    FIELD(sink), FIELD(scratch), FIELD(req_fds), FIELD(req_offsets), FIELD(req_counts), FIELD(req_paths),
+    FIELD(req_gap_counts), FIELD(read_addresses), FIELD(read_seqs), FIELD(read_groups), FIELD(expected),
+    FIELD(check_flags), FIELD(capacity_records)};
 
-#define P(type, field) ((type)(intptr_t)job[field])
+int64_t ekv_fetch_job_bytes(void) { return sizeof(struct ekv_fetch_job); }
 
-int ekv_fetch_fields(void) { return F_COUNT; }
+int ekv_fetch_job_fields(void) { return (int)(sizeof JOB_OFFSETS / sizeof JOB_OFFSETS[0]); }
 
-/* One step's picks of the job's layer: groups, valid [batch, picks].  Returns the misses' count n (their owners, slots
- * and groups in the job's new_* rows, the picks' slots in its slots), with counts[0] the requests planned for them
- * and counts[1] the records those read (counts[0] -1: the planning refused, and the caller plans them its way); or a
- * negative code of ekv_slots_assign with nothing changed (the caller's numpy path then says what is wrong). */
-int64_t ekv_fetch_run(const int64_t *job, const int64_t *groups, const uint8_t *valid, int64_t max_records,
-                      int64_t gap_records, int64_t *counts) {
-    int64_t *new_owner = P(int64_t *, F_NEW_OWNER), *new_slot = P(int64_t *, F_NEW_SLOT);
-    int64_t *new_group = P(int64_t *, F_NEW_GROUP), *addresses = P(int64_t *, F_ADDRESSES);
+void ekv_fetch_job_offsets(int64_t *out) {
+    for (int i = 0; i < ekv_fetch_job_fields(); i++) out[i] = JOB_OFFSETS[i];
+}
+
+/* One step's picks of the job's layer: groups, valid, owners [batch, picks] (owners NULL: each row's own records).
+ * Returns the misses' count n (their owners, slots and groups in the job's new_* rows, the picks' slots in its slots),
+ * with counts[0] the requests planned for them and counts[1] the records those read (counts[0] -1: the planning
+ * refused); or a negative code of ekv_slots_assign with nothing changed. */
+int64_t ekv_fetch_run(const struct ekv_fetch_job *job, const int64_t *groups, const uint8_t *valid,
+                      const int64_t *owners, int64_t max_records, int64_t gap_records, int64_t *counts) {
     int64_t n = ekv_slots_assign(
-        (int)job[F_SEQUENCES], (int)job[F_BATCH], (int)job[F_PICKS], groups, valid, NULL, (int)job[F_CAPACITY],
-        job[F_MAX_GROUPS], P(const int64_t *, F_POOL), P(int64_t *, F_GROUP_AT), P(int64_t *, F_OWNER_AT),
-        P(int64_t *, F_INSERTED_AT), P(int64_t *, F_USED_AT), P(int64_t *, F_SLOT_OF), (int)job[F_SCORE_KIND],
-        P(int64_t *, F_CLOCK), P(int64_t *, F_SLOTS), new_owner, new_slot, new_group, P(int64_t *, F_HITS),
-        P(int64_t *, F_LOOKUPS), P(float *, F_FREQUENCY), P(const float *, F_COST));
+        (int)job->sequences, (int)job->batch, (int)job->picks, groups, valid, owners, (int)job->capacity,
+        job->max_groups, job->pool, job->group_at, job->owner_at, job->inserted_at, job->used_at, job->slot_of,
+        (int)job->score_kind, job->clock, job->slots, job->new_owner, job->new_slot, job->new_group, job->hits,
+        job->lookups, job->frequency, job->cost);
     counts[0] = counts[1] = 0;
     if (n <= 0) return n;
-    for (int64_t i = 0; i < n; i++) addresses[i] = job[F_SLOT_BASE] + new_slot[i] * job[F_STRIDE];
+    for (int64_t i = 0; i < n; i++) job->addresses[i] = job->slot_base + job->new_slot[i] * job->stride;
     counts[0] = ekv_requests_plan(
-        n, new_owner, new_group, addresses, job[F_N_SEQS], P(const int32_t *, F_FDS), job[F_FD_SEQ_STRIDE],
-        job[F_FD_PATH_STRIDE], (int)job[F_N_PATHS], job[F_STRIDE], max_records, gap_records, (int)job[F_CHECK],
-        P(const int64_t *, F_SUM_TABLES), P(const int64_t *, F_SUM_ROW_BYTES), (int)job[F_LAYER], job[F_SINK],
-        P(void *, F_SCRATCH), P(int32_t *, F_REQ_FDS), P(int64_t *, F_REQ_OFFSETS), P(int32_t *, F_REQ_COUNTS),
-        P(int32_t *, F_REQ_PATHS), P(int32_t *, F_REQ_GAP_COUNTS), P(int64_t *, F_READ_ADDRESSES),
-        P(int64_t *, F_READ_SEQS), P(int64_t *, F_READ_GROUPS), P(uint32_t *, F_EXPECTED), P(uint8_t *, F_CHECK_FLAGS),
-        job[F_CAPACITY_RECORDS], &counts[1]);
+        n, job->new_owner, job->new_group, job->addresses, job->n_seqs, job->fds, job->fd_seq_stride,
+        job->fd_path_stride, (int)job->n_paths, job->stride, max_records, gap_records, (int)job->check,
+        job->sum_tables, job->sum_row_bytes, (int)job->layer, job->sink, job->scratch, job->req_fds,
+        job->req_offsets, job->req_counts, job->req_paths, job->req_gap_counts, job->read_addresses, job->read_seqs,
+        job->read_groups, job->expected, job->check_flags, job->capacity_records, &counts[1]);
     if (counts[0] < 0) counts[0] = -1;
     return n;
 }

@@ -1,7 +1,7 @@
 """The parts every disk policy shares: its records' layout, its memory by part, and the ``OffloadedKV`` it runs.
 
 kvswap, token, flexgen and hillinfer differ in how they pick groups (the selector) and in their effective
-config; the store, the slots and the step pipeline are the same code (runtime/offload.py).
+config; the store, the slots and the step pipeline are the same code (runtime/offload/).
 """
 from __future__ import annotations
 
