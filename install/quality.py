@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 from edgekv.runtime.config import picked_groups
-from edgekv.runtime.selector import CORRECTIONS  # noqa: F401  (the selections a table measures: profile, eval)
+from edgekv.runtime.choices import CORRECTIONS  # noqa: F401  (the selections a table measures: profile, eval)
 from edgekv.runtime.store.files import write_json_atomic
 
 SHIPPED_DIR = Path(__file__).resolve().parents[1] / "profiles" / "quality"  # tables shipped as data (``shipped``)

@@ -23,6 +23,7 @@ from . import native_build
 from .native_build import address
 from .adapter import KEYS_PER_RANK, LowRankAdapter
 from .aside import AsideThread, run_units, unit_function
+from .choices import KLR_FORMATS
 from .transfer import to_device
 
 log = logging.getLogger(__name__)
@@ -117,13 +118,7 @@ class RandomSelector(Selector):
         return groups, valid
 
 
-CORRECTIONS = ("guess", "corrected")  # config 'correction': the layer-ahead picks as they are, or rescored at attention
-SCORE_REDUCES = ("sum", "softmax")  # how heads' scores make a token's: logits summed (KVSwap), or a softmax vote each
 CPU_BLOCK_BYTES = 2 << 20  # float32 K_lr rows a CPU select converts at a time (LowRankSelector._times_rows)
-# K_lr formats: torch dtype stored, bits per element, bytes of per-token scale (integer rows carry one bf16 absmax
-# scale; int4 packs two elements a byte, low nibble first)
-KLR_FORMATS = {"bfloat16": (torch.bfloat16, 16, 0), "float16": (torch.float16, 16, 0),
-               "float32": (torch.float32, 32, 0), "int8": (torch.int8, 8, 2), "int4": (torch.uint8, 4, 2)}
 INT_LEVELS = {8: 127, 4: 7}  # the largest magnitude of a symmetric integer row element
 NATIVE_ROWS = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2, "int4": 3}  # K_lr formats ekv_score.c reads
 # K_lr is stored this many tokens a block, rank-major within a block: the native scorer reads a block as one

@@ -4,9 +4,10 @@ import torch
 
 from edgekv.runtime import Engine, LowRankAdapter, build_adapter
 from edgekv.runtime.adapter import AdapterError
-from edgekv.runtime.config import PredictorConfig
+from edgekv.runtime.choices import SELECTOR_NAMES
+from edgekv.runtime.config import ConfigError, PredictorConfig, RuntimeConfig
 from edgekv.runtime.model import ModelDims
-from edgekv.runtime.selector import KLR_BLOCK_TOKENS, LowRankSelector
+from edgekv.runtime.selector import KLR_BLOCK_TOKENS, SELECTORS, LowRankSelector
 from tests.conftest import save_model
 
 
@@ -63,6 +64,14 @@ def test_bf16_rows_are_rounded_once_and_scored_in_fp32(score_reduce):
     logits = rows.float() @ per_head.T  # [T, H]
     expected = logits.sum(-1) if score_reduce == "sum" else (logits * 0.25).softmax(dim=0).sum(-1)
     torch.testing.assert_close(selector.token_scores(0, q, 40)[0], expected, rtol=1e-5, atol=1e-6)
+
+
+def test_the_config_takes_the_selectors_there_are_and_no_other():
+    """The config checks 'selector' against runtime/choices.py, not the selector module: the names must match."""
+    assert tuple(SELECTORS) == SELECTOR_NAMES
+    assert [RuntimeConfig.load({"selector": name}).predictor.selector for name in SELECTORS] == list(SELECTORS)
+    with pytest.raises(ConfigError, match="selector"):
+        RuntimeConfig.load({"selector": "topk"})
 
 
 def test_grouped_top_m_finds_the_planted_groups():
