@@ -302,7 +302,7 @@ def shipped(model_sha256: str | None, fingerprint: dict, folder: Path | None = N
     (``corrections``: those it measured; a table from before corrections measured ``guess`` only), else None.
     A quality table is a property of the model, the calibration text and the grid, not of the machine: a default
     deploy on a 2-core CPU takes it from ``profiles/quality/`` instead of spending most of an hour measuring it
-    (``bench/ship_quality.py`` writes one; REPROFILE=1 measures it on the machine); points of selections it lacks
+    (``tools/ship_quality.py`` writes one; REPROFILE=1 measures it on the machine); points of selections it lacks
     are measured and the rest taken from it."""
     if model_sha256 is None:
         return None

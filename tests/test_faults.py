@@ -1,4 +1,4 @@
-"""Fault injection at the KV reader and writer (bench/faults.py): damaged records, failed, short and hung reads,
+"""Fault injection at the KV reader and writer (tests/harness/faults.py): damaged records, failed, short and hung reads,
 a full disk, a KV path that disappears, damaged context-store chunks.  Each ends in the same tokens as a clean
 run or a clear error, no file left behind, and an engine that serves the next request."""
 import errno
@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 import torch
 
-from bench.faults import DAMAGE, FaultyReader, rewrite, run_store_flips
 from edgekv.cli import main
 from edgekv.runtime import Engine
 from edgekv.runtime import disk_store as disk_store_mod
@@ -22,6 +21,8 @@ from edgekv.runtime.engine import _record_layout
 from edgekv.runtime.reader import open_reader
 from edgekv.runtime.store import ChunkCorrupt, ContextStore
 from edgekv.runtime.ttft.prefill import TTFTOptions
+
+from tests.harness.faults import DAMAGE, FaultyReader, rewrite, run_store_flips
 
 from .conftest import files_under
 

@@ -1,7 +1,7 @@
-"""`edgekv serve` fuzzed from its own OpenAPI schema beside running streams, and /metrics under random paths
-(issue 28), with the server run as a user runs it (the CLI, a child process).
+"""`edgekv serve` fuzzed from its own OpenAPI schema beside running streams, and /metrics under random paths,
+with the server run as a user runs it (the CLI, a child process).
 
-    .venv/bin/python -m bench.serve_fuzz --model smollm2 --requests 2000 --paths 10000 \\
+    .venv/bin/python -m tests.harness.serve_fuzz --model smollm2 --requests 2000 --paths 10000 \\
         --json docs/results/serve-fuzz-smollm2.json
 
 1. The server starts with a key (from a file), ``--openapi`` and 6 batch rows; the schema is read from its

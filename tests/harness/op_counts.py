@@ -1,9 +1,9 @@
 """Torch calls per decode step, by the edgekv function that made them: where a policy's per-layer overhead comes
 from (each call costs host time on the CPU, a launch on a GPU), full beside the policy, in one run.
 
-    python -m bench.op_counts --model fixture --context 2048 --kvswap G=4,M=40,C=40,sigma=8
-    python -m bench.op_counts --model smollm2 --context 2048 --weights ggml --dtype float32 --kvswap G=4,M=205,...
-    python -m bench.op_counts --model synth:llama-3.1-8b --context 16384 --kvswap G=8,M=50,C=50,sigma=16 --device cuda
+    python -m tests.harness.op_counts --model fixture --context 2048 --kvswap G=4,M=40,C=40,sigma=8
+    python -m tests.harness.op_counts --model smollm2 --context 2048 --weights ggml --dtype float32 --kvswap G=4,M=205,...
+    python -m tests.harness.op_counts --model synth:llama-3.1-8b --context 16384 --kvswap G=8,M=50,C=50,sigma=16 --device cuda
 """
 import argparse
 import collections
@@ -17,7 +17,7 @@ from torch.overrides import TorchFunctionMode
 from bench.step_profile import fields, prefilled
 from edgekv.runtime import Engine
 
-ROOT = str(Path(__file__).resolve().parents[1]) + "/"
+ROOT = str(Path(__file__).resolve().parents[2]) + "/"
 
 
 class CallCounter(TorchFunctionMode):

@@ -1,6 +1,6 @@
-"""Crash trials (issue 17): SIGKILL a process at random points of prefill and save, then check what the next one reads.
+"""Crash trials: SIGKILL a process at random points of prefill and save, then check what the next one reads.
 
-    .venv/bin/python -m bench.crash_trials --trials 60 --json docs/results/crash-trials.json
+    .venv/bin/python -m tests.harness.crash_trials --trials 60 --json docs/results/crash-trials.json
 
 Each trial starts a fresh child process (``subprocess``, so a new interpreter: nothing is forked after torch
 is loaded).  The child loads the model, says ``loaded`` on a status pipe and waits for ``go``; it then opens
@@ -55,7 +55,7 @@ import torch
 from edgekv.runtime.devices import intra_op_threads
 from edgekv.runtime.store.files import pid_alive
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TMP_PREFIX = ".tmp-"  # the store's temp names: .tmp-<pid>-<rand>
 # the labels a child writes before each phase ("<op>.<step>"); targeted trials aim at these in turn
 PHASES = ("open", "ready", "idle", "save.prefill", "save.put", "save.blob", "save.publish", "save.rename",
@@ -239,7 +239,7 @@ class Child:
         env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
         self.started = time.monotonic()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "bench.crash_trials", "--child", json.dumps(setup.child_args(seed)),
+            [sys.executable, "-m", "tests.harness.crash_trials", "--child", json.dumps(setup.child_args(seed)),
              "--status-fd", str(w)],
             stdin=subprocess.PIPE, stdout=self.log, stderr=subprocess.STDOUT, pass_fds=(w,), cwd=REPO, env=env)
         os.close(w)
@@ -729,7 +729,7 @@ def _half_written(blob: Path, truncate: bool) -> None:
 # ---- the command --------------------------------------------------------------------------------------------
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.crash_trials", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m tests.harness.crash_trials", description=__doc__.split("\n\n")[0])
     ap.add_argument("--trials", type=int, default=60)
     ap.add_argument("--json", help="write the per-trial rows and totals here")
     ap.add_argument("--model", default="fixture")
@@ -765,7 +765,7 @@ def main(argv=None) -> int:
     finally:
         if not args.keep:
             shutil.rmtree(workdir, ignore_errors=True)
-    meta = {"command": "python -m bench.crash_trials " + " ".join(argv if argv is not None else sys.argv[1:]),
+    meta = {"command": "python -m tests.harness.crash_trials " + " ".join(argv if argv is not None else sys.argv[1:]),
             "setup": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(setup).items() if k != "workdir"},
             "seed": args.seed, "targeted_every": args.targeted_every, "gen_checks": args.gen_checks,
             "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),

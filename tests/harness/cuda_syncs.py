@@ -1,7 +1,7 @@
 """Where a decode step makes the host wait for the GPU: every synchronizing call torch's sync debug mode reports
 in three steps of kvswap on the fixture, grouped by its Python stack (needs a GPU).
 
-    python -m bench.cuda_syncs
+    python -m tests.harness.cuda_syncs
 """
 import collections
 import tempfile

@@ -4,7 +4,7 @@ A default deploy then takes the table from there when the model file (its GGUF's
 instead of measuring it (most of an hour for SmolLM2 at 8K on a 2-core CPU).  The table is measured exactly as a
 deploy measures it, on a fresh cache:
 
-    python -m bench.ship_quality --platform local --model smollm2 --out profiles/quality/smollm2-local.json
+    python -m tools.ship_quality --platform local --model smollm2 --out profiles/quality/smollm2-local.json
 
 ``--add-to-shipped`` keeps the points of the table already shipped for this model file and settings and measures
 only what it lacks (the selections of a grown ``solver.corrections``, the int4 twins of ``quality.twins``), as a
@@ -45,7 +45,7 @@ def main(argv=None) -> None:
         table_path = cache / "tables" / d.model_fp / "quality.json"
         fp = deploy.shipped_fingerprint(json.loads(table_path.read_text())["fingerprint"])
     meta = {"machine": f"{deploy._cpu_model()}, {platform.machine()}", "seconds": round(time.perf_counter() - started),
-            "command": f"python -m bench.ship_quality --platform {args.platform}"
+            "command": f"python -m tools.ship_quality --platform {args.platform}"
                        + (f" --model {args.model}" if args.model else "") + f" --out {args.out}"
                        + (" --add-to-shipped" if args.add_to_shipped else "")}
     if args.add_to_shipped:

@@ -3,7 +3,7 @@ the calibrated adapter and the reuse slots the solver gave it, on the deploy's c
 perplexity ratio, top-1 agreement and KL to ``full``, and the KV bytes read a token (the deploy's adapter trial
 measures the first text only).
 
-    python -m bench.adapter_quality --config deploy/local/config.json --texts calibration,builtin
+    python -m tools.adapter_quality --config deploy/local/config.json --texts calibration,builtin
 """
 import argparse
 import json

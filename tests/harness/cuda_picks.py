@@ -1,7 +1,7 @@
 """Why a policy's float32 tokens on CUDA differ from the CPU's: the first decode call whose group picks differ,
 and each step's logit gap, for ``tests/test_cuda.py``'s cases (needs a GPU).
 
-    python -m bench.cuda_picks kvswap-sinks-window kvswap-int8-records
+    python -m tests.harness.cuda_picks kvswap-sinks-window kvswap-int8-records
 """
 import logging
 import sys
