@@ -1,4 +1,4 @@
-"""Bad input everywhere (issue 17): odd prompts, prompt files, flags, damaged model folders, profiles, deployed
+"""Bad input everywhere: odd prompts, prompt files, flags, damaged model folders, profiles, deployed
 configs and KV folders on tmpfs or a read-only mount.  Each is refused with an error naming the problem and the
 fix, or works; a refused request leaves the engine serving and no file in the KV folder."""
 import json
@@ -522,7 +522,7 @@ def test_engine_sampling_refuses_nan_and_out_of_range_seeds(params, match):
 @pytest.mark.parametrize("temperature", [1e-300, 5e-324, 1e-40, 1e-6, 1e-5, 0.5, 2.0])
 @pytest.mark.parametrize("top_k, top_p", [(0, 1.0), (3, 1.0), (0, 1e-300), (10**12, 0.5)])
 def test_every_accepted_temperature_samples_without_overflow(temperature, top_k, top_p):
-    """Temperatures a request may send (any finite value >= 0) never overflow the scaled logits (issue 28: 1e-40
+    """Temperatures a request may send (any finite value >= 0) never overflow the scaled logits (1e-40 once
     made torch.multinomial raise); below the sampled range a draw is the top token."""
     from edgekv.runtime.sampling import MIN_SAMPLED_TEMPERATURE, Sampler, SamplingParams
 

@@ -346,10 +346,10 @@ def test_the_trailer_names_what_it_checks():
             Trailer.unpack(data, *args)
 
 
-# ---- the context store's other files: one flipped byte anywhere (issue 28) ------------------------------------
+# ---- the context store's other files: one flipped byte anywhere ----------------------------------------------
 
 def test_every_file_of_a_stored_context_survives_flipped_bytes():
-    """The CI share of the campaign (docs/results/faults-store-flips.json runs 700): every file flipped 6 times."""
+    """The CI share of the campaign (docs/results/faults/faults-store-flips.json runs 700): every file flipped 6 times."""
     result = run_store_flips(42, progress=False)
     assert result["undamaged_equals_no_store"]
     assert {k: (r["files"], r["flips"]) for k, r in result["by_kind"].items()} == {

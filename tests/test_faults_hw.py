@@ -1,4 +1,4 @@
-"""Fault injection, hardware side (issue 17, item 3): a power meter lost mid-measurement, and an in-storage scorer
+"""Fault injection, hardware side: a power meter lost mid-measurement, and an in-storage scorer
 (the csim, or the card through pyxrt) that fails mid-request.
 
 The fakes fail the way the real sources do:

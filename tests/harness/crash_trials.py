@@ -1,6 +1,6 @@
 """Crash trials: SIGKILL a process at random points of prefill and save, then check what the next one reads.
 
-    .venv/bin/python -m tests.harness.crash_trials --trials 60 --json docs/results/crash-trials.json
+    .venv/bin/python -m tests.harness.crash_trials --trials 60 --json docs/results/faults/crash-trials.json
 
 Each trial starts a fresh child process (``subprocess``, so a new interpreter: nothing is forked after torch
 is loaded).  The child loads the model, says ``loaded`` on a status pipe and waits for ``go``; it then opens

@@ -9,13 +9,13 @@ Faults (one per run, at a random read):
   short        the record's file truncated before it is read (the reader meets its end: a short read)
   hang         the read blocks past the engine's read deadline
 
-    .venv/bin/python -m tests.harness.faults --trials 1200 --json docs/results/faults-campaign.json
+    .venv/bin/python -m tests.harness.faults --trials 1200 --json faults.json
 
 The store campaign (``--store-flips N``, ``run_store_flips``) damages a saved context store instead: one byte of
 one file (store.json, index.json, the context's file, each chunk blob, in turn) XORed with a random non-zero
 value, then the same request as undamaged; it must give the same tokens or an error naming that file.
 
-    .venv/bin/python -m tests.harness.faults --store-flips 700 --json docs/results/faults-store-flips.json
+    .venv/bin/python -m tests.harness.faults --store-flips 700 --json docs/results/faults/faults-store-flips.json
 """
 from __future__ import annotations
 

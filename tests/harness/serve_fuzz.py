@@ -2,7 +2,7 @@
 with the server run as a user runs it (the CLI, a child process).
 
     .venv/bin/python -m tests.harness.serve_fuzz --model smollm2 --requests 2000 --paths 10000 \\
-        --json docs/results/serve-fuzz-smollm2.json
+        --json docs/results/faults/serve-fuzz-smollm2.json
 
 1. The server starts with a key (from a file), ``--openapi`` and 6 batch rows; the schema is read from its
    /openapi.json.

@@ -1,8 +1,8 @@
 """Probes of `edgekv serve` as a hostile client would send them (odd sampling beside a running stream, random paths,
 missing or non-ASCII keys, slow headers and bodies, too many connections, bad fields and bodies), against the CLI
-server; each row says what was sent and what came back (docs/results/faults-serve.md).
+server; each row says what was sent and what came back (docs/results/faults/serve.md).
 
-    .venv/bin/python -m tests.harness.serve_probe --model smollm2 --json docs/results/serve-probe-smollm2.json
+    .venv/bin/python -m tests.harness.serve_probe --model smollm2 --json docs/results/faults/serve-probe-smollm2.json
 
 The server runs with a key from a file, ``--header-timeout-s 2 --body-timeout-s 2 --max-connections 16`` (short
 deadlines so the probe is quick; the defaults are 10, 60 and 128).
