@@ -638,7 +638,7 @@ def run(platform: str | None = None, model: str | None = None, kv_paths: str | P
     h2d_gib_s = compute_profile.h2d_gib_s if slot_memory == "device" else None  # mapped slots: no copy to make
     t_io = io_model(disk_profiles, dims, d.kv_dtype, limits.io_align_bytes, queue_depth, h2d_gib_s, limits.block_bytes)
     budget = prof.batch_budget_mib * 2**20
-    rate = lambda G, C, M: tables.reuse_rate(reuse, G, C, M)  # noqa: E731
+    rate = lambda G, C, picked: tables.reuse_rate(reuse, G, C, picked)  # noqa: E731
 
     def solve(limits: solver.Limits) -> list[solver.Solution]:
         return [solver.solve_for_quality(b, s, budget, dims, d.kv_dtype, limits, quality.points_at(quality_points, s),

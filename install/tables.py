@@ -60,13 +60,13 @@ def reuse_table(model, kv_dir, prompts: list[list[int]], group_sizes, mg_const: 
     return out
 
 
-def reuse_rate(table: dict, G: int, capacity: int, groups_per_step: int) -> float:
-    """The table's rate for (G, C), linear in C/M between recorded ratios; 0 without reuse data for G."""
+def reuse_rate(table: dict, G: int, capacity: int, picked_groups: int) -> float:
+    """The table's rate for (G, C), linear in C / picked_groups between recorded ratios; 0 without reuse data for G."""
     rows = table.get(G) or table.get(str(G))
     if not rows:
         return 0.0
     ratios = sorted((float(r), v) for r, v in rows.items())
-    return float(np.interp(capacity / max(1, groups_per_step), [r for r, _ in ratios], [v for _, v in ratios]))
+    return float(np.interp(capacity / max(1, picked_groups), [r for r, _ in ratios], [v for _, v in ratios]))
 
 
 def build_adapters(model, prompts: list[list[int]], sigmas, out_dir: Path) -> dict[float, str]:

@@ -304,9 +304,9 @@ def _section(name: str):
 class RuntimeConfig(Section):
     """The core geometry and budget every policy shares, and one section per consumer; units are in the names.
 
-    ``G`` tokens per group (one disk record), ``M`` groups selected per layer and step, ``sigma`` K compression
-    ratio (H_kv*d / rank), ``C`` reuse-buffer slots per layer (``replacement``: fifo as KVSwap, lru, or cost as
-    Swarm).  ``max_kv_mem_mib`` is the KV memory budget for ``max_batch`` sequences of ``max_context`` tokens
+    ``G`` tokens per group (one disk record), ``M`` groups attended per layer and step (sinks and window
+    included), ``sigma`` K compression ratio (H_kv*d / rank), ``C`` reuse-buffer slots per layer
+    (``replacement``: fifo as KVSwap, lru, or cost as Swarm).  ``max_kv_mem_mib`` is the KV memory budget for ``max_batch`` sequences of ``max_context`` tokens
     (None: no limit, resident bytes are still reported).  ``sink_tokens`` S (the first tokens) and
     ``window_tokens`` W (the newest) are always attended and held in memory, rounded up to whole groups; they
     count in M, so the predictor picks ``picked_groups`` = M - ceil(S/G) - ceil(W/G) groups among the rest.

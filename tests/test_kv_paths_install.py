@@ -121,7 +121,8 @@ def _solve(profiles, t_model_ms):
     budget = DIMS.n_layers * 32768 * 2 * DIMS.n_kv_heads * DIMS.head_dim * 4 / 13
     t_io = io_model(profiles, DIMS, torch.float32, 512, 32)
     return solver.solve(4, 32768, budget, DIMS, torch.float32, solver.Limits(io_align_bytes=512), t_io,
-                        lambda b, S, rank, M, G, reuse=True: t_model_ms, lambda G, C, M: min(0.9, 0.5 * C / M))
+                        lambda b, S, rank, picked, G, reuse=True: t_model_ms,
+                        lambda G, C, picked: min(0.9, 0.5 * C / picked))
 
 
 def test_solver_with_a_second_disk_hides_reads_it_could_not_and_takes_smaller_groups():

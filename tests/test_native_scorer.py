@@ -18,7 +18,8 @@ from edgekv.runtime.selector import KLR_BLOCK_TOKENS, LowRankSelector, native_sc
 pytestmark = pytest.mark.skipif(native_scorer() is None, reason="no C compiler for the native scorer")
 
 
-def filled_selector(klr_dtype, score_reduce, rank, G, batch, lengths, head_dim=16, n_kv_heads=2, n_heads=6, M=5):
+def filled_selector(klr_dtype, score_reduce, rank, G, batch, lengths, head_dim=16, n_kv_heads=2, n_heads=6,
+                    picked_groups=5):
     """A selector whose K_lr holds ``lengths[b]`` random keys for each sequence (one layer), the adapter fitted on
     them."""
     dims = ModelDims(n_layers=1, hidden=n_heads * head_dim, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim,
@@ -26,7 +27,7 @@ def filled_selector(klr_dtype, score_reduce, rank, G, batch, lengths, head_dim=1
     keys = [torch.randn(n_kv_heads, n, head_dim) for n in lengths]
     adapter = LowRankAdapter.fit([k.transpose(0, 1).reshape(k.shape[1], -1) for k in keys], n_kv_heads, head_dim,
                                  rank=rank)
-    selector = LowRankSelector(adapter, rank, dims, batch, max(lengths) + G, G, M,
+    selector = LowRankSelector(adapter, rank, dims, batch, max(lengths) + G, G, picked_groups,
                                PredictorConfig(klr_dtype=klr_dtype, score_reduce=score_reduce), torch.device("cpu"),
                                head_dim ** -0.5)
     for seq, k in enumerate(keys):
@@ -67,7 +68,8 @@ def test_native_scores_and_picks_equal_the_torch_paths(klr_dtype, score_reduce, 
 def test_batch_of_one_at_a_long_context_with_deployed_shapes(monkeypatch):
     """SmolLM2's deployed scorer: 9 heads over 3 KV heads of 64, rank 96 in int8, softmax votes, G=4, 2,048 groups."""
     torch.manual_seed(7)
-    selector = filled_selector("int8", "softmax", 96, 4, 1, [8192], head_dim=64, n_kv_heads=3, n_heads=9, M=205)
+    selector = filled_selector("int8", "softmax", 96, 4, 1, [8192], head_dim=64, n_kv_heads=3, n_heads=9,
+                               picked_groups=205)
     counts = np.array([2048])
     (native, n_groups, _), (torch_scores, t_groups, _) = both_paths(selector, torch.randn(1, 9, 1, 64), counts,
                                                                      monkeypatch)
@@ -145,7 +147,8 @@ def test_integer_scores_track_those_of_the_unrounded_query():
     """The query's rounding moves a score by a fraction of a percent of the largest: the picks of a long context stay
     those of the float query's dot products with the same codes."""
     torch.manual_seed(4)
-    selector = filled_selector("int4", "softmax", 96, 4, 1, [4096], head_dim=64, n_kv_heads=3, n_heads=9, M=200)
+    selector = filled_selector("int4", "softmax", 96, 4, 1, [4096], head_dim=64, n_kv_heads=3, n_heads=9,
+                               picked_groups=200)
     q = torch.randn(1, 9, 1, 64)
     rounded = selector.token_scores(0, q, 4096)
     lhs = selector._low_rank_queries(0, q)
@@ -209,7 +212,7 @@ def test_picks_scored_on_the_helper_thread_equal_those_scored_on_the_callers(klr
     monkeypatch.setattr(aside_module, "cores", lambda: 2)
     torch.manual_seed(5)
     lengths = [37 * 4 + 1, 20 * 4, 9 * 4]
-    selector = filled_selector(klr_dtype, "softmax", 12, 4, 3, lengths, M=7)
+    selector = filled_selector(klr_dtype, "softmax", 12, 4, 3, lengths, picked_groups=7)
     counts = torch.tensor([n // 4 for n in lengths])
     queries = [torch.randn(3, 6, 1, 16) for _ in range(3)]
     expected = [selector.select(0, q, counts, first=1) for q in queries]
@@ -235,7 +238,7 @@ def test_a_launch_posted_in_one_native_call_picks_what_its_calls_one_by_one_pick
     monkeypatch.setattr(aside_module, "cores", lambda: 2)
     torch.manual_seed(17)
     lengths = [4 * 300 + 2, 4 * 41, 4 * 9]
-    selector = filled_selector(klr_dtype, score_reduce, 13, 4, 3, lengths, M=11)
+    selector = filled_selector(klr_dtype, score_reduce, 13, 4, 3, lengths, picked_groups=11)
     counts = torch.tensor([n // 4 for n in lengths])
     queries = [torch.randn(3, 6, 1, 16), torch.randn(3, 1, 6, 16, dtype=torch.bfloat16).transpose(1, 2)]
     selector.aside = aside_module.AsideThread.open()
@@ -291,24 +294,6 @@ def test_a_flushed_groups_keys_appended_for_every_layer_at_once_store_what_each_
     assert torch.equal(selectors[0].k_lr, selectors[1].k_lr) and torch.equal(selectors[0].k_scale, selectors[1].k_scale)
 
 
-def test_the_helper_bench_alternates_lending_the_helper_on_one_batch(capsys, monkeypatch):
-    """``python -m bench.aside`` on the fixture: the three settings timed in every round, the compute thread's CPU a
-    step beside the process's."""
-    import re
-
-    from bench.aside import main
-
-    monkeypatch.setattr(aside_module, "cores", lambda: 2)
-    main(["--model", "fixture", "--context", "200", "--batch", "2", "--kvswap", "G=4,M=6,C=8,sigma=2",
-          "--extra", '{"reuse": true, "correction": "corrected"}', "--rounds", "2", "--steps", "2"])
-    rows = re.findall(r"^batch 2 (posted|shared|no helper): median ([\d.]+) ms a step \(([\d., ]+)\); the compute "
-                      r"thread's CPU ([\d.]+) ms a step, the process's ([\d.]+); ([\d.]+) x no helper's tok/s",
-                      capsys.readouterr().out, re.M)
-    assert [row[0] for row in rows] == ["posted", "shared", "no helper"] and float(rows[2][5]) == 1.0
-    assert all(float(row[1]) > 0 and len(row[2].split(", ")) == 2 and float(row[4]) >= float(row[3])
-               for row in rows)
-
-
 def test_a_step_posts_or_shares_the_next_layers_scores_by_which_its_trial_steps_ran_shorter():
     """``PostOrShare``: the first steps of every cycle try posting, then sharing; the rest of the cycle keeps the one
     whose median step was shorter; a fixed choice is never timed."""
@@ -336,7 +321,7 @@ def test_sequences_longer_than_a_part_score_the_same_bits_on_either_thread(score
     monkeypatch.setattr(aside_module, "cores", lambda: 2)
     torch.manual_seed(13)
     lengths = [G * 700 + 3, G * 300 + 100, G * 40]
-    selector = filled_selector("int4", score_reduce, 24, G, 3, lengths, M=9)
+    selector = filled_selector("int4", score_reduce, 24, G, 3, lengths, picked_groups=9)
     q, counts = torch.randn(3, 6, 1, 16), np.array([n // G for n in lengths])
     (alone, groups, valid), (torch_scores, _, _) = both_paths(selector, q, counts, monkeypatch)
     monkeypatch.undo()
@@ -364,7 +349,8 @@ def test_the_scorer_built_for_narrower_vectors_scores_the_same(tmp_path, monkeyp
 
     torch.manual_seed(11)
     lengths = [333 * 4, 71 * 4 + 2]
-    selector = filled_selector(klr_dtype, "softmax", 90, 4, 2, lengths, head_dim=64, n_kv_heads=3, n_heads=9, M=20)
+    selector = filled_selector(klr_dtype, "softmax", 90, 4, 2, lengths, head_dim=64, n_kv_heads=3, n_heads=9,
+                               picked_groups=20)
     counts = torch.tensor([n // 4 for n in lengths])
     q = torch.randn(2, 9, 1, 64)
     expected_groups, expected_valid = selector.select(0, q, counts)
@@ -392,7 +378,7 @@ def test_the_native_top_m_equals_torchs_topk_and_breaks_ties_to_the_lower_group(
     """The top-M in one native call (ekv_score.c ekv_top) against torch's topk over the same scores: rows of several
     counts (none, a few, all), groups before ``first`` and from a row's count on never picked, -inf never a pick,
     fewer candidates than M padded as none; equal scores go to the lower group."""
-    selector = filled_selector("int8", "softmax", 8, 4, 3, [40, 40, 40], M=7)
+    selector = filled_selector("int8", "softmax", 8, 4, 3, [40, 40, 40], picked_groups=7)
     width = selector.max_groups
     generator = torch.Generator().manual_seed(5)
     for trial in range(60):
@@ -415,7 +401,7 @@ def test_the_native_top_m_takes_the_best_then_the_lowest_groups_at_the_mth_score
     """Scores of few values (many ties at the M-th best, where the quickselect's threshold falls), NaN and -inf
     among them, rows rising with the group (the order that made a heap of M sift at every candidate): the picks
     are the valid groups by score, then group, best first."""
-    selector = filled_selector("int8", "softmax", 8, 4, 3, [40, 40, 40], M=7)
+    selector = filled_selector("int8", "softmax", 8, 4, 3, [40, 40, 40], picked_groups=7)
     width = selector.max_groups
     generator = torch.Generator().manual_seed(6)
     for trial in range(40):

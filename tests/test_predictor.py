@@ -19,9 +19,10 @@ def stored_rows(selector, layer, seq, n_tokens):
     return torch.stack([blocks[t // 64, :, t % 64] for t in range(n_tokens)], dim=1)
 
 
-def make_selector(adapter, rank, G=4, M=2, max_context=64, klr_dtype="float32", score_reduce="sum", scaling=1.0):
+def make_selector(adapter, rank, G=4, picked_groups=2, max_context=64, klr_dtype="float32", score_reduce="sum",
+                  scaling=1.0):
     dims = ModelDims(n_layers=1, hidden=64, n_heads=4, n_kv_heads=2, head_dim=16, vocab=10)
-    return LowRankSelector(adapter, rank, dims, 1, max_context, G, M,
+    return LowRankSelector(adapter, rank, dims, 1, max_context, G, picked_groups,
                            PredictorConfig(klr_dtype=klr_dtype, score_reduce=score_reduce), torch.device("cpu"), scaling)
 
 
@@ -80,14 +81,14 @@ def test_grouped_top_m_finds_the_planted_groups():
     q = torch.randn(1, 4, 1, 16)
     for token in (9, 42):  # plant two keys aligned with the query: groups 2 and 10
         k[:, token] = q[0, ::2, 0] * 3
-    selector = make_selector(None, 8, G=4, M=2)
+    selector = make_selector(None, 8, G=4, picked_groups=2)
     selector.append(0, 0, 0, k)
     groups, valid = selector.select(0, q, torch.tensor([16]))
     assert sorted(groups[0].tolist()) == [2, 10] and valid.all()
 
 
 def test_selection_never_returns_groups_not_on_disk():
-    selector = make_selector(None, 8, G=4, M=5)
+    selector = make_selector(None, 8, G=4, picked_groups=5)
     selector.append(0, 0, 0, torch.randn(2, 12, 16))
     groups, valid = selector.select(0, torch.randn(1, 4, 1, 16), torch.tensor([3]))
     assert valid.sum() == 3 and sorted(groups[0, valid[0]].tolist()) == [0, 1, 2]

@@ -168,13 +168,14 @@ def _solve_records(io_ms_per_byte, losses=RECORD_LOSSES, record_ppl_max=1.01, co
     """The greedy solver on bf16 KV with an I/O time of bytes times a rate plus a cost per read."""
     limits = solver.Limits(io_align_bytes=512, record_losses=losses, record_ppl_max=record_ppl_max)
 
-    def t_io(b, M, G, hit, record_dtype="auto"):
+    def t_io(b, picked, G, hit, record_dtype="auto"):
         stride = RecordLayout(G, 2, 64, torch.bfloat16, 512, record_dtype).stride_bytes
-        return SOLVER_DIMS.n_layers * b * M * (1 - hit) * (stride * io_ms_per_byte + 1e-3)
+        return SOLVER_DIMS.n_layers * b * picked * (1 - hit) * (stride * io_ms_per_byte + 1e-3)
 
     full = SOLVER_DIMS.n_layers * context * 2 * 2 * 64 * 2
     return solver.solve(batch, context, full / 13, SOLVER_DIMS, torch.bfloat16, limits, t_io,
-                        lambda b, S, rank, M, G, reuse=True: 2.0 * b, lambda G, C, M: min(0.9, 0.5 * C / M))
+                        lambda b, S, rank, picked, G, reuse=True: 2.0 * b,
+                        lambda G, C, picked: min(0.9, 0.5 * C / picked))
 
 
 def _stride(sol):
@@ -204,8 +205,9 @@ def test_with_a_quality_target_a_record_format_counts_its_loss_against_the_point
         limits = solver.Limits(io_align_bytes=512, quality_target=target, record_losses=RECORD_LOSSES)
         return solver.solve_for_quality(
             2, 8192, full / 4, SOLVER_DIMS, torch.bfloat16, limits, points,
-            lambda b, M, G, hit, record="auto": io_ms * RecordLayout(G, 2, 64, torch.bfloat16, 512, record).stride_bytes,
-            lambda b, S, rank, M, G, reuse=True: 1.0, lambda G, C, M: 0.0)
+            lambda b, picked, G, hit, record="auto":
+                io_ms * RecordLayout(G, 2, 64, torch.bfloat16, 512, record).stride_bytes,
+            lambda b, S, rank, picked, G, reuse=True: 1.0, lambda G, C, picked: 0.0)
 
     assert solve(1.05, 1e-6).kv_record_dtype == "auto"  # hidden either way: the lower loss
     slow = solve(1.05, 1e-3)
@@ -315,8 +317,8 @@ def test_records_padded_from_the_disks_block_let_the_int4_twin_hold_a_reuse_buff
     def solve(block_bytes, points=(point, twin)):
         limits = solver.Limits(quality_target=1.05, quality_top1_min=0.9, record_losses=losses, block_bytes=block_bytes)
         return solver.solve_for_quality(4, 8192, budget, dims, torch.bfloat16, limits, list(points),
-                                        lambda b, M, G, hit, record="auto": 100.0 * b * (1 - hit),
-                                        lambda b, S, rank, M, G, reuse=True: 20.0, lambda G, C, M: 0.75)
+                                        lambda b, picked, G, hit, record="auto": 100.0 * b * (1 - hit),
+                                        lambda b, S, rank, picked, G, reuse=True: 20.0, lambda G, C, picked: 0.75)
 
     paged = solve(None)
     assert not paged.reuse and paged.io_align_bytes == 4096
