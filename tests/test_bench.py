@@ -186,46 +186,6 @@ def test_the_tuned_row_has_a_corrected_twin_in_the_same_memory(model_dirs, tmp_p
     assert corrected["kv_resident_mib"] == guess["kv_resident_mib"] and corrected["guess_recall"] is not None
 
 
-def test_copy_probe_windows_end_in_spans_of_their_own_prompt():
-    from bench.copy_probe import copy_windows
-
-    windows = [list(range(1000 * w, 1000 * w + 900)) for w in range(3)]
-    copies = copy_windows(windows, spans=2, span_tokens=16, seed=7)
-    assert copies == copy_windows(windows, spans=2, span_tokens=16, seed=7)  # seeded
-    for window, copy in zip(windows, copies):
-        prompt, tail = copy[:-32], copy[-32:]
-        assert len(copy) == len(window) and prompt == window[:-32]
-        for span in (tail[:16], tail[16:]):
-            start = prompt.index(span[0])
-            assert prompt[start : start + 16] == span and 64 <= start < len(prompt) - 256
-
-
-def test_the_step_waits_bench_times_the_compute_threads_waits_and_probes_every_site(capsys, monkeypatch):
-    """``python -m bench.step_waits`` on the fixture: the compute thread's wall against its CPU in the step and in
-    each wait (no wait takes longer than the step, its CPU never more than its wall), then every probe site timed
-    against no probe, each probe's added work counted from the probes that ran."""
-    import re
-
-    from bench.step_waits import PROBES, WAITS, main as step_waits
-    from edgekv.runtime import aside as aside_module
-
-    monkeypatch.setattr(aside_module, "cores", lambda: 2)
-    torch.manual_seed(0)
-    step_waits(["--model", "fixture", "--context", "200", "--batch", "2", "--kvswap", "G=4,M=6,C=8,sigma=2",
-                "--extra", '{"reuse": true, "correction": "corrected"}', "--rounds", "1", "--steps", "2"])
-    out = capsys.readouterr().out
-    step = re.search(r"^batch 2: ([\d.]+) ms a step, the compute thread's CPU ([\d.]+), waiting (-?[\d.]+)$", out,
-                     re.M)
-    assert step and float(step[1]) > 0
-    waits = dict((m[0], tuple(map(float, m[1:]))) for m in re.findall(
-        r"^  in (.+): ([\d.]+) ms a step, CPU ([\d.]+), waiting (-?[\d.]+) \(([\d.]+) calls a step\)$", out, re.M))
-    assert set(waits) == set(WAITS) and waits["a layer's reads"][3] > 0 and waits["a correction"][3] > 0
-    assert all(wall <= float(step[1]) + 1e-2 and cpu <= wall + 1e-2 for wall, cpu, _, _ in waits.values())
-    probes = re.findall(r"^  probe at (.+): ([\d.]+) ms of compute-thread work added a step, median ([\d.]+) ms a "
-                        r"step: (-?[\d.]+) of it on the critical path$", out, re.M)
-    assert [p[0] for p in probes] == list(PROBES) and all(float(p[1]) > 0 for p in probes)
-
-
 def test_the_policies_bench_alternates_them_at_any_batch(capsys):
     """``python -m bench.policies_ab`` on the fixture: each policy timed in every round on its own prefilled batch,
     the first the base."""
@@ -239,37 +199,3 @@ def test_the_policies_bench_alternates_them_at_any_batch(capsys):
                       r"full$", capsys.readouterr().out, re.M)
     assert [row[0] for row in rows] == ["full", "kvswap"] and float(rows[0][3]) == 1.0
     assert all(float(row[1]) > 0 and len(row[2].split(", ")) == 2 for row in rows)
-
-
-def test_the_fused_calls_bench_alternates_them_with_the_forms_they_replaced(capsys):
-    """``python -m bench.fused_calls`` on the fixture: both forms timed in every round, and the fused ones in place
-    again after it."""
-    import re
-
-    from bench.fused_calls import main as fused_calls
-    from edgekv.runtime.selector import LowRankSelector
-
-    from edgekv.runtime.disk_store import DiskKVStore
-
-    top_call, launch, striped = LowRankSelector._top_call, LowRankSelector._launch_posted, DiskKVStore._striped_runs
-    fused_calls(["--model", "fixture", "--context", "200", "--batch", "1", "--kvswap", "G=4,M=6,C=8,sigma=2",
-                 "--extra", '{"reuse": true}', "--rounds", "2", "--steps", "2"])
-    rows = re.findall(r"^kvswap batch 1 (fused calls|replaced forms): median ([\d.]+) ms a step \(([\d., ]+)\); "
-                      r"([\d.]+) x the tok/s of replaced forms$", capsys.readouterr().out, re.M)
-    assert [row[0] for row in rows] == ["fused calls", "replaced forms"] and float(rows[1][3]) == 1.0
-    assert LowRankSelector._top_call is top_call and LowRankSelector._launch_posted is launch
-    assert DiskKVStore._striped_runs is striped
-
-
-def test_the_fused_calls_bench_replaces_only_the_forms_named_and_refuses_an_unknown_one(capsys):
-    from bench.fused_calls import main as fused_calls
-    from edgekv.runtime.selector import LowRankSelector
-
-    with pytest.raises(SystemExit):
-        fused_calls(["--model", "fixture", "--replace", "norms,fused everything"])
-    assert "fused everything is no form" in capsys.readouterr().err
-    einsum_free = LowRankSelector._low_rank_queries
-    fused_calls(["--model", "fixture", "--context", "200", "--batch", "1", "--kvswap", "G=4,M=6,C=8,sigma=2",
-                 "--rounds", "1", "--steps", "1", "--replace", "glue norms,rope"])
-    assert "replaced: glue norms, rope\n" in capsys.readouterr().out
-    assert LowRankSelector._low_rank_queries is einsum_free

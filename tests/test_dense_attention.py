@@ -166,19 +166,3 @@ def test_the_kernel_built_for_narrower_vectors_computes_the_same(tmp_path, march
     expected = _attention(torch.float16, 9, 3, 64)(q, kv[0], kv[1], start, stop)
     out = DenseAttention(built, 0.125)(q, kv[0], kv[1], start, stop)
     torch.testing.assert_close(out.double(), expected.double(), atol=1e-3, rtol=1e-3)
-
-
-def test_the_dense_attention_bench_times_the_three_paths_on_one_batch(capsys):
-    """``python -m bench.dense_attention`` on the fixture: the kernel with and without the helper thread and torch's
-    path alternate, each with its median step and its ratio to torch's."""
-    import re
-
-    from bench.dense_attention import main
-
-    main(["--model", "fixture", "--context", "200", "--batch", "2", "--rounds", "2", "--steps", "2"])
-    rows = re.findall(r"^(native, helper thread|native, one thread|torch): median ([\d.]+) ms a step \(([\d., ]+)\); "
-                      r"([\d.]+) x", capsys.readouterr().out, re.M)
-    assert [row[0] for row in rows] == ["native, helper thread", "native, one thread", "torch"]
-    for _, median_ms, rounds, ratio in rows:
-        assert float(median_ms) > 0 and len(rounds.split(", ")) == 2 and float(ratio) > 0
-    assert float(rows[2][3]) == 1.0

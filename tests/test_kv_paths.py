@@ -403,17 +403,3 @@ def test_an_interrupted_atomic_write_leaves_the_old_file_and_no_debris(tmp_path,
         files.write_json_atomic(target, {"G": 8})
     assert target.read_text() == '{\n "G": 4\n}'
     assert [p.name for p in tmp_path.iterdir()] == ["config.json"]
-
-
-def test_the_gap_bench_alternates_gaps_in_one_process_and_counts_each(capsys):
-    """``python -m bench.gap_reads`` on the fixture: each gap's requests and bridged records, side by side."""
-    import re
-
-    from bench.gap_reads import main
-
-    main(["--model", "fixture", "--context", "200", "--batch", "2", "--kvswap", "G=4,M=8,C=8,sigma=4",
-          "--extra", '{"reuse": false}', "--gaps", "0,3", "--rounds", "1", "--steps", "2"])
-    rows = {int(gap): (int(requests), int(records), int(bridged)) for gap, requests, records, bridged in re.findall(
-        r"gap (\d+) records: .*?; (\d+) requests, (\d+) records \+ (\d+) read through gaps", capsys.readouterr().out)}
-    assert rows[0][1] == rows[3][1] and rows[0][2] == 0 < rows[3][2], "the same records, gaps bridged only at 3"
-    assert rows[3][0] < rows[0][0]

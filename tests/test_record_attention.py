@@ -186,23 +186,6 @@ def test_a_disk_policy_decodes_the_same_through_the_kernel_as_through_the_gather
     assert_same_decodes(runs["native"], runs["torch"], dtype)
 
 
-def test_the_record_attention_bench_times_both_paths_on_one_batch(capsys):
-    """``python -m bench.record_attention`` on the fixture: the kernel and the gathered copy alternate, each with
-    its median step and its ratio to the copy."""
-    import re
-
-    from bench.record_attention import main
-
-    main(["--model", "fixture", "--context", "200", "--batch", "2", "--kvswap", "G=4,M=6,C=6,sigma=2",
-          "--extra", '{"reuse": false}', "--rounds", "2", "--steps", "2"])
-    rows = re.findall(r"^(native|gathered copy): median ([\d.]+) ms a step \(([\d., ]+)\); stall ([\d.]+) ms a step; "
-                      r"([\d.]+) x", capsys.readouterr().out, re.M)
-    assert [row[0] for row in rows] == ["native", "gathered copy"]
-    for _, median_ms, rounds, stall_ms, ratio in rows:
-        assert float(median_ms) > 0 and len(rounds.split(", ")) == 2 and float(stall_ms) >= 0 and float(ratio) > 0
-    assert float(rows[1][4]) == 1.0
-
-
 def test_a_strided_query_attends_as_its_contiguous_copy():
     """A float32 query that is a view (every other element of a wider row) is read by its values, not its memory."""
     layout, records, slots, valid, dense, resident, q = _case(2, 4, 2, 64, 4, 6, torch.float32)

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from torch.overrides import TorchFunctionMode
 
-from bench.step_profile import fields, prefilled
+from bench.deployed_batch import fields
 from edgekv.runtime import Engine
 
 ROOT = str(Path(__file__).resolve().parents[2]) + "/"
@@ -34,6 +34,16 @@ class CallCounter(TorchFunctionMode):
         if frame is not None:
             self.by_caller[f"{frame.f_code.co_filename.removeprefix(ROOT)} {frame.f_code.co_name}"] += 1
         return func(*args, **(kwargs or {}))
+
+
+def prefilled(engine: Engine, context: int, room: int = 64):
+    """A batch of one sequence ready to decode, ``room`` positions left: ids every model has (the fixture's vocabulary
+    is small)."""
+    ids = min(30000, engine.model.dims.vocab - 10)
+    batch = engine.open_batch(1, context)
+    batch.join(0, [(i * 7919) % ids + 10 for i in range(context - room)])
+    batch.end_prefill()
+    return batch
 
 
 def count(model: str, policy: str, cfg: dict, context: int, steps: int, device: str = "cpu", weights: str | None = None,
