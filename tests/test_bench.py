@@ -1,5 +1,7 @@
 """The bench command: ratio arithmetic, step timing without warm-up, and a CI-fast end-to-end run."""
 import json
+import os
+import shutil
 import sys
 import types
 from pathlib import Path
@@ -130,6 +132,77 @@ def test_llama_cpp_row_only_for_a_gguf_model_with_the_binding(model_dirs, tmp_pa
     assert gguf is None and "does not import" in note and "pip install 'edgekv[llamacpp]'" in note
     monkeypatch.setitem(sys.modules, "llama_cpp", types.ModuleType("llama_cpp"))
     assert bench.llama_cpp_source(tmp_path, ["llama.cpp"])[0] == source
+
+
+@pytest.fixture
+def fake_llama_cpp(monkeypatch, tmp_path):
+    """llama-cpp-python's stand-in (tests/fake_llama_cpp) for the bench's import check here and for the llama.cpp
+    row's child process; the file it records each instance in (FAKE_LLAMA_CPP_LOG)."""
+    folder = str(Path(__file__).parent / "fake_llama_cpp")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [folder, os.environ.get("PYTHONPATH")])))
+    monkeypatch.setenv("FAKE_LLAMA_CPP_LOG", str(tmp_path / "llama-cpp.jsonl"))
+    monkeypatch.syspath_prepend(folder)
+    monkeypatch.delitem(sys.modules, "llama_cpp", raising=False)
+    yield tmp_path / "llama-cpp.jsonl"
+    sys.modules.pop("llama_cpp", None)
+
+
+def converted_from_gguf(model_dirs, tmp_path) -> Path:
+    """The small llama as a folder converted from a GGUF file (what gives the bench its llama.cpp row)."""
+    from edgekv.runtime import checkpoints
+
+    model = tmp_path / "converted"
+    shutil.copytree(model_dirs["llama"], model)
+    (tmp_path / "m.gguf").write_bytes(b"GGUF")
+    (model / checkpoints._CONVERTED_META).write_text(json.dumps({"source": str(tmp_path / "m.gguf")}))
+    return model
+
+
+def test_the_llama_cpp_row_decodes_the_gguf_greedily_in_a_process_of_its_own(model_dirs, tmp_path, fake_llama_cpp):
+    from edgekv.runtime.model import ModelDims, read_model_config
+    from tests.fake_llama_cpp.llama_cpp import next_token
+
+    model, out = converted_from_gguf(model_dirs, tmp_path), tmp_path / "bench.json"
+    assert small_bench(model_dirs, tmp_path, "--model", str(model), "--batches", "1", "--policies", "full,llama.cpp",
+                       "--json", str(out)) == 0
+    meta, (full, llama) = (json.loads(out.read_text())[k] for k in ("meta", "runs"))
+    assert "llama_cpp_failed" not in meta and set(llama) == set(full)
+    assert (llama["policy"], llama["budget"], llama["batch"], llama["context"]) == ("llama.cpp", None, 1, 512)
+    assert llama["decode_tok_s"] > 0 and llama["step_ms"] > 0
+    assert llama["ratio_to_full"] == pytest.approx(llama["decode_tok_s"] / full["decode_tok_s"])
+    dims = ModelDims.from_config(read_model_config(model))
+    assert llama["kv_resident_mib"] * 2**20 == dims.n_layers * 512 * 2 * dims.n_kv_heads * dims.head_dim * 2  # f16
+    (called,) = [json.loads(line) for line in fake_llama_cpp.read_text().splitlines()]
+    assert called["pid"] != os.getpid() and called["model_path"] == str(tmp_path / "m.gguf")
+    threads = torch.get_num_threads()
+    assert (called["n_ctx"], called["n_threads"], called["n_threads_batch"], called["verbose"]) == (512, threads,
+                                                                                                    threads, False)
+    prompt, *steps = called["evals"]
+    assert len(prompt) == 512 - 2 - 1 - 8 and [len(s) for s in steps] == [1] * 3  # one warm-up step, two timed
+    fed = [prompt[-1]] + [s[0] for s in steps]
+    assert all(token == next_token(before) for before, token in zip(fed, fed[1:]))  # each the last one's greedy pick
+
+
+def test_a_llama_cpp_row_killed_by_a_signal_names_it_and_the_fix_and_the_other_rows_are_written(
+        model_dirs, tmp_path, fake_llama_cpp, monkeypatch, capsys):
+    """The wheel's AMX matmul killed the bench with SIGSEGV on a VM that lists AMX: now its process dies alone, the
+    row says so with the fix, and every other row is measured and written (JSON and PNG)."""
+    monkeypatch.setenv("FAKE_LLAMA_CPP_CRASH", "SIGSEGV")
+    out, png = tmp_path / "bench.json", tmp_path / "bench.png"
+    assert small_bench(model_dirs, tmp_path, "--model", str(converted_from_gguf(model_dirs, tmp_path)), "--batches",
+                       "1", "--policies", "full,kvswap,llama.cpp", "--json", str(out), "--png", str(png)) == 0
+    meta, runs = (json.loads(out.read_text())[k] for k in ("meta", "runs"))
+    assert [r["policy"] for r in runs] == ["full", "kvswap"] and all(r["decode_tok_s"] > 0 for r in runs)
+    why = meta["llama_cpp_failed"]["1x512"]
+    assert why == f"killed by SIGSEGV; {bench.LLAMA_CPP_CRASH_FIX}"
+    assert "without AMX" in why and "-mno-amx-tile" in why and "pip install --force-reinstall" in why
+    assert f"llama.cpp at 1x512: {why}" in capsys.readouterr().out and png.is_file()
+    assert not fake_llama_cpp.exists()  # it died in the prompt's eval, before close
+
+
+def test_a_llama_cpp_row_whose_process_fails_names_its_last_error(tmp_path, fake_llama_cpp):
+    with pytest.raises(bench.LlamaCppFailed, match="exited with status 1: ValueError: Model path does not exist"):
+        bench.llama_cpp_run(tmp_path / "gone.gguf", None, [5, 6], 64, 2, 1)
 
 
 def test_the_in_memory_twin_sets_kvswaps_overlap_against_its_limits(model_dirs, tmp_path):
