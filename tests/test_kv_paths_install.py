@@ -1,6 +1,7 @@
 """Several KV paths in the install step: profiles, the planned rate over paths, the solver, deploy, the CLI."""
 import functools
 import json
+import logging
 
 import pytest
 import torch
@@ -159,7 +160,7 @@ def _fixed_model_phases(monkeypatch, deploy, root):
     monkeypatch.setattr(deploy, "record_table", lambda *_: {})  # exact records only
 
 
-def test_deploy_profiles_each_path_plans_with_them_and_reports_each(two_path_profile, monkeypatch):
+def test_deploy_profiles_each_path_plans_with_them_and_reports_each(two_path_profile, monkeypatch, caplog):
     import edgekv.deploy as deploy
 
     root, path = two_path_profile
@@ -173,7 +174,7 @@ def test_deploy_profiles_each_path_plans_with_them_and_reports_each(two_path_pro
     assert config["kv_paths"] == kv and config["kv_path"] == kv[0]
     load_deployed(config)  # kv_paths is metadata the runtime accepts
     measured = config["measurements"]["disk"]
-    assert [p["kv_dir"] for p in measured["paths"]] == kv
+    assert [p["kv_path"] for p in measured["paths"]] == kv
     at = measured["at_record"]
     assert len(at["paths_mib_s"]) == 2 and at["queue_depth"] == 32
     # both folders sit on this machine's one disk: the plan is that disk once, not twice
@@ -188,6 +189,17 @@ def test_deploy_profiles_each_path_plans_with_them_and_reports_each(two_path_pro
     records = config["io_gap_bytes"] // at["block_bytes"]
     assert (f"gaps read through: {records} records of " if records else "gaps read through: none") in report
     assert not list((root / "kv0").iterdir()) and not list((root / "kv1").iterdir())
+
+    # a disk profile cached before the rename (each path's 'kv_dir'): still reused, the old name warned about
+    cached = root / "out" / "local" / "disk.json"
+    cached.write_text(cached.read_text().replace('"kv_path"', '"kv_dir"'))
+    logs.clear()
+    with caplog.at_level(logging.WARNING, logger="edgekv.install.disk"):
+        deploy.run(str(path), "fixture", out_root=root / "out", cache_dir=root / "cache", log=logs.append, smoke=False)
+    assert any(line.startswith("disk: reusing") for line in logs)
+    assert f"{cached}: field 'kv_dir' is now 'kv_path'" in caplog.text
+    config = json.loads((root / "out" / "local" / "config.json").read_text())
+    assert [p["kv_path"] for p in config["measurements"]["disk"]["paths"]] == kv
 
     # the same folders on two devices: profiled again (another disk), planned at 2 x the slower one
     real = disk.disk_fingerprint
