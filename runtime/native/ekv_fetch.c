@@ -2,11 +2,15 @@
  * buffer's slots assigned (ekv_slots.c ekv_slots_assign), each missed record's host address in its slot, and the
  * misses' reads planned as requests (ekv_requests.c ekv_requests_plan).  Python made these two calls and the glue
  * between them, each dearer inside the decode step than alone; here a layer's job is made once (every table and
- * buffer it points into lives as long as the batch) and a step passes only its picks.  Both sources are compiled in,
- * so their reference behaviour stays where it is tested.
+ * buffer it points into lives as long as the batch) and a step passes only its picks.  Both are linked in (the
+ * "fetch" library is this unit, ekv_slots.c and ekv_requests.c), so their reference behaviour stays where it is
+ * tested.
  */
-#include "ekv_slots.c"
-#include "ekv_requests.c"
+#include <stddef.h>
+#include <stdint.h>
+
+#include "ekv_requests.h"
+#include "ekv_slots.h"
 
 /* A job: int64 fields in this order (pointers as addresses), FetchPlanner.FIELDS in Python. */
 enum {
