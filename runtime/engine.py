@@ -26,6 +26,7 @@ from .devices import resolve_device, resolve_dtype
 from .disk_store import CorruptRecord, RecordLayout, check_offload_path, kv_path_list
 from .events import EventBus, JsonLinesLog
 from .forward import prefill
+from .kernels import resolve_backend
 from .memory import MemoryPlan, plan_memory
 from .model import DecoderModel, ModelDims, load_model, read_model_config
 from .policies import PolicyEnv, get as get_policy
@@ -58,11 +59,15 @@ class Engine:
         solutions: SolutionTable | None = None,
         scorer: InStorageScorer | None = None,
         reader: KVReader | None = None,
+        backend: str | None = None,
     ):
         """``kv_offload_path``: the KV disk's folder, or a list of folders on several devices (records spread
         over them, read through one queue each).  ``reader``: a KV reader to use (and close) instead of opening
-        ``config.io.reader_backend`` (e.g. an emulated multi-device reader, runtime.reader.open_reader)."""
+        ``config.io.reader_backend`` (e.g. an emulated multi-device reader, runtime.reader.open_reader).
+        ``backend``: what the policies' kernels run on (runtime/kernels.py BACKENDS; None: the device's own, "torch":
+        the reference)."""
         self.model = model
+        self.backend = resolve_backend(model.device, backend)
         self.tokenizer = tokenizer
         self.policy = policy
         self.spec = get_policy(policy)  # the registered policy (runtime/policies/): traits, memory, how it is built
@@ -101,6 +106,7 @@ class Engine:
         dtype: str | torch.dtype | None = None,
         scorer: InStorageScorer | None = None,
         weights: str | None = None,
+        backend: str | None = None,
     ) -> "Engine":
         """Everything that can be refused is checked before the weights are loaded.
 
@@ -110,7 +116,7 @@ class Engine:
         solution for its (batch size, context), each checked here against its memory budget, on the device and
         in the dtype it was deployed with unless ``device``/``dtype`` say otherwise (runtime/devices.py).
         ``weights``: the linear layers' format (runtime/weights.py WEIGHT_FORMATS); default: the deployed config's
-        when this run computes on its device and dtype, else ``native``.
+        when this run computes on its device and dtype, else ``native``.  ``backend``: as ``Engine``'s.
         """
         if isinstance(config, (str, Path)):
             config = read_config_file(config)  # once: the solutions and the deployed device come from it
@@ -123,6 +129,7 @@ class Engine:
                               compute.get("device"))
         weights = resolve_weights(weights, compute, device, dtype)
         check_weight_format(weights, device, dtype)
+        resolve_backend(device, backend)  # a backend the device cannot run is refused before the weights load
         dims = ModelDims.from_config(hf_cfg)
         spec = get_policy(policy)
         adapter = _load_adapter(cfg, policy)
@@ -132,7 +139,8 @@ class Engine:
             preflight(policy, spec.effective_config(sol), dims, dtype, _load_adapter(sol, policy), kv_offload_path)
         max_context = max([cfg.max_context] + [s.max_context for _, _, s in solutions or []])
         decoder = load_model(model_dir, device, dtype, max_context, weights)
-        return cls(decoder, cfg, policy, kv_offload_path, load_tokenizer(model_dir), adapter, solutions, scorer)
+        return cls(decoder, cfg, policy, kv_offload_path, load_tokenizer(model_dir), adapter, solutions, scorer,
+                   backend=backend)
 
     # ---- the context store ----------------------------------------------------------------------
 
@@ -376,7 +384,7 @@ class Engine:
     def policy_env(self) -> PolicyEnv:
         """What a batch builds its policy with: this engine's model, KV paths, reader, scorer and adapters."""
         return PolicyEnv(self.model, self.kv_paths, self.reader, self.scorer, self.adapters.for_config,
-                         self.adapters.rank, self._picks_event)
+                         self.adapters.rank, self._picks_event, self.backend)
 
     def _picks_event(self, layer, groups, valid) -> None:
         self.events.emit("groups_selected", layer=layer, groups=groups, valid=valid)

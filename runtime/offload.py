@@ -36,10 +36,11 @@ from .reader import ReadBatch
 from .fetch_plan import FetchPlanner
 from .forward import decode_attention, decode_attention_part, merge_attention
 from .kv_policy import KVPolicy
+from .kernels import Backend, resolve_backend
 from .config import RuntimeConfig
 from .model import DecoderModel
 from .native_build import address
-from .record_attention import RecordAttention, native_attention
+from .record_attention import RecordAttention
 from .selector import Selector
 from .transfer import to_device
 from .slot_memory import LAYERS_IN_FLIGHT, slot_memory
@@ -58,7 +59,7 @@ class OffloadedKV(KVPolicy):
     and into K_lr; re-clustering when due)."""
 
     def __init__(self, model: DecoderModel, batch: int, cfg: RuntimeConfig, store: DiskKVStore, selector: Selector,
-                 slots: Slots, predict: bool = True, placer=None, on_select=None):
+                 slots: Slots, predict: bool = True, placer=None, on_select=None, backend: Backend | None = None):
         """``cfg``: the policy's effective config (its G, M, S, W, window and recluster settings, read deadline).
         ``predict``: the selector gets the next layer's predicted query (flexgen's picks need none).
         ``placer``: a cluster.CoactivationLayout placing a prompt's groups on the KV paths (None: striped).
@@ -66,6 +67,7 @@ class OffloadedKV(KVPolicy):
         attends: in layer order, whichever thread took them)."""
         super().__init__(model, batch, cfg.max_context)
         dims = model.dims
+        backend = backend or resolve_backend(model.device)
         self.store = store
         self.layout = store.layout
         self.G = self.layout.group_tokens
@@ -86,13 +88,13 @@ class OffloadedKV(KVPolicy):
         # memory and only misses cross the bus, or pinned host memory it reads in place (runtime/slot_memory.py)
         self.slot_memory = slot_memory(slots.n_buffers(dims.n_layers), batch, slots.capacity, self.layout,
                                        model.device, batch * self.M, cfg.io.slot_memory)
-        self.record_attention = RecordAttention.for_layout(self.layout, dims.n_heads, model.scaling, model.device,
+        self.record_attention = RecordAttention.for_layout(backend, self.layout, dims.n_heads, model.scaling,
                                                            model.dtype)
         # a layer's slots assigned and reads planned in one native call where the parts allow (runtime/fetch_plan.py)
         self._planner = FetchPlanner.for_policy(slots, self.slot_memory, store)
         # on a CPU a helper thread makes the next layer's scores and shares a correction's and the records' attention
         # (runtime/aside.py): the core the step leaves to the reads is idle most of the step
-        self.aside = AsideThread.open() if model.device.type == "cpu" else None
+        self.aside = AsideThread.open(backend=backend)
         self.lend_aside(self.aside)
         self.post_or_share = PostOrShare() if self.aside is not None else None
         self._step_started = None  # perf_counter at the step's first prefetch: the steps the PostOrShare choice times
@@ -105,11 +107,11 @@ class OffloadedKV(KVPolicy):
                                    dtype=model.dtype, device=model.device)
         self.sinks = torch.zeros(dims.n_layers, batch, 2, dims.n_kv_heads, self.sink_groups * self.G, dims.head_dim,
                                  dtype=model.dtype, device=model.device)
-        # on a CPU a step's K and V land in the ring by one native call (record_attention.py native_attention's
+        # on a CPU a step's K and V land in the ring by one native call (the native backend's "attend" library's
         # ekv_put_rows), where torch's two index_put calls cost ~70 us a layer inside the step.  The ring as rows of
         # one token's head: each (K|V, sequence, KV head)'s row of layer 0 at ring position 0; a step adds its write
         # positions (``_ring_step_rows``), a layer its offset
-        lib = native_attention() if model.device.type == "cpu" else None
+        lib = backend.lib("attend")
         self._put_rows = None if lib is None else lib.ekv_put_rows
         self._ring_first_rows = ((np.arange(2)[:, None, None] + 2 * np.arange(batch)[None, :, None]) * dims.n_kv_heads
                                  + np.arange(dims.n_kv_heads)) * self.rolling.shape[4]

@@ -262,9 +262,8 @@ def test_correction_recall_is_a_share():
 
 
 def _helper_builds() -> bool:
-    from edgekv.runtime.aside import native_aside
-    from edgekv.runtime.selector import native_scorer
-    return native_scorer() is not None and native_aside() is not None
+    from edgekv.runtime.kernels import resolve_backend
+    return resolve_backend("cpu").name == "native"
 
 
 @pytest.mark.skipif(not _helper_builds(), reason="no C compiler for the native scorer and the helper thread")

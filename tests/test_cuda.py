@@ -266,15 +266,17 @@ def test_decode_attention_runs_without_the_math_kernel():
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 def test_quantized_group_attention_on_the_gpu_equals_the_cpus(fmt):
     """arkv's quantized groups on CUDA: every group dequantized in one call, the CPU's blocks' result."""
-    from edgekv.runtime.qattn import group_scores, group_values
+    from edgekv.runtime.kernels import resolve_backend
+    from edgekv.runtime.qattn import group_kernels
     from tests.test_arkv import quantized_rows
 
     torch.manual_seed(5)
     layout, rows, _, _ = quantized_rows(fmt, 8, 128, 300)
     q = torch.randn(8, 4, 128)
-    cpu = group_scores(q, rows, layout, 0.09, use_native=False)
-    gpu = group_scores(q.cuda(), rows.cuda(), layout, 0.09)
+    cpu_path, gpu_path = group_kernels(resolve_backend("cpu", "torch")), group_kernels(resolve_backend("cuda"))
+    cpu = cpu_path.scores(q, rows, layout, 0.09)
+    gpu = gpu_path.scores(q.cuda(), rows.cuda(), layout, 0.09)
     torch.testing.assert_close(gpu.cpu(), cpu, rtol=1e-5, atol=1e-4)
     w = cpu.softmax(-1)
-    torch.testing.assert_close(group_values(w.cuda(), rows.cuda(), layout).cpu(),
-                               group_values(w, rows, layout, use_native=False), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(gpu_path.values(w.cuda(), rows.cuda(), layout).cpu(),
+                               cpu_path.values(w, rows, layout), rtol=1e-5, atol=1e-5)

@@ -172,23 +172,22 @@ def test_int4_k_lowrank_rows_are_the_nibbles_of_the_rounded_projection_at_a_quar
                                             pytest.param("cuda", False, marks=pytest.mark.cuda)])
 @pytest.mark.parametrize("shared", ["file", None])
 @pytest.mark.parametrize("score_reduce", ["sum", "softmax"])
-def test_prompt_adapter_rows_project_through_their_own_prompts_fit(score_reduce, shared, device, native,
-                                                                   monkeypatch):
+def test_prompt_adapter_rows_project_through_their_own_prompts_fit(score_reduce, shared, device, native):
     """prompt_adapter: a row whose prompt gives KEYS_PER_RANK x rank keys stores its prompt, the keys a flush appends
     after it and scores its queries through the SVD of its own prompt's keys, as a batch of one fitted on that prompt
     alone would; a shorter prompt's row through the shared adapter (the file's, or fitted on the prompts waiting for
-    it), on the native scorer and on torch's path (a GPU's)."""
-    from edgekv.runtime import selector as selector_module
+    it), on the native scorer and on torch's path (the torch backend's, and a GPU's)."""
+    from edgekv.runtime.kernels import resolve_backend
 
-    if not native:
-        monkeypatch.setattr(selector_module, "native_scorer", lambda: None)
+    backend = resolve_backend(device, None if native else "torch")
     torch.manual_seed(5)
     dims = ModelDims(n_layers=2, hidden=64, n_heads=4, n_kv_heads=2, head_dim=16, vocab=10)
     rank = 8  # a row fits its own from 4 x 8 = 32 keys
 
     def build(adapter, batch, prompt_adapter):
         return LowRankSelector(adapter, rank, dims, batch, 64, 4, 2, PredictorConfig(
-            klr_dtype="float32", score_reduce=score_reduce, prompt_adapter=prompt_adapter), torch.device(device), 0.25)
+            klr_dtype="float32", score_reduce=score_reduce, prompt_adapter=prompt_adapter), torch.device(device), 0.25,
+            backend)
 
     def fill(selector, rows):
         """The prompts stored, prefill ended, then a decode flush each: every layer's group in one call."""
