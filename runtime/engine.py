@@ -69,7 +69,7 @@ class Engine:
         self.model = model
         self.backend = resolve_backend(model.device, backend)
         self.tokenizer = tokenizer
-        self.policy = policy
+        self.policy_name = policy
         self.spec = get_policy(policy)  # the registered policy (runtime/policies/): traits, memory, how it is built
         self.config = self.spec.effective_config(config)
         self.kv_paths = [Path(p) for p in kv_path_list(kv_offload_path)]
