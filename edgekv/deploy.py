@@ -746,7 +746,7 @@ def smoke_run(model_dir: Path, kv_paths: tuple[Path, ...], config: Path, prof: P
     context = min(4096, prof.max_context - 64)
     prompts = calibration_prompts(model_dir, context, min(2, prof.max_batch), seed=99)
     policy = "hillinfer" if scorer is not None else "kvswap"
-    with Engine.from_pretrained(model_dir, kv_offload_path=list(kv_paths), config=config, policy=policy, device=device,
+    with Engine.from_pretrained(model_dir, kv_path=list(kv_paths), config=config, policy=policy, device=device,
                                 scorer=scorer) as engine:
         results = engine.generate(prompts, max_new_tokens=32, stop_token_ids=[])
         chat = None

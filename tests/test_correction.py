@@ -19,7 +19,7 @@ PROMPTS = [[3 + i % 150 for i in range(157)], [7 + (i * 13) % 150 for i in range
 
 def _run(model_dir, kv_dir, policy="kvswap", **config):
     kv_dir.mkdir()
-    with Engine.from_pretrained(model_dir, kv_offload_path=kv_dir, config={**BASE, **config}, policy=policy,
+    with Engine.from_pretrained(model_dir, kv_path=kv_dir, config={**BASE, **config}, policy=policy,
                                 device="cpu") as engine:
         return engine.generate(PROMPTS, max_new_tokens=12, stop_token_ids=[], output_logits=True)
 

@@ -49,7 +49,7 @@ def run(tmp_path, policy, extra, device, dtype=torch.float32, prompts=PROMPTS, c
     paths = [tmp_path / f"{device}-p{i}" for i in range(2 if extra.get("clustering") else 1)]
     for p in paths:
         p.mkdir(parents=True, exist_ok=True)
-    with Engine.from_pretrained("fixture", kv_offload_path=paths, config={**BASE, **extra}, policy=policy,
+    with Engine.from_pretrained("fixture", kv_path=paths, config={**BASE, **extra}, policy=policy,
                                 device=device, dtype=dtype) as engine:
         if context is not None:
             engine.open_context_store(tmp_path / f"{device}-store", chunk_tokens=64)
@@ -77,7 +77,7 @@ def test_a_hybrid_model_on_cuda_gives_the_cpu_tokens(tmp_path):
     tokens = {}
     for device in ("cuda", "cpu"):
         (tmp_path / device).mkdir()
-        with Engine.from_pretrained(folder, kv_offload_path=tmp_path / device, config=BASE, policy="kvswap",
+        with Engine.from_pretrained(folder, kv_path=tmp_path / device, config=BASE, policy="kvswap",
                                     device=device, dtype=torch.float32) as engine:
             tokens[device] = [r.token_ids for r in engine.generate(prompts, max_new_tokens=NEW_TOKENS,
                                                                    stop_token_ids=[])]
@@ -97,7 +97,7 @@ def test_the_ttft_plan_on_cuda_gives_full_prefills_tokens(tmp_path):
     context = [(i * 3) % 250 + 4 for i in range(384)]
     got = {}
     for method in ("full_prefill", "edgekv"):
-        with Engine.from_pretrained("fixture", kv_offload_path=tmp_path, config=BASE, policy="full",
+        with Engine.from_pretrained("fixture", kv_path=tmp_path, config=BASE, policy="full",
                                     device="cuda", dtype=torch.float32) as engine:
             engine.open_context_store(tmp_path / f"store-{method}", chunk_tokens=64)
             engine.save_context(context, name="doc")
@@ -160,7 +160,7 @@ def test_edgekv_serve_on_cuda_answers_as_the_cpu(tmp_path):
     answers = {}
     for device in ("cuda", "cpu"):
         (tmp_path / device).mkdir()
-        engine_args = {"kv_offload_path": tmp_path / device, "config": BASE, "device": device, "dtype": torch.float32}
+        engine_args = {"kv_path": tmp_path / device, "config": BASE, "device": device, "dtype": torch.float32}
         with serving("fixture", tmp_path / device, store=False,
                      load=lambda: Engine.from_pretrained("fixture", **engine_args)) as (url, state):
             poll(lambda: httpx.get(url + "/health").status_code == 200, "model loaded")
@@ -171,7 +171,7 @@ def test_edgekv_serve_on_cuda_answers_as_the_cpu(tmp_path):
 
 
 def _one_batch(tmp_path, extra=None):
-    engine = Engine.from_pretrained("fixture", kv_offload_path=tmp_path, config={**BASE, **(extra or {})},
+    engine = Engine.from_pretrained("fixture", kv_path=tmp_path, config={**BASE, **(extra or {})},
                                     policy="kvswap", device="cuda", dtype=torch.float16)
     batch = engine.open_batch(2, BASE["max_context"])
     for row, prompt in enumerate(PROMPTS):

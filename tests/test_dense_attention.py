@@ -136,7 +136,7 @@ def test_a_model_decodes_the_same_through_the_kernel_as_through_torch(tmp_path, 
     folder = save_model(tmp_path / arch, arch)
     config = {"max_context": 256, "max_batch": 2, **({"G": 4, "M": 6, "C": 12, "sigma": 2} if policy == "kvswap" else {})}
     for name in ("native", "torch"):
-        with Engine.from_pretrained(folder, kv_offload_path=tmp_path, config=config, policy=policy, device="cpu",
+        with Engine.from_pretrained(folder, kv_path=tmp_path, config=config, policy=policy, device="cpu",
                                     dtype=dtype, backend=name) as engine:
             runs[name] = engine.generate(prompts, max_new_tokens=8, stop_token_ids=[], output_logits=True)
         assert bool(calls) == (name == "native")

@@ -106,7 +106,7 @@ def test_a_decode_with_the_planner_makes_the_tokens_of_one_without(model_dirs, k
     for planned in (True, False):
         if not planned:
             monkeypatch.setattr(fetch_plan.FetchPlanner, "for_policy", classmethod(lambda cls, *a: None))
-        with Engine.from_pretrained(model_dirs["llama"], kv_offload_path=kv_dir, config=config, device="cpu") as engine:
+        with Engine.from_pretrained(model_dirs["llama"], kv_path=kv_dir, config=config, device="cpu") as engine:
             results = engine.generate(prompts, max_new_tokens=8, stop_token_ids=[])
         runs.append([(r.token_ids, *(r.stats[key] for key in ("kv_bytes_read", "reuse_hits", "kv_read_requests",
                                                                  "kv_records_read", "kv_records_verified")))
@@ -132,7 +132,7 @@ def test_picks_taken_on_an_io_thread_decode_what_the_compute_thread_taking_them_
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(OffloadedKV, "_take_on_io", lambda self, layer, *a: taken.append(layer) or take(self, layer, *a))
         for on_io in (True, False):
-            with Engine.from_pretrained(model_dirs["llama"], kv_offload_path=kv_dir, config=config,
+            with Engine.from_pretrained(model_dirs["llama"], kv_path=kv_dir, config=config,
                                         device="cpu") as engine:
                 events = []
                 engine.events.subscribe(lambda e: events.append((e.info["layer"], e.info["groups"].copy(),
@@ -166,7 +166,7 @@ def test_picks_events_come_in_layer_order_when_some_layers_picks_are_taken_on_an
     for picks in (HostPicks, ScoredPicks):
         monkeypatch.setattr(picks, "ready", lambda self: calls.append(0) or len(calls) % 2 == 0)
     config = {"G": 4, "M": 4, "C": 8, "max_context": 160, "max_batch": 2, "reuse": True}
-    with Engine.from_pretrained(model_dirs["llama"], kv_offload_path=kv_dir, config=config, device="cpu") as engine:
+    with Engine.from_pretrained(model_dirs["llama"], kv_path=kv_dir, config=config, device="cpu") as engine:
         layers = []
         engine.events.subscribe(lambda e: layers.append(e.info["layer"]) if e.kind == "groups_selected" else None)
         engine.generate([list(range(1, 50)), list(range(20, 41))], max_new_tokens=6, stop_token_ids=[])

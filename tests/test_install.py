@@ -90,7 +90,7 @@ def test_mapped_slots_on_the_cpu_are_its_host_slots_and_give_the_same_tokens(tmp
     tokens = []
     for placement in ("device", "mapped"):
         (tmp_path / placement).mkdir()
-        with Engine.from_pretrained("fixture", kv_offload_path=tmp_path / placement, policy="kvswap", device="cpu",
+        with Engine.from_pretrained("fixture", kv_path=tmp_path / placement, policy="kvswap", device="cpu",
                                     config={**config, "slot_memory": placement}) as engine:
             tokens.append(engine.generate(prompts, max_new_tokens=6, stop_token_ids=[])[0].token_ids)
             with engine.open_batch(1, 256) as batch:
@@ -264,7 +264,7 @@ def test_each_solution_keeps_its_own_record_alignment_and_so_the_memory_it_was_s
 
 
 def test_engine_runs_each_batch_with_its_solution(model_dirs, kv_dir, tmp_path):
-    with Engine.from_pretrained(model_dirs["llama"], kv_offload_path=kv_dir, config=_deployed(tmp_path),
+    with Engine.from_pretrained(model_dirs["llama"], kv_path=kv_dir, config=_deployed(tmp_path),
                                 device="cpu") as engine:
         one = engine.generate([[t % 150 + 3 for t in range(150)]], max_new_tokens=4, stop_token_ids=[])[0]
         two = engine.generate([[t % 150 + 3 for t in range(300)], [t % 150 + 5 for t in range(200)]], max_new_tokens=4,

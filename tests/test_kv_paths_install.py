@@ -281,7 +281,7 @@ def test_kv_paths_reach_the_engine_deploy_eval_and_bench(tmp_path, monkeypatch):
     monkeypatch.setattr(harness, "evaluate", stop("eval"))
     monkeypatch.setattr(edgekv.bench, "run", stop("bench"))
     assert main(["generate", "--model", "fixture", "--prompt", "[1, 2]", "--kv-paths", f"{a},{b}"]) == 2
-    assert seen["engine"][1]["kv_offload_path"] == [str(a), str(b)]
+    assert seen["engine"][1]["kv_path"] == [str(a), str(b)]
     assert main(["deploy", "--kv-paths", f"{tmp_path}/new0,{tmp_path}/new1"]) == 2  # deploy creates them
     assert seen["deploy"][0][2] == [f"{tmp_path}/new0", f"{tmp_path}/new1"]
     assert main(["eval", "--kv-paths", f"{a},{b}", "--tasks", "single_needle"]) == 2

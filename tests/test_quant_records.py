@@ -54,7 +54,7 @@ def test_records_read_back_through_every_reader_are_the_in_memory_dequantisation
 
 
 def _run(model_dir, kv_dir, policy, config, forced=None):
-    with Engine.from_pretrained(model_dir, kv_offload_path=kv_dir, config=config,
+    with Engine.from_pretrained(model_dir, kv_path=kv_dir, config=config,
                                 policy=policy, device="cpu") as engine:
         results = engine.generate(PROMPTS, max_new_tokens=14, stop_token_ids=[], output_logits=True,
                                   teacher_forcing=forced)
@@ -104,7 +104,7 @@ def test_the_memory_plan_counts_the_quantized_stride_and_the_same_budget_holds_m
     config = {**EXACT, "G": 16, "M": 16, "C": 16, "io_align_bytes": 512, "max_context": 1024}  # 64 groups: C up to 64
     plans = {}
     for record_dtype in ("auto", "int8"):
-        with Engine.from_pretrained(model_dirs["llama"], kv_offload_path=kv_dir, policy="kvswap",
+        with Engine.from_pretrained(model_dirs["llama"], kv_path=kv_dir, policy="kvswap",
                                     config={**config, "kv_record_dtype": record_dtype}, device="cpu") as engine:
             plans[record_dtype] = engine.memory_plan
             stride = RecordLayout(16, 2, 16, torch.float32, 512, record_dtype).stride_bytes
@@ -115,8 +115,8 @@ def test_the_memory_plan_counts_the_quantized_stride_and_the_same_budget_holds_m
     more = {**config, "C": 16 * strides["auto"] // strides["int8"], "max_kv_mem_mib": plans["auto"].total_bytes / 2**20}
     assert more["C"] > 16
     with pytest.raises(BudgetError, match="max_kv_mem_mib"):
-        Engine.from_pretrained(model_dirs["llama"], kv_offload_path=kv_dir, policy="kvswap", config=more, device="cpu")
-    Engine.from_pretrained(model_dirs["llama"], kv_offload_path=kv_dir, policy="kvswap",
+        Engine.from_pretrained(model_dirs["llama"], kv_path=kv_dir, policy="kvswap", config=more, device="cpu")
+    Engine.from_pretrained(model_dirs["llama"], kv_path=kv_dir, policy="kvswap",
                            config={**more, "kv_record_dtype": "int8"}, device="cpu").close()
 
 
@@ -124,7 +124,7 @@ def test_a_bad_record_dtype_is_refused_by_name(model_dirs, kv_dir):
     with pytest.raises(ConfigError, match="'kv_record_dtype' must be one of"):
         RuntimeConfig.load({"kv_record_dtype": "int3"})
     with pytest.raises(ConfigError, match="'kv_record_dtype' must be one of"):
-        Engine.from_pretrained(model_dirs["llama"], kv_offload_path=kv_dir, config={**EXACT, "kv_record_dtype": "q8"},
+        Engine.from_pretrained(model_dirs["llama"], kv_path=kv_dir, config={**EXACT, "kv_record_dtype": "q8"},
                                device="cpu")
     odd = ModelDims(n_layers=1, hidden=8, n_heads=1, n_kv_heads=1, head_dim=7, vocab=16)
     from edgekv.runtime.engine import _plan
@@ -145,10 +145,10 @@ def test_a_quantized_disk_policy_copies_a_stored_prefix_and_only_exact_records_a
         kv = tmp_path / f"kv-{record_dtype}"
         kv.mkdir()
         config = {"kv_record_dtype": record_dtype, "max_context": 1024}
-        with Engine.from_pretrained("fixture", policy="kvswap", kv_offload_path=kv,
+        with Engine.from_pretrained("fixture", policy="kvswap", kv_path=kv,
                                     config=config, device="cpu") as plain:
             expected = plain.generate([ids], max_new_tokens=4)[0].token_ids
-        with Engine.from_pretrained("fixture", policy="kvswap", kv_offload_path=kv,
+        with Engine.from_pretrained("fixture", policy="kvswap", kv_path=kv,
                                     config=config, device="cpu") as engine:
             store = engine.open_context_store(tmp_path / "store", chunk_tokens=128)
             engine.ttft = TTFTOptions("load_only")  # the prefix's KV from the store as it is (no compute planning)

@@ -182,7 +182,7 @@ def test_a_disk_policy_decodes_the_same_through_the_kernel_as_through_the_gather
         self.record_attention is not None) or attention(self, *a))
     for name in ("native", "torch"):  # the backend's kernel, the torch reference's gathered copy
         (tmp_path / name).mkdir()
-        with Engine.from_pretrained(model_dirs[arch], kv_offload_path=tmp_path / name, config=config, policy="kvswap",
+        with Engine.from_pretrained(model_dirs[arch], kv_path=tmp_path / name, config=config, policy="kvswap",
                                     device="cpu", dtype=dtype, backend=name) as engine:
             runs[name] = engine.generate(prompts, max_new_tokens=8, stop_token_ids=[], output_logits=True)
         assert used and all(used) == (name == "native")

@@ -54,7 +54,7 @@ def _job(ids, n, sampler=None):
 def test_a_request_whose_sampling_fails_ends_alone(model_dirs, kv_dir, fails_at):
     """The failing request gets its error; the row beside it runs to its lone greedy tokens; the next request runs."""
     victim_ids, after_ids = list(range(1, 40)), list(range(9, 30))
-    with Engine.from_pretrained(model_dirs["llama"], kv_offload_path=kv_dir, config=CFG, device="cpu") as engine:
+    with Engine.from_pretrained(model_dirs["llama"], kv_path=kv_dir, config=CFG, device="cpu") as engine:
         engine.generate([list(range(1, 120))], max_new_tokens=1)  # fits the K adapter on enough keys to keep it
         alone = engine.generate([victim_ids], max_new_tokens=30, stop_token_ids=[])[0].token_ids
         scheduler = Scheduler(engine, ServerMetrics(), max_queue=8)
