@@ -12,12 +12,37 @@ from typing import Callable
 import torch
 
 from edgekv.runtime import Engine
-from bench.correction_cost import _text_ids
-from bench.step_profile import fields
 
 # what `make deploy` chose for SmolLM2 on the local profile (docs/results/chosen-smollm2-8k-deployed-bf16.json)
 DEPLOYED = ("G=4,M=205,C=205,sigma=2", '{"reuse": false, "klr_dtype": "int8", "score_reduce": "softmax", '
             '"correction": "corrected", "correction_reads": 52, "correction_recall": 0.85, "guess_from_before": true}')
+
+
+def fields(text: str) -> dict:
+    """``G=8,M=50,sigma=16,klr_dtype=int8,reuse=false`` -> {"G": 8, "M": 50, "sigma": 16.0, "klr_dtype": "int8",
+    "reuse": False}: numbers, true/false, and any other value as text."""
+    out = {}
+    for item in filter(None, text.split(",")):
+        key, _, value = item.partition("=")
+        if value.lower() in ("true", "false"):
+            out[key] = value.lower() == "true"
+        elif value.replace(".", "", 1).isdigit():
+            out[key] = float(value) if "." in value or key == "sigma" else int(value)
+        else:
+            out[key] = value
+    return out
+
+
+def text_ids(model: str, text: str, tokens: int) -> list[int]:
+    """The token ids of ``text`` (evals/scoring.py: builtin, calibration or a file), at least ``tokens`` of them."""
+    from edgekv.evals.scoring import load_text, tokenize
+    from edgekv.runtime.checkpoints import resolve_checkpoint
+
+    ids, _ = tokenize(resolve_checkpoint(model), load_text(text)[0])
+    if len(ids) < tokens:
+        raise SystemExit(f"--text {text} holds {len(ids)} tokens; the prompts plus the steps need {tokens}: "
+                         "pass a longer text")
+    return ids
 
 
 def parser(doc: str, batch: int, text: bool = True, rounds: int | None = None, steps: int = 8,
@@ -61,8 +86,7 @@ def engine_config(args: argparse.Namespace, room: int) -> dict:
 def text_batch(args: argparse.Namespace, room: int, policy: str = "kvswap"):
     """(the ``policy``, a function taking one decode step) over a prefilled batch with ``room`` steps to decode, 8 of
     them taken, the run's model and configuration printed; a hybrid model's policy is its global layers' one."""
-    ids = _text_ids(argparse.Namespace(model=args.model, text=args.text, context=args.context + 997 * (args.batch - 1),
-                                       warmup=0, steps=room))
+    ids = text_ids(args.model, args.text, args.context + 997 * (args.batch - 1) + room)
     starts = [997 * row for row in range(args.batch)]
     with tempfile.TemporaryDirectory(dir=args.kv_path) as kv, Engine.from_pretrained(
             args.model, kv_offload_path=kv, policy=policy, device="cpu", dtype=args.dtype, weights=args.weights,

@@ -5,14 +5,12 @@ drifts by a third within minutes (this 2-core VM) their ratio moves with the dri
 
     python -m bench.llama_ab --model smollm2 --context 8192 --weights ggml --policies full,kvswap --rounds 6
 """
-import argparse
 import contextlib
 import statistics
 
 import torch
 
-from bench.correction_cost import _text_ids
-from bench.deployed_batch import alternate, alternating_room, parser, text_batch
+from bench.deployed_batch import alternate, alternating_room, parser, text_batch, text_ids
 from edgekv.bench import llama_cpp_source
 from edgekv.runtime.checkpoints import resolve_checkpoint
 
@@ -27,7 +25,7 @@ def llama_steps(model: str, text: str, context: int, room: int):
         raise SystemExit(f"no llama.cpp side: {note}")
     import llama_cpp
 
-    ids = _text_ids(argparse.Namespace(model=model, text=text, context=context, warmup=0, steps=room))
+    ids = text_ids(model, text, context + room)
     threads = torch.get_num_threads()
     llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=context + room, n_threads=threads, n_threads_batch=threads,
                           n_batch=512, verbose=False)

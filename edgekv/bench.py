@@ -209,6 +209,12 @@ ROWS = (Row("full", "full"), Row("flexgen", "flexgen"), Row("token", "token"),
         Row("kvswap-quality", "kvswap", chosen=True),
         Row("kvswap-quality-corrected", "kvswap", overrides=(("correction", "corrected"),), chosen=True))
 LLAMA_CPP_ROW = "llama.cpp"  # the GGUF file under llama.cpp (llama_cpp_run), not a policy
+# what a crash of the llama.cpp row's process names as its fix (seen: SIGSEGV in ggml's AMX matmul on a VM that lists
+# AMX but faults in it)
+LLAMA_CPP_CRASH_FIX = ("on a CPU that lists AMX but faults in it, build llama-cpp-python without AMX: "
+                       "CMAKE_ARGS=\"-DGGML_NATIVE=ON -DCMAKE_C_FLAGS='-mno-amx-tile -mno-amx-int8 -mno-amx-bf16' "
+                       "-DCMAKE_CXX_FLAGS='-mno-amx-tile -mno-amx-int8 -mno-amx-bf16'\" "
+                       "pip install --force-reinstall --no-deps llama-cpp-python")
 
 
 def rows() -> list[Row]:
@@ -488,7 +494,8 @@ def bench_point(model: DecoderModel, kv_dir: Path, batch: int, context: int, bud
                 path_limit_iops: float | None = None, make_prompts=None, on_row=None) -> tuple[list[Run], dict]:
     """Every row at one (batch, context), and what the rows over ``kv_paths`` found per budget ("replacement_replay":
     each policy's hit rate on one trace; "dedup": the shared document's bytes with and without dedup).  With
-    ``gguf`` (the model's source file, llama-cpp-python importable) also the llama.cpp row at batch 1.
+    ``gguf`` (the model's source file, llama-cpp-python importable) also the llama.cpp row at batch 1, or where its
+    process failed, why ("llama_cpp_failed": the signal and the fix).
     ``make_prompts(batch, prompt_len, generator)``: the prompts (default: random tokens, ``random_prompts``).
     ``on_row(rows)``: called with the point's rows so far after each (their ratios to full come at the point's end)."""
     g = torch.Generator().manual_seed(batch * 100003 + context)
@@ -523,7 +530,7 @@ def bench_point(model: DecoderModel, kv_dir: Path, batch: int, context: int, bud
                     keep(measure(name, label, budget, cfg, ram, prompts))
             else:
                 keep(measure(name, label, budget, cfg, kv_dir, prompts))
-    found = {"paths_configs": {}, "replacement_replay": {}, "dedup": {}}
+    found = {"paths_configs": {}, "replacement_replay": {}, "dedup": {}, "llama_cpp_failed": {}}
     questions = shared_doc_prompts(prompts[0], max(2, batch), vocab, g) if kv_paths else []
     for budget in budgets if kv_paths else []:
         kvswap = next((cfg for name, b, cfg in configs if name == TUNED_ROW and b == budget), None)
@@ -549,7 +556,11 @@ def bench_point(model: DecoderModel, kv_dir: Path, batch: int, context: int, bud
                                "question_tokens": QUESTION_TOKENS, **dedup,
                                "ratio": ratio(dedup["bytes_without"], dedup["bytes_with"])}
     if gguf is not None and batch == 1:
-        keep(llama_cpp_run(gguf, model.dims, prompts[0], context, steps, warmup))
+        try:
+            keep(llama_cpp_run(gguf, model.dims, prompts[0], context, steps, warmup))
+        except LlamaCppFailed as exc:
+            log(f"  {LLAMA_CPP_ROW}: {exc}")
+            found["llama_cpp_failed"][f"{batch}x{context}"] = str(exc)
     references = {r.name for r in rows() if registry.get(r.policy).reference}
     full_rate = next((r.decode_tok_s for r in runs if r.policy in references), None)
     for run in runs:
@@ -605,31 +616,34 @@ def set_limits(runs: list[Run], model: DecoderModel, disk_profile, align_bytes: 
         run.overlap_efficiency = max(run.in_memory_step_ms, run.disk_bound_ms) / run.step_ms
 
 
+class LlamaCppFailed(RuntimeError):
+    """The llama.cpp row's process ended without its step times: a crash (the signal) or an error (its last line)."""
+
+
 def llama_cpp_run(gguf: Path, dims, prompt: list[int], context: int, steps: int, warmup: int) -> Run:
     """llama.cpp on the same GGUF at batch 1 (its own quantized weights, the whole f16 KV in memory, as many
-    threads as torch uses): the reference a user would otherwise pick.  Decode steps are timed one by one
-    around ``eval`` of the greedy token, the first ``warmup`` excluded, like the engine's step events."""
-    import time
+    threads as torch uses): the reference a user would otherwise pick.  It runs in a child process
+    (edgekv/llama_cpp_row.py), so that a crash in the wheel's native code ends this row only (``LlamaCppFailed``).
+    Decode steps are timed one by one around ``eval`` of the greedy token, the first ``warmup`` excluded, like the
+    engine's step events."""
+    import signal
+    import subprocess
+    import sys
 
-    import llama_cpp
-
-    threads = torch.get_num_threads()
-    llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=context, n_threads=threads, n_threads_batch=threads,
-                          n_batch=512, verbose=False)
-    try:
-        llm.eval(prompt)
-        step_ns = []
-        for _ in range(warmup + steps):
-            # without logits_all the high-level API keeps no scores: read the last token's logits from the context
-            token = int(np.argmax(np.ctypeslib.as_array(llama_cpp.llama_get_logits(llm.ctx), shape=(llm.n_vocab(),))))
-            start = time.perf_counter_ns()
-            llm.eval([token])
-            step_ns.append(time.perf_counter_ns() - start)
-    finally:
-        llm.close()
+    request = {"gguf": str(gguf), "prompt": prompt, "context": context, "steps": warmup + steps,
+               "threads": torch.get_num_threads()}
+    done = subprocess.run([sys.executable, "-m", "edgekv.llama_cpp_row"], input=json.dumps(request),
+                          capture_output=True, text=True)
+    if done.returncode < 0:
+        name = signal.Signals(-done.returncode).name
+        raise LlamaCppFailed(f"killed by {name}; {LLAMA_CPP_CRASH_FIX}")
+    if done.returncode > 0:
+        last = (done.stderr.strip().splitlines() or ["(nothing on stderr)"])[-1]
+        raise LlamaCppFailed(f"exited with status {done.returncode}: {last}")
+    step_ns = json.loads(done.stdout.strip().splitlines()[-1])["step_ns"]
     rate, step_ms = decode_rate([(i, 1, ns) for i, ns in enumerate(step_ns)], warmup)
     kv_f16_bytes = dims.n_layers * context * 2 * dims.n_kv_heads * dims.head_dim * 2  # llama.cpp's default f16 cache
-    return Run("llama.cpp", None, 1, context, rate, None, kv_f16_bytes / 2**20, 0.0, None, None, 0.0, 0.0, step_ms)
+    return Run(LLAMA_CPP_ROW, None, 1, context, rate, None, kv_f16_bytes / 2**20, 0.0, None, None, 0.0, 0.0, step_ms)
 
 
 def table(runs: list[Run]) -> str:
@@ -745,7 +759,7 @@ def run(model_dir: Path, kv_dir: Path, batches: list[int], contexts: list[int], 
     gguf, llama_note = llama_cpp_source(model_dir, policies)
     log(f"llama.cpp row: {llama_note}")
     points = [(c, b) for c in contexts for b in batches]
-    runs, found = [], {"paths_configs": {}, "replacement_replay": {}, "dedup": {}}
+    runs, found = [], {"paths_configs": {}, "replacement_replay": {}, "dedup": {}, "llama_cpp_failed": {}}
     with Progress(len(points), "bench points", quiet) as progress:
         for context, batch in points:
             with progress.cell(f"batch {batch}, context {context}") as on_event:
@@ -768,6 +782,9 @@ def run(model_dir: Path, kv_dir: Path, batches: list[int], contexts: list[int], 
             "quality_configs_from": chosen_from, "record_dtypes": list(record_dtypes),
             "device": str(model.device), "dtype": str(model.dtype).removeprefix("torch."), "weights": model.weights,
             "synthetic_weights": model.synthetic}  # random weights in a real shape: timings and memory only
+    failed = found.pop("llama_cpp_failed")
+    if failed:  # per "{batch}x{context}": why that point has no llama.cpp row (the signal and the fix)
+        meta["llama_cpp_failed"] = failed
     if kv_paths:
         meta["paths"] = emulation(kv_paths, path_limit_mib_s, path_limit_iops, disk_profile, runs)
         meta.update(found)

@@ -54,11 +54,14 @@ def _cpu_model() -> str:
     return host.processor() or host.machine()
 
 
-def _cached(path: Path, fingerprint: dict, reprofile: bool, what: str, log) -> dict | None:
-    """The cached payload when its fingerprint matches; says why it is not reused otherwise."""
+def _cached(path: Path, fingerprint: dict, reprofile: bool, what: str, log, renamed=None) -> dict | None:
+    """The cached payload when its fingerprint matches; says why it is not reused otherwise.  ``renamed(data,
+    where)``: the file's fields under their current names (a cache written before a rename still matches)."""
     if not path.is_file():
         return None
     data = json.loads(path.read_text())
+    if renamed is not None:
+        data = renamed(data, str(path))
     if reprofile:
         log(f"{what}: REPROFILE set, measuring again")
         return None
@@ -140,7 +143,7 @@ class Deployment:
     prof: Profile
     detected: str
     model_dir: Path
-    kv_dirs: tuple[Path, ...]  # the KV paths, in order: the solver plans with all of them, the smoke run uses all
+    kv_paths: tuple[Path, ...]  # the KV folders, in order: the solver plans with all of them, the smoke run uses all
     out: Path
     device: torch.device
     kv_dtype: torch.dtype  # what the deployment computes in: on the CPU, chosen by ``choose_dtype``
@@ -157,9 +160,9 @@ class Deployment:
         return table_dtype(self.prof, self.device)
 
     @property
-    def kv_dir(self) -> Path:
+    def kv_path(self) -> Path:
         """Scratch KV for measuring the model (tables, quality; hardware-independent): the first path."""
-        return self.kv_dirs[0]
+        return self.kv_paths[0]
 
     @property
     def dims(self) -> ModelDims:
@@ -235,16 +238,16 @@ def table_dtype(prof: Profile, device: torch.device) -> torch.dtype:
 
 def measure_disk(d: Deployment, seconds: float) -> list[disk.DiskProfile]:
     """One profile per KV path, each measured alone for ``seconds``; paths sharing a device are said in the log."""
-    fp = {"paths": [{**disk.disk_fingerprint(p), "kv_dir": str(p.resolve())} for p in d.kv_dirs], "seconds": seconds,
+    fp = {"paths": [{**disk.disk_fingerprint(p), "kv_path": str(p.resolve())} for p in d.kv_paths], "seconds": seconds,
           "file_mib": d.prof.disk_file_mib, "platform": d.prof.platform}
-    cached = _cached(d.out / "disk.json", fp, d.reprofile, "disk", d.log)
+    cached = _cached(d.out / "disk.json", fp, d.reprofile, "disk", d.log, disk.renamed_fields)
     if cached:
         profiles = [disk.DiskProfile.from_json(p) for p in cached["profiles"]]
     else:
-        if len(d.kv_dirs) > 1:
-            d.log(f"disk: profiling {len(d.kv_dirs)} KV paths one after the other, {seconds:g} s each")
-        with _progress(len(disk.BLOCK_SIZES) * len(disk.QUEUE_DEPTHS) * len(d.kv_dirs), "disk profile") as bar:
-            profiles = [disk.profile_disk(p, seconds, d.prof.disk_file_mib, progress=bar.update) for p in d.kv_dirs]
+        if len(d.kv_paths) > 1:
+            d.log(f"disk: profiling {len(d.kv_paths)} KV paths one after the other, {seconds:g} s each")
+        with _progress(len(disk.BLOCK_SIZES) * len(disk.QUEUE_DEPTHS) * len(d.kv_paths), "disk profile") as bar:
+            profiles = [disk.profile_disk(p, seconds, d.prof.disk_file_mib, progress=bar.update) for p in d.kv_paths]
         _save(d.out / "disk.json", fp, {"profiles": [p.to_json() for p in profiles]})
     for dev, paths in disk.shared_devices(profiles).items():
         d.log(f"WARNING: KV paths {', '.join(paths)} are on one device ({dev}): no extra bandwidth; the plan counts "
@@ -287,7 +290,7 @@ def lookup_tables(d: Deployment, cache_root: Path, calibration: str | None) -> t
     model = d.model(dtype=d.table_dtype)
     adapters = tables.build_adapters(model, prompts, d.sigmas, tables_dir)
     middle = min(adapters, key=lambda s: abs(s - 8))  # the reuse pattern barely depends on sigma
-    reuse = tables.reuse_table(model, d.kv_dir, prompts, groups, d.prof.mg_const, adapters[middle])
+    reuse = tables.reuse_table(model, d.kv_path, prompts, groups, d.prof.mg_const, adapters[middle])
     tables.save_tables(tables_dir / "tables.json", fp, reuse, adapters, {"seconds": round(time.perf_counter() - start, 1)})
     return reuse, adapters
 
@@ -349,7 +352,7 @@ def calibration_scorer(d: Deployment, adapters: dict, calibration: str | None, c
     d.log(f"{what} on {source}")
     with Progress(runs + 1, desc) as progress:
         model = d.model(dtype=dtype)
-        yield ConfigScorer(model, d.kv_dir, Adapters.from_files(model, adapters), windows,
+        yield ConfigScorer(model, d.kv_path, Adapters.from_files(model, adapters), windows,
                            quality.continuation(context), progress, max_batch=quality.WINDOWS, label=str(context))
 
 
@@ -585,7 +588,7 @@ def hillinfer_pools(d: Deployment, scorer, budget_bytes: float) -> tuple[float, 
     from edgekv.install.scorers import pool_ratio, scoring_throughputs
 
     dims = d.dims
-    rates = scoring_throughputs(scorer, dims.n_kv_heads, dims.head_dim, work=d.kv_dir)
+    rates = scoring_throughputs(scorer, dims.n_kv_heads, dims.head_dim, work=d.kv_path)
     keys_bytes = d.prof.max_context * dims.n_layers * dims.n_kv_heads * dims.head_dim * 2
     beta = pool_ratio(rates["f_cpu_tok_s"], rates["f_ssd_tok_s"], budget_bytes, keys_bytes)
     d.log(f"HillInfer pools: f_cpu {rates['f_cpu_tok_s']:.3g} tok/s, f_ssd ({rates['scorer_backend']}) "
@@ -638,7 +641,7 @@ def run(platform: str | None = None, model: str | None = None, kv_paths: str | P
     h2d_gib_s = compute_profile.h2d_gib_s if slot_memory == "device" else None  # mapped slots: no copy to make
     t_io = io_model(disk_profiles, dims, d.kv_dtype, limits.io_align_bytes, queue_depth, h2d_gib_s, limits.block_bytes)
     budget = prof.batch_budget_mib * 2**20
-    rate = lambda G, C, M: tables.reuse_rate(reuse, G, C, M)  # noqa: E731
+    rate = lambda G, C, picked: tables.reuse_rate(reuse, G, C, picked)  # noqa: E731
 
     def solve(limits: solver.Limits) -> list[solver.Solution]:
         return [solver.solve_for_quality(b, s, budget, dims, d.kv_dtype, limits, quality.points_at(quality_points, s),
@@ -657,10 +660,10 @@ def run(platform: str | None = None, model: str | None = None, kv_paths: str | P
     measurements["disk"]["at_record"] = rates_at(disk_profiles, record_bytes, queue_depth)
     measurements["disk"]["gap_bytes"] = io_gap_bytes = gap_bytes(disk_profiles, record_bytes, queue_depth)
     config = {
-        "platform": prof.platform, "model": str(d.model_dir), "kv_path": str(d.kv_dir),
+        "platform": prof.platform, "model": str(d.model_dir), "kv_path": str(d.kv_path),
         "device": d.device.type, "dtype": str(d.kv_dtype).removeprefix("torch."),  # what serve, bench, eval run in
         "weights": d.weights,  # the linear layers' format (install/weights.py): what serve and generate load
-        "kv_paths": [str(p) for p in d.kv_dirs],
+        "kv_paths": [str(p) for p in d.kv_paths],
         **runtime_fields(top, prof, adapters),
         "exposed_io_share": prof.exposed_io_share, "alpha": prof.exposed_io_share,  # alpha: its old name, still read
         "max_kv_mem_mib": prof.max_kv_mem_mib, "max_batch": prof.max_batch, "max_context": prof.max_context,
@@ -685,7 +688,7 @@ def run(platform: str | None = None, model: str | None = None, kv_paths: str | P
         + (" prompt_adapter" if top.prompt_adapter else "")
         + (f" ppl ratio {top.ppl_ratio:.4g}" if top.ppl_ratio is not None else "") + f" at batch {top.batch}, context {top.context}; {len(solutions)} solutions; tuning {tuning_s:.0f} s)")
 
-    stats, chat = smoke_run(d.model_dir, d.kv_dirs, out / "config.json", prof, d.device, scorer) if smoke else (None, None)
+    stats, chat = smoke_run(d.model_dir, d.kv_paths, out / "config.json", prof, d.device, scorer) if smoke else (None, None)
     report.write(out, prof, d.model_dir, measurements, solutions, stats, tuning_s)
     log(f"report: {out / 'report.txt'}")
     if top.ppl_ratio is not None:  # the point's ratio times its record format's (the record table's)
@@ -735,7 +738,7 @@ def write_service_unit(platform: str, out: Path) -> Path:
 CHAT_QUESTION = "What is the capital of France? Answer in one sentence."
 
 
-def smoke_run(model_dir: Path, kv_dirs: tuple[Path, ...], config: Path, prof: Profile, device: torch.device,
+def smoke_run(model_dir: Path, kv_paths: tuple[Path, ...], config: Path, prof: Profile, device: torch.device,
               scorer=None) -> tuple[dict, dict | None]:
     """One generation with the solved config on every KV path: 2 prompts, 32 new tokens, stats as the runtime
     reports them; then, for a chat model, one question through the same configuration: (stats, {question, answer,
@@ -743,7 +746,7 @@ def smoke_run(model_dir: Path, kv_dirs: tuple[Path, ...], config: Path, prof: Pr
     context = min(4096, prof.max_context - 64)
     prompts = calibration_prompts(model_dir, context, min(2, prof.max_batch), seed=99)
     policy = "hillinfer" if scorer is not None else "kvswap"
-    with Engine.from_pretrained(model_dir, kv_offload_path=list(kv_dirs), config=config, policy=policy, device=device,
+    with Engine.from_pretrained(model_dir, kv_path=list(kv_paths), config=config, policy=policy, device=device,
                                 scorer=scorer) as engine:
         results = engine.generate(prompts, max_new_tokens=32, stop_token_ids=[])
         chat = None

@@ -137,8 +137,7 @@ def least_loss(measured: list[dict], scored_tokens: int) -> dict:
     ``TOP1_TIE_ERRORS`` standard errors of the best (``scored_tokens`` calibration tokens each: a binomial share), the
     lowest ppl ratio.  Top-1 first: on SmolLM2 at 8K, 1/13, the lowest calibration ppl ratio (0.928, top-1 0.898)
     measured 1.031 / 0.899 on held-out text and the best top-1 (0.957) 1.005 / 0.972.  Within the error, ppl: at 4K,
-    1/34, a top-1 better by two points of 254 tokens measured worse held out (1.126 / 0.834 against 1.084 / 0.875;
-    docs/results, issue 33)."""
+    1/34, a top-1 better by two points of 254 tokens measured worse held out (1.126 / 0.834 against 1.084 / 0.875)."""
     best = max(r["top1_agreement"] for r in measured)
     error = TOP1_TIE_ERRORS * math.sqrt(best * (1 - best) / scored_tokens)
     return min((r for r in measured if r["top1_agreement"] >= best - error),

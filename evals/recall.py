@@ -36,14 +36,14 @@ def _last_query_and_keys(model: DecoderModel, ids: list[int]):
     return out
 
 
-def _group_top(token_scores: torch.Tensor, G: int, M: int) -> set[int]:
+def _group_top(token_scores: torch.Tensor, G: int, picked_groups: int) -> set[int]:
     n = token_scores.shape[0] // G
     groups = token_scores[: n * G].view(n, G).amax(dim=-1)
-    return set(groups.topk(min(M, n)).indices.tolist())
+    return set(groups.topk(min(picked_groups, n)).indices.tolist())
 
 
-def selection_recall(model: DecoderModel, instances: list[TaskInstance], sigmas: list[float], G: int, M: int,
-                     calibration: list[list[int]]) -> list[dict]:
+def selection_recall(model: DecoderModel, instances: list[TaskInstance], sigmas: list[float], G: int,
+                     picked_groups: int, calibration: list[list[int]]) -> list[dict]:
     """Recall and needle hit rate of the rank-r predictor for each sigma (adapters fitted on ``calibration``)."""
     dims = model.dims
     keys = collect_keys(model, calibration)
@@ -58,12 +58,12 @@ def selection_recall(model: DecoderModel, instances: list[TaskInstance], sigmas:
             k = k[:, :n_ctx]
             n_rep = dims.n_heads // dims.n_kv_heads
             exact = torch.einsum("hd,htd->ht", q, k.repeat_interleave(n_rep, dim=0)) * model.scaling
-            truth = _group_top(exact.softmax(dim=-1).sum(dim=0), G, M)
+            truth = _group_top(exact.softmax(dim=-1).sum(dim=0), G, picked_groups)
             flat = k.transpose(0, 1).reshape(n_ctx, -1)
             q_sum = q.view(dims.n_kv_heads, n_rep, -1).sum(dim=1).reshape(-1)
             for sigma, adapter in adapters.items():
                 a = adapter.matrices[layer]
-                predicted = _group_top((flat @ a) @ (q_sum @ a), G, M)
+                predicted = _group_top((flat @ a) @ (q_sum @ a), G, picked_groups)
                 tallies[sigma]["recall"].append(len(truth & predicted) / max(1, len(truth)))
                 if needle_groups & truth:
                     tallies[sigma]["needle_hit"].append(bool(needle_groups & predicted))

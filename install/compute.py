@@ -29,17 +29,18 @@ class ComputeProfile:
     n_layers: int
     block_ms: list = field(default_factory=list)  # [batch, attended_tokens, ms]
     predict_ms: list = field(default_factory=list)  # [batch, context, rank, ms]
-    reuse_ms: list = field(default_factory=list)  # [batch, groups_per_step, ms]
+    reuse_ms: list = field(default_factory=list)  # [batch, picked_groups, ms]
     seconds: float = 0.0
     h2d_gib_s: float | None = None  # pinned host -> device copies (a GPU's missed records cross it); None: no bus
 
-    def t_model_ms(self, batch: int, context: int, rank: int, groups_per_step: int, group_tokens: int, reuse: bool = True) -> float:
+    def t_model_ms(self, batch: int, context: int, rank: int, picked_groups: int, group_tokens: int,
+                   reuse: bool = True) -> float:
         """Per decode step, all layers: dense block + predictor + reuse bookkeeping."""
-        block = _interp2(self.block_ms, batch, groups_per_step * group_tokens + group_tokens)
+        block = _interp2(self.block_ms, batch, picked_groups * group_tokens + group_tokens)
         ranks = sorted({r for _, _, r, _ in self.predict_ms})
         near = min(ranks, key=lambda r: abs(np.log2(r) - np.log2(rank)))
         predict = _interp2([(b, s, ms) for b, s, r, ms in self.predict_ms if r == near], batch, context)
-        slots = _interp2(self.reuse_ms, batch, groups_per_step) if reuse else 0.0
+        slots = _interp2(self.reuse_ms, batch, picked_groups) if reuse else 0.0
         return self.n_layers * (block + predict + slots)
 
     def to_json(self) -> dict:
@@ -100,12 +101,12 @@ def time_block(model: DecoderModel, batch: int, tokens: int) -> float:
 
 
 @torch.inference_mode()
-def time_predictor(model: DecoderModel, batch: int, context: int, rank: int, group_tokens: int, groups: int,
+def time_predictor(model: DecoderModel, batch: int, context: int, rank: int, group_tokens: int, picked_groups: int,
                    klr_dtype: str) -> float:
-    """Layer-ahead prediction for one layer: q-proj of the next layer, scores over K_lr, top-M groups."""
+    """Layer-ahead prediction for one layer: q-proj of the next layer, scores over K_lr, the top groups."""
     d = model.dims
     one_layer = ModelDims(1, d.hidden, d.n_heads, d.n_kv_heads, d.head_dim, d.vocab)
-    selector = LowRankSelector(None, rank, one_layer, batch, context, group_tokens, groups,
+    selector = LowRankSelector(None, rank, one_layer, batch, context, group_tokens, picked_groups,
                                PredictorConfig(klr_dtype=klr_dtype), model.device, scaling=model.scaling)
     selector.adapter = [torch.randn(d.n_kv_heads * d.head_dim, rank, dtype=selector.dtype, device=model.device)]
     selector.k_lr.copy_(torch.randint(-127, 128, selector.k_lr.shape) if selector.quantized else torch.randn(selector.k_lr.shape))
@@ -116,12 +117,12 @@ def time_predictor(model: DecoderModel, batch: int, context: int, rank: int, gro
     return _time_ms(lambda: selector.select(0, model.query(0, x, rope), n_groups), model.device)
 
 
-def time_reuse(batch: int, groups_per_step: int, max_groups: int) -> float:
-    """Slot-table bookkeeping for one layer: M lookups per sequence, about 1/4 of them misses."""
-    table = SlotTable(1, batch, 2 * groups_per_step, max_groups)
+def time_reuse(batch: int, picked_groups: int, max_groups: int) -> float:
+    """Slot-table bookkeeping for one layer: a lookup per picked group and sequence, about 1/4 of them misses."""
+    table = SlotTable(1, batch, 2 * picked_groups, max_groups)
     rng = np.random.default_rng(0)
-    valid = np.ones((batch, groups_per_step), dtype=bool)
-    picks = [np.stack([rng.choice(max_groups, groups_per_step, replace=False) for _ in range(batch)]) for _ in range(8)]
+    valid = np.ones((batch, picked_groups), dtype=bool)
+    picks = [np.stack([rng.choice(max_groups, picked_groups, replace=False) for _ in range(batch)]) for _ in range(8)]
     rounds = itertools.cycle(picks)  # a new set of picks each call, so lookups hit and miss as in decode
     return _time_ms(lambda: table.assign(0, next(rounds), valid), torch.device("cpu"))
 

@@ -12,6 +12,7 @@ With several KV paths each is profiled alone (one after the other, each for the 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -24,9 +25,12 @@ import numpy as np
 from edgekv.runtime.disk_store import aligned_zeros
 from edgekv.runtime.reader import ReadBatch, open_reader
 
+log = logging.getLogger(__name__)
+
 BLOCK_SIZES = (512, 4096, 16384, 65536, 262144, 1048576)
 QUEUE_DEPTHS = (1, 8, 32)
 TEST_FILE = "edgekv-disk-profile.bin"
+OLD_FIELDS = {"kv_dir": "kv_path"}  # a disk profile's fields by the names files written before still hold
 
 
 @dataclass(frozen=True)
@@ -43,7 +47,7 @@ class DiskPoint:
 
 @dataclass
 class DiskProfile:
-    kv_dir: str
+    kv_path: str
     fingerprint: dict
     reference: str  # "fio <engine>" or "none (fio not installed)"
     reader: str
@@ -74,15 +78,35 @@ class DiskProfile:
         return cls(**{**data, "points": [DiskPoint(**p) for p in data["points"]]})
 
 
-def disk_fingerprint(kv_dir: str | Path) -> dict:
-    """What identifies the disk under ``kv_dir``: device numbers, filesystem, model and size where sysfs has them."""
-    st = os.stat(kv_dir)
+def renamed_fields(data, where: str):
+    """``data`` (JSON holding disk profiles) with each field of an old name (``OLD_FIELDS``) under its new one,
+    each old name said once in a warning naming ``where``: a file written before the rename still reads."""
+    seen = set()
+
+    def renamed(value):
+        if isinstance(value, list):
+            return [renamed(v) for v in value]
+        if not isinstance(value, dict):
+            return value
+        seen.update(k for k in value if k in OLD_FIELDS)
+        return {OLD_FIELDS.get(k, k): renamed(v) for k, v in value.items()}
+
+    out = renamed(data)
+    for old in sorted(seen):
+        log.warning("%s: field '%s' is now '%s'; the old name is still read (REPROFILE=1 writes the new one)",
+                    where, old, OLD_FIELDS[old])
+    return out
+
+
+def disk_fingerprint(kv_path: str | Path) -> dict:
+    """What identifies the disk under ``kv_path``: device numbers, filesystem, model and size where sysfs has them."""
+    st = os.stat(kv_path)
     major, minor = os.major(st.st_dev), os.minor(st.st_dev)
     fs, source = "unknown", "unknown"
     best = ""
     for line in Path("/proc/self/mounts").read_text().splitlines():
         dev, mount, kind = line.split()[:3]
-        if str(Path(kv_dir).resolve()).startswith(mount) and len(mount) > len(best):
+        if str(Path(kv_path).resolve()).startswith(mount) and len(mount) > len(best):
             best, fs, source = mount, kind, dev
     sysdev = Path(f"/sys/dev/block/{major}:{minor}")
     model = _first_text([sysdev / "device/model", sysdev / "../device/model"])
@@ -94,7 +118,7 @@ def disk_fingerprint(kv_dir: str | Path) -> dict:
 
 def device_of(profile: DiskProfile) -> str:
     """The device whose bandwidth a path draws on: the whole disk (partitions of one disk share it), else st_dev."""
-    return profile.fingerprint.get("disk") or profile.fingerprint.get("dev") or profile.kv_dir
+    return profile.fingerprint.get("disk") or profile.fingerprint.get("dev") or profile.kv_path
 
 
 def _by_device(profiles: list[DiskProfile]) -> dict[str, list[DiskProfile]]:
@@ -106,7 +130,7 @@ def _by_device(profiles: list[DiskProfile]) -> dict[str, list[DiskProfile]]:
 
 def shared_devices(profiles: list[DiskProfile]) -> dict[str, list[str]]:
     """{device: its KV paths} for every device that holds more than one path: those paths add no bandwidth."""
-    return {dev: [p.kv_dir for p in on] for dev, on in _by_device(profiles).items() if len(on) > 1}
+    return {dev: [p.kv_path for p in on] for dev, on in _by_device(profiles).items() if len(on) > 1}
 
 
 def planned_mib_s(profiles: list[DiskProfile], block_bytes: int, queue_depth: int, source: str = "reader") -> float:
@@ -131,7 +155,7 @@ def combine_profiles(profiles: list[DiskProfile]) -> DiskProfile:
     points = [DiskPoint(pt.block_bytes, pt.queue_depth, round(planned_mib_s(profiles, pt.block_bytes, pt.queue_depth), 1),
                         round(planned_mib_s(profiles, pt.block_bytes, pt.queue_depth, "disk"), 1) if with_fio else None)
               for pt in profiles[0].points]
-    return DiskProfile(", ".join(p.kv_dir for p in profiles), {"paths": [p.fingerprint for p in profiles]},
+    return DiskProfile(", ".join(p.kv_path for p in profiles), {"paths": [p.fingerprint for p in profiles]},
                        " + ".join(dict.fromkeys(p.reference for p in profiles)),
                        " + ".join(dict.fromkeys(p.reader for p in profiles)),
                        all(p.o_direct for p in profiles), round(sum(p.seconds for p in profiles), 1), points)
@@ -202,19 +226,19 @@ def fio_mib_s(path: Path, block_bytes: int, queue_depth: int, seconds: float, en
     return json.loads(out.stdout)["jobs"][0]["read"]["bw"] / 1024  # KiB/s -> MiB/s
 
 
-def profile_disk(kv_dir: str | Path, seconds: float = 60, file_mib: int = 1024, block_sizes=BLOCK_SIZES,
+def profile_disk(kv_path: str | Path, seconds: float = 60, file_mib: int = 1024, block_sizes=BLOCK_SIZES,
                  queue_depths=QUEUE_DEPTHS, backend: str = "auto", progress=None) -> DiskProfile:
     """Measure every (block size, depth) with fio and with the reader, within about ``seconds`` in all."""
-    kv_dir = Path(kv_dir)
-    kv_dir.mkdir(parents=True, exist_ok=True)
-    path = kv_dir / TEST_FILE
+    kv_path = Path(kv_path)
+    kv_path.mkdir(parents=True, exist_ok=True)
+    path = kv_path / TEST_FILE
     engine = fio_engine()
     n = len(block_sizes) * len(queue_depths) * (2 if engine else 1)
     per_point = max(0.25, seconds / n)
     start = time.perf_counter()
     try:
         o_direct = make_test_file(path, file_mib << 20)
-        profile = DiskProfile(str(kv_dir), disk_fingerprint(kv_dir), f"fio {engine}" if engine else "none (fio not installed)",
+        profile = DiskProfile(str(kv_path), disk_fingerprint(kv_path), f"fio {engine}" if engine else "none (fio not installed)",
                               "", o_direct, 0.0)
         for block in block_sizes:
             for depth in queue_depths:
@@ -255,7 +279,7 @@ def _plot_path(ax, profile: DiskProfile) -> None:
     ax.set_xscale("log", base=2)
     ax.set_xlabel("block size (KiB)")
     ax.set_ylabel("random read (MiB/s)")
-    ax.set_title(f"{profile.kv_dir}: {profile.fingerprint.get('source')} ({profile.fingerprint.get('fs')}), "
+    ax.set_title(f"{profile.kv_path}: {profile.fingerprint.get('source')} ({profile.fingerprint.get('fs')}), "
                  f"O_DIRECT={profile.o_direct}", fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)

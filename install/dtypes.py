@@ -3,7 +3,7 @@
 On a GPU the profile names the dtype the GPU computes natively and it is deployed as named.  On the CPU float32 is
 what every CPU computes well, but one with bf16 instructions (AVX512-BF16, AMX) decodes faster in bfloat16 where a
 step's bytes are its weights and KV (SmolLM2 8K on a 2-core EPYC: edgekv full 0.89-1.00x llama.cpp in bfloat16,
-0.68-0.81x in float32; docs/results, issue 34), while a CPU without them converts every operand and runs slower,
+0.68-0.81x in float32), while a CPU without them converts every operand and runs slower,
 and a model whose step is mostly its output head or short windows gains little.  So the profile's dtype is measured
 against float32 on this machine, with the weight format already chosen, not assumed: its perplexity on calibration
 text (teacher-forced through the model's own forward, as the weight formats are), and the prompt's prefill and

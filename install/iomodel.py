@@ -1,6 +1,6 @@
-"""T_io(b, M, G, reuse): the time one decode step's missed records take to reach the compute device.
+"""T_io(b, picked_groups, G, reuse): the time one decode step's missed records take to reach the compute device.
 
-Each layer reads the missed groups of every sequence, b * M * (1 - reuse) records of
+Each layer reads the missed picks of every sequence, b * picked_groups * (1 - reuse) records of
 ``stride_bytes`` (the on-disk record of one group, in its ``kv_record_dtype``), at the random-read bandwidth the
 profile measured for the runtime's reader at that block size and queue depth.  With several KV paths the
 records are spread over them and the rate is ``planned_mib_s`` (N x the slowest path, a shared device once).
@@ -19,18 +19,18 @@ from .disk import DiskProfile, planned_mib_s
 
 def io_model(disk: DiskProfile | list[DiskProfile], dims: ModelDims, kv_dtype: torch.dtype, io_align_bytes: int,
              queue_depth: int, h2d_gib_s: float | None = None, block_bytes: int | None = None):
-    """A function (batch, M, G, reuse_rate, record_dtype) -> ms of reads (and, on a GPU, host -> device copies)
-    per decode step (all layers).
+    """A function (batch, picked_groups, G, reuse_rate, record_dtype) -> ms of reads (and, on a GPU, host -> device
+    copies) per decode step (all layers).
 
     ``disk``: one path's profile, or one per KV path (one queue of ``queue_depth`` each); ``h2d_gib_s``: the
     bus's rate (None: the records are read where attention reads them, the CPU); ``block_bytes``: the disk's O_DIRECT
     unit, records shorter than ``io_align_bytes`` padding to a power of two from it (None: to ``io_align_bytes``)."""
     profiles = list(disk) if isinstance(disk, (list, tuple)) else [disk]
 
-    def t_io_ms(batch: int, M: int, G: int, reuse_rate: float, record_dtype: str = "auto") -> float:
+    def t_io_ms(batch: int, picked_groups: int, G: int, reuse_rate: float, record_dtype: str = "auto") -> float:
         stride = RecordLayout.padded(G, dims.n_kv_heads, dims.head_dim, kv_dtype, record_dtype, io_align_bytes,
                                      block_bytes).stride_bytes
-        bytes_per_layer = batch * M * (1.0 - reuse_rate) * stride
+        bytes_per_layer = batch * picked_groups * (1.0 - reuse_rate) * stride
         mib_s = planned_mib_s(profiles, stride, queue_depth)
         bus_s = bytes_per_layer / (h2d_gib_s * 2**30) if h2d_gib_s else 0.0
         return dims.n_layers * (bytes_per_layer / (mib_s * 2**20) + bus_s) * 1e3

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 from edgekv.runtime.config import picked_groups
-from edgekv.runtime.selector import CORRECTIONS  # noqa: F401  (the selections a table measures: profile, eval)
+from edgekv.runtime.choices import CORRECTIONS  # noqa: F401  (the selections a table measures: profile, eval)
 from edgekv.runtime.store.files import write_json_atomic
 
 SHIPPED_DIR = Path(__file__).resolve().parents[1] / "profiles" / "quality"  # tables shipped as data (``shipped``)
@@ -126,7 +126,7 @@ def rank_filled(points: list[dict], bytes_of, budget_bytes: float, key_dims: int
     """Per corrected family of ``points``, int4 K_lr at the largest rank that fits ``budget_bytes`` (sigma
     ``key_dims`` / rank, so the rank is exact), where the sigma ladder's rank leaves up to half of K_lr's bytes
     unused.  Rank is what retrieval lacks at tight budgets: at SmolLM2 4K, 1/34, M*G 408 with W=16 found 15 of 16
-    needles at rank 46 and 11 at the ladder's rank 24 beside more picks (docs/results, issue 33).  Guess families
+    needles at rank 46 and 11 at the ladder's rank 24 beside more picks.  Guess families
     are left out: at every budget measured the corrected family of the same geometry had the lower loss."""
     out, seen = [], {point_key(p) for p in points}
     for p in {_family(p): p for p in points if p.get("correction", "guess") != "guess"}.values():
@@ -225,7 +225,7 @@ def twins(points: list[QualityPoint], target: float | None, top1_min: float | No
     point that meets the target at the largest sigma, where that point's rows are wider: the bytes it frees can hold
     a reuse buffer instead.  SmolLM2 8K at 1/13: its only point within the target (M*G 820, sigma 2, int8 rows,
     corrected) fits no reuse buffer, its int4 twin measured the same on held-out text (ppl 1.013 against 1.014, top-1
-    0.926 against 0.930) and fits one (docs/results, issue 34).  None without a target."""
+    0.926 against 0.930) and fits one.  None without a target."""
     if target is None:
         return []
     best: dict[tuple, QualityPoint] = {}
@@ -249,9 +249,8 @@ def lacking_twins(points: list[QualityPoint], target: float | None, top1_min: fl
 
 def meets_target(ppl_ratio: float, top1_agreement: float, target: float, top1_min: float | None) -> bool:
     """A point's two measures against the quality target (a ppl ratio) and the top-1 floor beside it.  Top-1
-    agreement is the steadier of the two across texts: SmolLM2's first default deploy met ppl 1.05 on its calibration
-    windows at 0.960 and measured 1.063 on held-out text, while its top-1 moved from 0.858 to 0.854 (docs/results,
-    issue 33)."""
+    agreement is the steadier of the two across texts: a SmolLM2 point that met ppl 1.05 on its calibration windows
+    at 0.960 measured 1.063 on held-out text, while its top-1 moved from 0.858 to 0.854."""
     return ppl_ratio <= target and (top1_min is None or top1_agreement >= top1_min)
 
 
@@ -302,7 +301,7 @@ def shipped(model_sha256: str | None, fingerprint: dict, folder: Path | None = N
     (``corrections``: those it measured; a table from before corrections measured ``guess`` only), else None.
     A quality table is a property of the model, the calibration text and the grid, not of the machine: a default
     deploy on a 2-core CPU takes it from ``profiles/quality/`` instead of spending most of an hour measuring it
-    (``bench/ship_quality.py`` writes one; REPROFILE=1 measures it on the machine); points of selections it lacks
+    (``tools/ship_quality.py`` writes one; REPROFILE=1 measures it on the machine); points of selections it lacks
     are measured and the rest taken from it."""
     if model_sha256 is None:
         return None

@@ -76,7 +76,7 @@ def _disk_lines(d: dict) -> list[str]:
     for i, p in enumerate(paths):
         fp = p["fingerprint"]
         rate = f"; {at['paths_mib_s'][i]:.1f} MiB/s{where}" if at else ""
-        lines += [f"path {i + 1} {p['kv_dir']}: {fp.get('source')} ({fp.get('fs')}, device "
+        lines += [f"path {i + 1} {p['kv_path']}: {fp.get('source')} ({fp.get('fs')}, device "
                   f"{fp.get('disk', fp.get('dev'))}), reference {p['reference']}, reader {p['reader']}, "
                   f"O_DIRECT={p['o_direct']}{rate}",
                   *_rate_table(p["points"])]

@@ -184,8 +184,9 @@ def solve(batch: int, context: int, budget_bytes: float, dims: ModelDims, kv_dty
           t_io_ms, t_model_ms, reuse_rate) -> Solution:
     """The greedy search for one (batch, context).
 
-    t_io_ms(batch, M, G, hit_rate, record_dtype) -> ms of disk reads per step; t_model_ms(batch, context, rank, M, G,
-    reuse) -> ms of compute per step; reuse_rate(G, C, M) -> expected hit rate.
+    t_io_ms(batch, picked_groups, G, hit_rate, record_dtype) -> ms of disk reads per step; t_model_ms(batch, context,
+    rank, picked_groups, G, reuse) -> ms of compute per step; reuse_rate(G, C, picked_groups) -> expected hit rate.
+    No sinks or window here: all M groups are picked.
     """
     best: Solution | None = None
     share = 0.0

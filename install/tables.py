@@ -39,7 +39,7 @@ def record_selections(engine: Engine, prompts: list[list[int]], steps: int) -> l
     return picks
 
 
-def reuse_table(model, kv_dir, prompts: list[list[int]], group_sizes, mg_const: int, adapter_path: str,
+def reuse_table(model, kv_path, prompts: list[list[int]], group_sizes, mg_const: int, adapter_path: str,
                 steps: int = 32) -> dict:
     """{G: {C/M ratio: reuse rate}} with M = ceil(mg_const / G) groups per step, predicting with ``adapter_path``.
     The prompts are computed once: every G's run takes their KV from one prompt cache (the prefill is most of a
@@ -52,7 +52,7 @@ def reuse_table(model, kv_dir, prompts: list[list[int]], group_sizes, mg_const: 
         M = math.ceil(mg_const / G)
         cfg = RuntimeConfig.load({"G": G, "M": M, "C": M, "sigma": None, "adapter_path": adapter_path,
                                   "max_context": max_context, "max_batch": len(prompts), "io_align_bytes": 512})
-        with Engine(model, cfg, "kvswap", kv_dir, adapter=adapter) as engine:
+        with Engine(model, cfg, "kvswap", kv_path, adapter=adapter) as engine:
             engine.prompt_cache = cache
             picks = record_selections(engine, prompts, steps)
         out[G] = {r: replay_hit_rate(picks, model.dims.n_layers, len(prompts), max(M, round(r * M)), max_context // G + 1,
@@ -60,13 +60,13 @@ def reuse_table(model, kv_dir, prompts: list[list[int]], group_sizes, mg_const: 
     return out
 
 
-def reuse_rate(table: dict, G: int, capacity: int, groups_per_step: int) -> float:
-    """The table's rate for (G, C), linear in C/M between recorded ratios; 0 without reuse data for G."""
+def reuse_rate(table: dict, G: int, capacity: int, picked_groups: int) -> float:
+    """The table's rate for (G, C), linear in C / picked_groups between recorded ratios; 0 without reuse data for G."""
     rows = table.get(G) or table.get(str(G))
     if not rows:
         return 0.0
     ratios = sorted((float(r), v) for r, v in rows.items())
-    return float(np.interp(capacity / max(1, groups_per_step), [r for r, _ in ratios], [v for _, v in ratios]))
+    return float(np.interp(capacity / max(1, picked_groups), [r for r, _ in ratios], [v for _, v in ratios]))
 
 
 def build_adapters(model, prompts: list[list[int]], sigmas, out_dir: Path) -> dict[float, str]:

@@ -33,7 +33,8 @@ import torch
 from .config import ConfigError, RuntimeConfig
 from .kv_policy import KVPolicy
 from .model import DecoderModel, ModelDims
-from .qattn import GroupLayout, align16, batch_group_scores, batch_group_values, group_scores, group_values
+from .kernels import Backend, resolve_backend
+from .qattn import GroupLayout, align16, batch_group_scores, batch_group_values, group_kernels
 from .quant import Quantized, quant_format, quantize_keys, quantize_values
 from .transfer import to_device
 
@@ -156,8 +157,11 @@ def _rank(score: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
 class ArkvKV(KVPolicy):
     """The tri-state cache; attention spans original, quantized and window tokens in one softmax."""
 
-    def __init__(self, model: DecoderModel, batch: int, cfg: RuntimeConfig):
+    def __init__(self, model: DecoderModel, batch: int, cfg: RuntimeConfig, backend: Backend | None = None):
+        """``backend``: what a sequence's quantized groups are attended on (runtime/kernels.py; None: the model
+        device's)."""
         super().__init__(model, batch, cfg.max_context)
+        self.quant_attention = group_kernels(backend or resolve_backend(model.device))
         d = model.dims
         self.geo = geo = ArkvGeometry(cfg, d, torch.empty(0, dtype=model.dtype).element_size())
         if geo.fits_all or geo.arena_bytes < geo.min_arena_bytes:
@@ -306,13 +310,14 @@ class ArkvKV(KVPolicy):
         ready = int(self.ready[layer, seq])
         rows = self._rows[layer][seq][self.geo.max_groups - ready:]
         if ready:
-            scores = torch.cat((scores.float(), group_scores(qg.float(), rows, self.geo.layout, scaling)), dim=-1)
+            quantized_scores = self.quant_attention.scores(qg.float(), rows, self.geo.layout, scaling)
+            scores = torch.cat((scores.float(), quantized_scores), dim=-1)
         weights = scores.float().softmax(dim=-1)
         out = weights[..., : n + 1].to(V.dtype) @ V[: n + 1].permute(1, 0, 2)
         self._observe(S[: n + 1], weights[..., : n + 1])
         if ready:
             quantized = weights[..., n + 1:]
-            out = out + group_values(quantized, rows, self.geo.layout).to(out.dtype)
+            out = out + self.quant_attention.values(quantized, rows, self.geo.layout).to(out.dtype)
             stats = self._group_fields[layer][seq]["stats"][self.geo.max_groups - ready:]
             self._observe(stats, quantized.unflatten(-1, (ready, GROUP_TOKENS)))
         return out.view(-1, 1, self.head_dim)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
 import os
 import threading
 import weakref
@@ -22,41 +21,8 @@ from collections import deque
 
 import numpy as np
 
-from . import native_build
+from .kernels import Backend, resolve_backend, unit_function
 from .native_build import address
-
-log = logging.getLogger(__name__)
-
-
-@functools.cache
-def native_aside() -> ctypes.CDLL | None:
-    """The helper thread's library, or None (logged once) when it cannot be built: the caller runs every unit."""
-    p, i64, i32 = native_build.P, native_build.I64, native_build.I32
-    return native_build.load_or_none("aside", log, "the decode step computes on its own thread", {
-        "ekv_aside_open": ([], p), "ekv_aside_post": ([p, p, p, i64], i64), "ekv_aside_done": ([p, i64], i32),
-        "ekv_aside_wait": ([p, i64], None), "ekv_aside_share": ([p, p, p, i64], None), "ekv_aside_close": ([p], None),
-        "ekv_aside_spin": ([p, i64], None), "ekv_aside_post_chain": ([p, p, p, p, i32], i64)})
-
-
-def unit_function(lib: ctypes.CDLL, name: str) -> int:
-    """The address of a kernel's unit function ``name`` (void fn(void *ctx, int64_t unit, int worker))."""
-    return ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
-
-
-def unit_kernel(name: str, prefix: str, log: logging.Logger, instead: str, signatures: dict,
-                maxima: tuple[str, ...] = ()) -> ctypes.CDLL | None:
-    """A native library whose calls are jobs of units: ``signatures`` declared (native_build.load_or_none), its
-    ``<prefix>_job_bytes()`` as ``lib.job_bytes``, ``<prefix>_unit`` as ``lib.unit``, and each of ``maxima`` (``m``:
-    ``<prefix>_max_<m>()``) as ``lib.max_<m>``; None (logged once) when it cannot be built."""
-    i32 = native_build.I32
-    extra = {f"{prefix}_{field}": ([], i32) for field in ("job_bytes", *(f"max_{m}" for m in maxima))}
-    lib = native_build.load_or_none(name, log, instead, {**signatures, **extra})
-    if lib is None:
-        return None
-    for m in maxima:
-        setattr(lib, f"max_{m}", getattr(lib, f"{prefix}_max_{m}")())
-    lib.job_bytes, lib.unit = getattr(lib, f"{prefix}_job_bytes")(), unit_function(lib, f"{prefix}_unit")
-    return lib
 
 
 # how long ``full``'s helper spins out of work when the model's layers share it (weights 'ggml'): longer than the
@@ -71,9 +37,9 @@ def cores() -> int:
 
 
 class AsideThread:
-    """One helper thread; ``open`` gives None where it would only take turns with the caller (one core) or cannot
-    start.  Only the caller's thread posts and shares; another may wait for a posted job (an I/O thread taking
-    picks)."""
+    """One helper thread; ``open`` gives None where it would only take turns with the caller (one core), where the
+    backend has no native kernels to hand it, or where it cannot start.  Only the caller's thread posts and shares;
+    another may wait for a posted job (an I/O thread taking picks)."""
 
     def __init__(self, lib: ctypes.CDLL, handle: int, spins: bool = False):
         self._lib, self._handle = lib, handle
@@ -85,11 +51,12 @@ class AsideThread:
         self._closed = weakref.finalize(self, lib.ekv_aside_close, handle)  # at close, collection or exit
 
     @classmethod
-    def open(cls, spin_us: int = 0) -> "AsideThread | None":
+    def open(cls, spin_us: int = 0, backend: Backend | None = None) -> "AsideThread | None":
         """``spin_us``: how long the helper, out of work, and a caller, waiting for its share, spin before they
         sleep (ekv_aside.c): a core with nothing else to run (``full``'s step) hands each small job to the helper
-        without a wake-up; 0 where the core is the reads' too."""
-        lib = native_aside() if cores() > 1 else None
+        without a wake-up; 0 where the core is the reads' too.  ``backend``: the policy's (runtime/kernels.py; None:
+        the CPU's)."""
+        lib = (backend or resolve_backend("cpu")).lib("aside") if cores() > 1 else None
         handle = lib.ekv_aside_open() if lib is not None else None
         if handle and spin_us:
             lib.ekv_aside_spin(handle, spin_us)

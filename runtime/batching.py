@@ -136,7 +136,7 @@ class RunningBatch:
         prompt, decode_tokens = self.prompts[row], len(generated) - 1
         policy_stats = self.policy.stats(row)
         stats = {
-            "policy": engine.policy,
+            "policy": engine.policy_name,
             "prompt_tokens": len(prompt),
             "generated_tokens": len(generated),
             "prefill_s": float(self.prefill_s[row]),

@@ -4,7 +4,8 @@ Every record's checksum is CRC-32C of its (layer, group) as 8 bytes, then its pa
 padding left out): a record read from another layer's or group's offset fails as surely as a damaged one,
 and CRC-32C catches every single-bit error and every burst up to 32 bits.  A batch is checked in one call
 to a small C library (runtime/native/ekv_crc32c.c: the CPU's crc32c instruction, no GIL), so it runs
-beside the model's compute; without a C compiler the ``crc32c`` package computes the same values.
+beside the model's compute; without a C compiler the ``crc32c`` package computes the same values (the choice made
+once a process, whatever a policy's backend: checksums are the host's on every device).
 Live KV files keep their checksums in memory (the side table of ``DiskKVStore``, 4 bytes per group and
 layer); a context-store blob carries them in a trailer after its records (``Trailer``): format version,
 model fingerprint, layers, groups, record length, first group, the checksums, and the trailer's own CRC.
@@ -15,12 +16,13 @@ import ctypes
 import functools
 import logging
 from dataclasses import dataclass
-from pathlib import Path
+from typing import Callable
 
 import crc32c as crc32c_package
 import numpy as np
 
 from . import native_build
+from .kernels import load_library
 from .native_build import address
 
 log = logging.getLogger(__name__)
@@ -32,40 +34,45 @@ _HEADER = np.dtype([("magic", "S8"), ("version", "<u4"), ("n_layers", "<u4"), ("
                     ("record_bytes", "<u4"), ("first_group", "<u8"), ("fingerprint", "S32")])
 
 
-def build_crc32c() -> Path:
-    """The compiled CRC-32C library (runtime/native_build.py)."""
-    return native_build.build("crc32c")
+def sums_at(addresses, record_bytes: int, layers, groups) -> np.ndarray:
+    """uint32 [n] checksums of the records at host ``addresses`` (where a read put them); a record's seed is
+    layer << 40 | group.  By the C library, or where it does not build the crc32c package (``record_sums_by``,
+    chosen once a process: the same values, on every device and for the context store's blobs too)."""
+    return record_sums_by()(np.ascontiguousarray(addresses, dtype=np.int64), record_bytes, layers, groups)
 
 
 @functools.cache
-def native() -> ctypes.CDLL | None:
-    """The C library, or None (logged once) when it cannot be built: the crc32c package serves instead."""
-    lib = native_build.load_or_none("crc32c", log, "checking KV records with the crc32c package (slower)")
-    if lib is None:
-        return None
-    lib.ekv_crc32c.argtypes = [ctypes.c_uint32, ctypes.c_void_p, ctypes.c_size_t]
-    lib.ekv_crc32c.restype = ctypes.c_uint32
-    lib.ekv_record_sums.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
-    lib.ekv_record_sums.restype = None
-    lib.ekv_crc32c_impl.restype = ctypes.c_char_p
-    return lib
+def record_sums_by() -> Callable[[np.ndarray, int, object, object], np.ndarray]:
+    """``sums_at``'s implementation: the C library's (runtime/native/ekv_crc32c.c), or ``package_sums`` (logged
+    once) where it cannot be built."""
+    try:
+        lib = load_library("crc32c")
+    except OSError as exc:
+        log.warning("the CRC-32C library unavailable, checking KV records with the crc32c package (slower): %s",
+                    exc.cause if isinstance(exc, native_build.BuildError) else exc)
+        return package_sums
 
-
-def sums_at(addresses, record_bytes: int, layers, groups, use_native: bool = True) -> np.ndarray:
-    """uint32 [n] checksums of the records at host ``addresses`` (where a read put them); a record's seed is
-    layer << 40 | group."""
-    addresses = np.ascontiguousarray(addresses, dtype=np.int64)
-    seeds = np.ascontiguousarray((np.broadcast_to(np.asarray(layers, dtype=np.uint64), addresses.shape) << np.uint64(40))
-                                 | np.asarray(groups, dtype=np.uint64))
-    out = np.empty(len(addresses), dtype=np.uint32)
-    lib = native() if use_native else None
-    if lib is not None:
+    def native_sums(addresses: np.ndarray, record_bytes: int, layers, groups) -> np.ndarray:
+        out, seeds = np.empty(len(addresses), dtype=np.uint32), _seeds(addresses, layers, groups)
         lib.ekv_record_sums(len(addresses), address(addresses), record_bytes, address(seeds), address(out))
         return out
-    for i, (a, seed) in enumerate(zip(addresses.tolist(), seeds.tolist())):
+
+    return native_sums
+
+
+def package_sums(addresses: np.ndarray, record_bytes: int, layers, groups) -> np.ndarray:
+    """``sums_at`` by the crc32c package (int64 addresses): the reference the C library is tested against."""
+    out = np.empty(len(addresses), dtype=np.uint32)
+    for i, (a, seed) in enumerate(zip(addresses.tolist(), _seeds(addresses, layers, groups).tolist())):
         head = crc32c_package.crc32c(int(seed).to_bytes(8, "little"))
         out[i] = crc32c_package.crc32c((ctypes.c_char * record_bytes).from_address(a), head)
     return out
+
+
+def _seeds(addresses: np.ndarray, layers, groups) -> np.ndarray:
+    """uint64 [n]: each record's layer << 40 | group."""
+    layers = np.broadcast_to(np.asarray(layers, dtype=np.uint64), addresses.shape)
+    return np.ascontiguousarray((layers << np.uint64(40)) | np.asarray(groups, dtype=np.uint64))
 
 
 def record_sums(records: np.ndarray, record_bytes: int, layers, groups) -> np.ndarray:

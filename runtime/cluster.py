@@ -15,11 +15,11 @@ import numpy as np
 import torch
 
 
-def observation_picks(q: torch.Tensor, k: torch.Tensor, group_tokens: int, n_pick: int, first_group: int,
+def observation_picks(q: torch.Tensor, k: torch.Tensor, group_tokens: int, picked_groups: int, first_group: int,
                       end_group: int, scaling: float) -> np.ndarray:
     """bool [W, n_groups]: the groups each of the prompt's last W queries q [H, W, d] would pick among
     ``first_group <= g < end_group`` of the keys k [H_kv, T, d] (n_groups = T // G: a partial last group
-    is never on disk).  Raw logits summed over heads, ReduceMax per group, top ``n_pick``: the rule the
+    is never on disk).  Raw logits summed over heads, ReduceMax per group, top ``picked_groups``: the rule the
     decode-time selector applies, so the picks are the activations decoding will see.  Causal: the
     query at position T - W + w sees keys up to its own position only."""
     n_heads, n_obs, head_dim = q.shape
@@ -27,13 +27,13 @@ def observation_picks(q: torch.Tensor, k: torch.Tensor, group_tokens: int, n_pic
     if n_heads % n_kv_heads or k.shape[2] != head_dim:
         raise ValueError(f"queries [{n_heads}, W, {head_dim}] do not fit keys {list(k.shape)} "
                          "(GQA needs H % H_kv == 0)")
-    if n_obs > n_tokens or first_group < 0 or n_pick < 0 or group_tokens < 1:
+    if n_obs > n_tokens or first_group < 0 or picked_groups < 0 or group_tokens < 1:
         raise ValueError(f"bad observation: W={n_obs} queries over T={n_tokens} keys, G={group_tokens}, "
-                         f"first_group={first_group}, n_pick={n_pick}")
+                         f"first_group={first_group}, picked_groups={picked_groups}")
     n_groups = n_tokens // group_tokens
     picks = np.zeros((n_obs, n_groups), dtype=bool)
     end_group = min(end_group, n_groups)
-    if n_pick == 0 or end_group <= first_group:
+    if picked_groups == 0 or end_group <= first_group:
         return picks
     accumulate = torch.promote_types(k.dtype, torch.float32)
     compute = k.dtype if k.is_cuda else accumulate  # CPU half-precision matmuls are several times slower
@@ -43,7 +43,7 @@ def observation_picks(q: torch.Tensor, k: torch.Tensor, group_tokens: int, n_pic
     position = torch.arange(n_tokens - n_obs, n_tokens, device=k.device)[:, None]
     scores.masked_fill_(torch.arange(scores.shape[1], device=k.device) > position, float("-inf"))
     group_scores = scores.view(n_obs, end_group, group_tokens).amax(dim=-1)[:, first_group:]
-    top = group_scores.topk(min(n_pick, group_scores.shape[1]), dim=-1)
+    top = group_scores.topk(min(picked_groups, group_scores.shape[1]), dim=-1)
     rows = torch.arange(n_obs, device=k.device)[:, None].expand_as(top.indices)
     seen = top.values > float("-inf")  # a query earlier than a group sees none of it
     picks[rows[seen].cpu().numpy(), top.indices[seen].cpu().numpy() + first_group] = True
@@ -286,11 +286,11 @@ class CoactivationLayout:
         """From the config's ``placement`` section (cluster_queries, cluster_radius, replica_share)."""
         return cls(placement.cluster_queries, placement.cluster_radius, placement.replica_share, scaling, record_bytes)
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, group_tokens: int, n_pick: int, first_group: int,
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, group_tokens: int, picked_groups: int, first_group: int,
                  end_group: int, n_paths: int) -> tuple[list[np.ndarray], np.ndarray, np.ndarray]:
         """(per-path record order, activation [n_groups], refetch cost [n_groups]) for one (sequence, layer)."""
         n_groups = k.shape[1] // group_tokens
-        picks = observation_picks(q, k, group_tokens, n_pick, first_group, end_group, self.scaling)
+        picks = observation_picks(q, k, group_tokens, picked_groups, first_group, end_group, self.scaling)
         clusters = coactivation_clusters(picks, self.radius)
         per_path, record_clusters = layout(clusters, n_groups, n_paths, self.replica_share)
         cost = refetch_cost(per_path, record_clusters, n_groups, self.addr_cost_s, self.entry_cost_s)

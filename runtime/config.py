@@ -17,7 +17,7 @@ from pathlib import Path
 
 from .quant import QUANT_DTYPES, RECORD_DTYPES
 from .reader import BACKENDS
-from .selector import CORRECTIONS, KLR_FORMATS, SCORE_REDUCES, SELECTORS
+from .choices import CORRECTIONS, KLR_FORMATS, SCORE_REDUCES, SELECTOR_NAMES
 from .slot_memory import SLOT_MEMORIES
 from .slots import REPLACEMENTS as REPLACEMENT_POLICIES
 
@@ -211,14 +211,14 @@ class IOConfig(Section):
 class PredictorConfig(Section):
     """The selector (runtime/selector.py): how the next layer's groups are picked."""
 
-    selector: str = setting("lowrank", OneOf(lambda: SELECTORS),
+    selector: str = setting("lowrank", OneOf(SELECTOR_NAMES),
                             "lowrank (KVSwap's predictor), random (a floor), oracle (a ceiling)")
     score_reduce: str = setting("sum", OneOf(SCORE_REDUCES), "heads' scores: logits summed, or one softmax vote each")
     adapter_path: str | None = setting(None, Text(), "a calibrated low-rank adapter (safetensors)")
     prompt_adapter: bool = setting(False, Flag(), "each sequence predicts through a projection fitted on its own "
                                    "prompt's keys (an SVD a layer as the prompt is stored; a prompt too short for a "
                                    "stable fit takes the shared adapter); its projections count in its memory")
-    klr_dtype: str = setting("bfloat16", OneOf(lambda: KLR_FORMATS),
+    klr_dtype: str = setting("bfloat16", OneOf(KLR_FORMATS),
                              "K_lr rows' format (int8: half the bytes, int4 a quarter)")
     correction: str = setting("guess", OneOf(CORRECTIONS), "guess: the layer-ahead picks as they are; corrected: "
                               "rescored with the layer's own query, the groups the guess missed read before attention")
@@ -304,9 +304,9 @@ def _section(name: str):
 class RuntimeConfig(Section):
     """The core geometry and budget every policy shares, and one section per consumer; units are in the names.
 
-    ``G`` tokens per group (one disk record), ``M`` groups selected per layer and step, ``sigma`` K compression
-    ratio (H_kv*d / rank), ``C`` reuse-buffer slots per layer (``replacement``: fifo as KVSwap, lru, or cost as
-    Swarm).  ``max_kv_mem_mib`` is the KV memory budget for ``max_batch`` sequences of ``max_context`` tokens
+    ``G`` tokens per group (one disk record), ``M`` groups attended per layer and step (sinks and window
+    included), ``sigma`` K compression ratio (H_kv*d / rank), ``C`` reuse-buffer slots per layer
+    (``replacement``: fifo as KVSwap, lru, or cost as Swarm).  ``max_kv_mem_mib`` is the KV memory budget for ``max_batch`` sequences of ``max_context`` tokens
     (None: no limit, resident bytes are still reported).  ``sink_tokens`` S (the first tokens) and
     ``window_tokens`` W (the newest) are always attended and held in memory, rounded up to whole groups; they
     count in M, so the predictor picks ``picked_groups`` = M - ceil(S/G) - ceil(W/G) groups among the rest.

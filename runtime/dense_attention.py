@@ -3,34 +3,21 @@
 torch's path (``forward.decode_attention``) is two grouped matmuls and a softmax over the cache; at a small model's
 shapes (three query heads a KV head) the first matmul runs far below the memory's speed.  The kernel reads each key
 and value once for all the query heads of its KV head, in parts of 256 positions shared with the decode step's
-helper thread (runtime/aside.py).  float32, bfloat16 and float16 caches; others (and a GPU) attend through torch.
+helper thread (runtime/aside.py).  float32, bfloat16 and float16 caches on the native backend (runtime/kernels.py);
+others, the torch backend and a GPU attend through torch.
 """
 from __future__ import annotations
 
 import ctypes
-import functools
-import logging
 
 import numpy as np
 import torch
 
-from . import native_build
 from .native_build import address
-from .aside import AsideThread, unit_kernel
-
-log = logging.getLogger(__name__)
+from .aside import AsideThread
+from .kernels import Backend
 
 KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # the kernel's KV_F32, KV_BF16, KV_F16
-
-
-@functools.cache
-def native_dense() -> ctypes.CDLL | None:
-    """The native dense attention, or None (logged once) when it cannot be built: torch attends."""
-    p, i64, i32 = native_build.P, native_build.I64, native_build.I32
-    return unit_kernel("dense", "ekv_dense", log, "full attends through torch", {
-        "ekv_dense_job": ([p, p, i32, i32, i32, i32, ctypes.c_float, p, p, i64, i64, i32, p, p, p, i64], i64),
-        "ekv_dense_run": ([p, p], None), "ekv_dense_merge": ([p, p], None), "ekv_dense_parts": ([i64], i32)},
-        maxima=("head_dim", "group_queries"))
 
 
 class DenseAttention:
@@ -47,14 +34,13 @@ class DenseAttention:
         self._positions: tuple | None = None  # (start, stop, tokens) as last given -> their int64 arrays and parts
 
     @classmethod
-    def for_cache(cls, dtype: torch.dtype, device: torch.device, n_heads: int, n_kv_heads: int, head_dim: int,
+    def for_cache(cls, backend: Backend, dtype: torch.dtype, n_heads: int, n_kv_heads: int, head_dim: int,
                   scaling: float) -> "DenseAttention | None":
-        """The native attention for a cache of ``dtype`` on ``device``, or None where torch attends: a GPU, another
-        dtype, head shapes above the kernel's maxima, no compiler."""
-        if device.type != "cpu" or dtype not in KINDS:
-            return None
-        lib = native_dense()
-        if lib is None or head_dim > lib.max_head_dim or n_heads // n_kv_heads > lib.max_group_queries:
+        """The native attention for a cache of ``dtype`` on ``backend``, or None where torch attends: a backend
+        without the kernel (torch, a GPU), another dtype, head shapes above the kernel's maxima."""
+        lib = backend.lib("dense")
+        if lib is None or dtype not in KINDS or head_dim > lib.max_head_dim or \
+                n_heads // n_kv_heads > lib.max_group_queries:
             return None
         return cls(lib, scaling)
 

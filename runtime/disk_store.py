@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import ctypes
 import errno
-import functools
 import logging
 import os
 import shutil
@@ -31,9 +30,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import native_build
 from .native_build import address
 from .checksum import record_sums, sums_at
+from .kernels import Backend, resolve_backend
 from .placement import Placement
 from .store.files import pid_alive
 from .quant import FloatRecord, record_codec
@@ -212,7 +211,10 @@ class DiskKVStore:
     """
 
     def __init__(self, roots, n_layers: int, layout: RecordLayout, reader: KVReader, max_groups: int = 1 << 20,
-                 max_request_bytes: int | None = None, verify_fraction: float = 1.0, gap_bytes: int = 0):
+                 max_request_bytes: int | None = None, verify_fraction: float = 1.0, gap_bytes: int = 0,
+                 backend: Backend | None = None):
+        """``backend``: whose request planning it takes (runtime/kernels.py: the native one's or numpy's; None: the
+        CPU's)."""
         self.roots = [check_offload_path(root) for root in kv_path_list(roots) or [None]]
         for root in self.roots:
             remove_dead_sequences(root)
@@ -252,6 +254,8 @@ class DiskKVStore:
         self.records_reread = 0  # failed once, then read back intact (a transient fault)
         self._checks_lock = threading.Lock()  # the two counters above (and bytes_written) grow on several threads
         self._writers: ThreadPoolExecutor | None = None  # a flush's writes in flight together (write_layers)
+        self._planner = (backend or resolve_backend("cpu")).lib("requests")
+        self._requests = self._requests_numpy if self._planner is None else self._planned
 
     @property
     def n_paths(self) -> int:
@@ -482,13 +486,18 @@ class DiskKVStore:
             self._pwrite(int(self._fds[seq, layer, path[a]]), records[a:b], int(index[a]) * stride)
         self.records_relocated += len(groups)
 
-    def _requests(self, layer: int, seqs: np.ndarray, groups: np.ndarray, addresses: np.ndarray) -> ReadBatch:
-        """One decode layer's reads as sorted requests; called twice a layer on the compute thread (the picks, then a
-        correction's), so a batch of one sequence with single copies takes no per-sequence or per-record steps."""
+    def _planned(self, layer: int, seqs: np.ndarray, groups: np.ndarray, addresses: np.ndarray) -> ReadBatch:
+        """``_requests`` with the native planner: one call where the layer's tables allow it (``_native_requests``),
+        numpy's steps where they do not."""
         seqs, groups = np.asarray(seqs, dtype=np.int64), np.asarray(groups, dtype=np.int64)
         planned = self._native_requests(layer, seqs, groups, addresses)
-        if planned is not None:
-            return planned
+        return self._requests_numpy(layer, seqs, groups, addresses) if planned is None else planned
+
+    def _requests_numpy(self, layer: int, seqs: np.ndarray, groups: np.ndarray, addresses: np.ndarray) -> ReadBatch:
+        """One decode layer's reads as sorted requests (the reference the native planner is tested against); called
+        twice a layer on the compute thread (the picks, then a correction's), so a batch of one sequence with single
+        copies takes no per-sequence or per-record steps."""
+        seqs, groups = np.asarray(seqs, dtype=np.int64), np.asarray(groups, dtype=np.int64)
         n = len(seqs)
         stride = self.layout.stride_bytes
         fds = np.empty(n, dtype=np.int32)
@@ -561,11 +570,8 @@ class DiskKVStore:
         every group of the layer sits in the stripe, no stored context is attached and every record is checked or
         none is; None elsewhere, and where it refuses (a closed file, a sequence without checksums): the numpy path
         then raises the error."""
-        n = len(seqs)
+        n, lib = len(seqs), self._planner
         if not n or not self.plans_natively(layer):
-            return None
-        lib = native_requests()
-        if lib is None:
             return None
         files = self.native_plan_fields(layer)
         seqs, groups = np.ascontiguousarray(seqs), np.ascontiguousarray(groups)
@@ -601,7 +607,8 @@ class DiskKVStore:
 
     def native_plan_fields(self, layer: int) -> dict[str, int]:
         """What ``ekv_requests_plan`` takes of the files and checksums for ``layer`` (runtime/native/ekv_fetch.c's
-        job fields), valid until ``tables_version`` moves (a sequence opens or goes, a checksum table grows)."""
+        job fields), valid until ``tables_version`` moves (a sequence opens or goes, a checksum table grows, a layer is
+        laid out or a stored context attached)."""
         table, every = self._fds, self.verify_fraction >= 1
         bases, row_bytes = self._sums_by_sequence() if every else (None, None)
         return {"n_seqs": len(table), "fds": address(table) + layer * table.strides[1],
@@ -712,16 +719,6 @@ class DiskKVStore:
                 self._writers.shutdown()
             for d in self.dirs:
                 shutil.rmtree(d, ignore_errors=True)
-
-
-@functools.cache
-def native_requests() -> ctypes.CDLL | None:
-    """The native request planning, or None (logged once) when it cannot be built: the numpy path serves."""
-    p, i64, i32 = native_build.P, native_build.I64, native_build.I32
-    return native_build.load_or_none("requests", log, "planning reads through numpy", {
-        "ekv_requests_scratch_bytes": ([i64], i64),
-        "ekv_requests_plan": ([i64, p, p, p, i64, p, i64, i64, i32, i64, i64, i64, i32, p, p, i32, i64, p,
-                               p, p, p, p, p, p, p, p, p, p, i64, p], i64)})
 
 
 def _fd_path(fd: int) -> str:

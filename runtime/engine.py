@@ -13,6 +13,7 @@ import logging
 import operator
 import os
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +27,7 @@ from .devices import resolve_device, resolve_dtype
 from .disk_store import CorruptRecord, RecordLayout, check_offload_path, kv_path_list
 from .events import EventBus, JsonLinesLog
 from .forward import prefill
+from .kernels import resolve_backend
 from .memory import MemoryPlan, plan_memory
 from .model import DecoderModel, ModelDims, load_model, read_model_config
 from .policies import PolicyEnv, get as get_policy
@@ -52,23 +54,32 @@ class Engine:
         model: DecoderModel,
         config: RuntimeConfig,
         policy: str = "kvswap",
-        kv_offload_path: str | Path | list | None = None,
+        kv_path: str | Path | list | None = None,
         tokenizer=None,
         adapter: LowRankAdapter | None = None,
         solutions: SolutionTable | None = None,
         scorer: InStorageScorer | None = None,
         reader: KVReader | None = None,
+        backend: str | None = None,
+        *,
+        kv_offload_path: str | Path | list | None = None,
     ):
-        """``kv_offload_path``: the KV disk's folder, or a list of folders on several devices (records spread
-        over them, read through one queue each).  ``reader``: a KV reader to use (and close) instead of opening
-        ``config.io.reader_backend`` (e.g. an emulated multi-device reader, runtime.reader.open_reader)."""
+        """``policy``: the policy's name (``policy_name``; a batch holds the policy built from it).  ``kv_path``:
+        the KV disk's folder, or a list of folders on several devices (records spread over them, read through one
+        queue each); ``kv_offload_path`` is its old name, still read with a DeprecationWarning.  ``reader``: a KV
+        reader to use (and close) instead of opening ``config.io.reader_backend`` (e.g. an emulated multi-device
+        reader, runtime.reader.open_reader).
+        ``backend``: what the policies' kernels run on (runtime/kernels.py BACKENDS; None: the device's own, "torch":
+        the reference)."""
         self.model = model
+        self.backend = resolve_backend(model.device, backend)
         self.tokenizer = tokenizer
-        self.policy = policy
+        kv_path = _renamed_kv_path(kv_path, kv_offload_path)
+        self.policy_name = policy
         self.spec = get_policy(policy)  # the registered policy (runtime/policies/): traits, memory, how it is built
         self.config = self.spec.effective_config(config)
-        self.kv_paths = [Path(p) for p in kv_path_list(kv_offload_path)]
-        self.kv_offload_path = self.kv_paths[0] if self.kv_paths else None
+        self.kv_paths = [Path(p) for p in kv_path_list(kv_path)]
+        self.kv_path = self.kv_paths[0] if self.kv_paths else None  # the first: the context store's disk
         self.adapters = AdapterSet(model.dims.n_kv_heads, model.dims.head_dim, self.spec.predicts, adapter,
                                    self.config.predictor.adapter_path)
         self.solutions = solutions
@@ -81,7 +92,7 @@ class Engine:
         self.events = EventBus()
         if os.environ.get("EDGEKV_EVENTS_FILE"):  # set by `edgekv energy` for the process it measures
             self.events.subscribe(JsonLinesLog(os.environ["EDGEKV_EVENTS_FILE"]))
-        self.memory_plan = preflight(policy, self.config, model.dims, model.dtype, adapter, kv_offload_path)
+        self.memory_plan = preflight(policy, self.config, model.dims, model.dtype, adapter, kv_path)
         self.reader: KVReader | None = reader
         if self.spec.on_disk and reader is None:
             self.reader = open_reader(self.config.io.reader_backend, self.config.io.io_queue_depth, n_paths=len(self.kv_paths))
@@ -94,13 +105,16 @@ class Engine:
     def from_pretrained(
         cls,
         model: str | Path,
-        kv_offload_path: str | Path | list | None = None,
+        kv_path: str | Path | list | None = None,
         config: RuntimeConfig | dict | str | Path | None = None,
         policy: str = "kvswap",
         device: str | torch.device | None = None,
         dtype: str | torch.dtype | None = None,
         scorer: InStorageScorer | None = None,
         weights: str | None = None,
+        backend: str | None = None,
+        *,
+        kv_offload_path: str | Path | list | None = None,
     ) -> "Engine":
         """Everything that can be refused is checked before the weights are loaded.
 
@@ -110,8 +124,10 @@ class Engine:
         solution for its (batch size, context), each checked here against its memory budget, on the device and
         in the dtype it was deployed with unless ``device``/``dtype`` say otherwise (runtime/devices.py).
         ``weights``: the linear layers' format (runtime/weights.py WEIGHT_FORMATS); default: the deployed config's
-        when this run computes on its device and dtype, else ``native``.
+        when this run computes on its device and dtype, else ``native``.  ``backend``, ``kv_path`` (and its old
+        name ``kv_offload_path``): as ``Engine``'s.
         """
+        kv_path = _renamed_kv_path(kv_path, kv_offload_path)
         if isinstance(config, (str, Path)):
             config = read_config_file(config)  # once: the solutions and the deployed device come from it
         cfg, solutions = load_deployed(config)
@@ -123,16 +139,18 @@ class Engine:
                               compute.get("device"))
         weights = resolve_weights(weights, compute, device, dtype)
         check_weight_format(weights, device, dtype)
+        resolve_backend(device, backend)  # a backend the device cannot run is refused before the weights load
         dims = ModelDims.from_config(hf_cfg)
         spec = get_policy(policy)
         adapter = _load_adapter(cfg, policy)
         _ttft_costs(cfg.prefill.ttft_costs_path)  # a bad cost model file is named before the weights load
-        preflight(policy, spec.effective_config(cfg), dims, dtype, adapter, kv_offload_path)
+        preflight(policy, spec.effective_config(cfg), dims, dtype, adapter, kv_path)
         for _, _, sol in solutions or []:
-            preflight(policy, spec.effective_config(sol), dims, dtype, _load_adapter(sol, policy), kv_offload_path)
+            preflight(policy, spec.effective_config(sol), dims, dtype, _load_adapter(sol, policy), kv_path)
         max_context = max([cfg.max_context] + [s.max_context for _, _, s in solutions or []])
         decoder = load_model(model_dir, device, dtype, max_context, weights)
-        return cls(decoder, cfg, policy, kv_offload_path, load_tokenizer(model_dir), adapter, solutions, scorer)
+        return cls(decoder, cfg, policy, kv_path, load_tokenizer(model_dir), adapter, solutions, scorer,
+                   backend=backend)
 
     # ---- the context store ----------------------------------------------------------------------
 
@@ -376,7 +394,7 @@ class Engine:
     def policy_env(self) -> PolicyEnv:
         """What a batch builds its policy with: this engine's model, KV paths, reader, scorer and adapters."""
         return PolicyEnv(self.model, self.kv_paths, self.reader, self.scorer, self.adapters.for_config,
-                         self.adapters.rank, self._picks_event)
+                         self.adapters.rank, self._picks_event, self.backend)
 
     def _picks_event(self, layer, groups, valid) -> None:
         self.events.emit("groups_selected", layer=layer, groups=groups, valid=valid)
@@ -433,12 +451,24 @@ def _is_messages(prompt) -> bool:
     return isinstance(prompt, (list, tuple)) and bool(prompt) and all(isinstance(m, dict) for m in prompt)
 
 
+def _renamed_kv_path(kv_path, kv_offload_path):
+    """``kv_path``, or what the old keyword ``kv_offload_path`` gave (read for one release, with a warning)."""
+    if kv_offload_path is None:
+        return kv_path
+    if kv_path is not None:
+        raise TypeError("Engine: kv_path and kv_offload_path (its old name) are both given; pass kv_path only")
+    warnings.warn("Engine: the keyword 'kv_offload_path' is now 'kv_path'; rename it (the old name is still read)",
+                  DeprecationWarning, stacklevel=3)
+    return kv_offload_path
+
+
 def _load_adapter(cfg: RuntimeConfig, policy: str) -> LowRankAdapter | None:
     return LowRankAdapter.load(cfg.predictor.adapter_path) if cfg.predictor.adapter_path and get_policy(policy).predicts else None
 
 
-def preflight(policy, cfg: RuntimeConfig, dims: ModelDims, dtype, adapter, kv_offload_path) -> MemoryPlan:
-    """Refuse what cannot run (adapter mismatch, over budget, bad offload path); returns the memory plan."""
+def preflight(policy, cfg: RuntimeConfig, dims: ModelDims, dtype, adapter, kv_path) -> MemoryPlan:
+    """Refuse what cannot run (adapter mismatch, over budget, a KV folder that cannot hold records); returns the
+    memory plan."""
     if adapter is not None:
         adapter.check(dims.global_view().n_layers, dims.n_kv_heads, dims.head_dim)
         if cfg.sigma is not None and abs(adapter.sigma - cfg.sigma) > 0.5:
@@ -450,7 +480,7 @@ def preflight(policy, cfg: RuntimeConfig, dims: ModelDims, dtype, adapter, kv_of
     plan = _plan(policy, cfg, dims, dtype, rank)
     plan.check(cfg.max_kv_mem_mib, policy)
     if get_policy(policy).on_disk:
-        for path in kv_path_list(kv_offload_path) or [None]:
+        for path in kv_path_list(kv_path) or [None]:
             check_offload_path(path)
     return plan
 

@@ -19,19 +19,16 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
 import threading
 from typing import NamedTuple
 
 import numpy as np
 
-from . import native_build
 from .disk_store import DiskKVStore, VerifiedBatch
+from .kernels import Backend
 from .native_build import address
 from .reader import ReadBatch
 from .slots import Misses, SlotTable
-
-log = logging.getLogger(__name__)
 
 _I64, _P = ctypes.c_int64, ctypes.c_void_p
 
@@ -52,19 +49,14 @@ class FetchJob(ctypes.Structure):
 
 
 @functools.cache
-def native_fetch():
-    """The library, or None (logged once) when it cannot be built: the calls one by one serve."""
-    p, i64, i32 = native_build.P, native_build.I64, native_build.I32
-    lib = native_build.load_or_none("fetch", log, "assigning slots and planning reads in separate calls", {
-        "ekv_fetch_job_bytes": ([], i64), "ekv_fetch_job_fields": ([], i32), "ekv_fetch_job_offsets": ([p], None),
-        "ekv_fetch_run": ([p, p, p, p, i64, i64, p], i64), "ekv_requests_scratch_bytes": ([i64], i64)})
-    if lib is not None:
-        offsets = np.zeros(lib.ekv_fetch_job_fields(), dtype=np.int64)
-        lib.ekv_fetch_job_offsets(address(offsets))
-        ours = [getattr(FetchJob, name).offset for name, _ in FetchJob._fields_]
-        if lib.ekv_fetch_job_bytes() != ctypes.sizeof(FetchJob) or offsets.tolist() != ours:
-            raise RuntimeError("runtime/native/ekv_fetch.h's struct ekv_fetch_job and runtime/fetch_plan.py's FetchJob "
-                               "differ: one of the two changed without the other")
+def check_job_layout(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """``lib`` (the backend's "fetch" library) once its ``struct ekv_fetch_job`` is found to be ``FetchJob``'s."""
+    offsets = np.zeros(lib.ekv_fetch_job_fields(), dtype=np.int64)
+    lib.ekv_fetch_job_offsets(address(offsets))
+    ours = [getattr(FetchJob, name).offset for name, _ in FetchJob._fields_]
+    if lib.ekv_fetch_job_bytes() != ctypes.sizeof(FetchJob) or offsets.tolist() != ours:
+        raise RuntimeError("runtime/native/ekv_fetch.h's struct ekv_fetch_job and runtime/fetch_plan.py's FetchJob "
+                           "differ: one of the two changed without the other")
     return lib
 
 
@@ -180,11 +172,11 @@ class NativePlanner(CallsPlanner):
         return job.slots, misses, reads
 
 
-def planner_for(slots, slot_memory, store: DiskKVStore, bytes_read: np.ndarray, native: bool = True) -> CallsPlanner:
-    """The native planner where its parts allow it (a slot table whose replacement ekv_slots.c keeps, slots in host
-    memory where the reads land, the library built, ``native`` asked), else the calls one by one."""
-    lib = native_fetch() if native and isinstance(slots, SlotTable) and hasattr(slot_memory, "slot_base") \
-        and slots.native_fields(0) is not None else None
-    if lib is None:
+def planner_for(backend: Backend, slots, slot_memory, store: DiskKVStore, bytes_read: np.ndarray) -> CallsPlanner:
+    """The native planner where the backend has its library and the parts allow it (a slot table whose replacement
+    ekv_slots.c keeps, slots in host memory where the reads land), else the calls one by one."""
+    lib = backend.lib("fetch")
+    if lib is None or not (isinstance(slots, SlotTable) and hasattr(slot_memory, "slot_base")
+                           and slots.native_fields(0) is not None):
         return CallsPlanner(slots, slot_memory, store, bytes_read)
-    return NativePlanner(lib, slots, slot_memory, store, bytes_read)
+    return NativePlanner(check_job_layout(lib), slots, slot_memory, store, bytes_read)

@@ -18,7 +18,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import importlib.util
-import logging
 import os
 import platform
 from pathlib import Path
@@ -27,11 +26,11 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from .aside import AsideThread, unit_kernel
+from . import native_build
+from .aside import AsideThread
 from .cache import cache_root
+from .kernels import load_library
 from .norms import RmsNorm
-
-log = logging.getLogger(__name__)
 
 LIBRARIES = ("libggml-base.so", "libggml-cpu.so")  # ggml-cpu links against ggml-base
 GGML_LIB_ENV = "EDGEKV_GGML_LIB"  # a folder holding libggml-base.so and libggml-cpu.so (default: llama-cpp-python's)
@@ -131,13 +130,11 @@ def ggml() -> Ggml | str:
         if (traits.type_name, traits.type_size, traits.blck_size) != (name.lower().encode(), block_bytes, elements):
             return (f"ggml under {folder} numbers its block types otherwise ({name} is not type {number} of "
                     f"{block_bytes} bytes a {elements} elements): an unsupported ggml version; {INSTALL_HINT}")
-    glue = unit_kernel("ggml", "ekv_ggml", log, "weights 'ggml' unavailable", {
-        "ekv_ggml_layer": ([p, p, p, p, i64, i64, i32, i64], i32),
-        "ekv_ggml_call": ([p, p, i64, p, p, i32, p, ctypes.c_float], i64),
-        "ekv_ggml_block_end": ([p, p, p, p, i64, p, ctypes.c_float, p, p, p, p, p, i32], None),
-        "ekv_ggml_heads": ([p, p, p, i64, p, ctypes.c_float, p, p, p, p, i32, i32, i32, p, p, p, p, p], None)})
-    if glue is None:
-        return "edgekv's glue to ggml (runtime/native/ekv_ggml.c) did not build: the log says why"
+    try:
+        glue = load_library("ggml")
+    except OSError as exc:
+        cause = exc.cause if isinstance(exc, native_build.BuildError) else exc
+        return f"edgekv's glue to ggml (runtime/native/ekv_ggml.c) did not build ({cause})"
     cpu.ggml_cpu_init()  # the fp16 tables the dot products read
     return Ggml(base, cpu, glue)
 

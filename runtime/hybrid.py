@@ -15,6 +15,7 @@ import torch
 
 from .dense_attention import DenseAttention
 from .forward import decode_attention
+from .kernels import Backend, resolve_backend
 from .kv_policy import KVPolicy
 from .memory import global_config
 from .model import DecoderModel
@@ -30,7 +31,7 @@ def build_policy(spec, env, batch: int, cfg) -> KVPolicy:
     view = GlobalLayers(model)
     inner_cfg = global_config(cfg, model.dims, torch.empty(0, dtype=model.dtype).element_size())
     inner = spec.build(dataclasses.replace(env, model=view), batch, inner_cfg) if view.dims.n_layers else None
-    return HybridKV(model, inner, batch, cfg.max_context)
+    return HybridKV(model, inner, batch, cfg.max_context, env.backend)
 
 
 class GlobalLayers:
@@ -52,16 +53,19 @@ class WindowRing:
     """K and V of each windowed layer's last W tokens per sequence: token p sits in slot p % W, so a decode step
     writes one slot per row and attends to the filled ones (all W once p >= W - 1)."""
 
-    def __init__(self, model: DecoderModel, batch: int, max_context: int, lengths: np.ndarray):
+    def __init__(self, model: DecoderModel, batch: int, max_context: int, lengths: np.ndarray,
+                 backend: Backend | None = None):
+        """``backend``: what it attends on (runtime/kernels.py; None: the model device's)."""
         dims = model.dims
         self.model, self.lengths = model, lengths  # the policy's lengths (the positions of the step's tokens)
         self.sizes = {layer: min(dims.window(layer), max_context) for layer in range(dims.n_layers) if dims.window(layer)}
         self.kv = {layer: torch.zeros(2, batch, dims.n_kv_heads, size, dims.head_dim, dtype=model.dtype,
                                       device=model.device) for layer, size in self.sizes.items()}
         self._step: dict | None = None  # per step: the active rows, their positions, each ring size's slots and mask
-        # on a CPU the filled slots [0, min(position + 1, W)) in one native call (runtime/dense_attention.py)
-        self.dense = DenseAttention.for_cache(model.dtype, model.device, dims.n_heads, dims.n_kv_heads, dims.head_dim,
-                                              model.scaling)
+        # on the native backend the filled slots [0, min(position + 1, W)) in one call (runtime/dense_attention.py)
+        self.dense = DenseAttention.for_cache(backend or resolve_backend(model.device), model.dtype, dims.n_heads,
+                                              dims.n_kv_heads, dims.head_dim, model.scaling)
+        self._attention = self._torch_attention if self.dense is None else self._dense_attention
         self._starts = np.zeros(batch, dtype=np.int64)
 
     @property
@@ -92,8 +96,15 @@ class WindowRing:
         rows = step["rows"]
         ring[0, rows, :, slots[rows]] = k[rows, :, 0]
         ring[1, rows, :, slots[rows]] = v[rows, :, 0]
-        if self.dense is not None:
-            return self.dense(q, ring[0], ring[1], self._starts, stops)
+        return self._attention(q, ring, mask, stops)
+
+    def _dense_attention(self, q: torch.Tensor, ring: torch.Tensor, mask: torch.Tensor, stops: np.ndarray
+                         ) -> torch.Tensor:
+        """The filled slots [0, stop) in one native call (the mask is torch's)."""
+        return self.dense(q, ring[0], ring[1], self._starts, stops)
+
+    def _torch_attention(self, q: torch.Tensor, ring: torch.Tensor, mask: torch.Tensor, stops: np.ndarray
+                         ) -> torch.Tensor:
         return decode_attention(self.model, q, ring[0], ring[1], mask)
 
     def end_step(self) -> None:
@@ -104,10 +115,11 @@ class HybridKV(KVPolicy):
     """A KV policy over the global layers beside a ``WindowRing`` for the windowed ones; lengths, reads, stalls
     and reuse are the policy's, resident bytes both."""
 
-    def __init__(self, model: DecoderModel, inner: KVPolicy | None, batch: int, max_context: int):
+    def __init__(self, model: DecoderModel, inner: KVPolicy | None, batch: int, max_context: int,
+                 backend: Backend | None = None):
         self.model, self.batch, self.max_context, self.inner = model, batch, max_context, inner
         self._own = KVPolicy(model, batch, max_context)  # lengths and counters when every layer is windowed
-        self.ring = WindowRing(model, batch, max_context, self._counters.lengths)
+        self.ring = WindowRing(model, batch, max_context, self._counters.lengths, backend)
         self._global = {layer: i for i, layer in enumerate(model.dims.global_layers)}
 
     @property

@@ -14,6 +14,7 @@ import torch
 from .aside import SPIN_US, AsideThread
 from .dense_attention import DenseAttention
 from .forward import decode_attention
+from .kernels import Backend, resolve_backend
 from .model import DecoderModel
 from .reader import BusyTime
 from .transfer import to_device
@@ -132,10 +133,11 @@ class KVPolicy:
 
 
 class InMemoryKV(KVPolicy):
-    """All KV in one preallocated tensor per layer: the exact reference, no copies per step.  On a CPU it attends in
-    one native call (runtime/dense_attention.py) shared with a helper thread, where the kernel builds."""
+    """All KV in one preallocated tensor per layer: the exact reference, no copies per step.  On the native backend
+    it attends in one native call (runtime/dense_attention.py) shared with a helper thread."""
 
-    def __init__(self, model: DecoderModel, batch: int, max_context: int):
+    def __init__(self, model: DecoderModel, batch: int, max_context: int, backend: Backend | None = None):
+        """``backend``: what it attends on (runtime/kernels.py; None: the model device's)."""
         super().__init__(model, batch, max_context)
         d = model.dims
         self.kv = torch.zeros(
@@ -143,11 +145,12 @@ class InMemoryKV(KVPolicy):
         )
         self._batch_index = torch.arange(batch, device=model.device)
         self._step_key, self._step = None, None  # the step's lengths -> (write positions, span, mask)
-        self.dense = DenseAttention.for_cache(model.dtype, model.device, d.n_heads, d.n_kv_heads, d.head_dim,
-                                              model.scaling)
+        backend = backend or resolve_backend(model.device)
+        self.dense = DenseAttention.for_cache(backend, model.dtype, d.n_heads, d.n_kv_heads, d.head_dim, model.scaling)
+        self._attention = self._torch_attention if self.dense is None else self._dense_attention
         if self.dense is not None:
             # where the model's layers share the helper too it spins between them (aside.SPIN_US)
-            self.dense.aside = AsideThread.open(spin_us=SPIN_US if model.computes_aside else 0)
+            self.dense.aside = AsideThread.open(SPIN_US if model.computes_aside else 0, backend)
             model.lend_aside(self.dense.aside, self)
             self._starts = np.zeros(batch, dtype=np.int64)
 
@@ -163,8 +166,13 @@ class InMemoryKV(KVPolicy):
     def attend(self, layer, q, k, v):
         pos, span, mask = self._step_tensors(q.device)
         self.kv[layer, :, self._batch_index, :, pos] = torch.stack((k[:, :, 0], v[:, :, 0]), dim=1)  # K and V at once
-        if self.dense is not None:
-            return self.dense(q, self.kv[layer, 0], self.kv[layer, 1], self._starts, self._stops)
+        return self._attention(layer, q, span, mask)
+
+    def _dense_attention(self, layer: int, q: torch.Tensor, span: int, mask: torch.Tensor) -> torch.Tensor:
+        """Each row's positions [0, length] in one native call (the span and mask are torch's)."""
+        return self.dense(q, self.kv[layer, 0], self.kv[layer, 1], self._starts, self._stops)
+
+    def _torch_attention(self, layer: int, q: torch.Tensor, span: int, mask: torch.Tensor) -> torch.Tensor:
         return decode_attention(self.model, q, self.kv[layer, 0, :, :, :span], self.kv[layer, 1, :, :, :span], mask)
 
     def _step_tensors(self, device) -> tuple[torch.Tensor, int, torch.Tensor]:

@@ -4,18 +4,19 @@ low-rank predictor's group scorer, the disk policies' decode attention over thei
 in-memory cache, the decode step's helper thread, the reuse buffer's slot assignment, the disk store's request
 planning, the glue to ggml's dot products.
 
-A library is built into the cache under a name that carries its source's hash (and the machine, for code built
-with -march=native), so an edited source is rebuilt and a stale library is never loaded; a failed or interrupted
-build never leaves a file that would be.  Callers declare their own function signatures on what ``load`` gives.
+A library is one or more C units, each compiled on its own and linked into one shared object, built into the cache
+under a name that carries the hash of its sources and headers (and the machine, for code built with -march=native), so
+an edited source is rebuilt and a stale library is never loaded; a failed or interrupted build never leaves a file
+that would be.  Callers declare the function signatures of what ``build`` gives.
 """
 from __future__ import annotations
 
 import ctypes
 import hashlib
-import logging
 import os
 import platform
 import subprocess
+import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,16 +45,21 @@ class BuildError(OSError):
 @dataclass(frozen=True)
 class NativeLibrary:
     stem: str  # the cached file's name before its hash: libekv_<stem>-<digest>.so
-    source: str  # a file in runtime/native/
+    source: str  # its first unit, a file in runtime/native/
     flags: tuple[str, ...]
     libs: tuple[str, ...]
     what: str  # named when the build fails
     per_machine: bool = False  # -march=native code: the machine is part of its name
     machine_flags: tuple[tuple[str, tuple[str, ...]], ...] = ()  # (platform.machine(), flags) added there
-    headers: tuple[str, ...] = ()  # files in runtime/native/ the source includes: part of its hash
+    headers: tuple[str, ...] = ()  # files in runtime/native/ its units include: part of its hash
+    units: tuple[str, ...] = ()  # its other units, compiled apart and linked with the first
+
+    @property
+    def sources(self) -> tuple[str, ...]:
+        return (self.source, *self.units)
 
     def sources_bytes(self) -> bytes:
-        return b"".join((SOURCES / name).read_bytes() for name in (self.source, *self.headers))
+        return b"".join((SOURCES / name).read_bytes() for name in (*self.sources, *self.headers))
 
     def flags_here(self) -> tuple[str, ...]:
         return self.flags + dict(self.machine_flags).get(platform.machine(), ())
@@ -81,10 +87,13 @@ LIBRARIES = {
                           "the glue to ggml's dot products (weights 'ggml')"),
     "aside": NativeLibrary("aside", "ekv_aside.c", ("-O2", "-pthread"), ("-lpthread",),
                            "the decode step's helper thread"),
-    "slots": NativeLibrary("slots", "ekv_slots.c", ("-O2",), (), "the reuse buffer's slot assignment"),
-    "requests": NativeLibrary("requests", "ekv_requests.c", ("-O2",), (), "the disk store's request planning"),
+    "slots": NativeLibrary("slots", "ekv_slots.c", ("-O2",), (), "the reuse buffer's slot assignment",
+                           headers=("ekv_slots.h",)),
+    "requests": NativeLibrary("requests", "ekv_requests.c", ("-O2",), (), "the disk store's request planning",
+                              headers=("ekv_requests.h",)),
     "fetch": NativeLibrary("fetch", "ekv_fetch.c", ("-O2",), (), "a layer's picks to their reads in one call",
-                           headers=("ekv_fetch.h", "ekv_slots.c", "ekv_requests.c")),
+                           headers=("ekv_fetch.h", "ekv_slots.h", "ekv_requests.h"),
+                           units=("ekv_slots.c", "ekv_requests.c")),
     # aarch64: the ARMv8 CRC32C instruction (every ARMv8.1+ core, Orin's A78AE included), not the table
     "crc32c": NativeLibrary("crc32c", "ekv_crc32c.c", ("-O2",), (), "the CRC-32C library",
                             machine_flags=(("aarch64", ("-march=armv8-a+crc",)),)),
@@ -109,7 +118,6 @@ def build(name: str) -> Path:
     if target.exists():
         return target
     lib = LIBRARIES[name]
-    source = str(SOURCES / lib.source)
     with _BUILDING:  # one build; the threads that waited find its library
         if target.exists():
             return target
@@ -117,14 +125,25 @@ def build(name: str) -> Path:
             failed = _FAILED[target]
             raise BuildError(failed.what, failed.command, failed.stderr)
         try:
-            return compile_library(lambda out: ["cc", *lib.flags_here(), "-shared", "-fPIC", "-Wall", source, "-o",
-                                                out, *lib.libs], target, lib.what)
+            return compile_units(lib, target)
         except BuildError as exc:
             _FAILED[target] = exc
             raise
 
 
+def compile_units(lib: NativeLibrary, target: Path, flags: tuple[str, ...] | None = None) -> Path:
+    """``lib``'s units compiled one by one with ``flags`` (default: its own here) and linked into ``target``."""
+    flags = lib.flags_here() if flags is None else tuple(flags)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix=f".{target.name}.") as objects:
+        units = [str(Path(objects) / f"{Path(source).stem}.o") for source in lib.sources]
+        for source, unit in zip(lib.sources, units):
+            _run(["cc", *flags, "-fPIC", "-Wall", "-c", str(SOURCES / source), "-o", unit], lib.what)
+        return compile_library(lambda out: ["cc", *flags, "-shared", *units, "-o", out, *lib.libs], target, lib.what)
+
+
 def load(name: str) -> ctypes.CDLL:
+    """Library ``name``, its functions undeclared (runtime/kernels.py load_library declares a kernel's)."""
     return ctypes.CDLL(str(build(name)))
 
 
@@ -141,32 +160,24 @@ def address(array) -> int:
         return array.ctypes.data
 
 
-def load_or_none(name: str, log: logging.Logger, instead: str,
-                 signatures: dict[str, tuple[list, type | None]] | None = None) -> ctypes.CDLL | None:
-    """The library, its functions declared (``signatures``: name -> (argtypes, restype)), or None when it cannot be
-    built, warning once through the caller's ``log`` what serves ``instead`` (callers cache the result)."""
-    try:
-        lib = load(name)
-    except OSError as exc:
-        log.warning("%s unavailable, %s: %s", LIBRARIES[name].what, instead, exc)
-        return None
-    for function, (argtypes, restype) in (signatures or {}).items():
-        getattr(lib, function).argtypes, getattr(lib, function).restype = argtypes, restype
-    return lib
-
-
 def compile_library(command, target: Path, what: str) -> Path:
     """Run ``command(output_path)`` into a temporary file and move it to ``target``: a failed or
     interrupted build never leaves a library that would be loaded."""
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")  # no two builders share a file
-    cmd = command(str(tmp))
-    result = subprocess.run(cmd, capture_output=True, text=True)
-    if result.returncode != 0:
+    try:
+        _run(command(str(tmp)), what)
+    except BuildError:
         tmp.unlink(missing_ok=True)
-        raise BuildError(what, cmd, result.stderr.strip())
+        raise
     tmp.replace(target)
     return target
+
+
+def _run(command: list[str], what: str) -> None:
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise BuildError(what, command, result.stderr.strip())
 
 
 def build_all() -> dict[str, str]:

@@ -3,24 +3,19 @@
 A group record holds ``group_tokens`` tokens of every KV head: key codes per channel over the group
 and value codes per token (runtime/quant.py formats), their float16 scales and zeros, the tokens'
 positions (< 0: a hole, an evicted token) and their attention statistics (``stats``: observations,
-mean, mean square; read by the policy, not by attention).  ``group_scores`` and ``group_values`` run
-the C kernel (native/ekv_qattn.c, built on first use or by ``edgekv build-native``) on CPU float32;
-on CUDA, or when the library cannot be built, a torch path dequantizes a block of groups at a time
-(never the whole cache at once).
+mean, mean square; read by the policy, not by attention).  ``group_kernels`` gives a backend's scores and values
+over one sequence's rows: the C kernel (native/ekv_qattn.c) on the native backend, else the torch reference, which
+dequantizes a block of groups at a time (never the whole cache at once); ``batch_group_scores`` and
+``batch_group_values`` are that reference over a batch (a GPU's path).
 """
 from __future__ import annotations
 
 import ctypes
-import functools
-import logging
-from pathlib import Path
 
 import torch
 
+from .kernels import Backend
 from .quant import SCALE_DTYPE, QuantFormat, unpack_codes
-from . import native_build
-
-log = logging.getLogger(__name__)
 
 KERNEL_FIELDS = ("k_codes", "v_codes", "k_scale", "k_zero", "v_scale", "v_zero", "pos")  # the C enum's order
 TORCH_BLOCK_GROUPS = 64  # groups a CPU dequantizes together on the torch path (a GPU takes them all in one go)
@@ -72,62 +67,57 @@ class GroupLayout:
         }
 
 
-def build_qattn() -> Path:
-    """The compiled kernel (runtime/native_build.py: named by source hash and machine, -march=native code)."""
-    return native_build.build("qattn")
+class TorchGroups:
+    """Scores and values over one sequence's group rows by the torch reference (``batch_group_scores`` and
+    ``batch_group_values`` of a batch of one)."""
+
+    def scores(self, q: torch.Tensor, rows: torch.Tensor, layout: GroupLayout, scaling: float) -> torch.Tensor:
+        """scaling * q . k for every token of ``rows`` (uint8 [n, record_bytes]): q [H_kv, rep, d] float32 ->
+        [H_kv, rep, n * group_tokens] float32, -inf at holes."""
+        return batch_group_scores(q.float()[None], rows[None], layout, scaling)[0]
+
+    def values(self, w: torch.Tensor, rows: torch.Tensor, layout: GroupLayout) -> torch.Tensor:
+        """sum_t w_t v_t over ``rows``: w [H_kv, rep, n * group_tokens] float32 (0 at holes) -> [H_kv, rep, d]."""
+        return batch_group_values(w.float()[None], rows[None], layout)[0]
 
 
-@functools.cache
-def native_kernel() -> ctypes.CDLL | None:
-    """The loaded kernel, or None (logged once) when it cannot be built: the torch path serves instead."""
-    lib = native_build.load_or_none("qattn", log, "using the torch path")
-    if lib is None:
-        return None
-    common = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
-              ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
-    lib.ekv_qscores.argtypes = [*common, ctypes.c_float, ctypes.c_void_p, ctypes.c_int]
-    lib.ekv_qvalues.argtypes = [*common, ctypes.c_void_p, ctypes.c_int]
-    lib.ekv_qscores.restype = None
-    lib.ekv_qvalues.restype = ctypes.c_int
-    return lib
+class NativeGroups(TorchGroups):
+    """``TorchGroups``'s scores and values by the C kernel (runtime/native/ekv_qattn.c), on the CPU's threads."""
+
+    def __init__(self, lib: ctypes.CDLL):
+        self.lib = lib
+
+    def scores(self, q, rows, layout, scaling):
+        h, rep, d = q.shape
+        n = _records(rows).shape[0]
+        q = q.float().contiguous()
+        out = torch.empty(h, rep, n * layout.g, dtype=torch.float32)
+        self.lib.ekv_qscores(q.data_ptr(), h, rep, d, layout.fmt.bits, rows.data_ptr(), rows.stride(0), n, layout.g,
+                             layout.kernel_offsets.data_ptr(), scaling, out.data_ptr(), torch.get_num_threads())
+        return out
+
+    def values(self, w, rows, layout):
+        h, rep, _ = w.shape
+        w = w.float().contiguous()
+        out = torch.empty(h, rep, layout.d, dtype=torch.float32)
+        if self.lib.ekv_qvalues(w.data_ptr(), h, rep, layout.d, layout.fmt.bits, _records(rows).data_ptr(),
+                                rows.stride(0), rows.shape[0], layout.g, layout.kernel_offsets.data_ptr(),
+                                out.data_ptr(), torch.get_num_threads()):
+            raise MemoryError("the quantized attention kernel could not allocate its per-thread sums")
+        return out
 
 
-def _native_ok(rows: torch.Tensor, x: torch.Tensor, use_native: bool | None) -> ctypes.CDLL | None:
-    if use_native is False or rows.device.type != "cpu" or x.dtype != torch.float32:
-        return None
+def group_kernels(backend: Backend) -> TorchGroups:
+    """The scores and values over quantized groups on ``backend``: the C kernel's where it has it, else torch's."""
+    lib = backend.lib("qattn")
+    return TorchGroups() if lib is None else NativeGroups(lib)
+
+
+def _records(rows: torch.Tensor) -> torch.Tensor:
+    """``rows`` as the kernel reads them: each record's bytes contiguous (a ValueError otherwise)."""
     if rows.stride(1) != 1:
         raise ValueError("group rows must be byte-contiguous records")
-    return native_kernel()
-
-
-def group_scores(q: torch.Tensor, rows: torch.Tensor, layout: GroupLayout, scaling: float,
-                 use_native: bool | None = None) -> torch.Tensor:
-    """scaling * q . k for every token of ``rows`` (uint8 [n, record_bytes]): q [H_kv, rep, d] float32 ->
-    [H_kv, rep, n * group_tokens] float32, -inf at holes.  use_native None: the kernel when it can run."""
-    h, rep, d = q.shape
-    n = rows.shape[0]
-    lib = _native_ok(rows, q, use_native)
-    if lib is None:
-        return _scores_torch(q.float(), rows, layout, scaling)
-    q = q.contiguous()
-    out = torch.empty(h, rep, n * layout.g, dtype=torch.float32)
-    lib.ekv_qscores(q.data_ptr(), h, rep, d, layout.fmt.bits, rows.data_ptr(), rows.stride(0), n, layout.g,
-                    layout.kernel_offsets.data_ptr(), scaling, out.data_ptr(), torch.get_num_threads())
-    return out
-
-
-def group_values(w: torch.Tensor, rows: torch.Tensor, layout: GroupLayout, use_native: bool | None = None) -> torch.Tensor:
-    """sum_t w_t v_t over ``rows``: w [H_kv, rep, n * group_tokens] float32 (0 at holes) -> [H_kv, rep, d] float32."""
-    h, rep, _ = w.shape
-    lib = _native_ok(rows, w, use_native)
-    if lib is None:
-        return _values_torch(w.float(), rows, layout)
-    w = w.contiguous()
-    out = torch.empty(h, rep, layout.d, dtype=torch.float32)
-    if lib.ekv_qvalues(w.data_ptr(), h, rep, layout.d, layout.fmt.bits, rows.data_ptr(), rows.stride(0), rows.shape[0],
-                       layout.g, layout.kernel_offsets.data_ptr(), out.data_ptr(), torch.get_num_threads()):
-        raise MemoryError("the quantized attention kernel could not allocate its per-thread sums")
-    return out
+    return rows
 
 
 def _block_groups(rows: torch.Tensor) -> int:
@@ -135,14 +125,6 @@ def _block_groups(rows: torch.Tensor) -> int:
     in cache), every group at once on a GPU (a loop of small blocks is a few kernel launches per 64 groups, ~10^5 a
     step at batch 8, 32K)."""
     return TORCH_BLOCK_GROUPS if rows.device.type == "cpu" else max(1, rows.shape[1])
-
-
-def _scores_torch(q: torch.Tensor, rows: torch.Tensor, layout: GroupLayout, scaling: float) -> torch.Tensor:
-    return batch_group_scores(q[None], rows[None], layout, scaling)[0]
-
-
-def _values_torch(w: torch.Tensor, rows: torch.Tensor, layout: GroupLayout) -> torch.Tensor:
-    return batch_group_values(w[None], rows[None], layout)[0]
 
 
 def _unusable(f: dict, usable: torch.Tensor | None, start: int) -> torch.Tensor:

@@ -4,41 +4,25 @@ The torch path (runtime/offload/attention.py ``GatheredAttention``) gathers the 
 tensor, permutes it, concatenates the sinks and the ring, and attends the copy.  The kernel reads each key and value
 where it lies, once: SmolLM2 8K, batch 1, the deployed configuration (~900 keys a KV head), 0.29 -> 0.11 ms a layer
 in the decode step.  It serves float32, bfloat16, int8 and int4 records in host memory (codes widened with their
-scales as they are read, never dequantised into a copy); the slots a GPU holds, and float16 records, attend through
-torch.
+scales as they are read, never dequantised into a copy) on the native backend (runtime/kernels.py); the torch
+backend, the slots a GPU holds and float16 records attend through torch.
 """
 from __future__ import annotations
 
 import ctypes
-import functools
-import logging
 
 import numpy as np
 import torch
 
-from . import native_build
 from .native_build import address
-from .aside import AsideThread, unit_kernel
+from .aside import AsideThread
 from .disk_store import RecordLayout
+from .kernels import Backend
 from .quant import FloatRecord, QuantRecord
-
-log = logging.getLogger(__name__)
 
 KINDS = {torch.float32: 0, torch.bfloat16: 1}  # the float dtypes the kernel reads (its KV_F32, KV_BF16)
 CODE_KINDS = {8: 2, 4: 3}  # records of codes, by their bits (KV_INT8, KV_INT4)
 SCALES = ("k_scale", "k_zero", "v_scale", "v_zero")  # QuantRecord's float16 fields, in the kernel's order
-
-
-@functools.cache
-def native_attention() -> ctypes.CDLL | None:
-    """The native records' attention, or None (logged once) when it cannot be built: the torch path serves."""
-    p, i64, i32 = native_build.P, native_build.I64, native_build.I32
-    attend = [p, i32, i32, i32, i32, ctypes.c_float, p, i64, i64, p, p, i32, i32, i32, p, i32, p, i32, p, i64, i32, p,
-              i64, p]
-    return unit_kernel("attend", "ekv_attend", log, "attending through torch", {
-        "ekv_attend": (attend, i32), "ekv_attend_job": ([p, *attend], i64),
-        "ekv_attend_scratch_bytes": ([i32, i32, i64, i32], i64), "ekv_put_rows": ([p, i64, p, i64, p, p, i64], None)},
-        maxima=("head_dim", "group_queries"))
 
 
 class RecordAttention:
@@ -62,16 +46,15 @@ class RecordAttention:
         self._mask_of, self._mask_args = None, ()  # the last dense mask, and (its uint8 view, address, row stride)
 
     @classmethod
-    def for_layout(cls, layout: RecordLayout, n_heads: int, scaling: float, device: torch.device, dtype: torch.dtype
+    def for_layout(cls, backend: Backend, layout: RecordLayout, n_heads: int, scaling: float, dtype: torch.dtype
                    ) -> "RecordAttention | None":
         """The native attention for records of ``layout`` in host memory beside dense segments of ``dtype``, or None
-        where torch attends: a GPU's slots, a model dtype other than float32 or bfloat16, float records not in it
-        (float16), head shapes above the kernel's maxima, no compiler."""
-        codec = layout.codec
-        if device.type != "cpu" or dtype not in KINDS or (isinstance(codec, FloatRecord) and codec.dtype != dtype):
+        where torch attends: a backend without the kernel (torch, a GPU's slots), a model dtype other than float32 or
+        bfloat16, float records not in it (float16), head shapes above the kernel's maxima."""
+        codec, lib = layout.codec, backend.lib("attend")
+        if lib is None or dtype not in KINDS or (isinstance(codec, FloatRecord) and codec.dtype != dtype):
             return None
-        lib = native_attention()
-        if lib is None or layout.head_dim > lib.max_head_dim or n_heads // layout.n_kv_heads > lib.max_group_queries:
+        if layout.head_dim > lib.max_head_dim or n_heads // layout.n_kv_heads > lib.max_group_queries:
             return None
         return cls(lib, layout, scaling, dtype)
 

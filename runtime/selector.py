@@ -4,28 +4,23 @@
 against the in-memory K_lr, scores summed over heads, ReduceMax per group of G tokens,
 top-M groups.  Summing over heads commutes with the projection, so the heads of one KV
 group are summed before projecting: one [r]-vector per sequence instead of H of them.  On a
-CPU one native call (runtime/native/ekv_score.c) scores the rows, reduces over heads and takes
-each group's maximum; a GPU, or a CPU without a compiler, takes the torch path to the same scores.
+CPU's native backend (runtime/kernels.py) one call (runtime/native/ekv_score.c) scores the rows, reduces over heads and
+takes each group's maximum; the torch backend and a GPU take the torch path to the same scores.
 ``AllGroupsSelector`` picks every group (FlexGen: the whole layer is loaded).
 """
 from __future__ import annotations
-
-import ctypes
-import functools
-import logging
 
 import numpy as np
 import torch
 
 from typing import TYPE_CHECKING, Callable, NamedTuple
 
-from . import native_build
 from .native_build import address
 from .adapter import KEYS_PER_RANK, LowRankAdapter
-from .aside import AsideThread, run_units, unit_function
+from .aside import AsideThread, run_units
+from .choices import KLR_FORMATS
+from .kernels import Backend, resolve_backend
 from .transfer import to_device
-
-log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from .config import PredictorConfig
@@ -97,11 +92,11 @@ class RandomSelector(Selector):
     """M groups drawn uniformly: the floor a real predictor must beat (quality ablations only)."""
 
     @classmethod
-    def for_batch(cls, adapter, rank, dims, batch, cfg, device, scaling):
+    def for_batch(cls, adapter, rank, dims, batch, cfg, backend, scaling):
         return cls(cfg.picked_groups)
 
-    def __init__(self, groups_per_step: int, seed: int = 0):
-        self.M = groups_per_step
+    def __init__(self, picked_groups: int, seed: int = 0):
+        self.picked_groups = picked_groups
         self.generator = torch.Generator().manual_seed(seed)
 
     def select(self, layer, q, n_groups, first=0):
@@ -109,55 +104,20 @@ class RandomSelector(Selector):
         noise = torch.rand(batch, int(n_groups.max()) or 1, generator=self.generator)
         index = torch.arange(noise.shape[1])
         noise[(index >= n_groups[:, None]) | (index < first)] = -1.0
-        top = noise.topk(min(self.M, noise.shape[1]), dim=-1)
-        groups = torch.zeros(batch, self.M, dtype=torch.long)
-        valid = torch.zeros(batch, self.M, dtype=torch.bool)
+        top = noise.topk(min(self.picked_groups, noise.shape[1]), dim=-1)
+        groups = torch.zeros(batch, self.picked_groups, dtype=torch.long)
+        valid = torch.zeros(batch, self.picked_groups, dtype=torch.bool)
         groups[:, : top.indices.shape[1]] = top.indices
         valid[:, : top.indices.shape[1]] = top.values >= 0
         return groups, valid
 
 
-CORRECTIONS = ("guess", "corrected")  # config 'correction': the layer-ahead picks as they are, or rescored at attention
-SCORE_REDUCES = ("sum", "softmax")  # how heads' scores make a token's: logits summed (KVSwap), or a softmax vote each
 CPU_BLOCK_BYTES = 2 << 20  # float32 K_lr rows a CPU select converts at a time (LowRankSelector._times_rows)
-# K_lr formats: torch dtype stored, bits per element, bytes of per-token scale (integer rows carry one bf16 absmax
-# scale; int4 packs two elements a byte, low nibble first)
-KLR_FORMATS = {"bfloat16": (torch.bfloat16, 16, 0), "float16": (torch.float16, 16, 0),
-               "float32": (torch.float32, 32, 0), "int8": (torch.int8, 8, 2), "int4": (torch.uint8, 4, 2)}
 INT_LEVELS = {8: 127, 4: 7}  # the largest magnitude of a symmetric integer row element
-NATIVE_ROWS = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2, "int4": 3}  # K_lr formats ekv_score.c reads
+NATIVE_ROWS = {"float32": 0, "bfloat16": 1, "int8": 2, "int4": 3}  # the K_lr formats ekv_score.c reads (its kinds)
 # K_lr is stored this many tokens a block, rank-major within a block: the native scorer reads a block as one
 # contiguous stretch (its BLOCK; ekv_score.c block_of says why)
 KLR_BLOCK_TOKENS = 64
-
-
-@functools.cache
-def native_scorer() -> ctypes.CDLL | None:
-    """The native group scorer, or None (logged once) when it cannot be built: the torch path serves instead."""
-    p, i64, i32 = native_build.P, native_build.I64, native_build.I32
-    scores = [p, i64, i64, p, i64, p, i32, i32, i32, i32, i32, i32, i32, p, i64, p, i64]
-    top = [p, i64, i32, p, i32, i32, i32, p]
-    lib = native_build.load_or_none("score", log, "scoring through torch", {
-        "ekv_group_scores": (scores, i32), "ekv_score_job": ([p, *scores], i64), "ekv_score_max_rank": ([], i32),
-        "ekv_score_job_bytes": ([], i32), "ekv_score_scratch_floats": ([i32, i32, i32, i32], i64),
-        "ekv_top": (top, i32), "ekv_top_job": ([p, *top], i64), "ekv_top_job_bytes": ([], i32),
-        "ekv_low_rank_queries": ([p, i32, i32, i32, i32, p, i64, i32, ctypes.c_float, i32, p], i32),
-        "ekv_launch_bytes": ([], i32), "ekv_score_block_tokens": ([], i32),
-        "ekv_score_launch": ([p, p, p, p, i32, i32, i32, i32, p, i64, i32, ctypes.c_float, p, p, i64, i64, p, i64, i32,
-                              i32, i32, i32, p, i64, p, i64, p, i32, i32, i32, p], i64)})
-    if lib is None:
-        return None
-    if lib.ekv_score_block_tokens() != KLR_BLOCK_TOKENS:
-        log.warning("the native K_lr scorer reads blocks of %d tokens where K_lr is stored in blocks of %d: scoring "
-                    "through torch; rebuild it (edgekv build-native)", lib.ekv_score_block_tokens(), KLR_BLOCK_TOKENS)
-        return None
-    lib.job_bytes, lib.top_job_bytes = lib.ekv_score_job_bytes(), lib.ekv_top_job_bytes()
-    lib.launch_bytes = lib.ekv_launch_bytes()
-    lib.top_unit = unit_function(lib, "ekv_top_unit")  # a posted select's last phase: the top-M, one unit a sequence
-    lib.phases = {False: (unit_function(lib, "ekv_score_unit"),),  # "sum": the logits' group maxima
-                  True: (unit_function(lib, "ekv_score_unit"), unit_function(lib, "ekv_score_vote_unit"))}  # softmax
-    lib.max_rank = lib.ekv_score_max_rank()  # the rank rows it widens on its stack; larger ranks score through torch
-    return lib
 
 
 def klr_layer_bytes(rank: int, klr_dtype: str, max_context: int) -> int:
@@ -190,19 +150,19 @@ class LowRankSelector(Selector):
     products are integers, exact in any order, and the native scorer takes the int8 dot-product instructions."""
 
     def __init__(self, adapter: LowRankAdapter | None, rank: int, dims: ModelDims, batch: int, max_context: int,
-                 group_tokens: int, groups_per_step: int, predictor: PredictorConfig, device: torch.device,
-                 scaling: float = 1.0):
-        """``predictor``: the config section it reads (klr_dtype, score_reduce); ``scaling`` the model's 1/sqrt(d)."""
+                 group_tokens: int, picked_groups: int, predictor: PredictorConfig, device: torch.device,
+                 scaling: float = 1.0, backend: Backend | None = None):
+        """``predictor``: the config section it reads (klr_dtype, score_reduce); ``scaling`` the model's 1/sqrt(d);
+        ``backend``: what it scores on (runtime/kernels.py; None: the device's own)."""
         n_kv_heads, head_dim, n_layers = dims.n_kv_heads, dims.head_dim, dims.n_layers
         self.score_reduce = predictor.score_reduce
         self.scaling = scaling
         self.G = group_tokens
-        self.M = groups_per_step
+        self.picked_groups = picked_groups
         self.max_groups = -(-max_context // group_tokens)
         self._group_scores = torch.empty(batch, self.max_groups, device=device)  # reused every select
         self._scratch = torch.empty(0)  # the native scorer's logits of a select (shared or on the caller), grown once
         self._posted_scratch: list[torch.Tensor] = []  # scratches of posted jobs whose picks were taken, for reuse
-        self.fallback = None  # on a CPU, why a select scored through torch instead of the native scorer
         self._outside_key, self._outside_mask = None, None  # (first, counts) -> the groups no row may pick
         stored, self.bits, scale_bytes = KLR_FORMATS[predictor.klr_dtype]
         self.quantized = scale_bytes > 0
@@ -227,16 +187,56 @@ class LowRankSelector(Selector):
         self.resident_bytes = sum(t.numel() * t.element_size() for t in (self.k_lr, self.k_scale, self.rows_adapter)
                                   if t is not None)
         self.fitted_on = [0] * n_layers
-        self._rows_args: list[tuple | None] = [None] * n_layers  # ``_native_rows``'s K_lr arguments, once a layer
         self._unfitted: list[list[tuple[int, int, torch.Tensor]]] = [[] for _ in range(n_layers)]
         self._row_fitted = np.zeros((n_layers, batch), dtype=bool)  # prompt_adapter: a row's projection is set
+        self._choose_kernels(backend or resolve_backend(device), predictor.klr_dtype, dims.n_heads)
 
     uses_adapter = True
 
     @classmethod
-    def for_batch(cls, adapter, rank, dims, batch, cfg, device, scaling):
-        """The selector of a batch run with ``cfg`` (the policy's effective config)."""
-        return cls(adapter, rank, dims, batch, cfg.max_context, cfg.G, cfg.picked_groups, cfg.predictor, device, scaling)
+    def for_batch(cls, adapter, rank, dims, batch, cfg, backend, scaling):
+        """The selector of a batch run with ``cfg`` (the policy's effective config) on ``backend``."""
+        return cls(adapter, rank, dims, batch, cfg.max_context, cfg.G, cfg.picked_groups, cfg.predictor,
+                   backend.device, scaling, backend)
+
+    def _choose_kernels(self, backend: Backend, klr_dtype: str, n_heads: int) -> None:
+        """Each operation's implementation, from the backend and the shapes this selector is built for: the queries'
+        projection and the top-M natively where the backend has the scorer's library and the rank fits it, the scores
+        where it also reads the rows' format; else torch's (``scorer_fallback`` says why, once, on a CPU)."""
+        lib = self._native = backend.lib("score")
+        projects = lib is not None and self.rank <= lib.max_rank
+        self._scorer, self._rows_kind, self._why_torch = None, NATIVE_ROWS.get(klr_dtype), None
+        if backend.device.type == "cpu":
+            self._why_torch = self._scorer_refusal(backend, lib, n_heads)
+            self._scorer = lib if self._why_torch is None else None
+        if self._scorer is not None:  # each layer's rows and scales as its jobs take them: addresses, byte strides
+            item, quantized = self.k_lr.element_size(), self.quantized
+            self._rows_args = [(rows.data_ptr(), rows.stride(1) * item, rows.stride(0) * item,
+                                scales.data_ptr() if quantized else None, scales.stride(0) if quantized else 0)
+                               for rows, scales in zip(self.k_lr, self.k_scale)]
+        self._low_rank_queries = self._native_queries if projects else self._torch_queries
+        self._score_groups = self._native_group_scores if self._scorer is not None else self._torch_group_scores
+        self._top = self._native_top if lib is not None else self._torch_top
+        self._launch = self._launch_native if self._scorer is not None else super().launch
+
+    def _scorer_refusal(self, backend: Backend, lib, n_heads: int) -> str | None:
+        """Why a CPU select on ``backend`` scores through torch (no native library, a row format, rank or head count
+        the scorer does not take), or None: the native scorer serves."""
+        if lib is None:
+            return f"the {backend.name} backend ({backend.reason}): scored through torch"
+        queries = n_heads if self.score_reduce == "softmax" else 1
+        if self._rows_kind is None:
+            why = f"{self.k_lr.dtype} K_lr rows"
+        elif self.rank > lib.max_rank:
+            why = f"rank {self.rank} > {lib.max_rank}"
+        elif queries > lib.max_queries:
+            why = f"{queries} queries a sequence > {lib.max_queries}"
+        elif lib.block_tokens != KLR_BLOCK_TOKENS:
+            why = (f"the native K_lr scorer reads blocks of {lib.block_tokens} tokens where K_lr is stored in blocks "
+                   f"of {KLR_BLOCK_TOKENS}; rebuild it (edgekv build-native)")
+        else:
+            return None
+        return f"{why}: scored through torch"
 
     def fitted_adapter(self) -> tuple[LowRankAdapter | None, int]:
         """The projections fitted here (None if some layer had no keys) and the fewest keys a layer's fit saw."""
@@ -342,20 +342,24 @@ class LowRankSelector(Selector):
         scores = self._times_rows(layer, n_tokens, self._low_rank_queries(layer, q))
         return scores[:, 0] if self.score_reduce == "sum" else scores.softmax(dim=-1).sum(dim=1)
 
-    def _low_rank_queries(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+    def _native_queries(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """``_low_rank_queries`` in one native call (ekv_score.c), whichever path scores them, q widened to float32
+        first."""
+        b, h, _, d = q.shape
+        if q.dtype != torch.float32 or not q.is_contiguous():
+            q = q.float().contiguous()
+        summed = self.score_reduce == "sum"
+        out = torch.empty(b, 1 if summed else h, self.rank)
+        adapter, seq_stride = self._query_adapters(layer)
+        if self._native.ekv_low_rank_queries(q.data_ptr(), b, h, self.n_kv_heads, d, adapter.data_ptr(), seq_stride,
+                                             self.rank, self.scaling, int(summed), out.data_ptr()):
+            raise RuntimeError(f"the native projection refused rank {self.rank} or {h} heads over {self.n_kv_heads}")
+        return out
+
+    def _torch_queries(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         """The queries q [B, H, 1, d] projected to rank r, float32 [B, c, r]: one summed query ("sum": summing over
         heads commutes with the projection), or every head's, scaled as attention scales it ("softmax")."""
         b, h, _, d = q.shape
-        lib = native_scorer() if q.device.type == "cpu" else None
-        if lib is not None and self.rank <= lib.max_rank:  # one call (ekv_score.c), the same for both scoring paths
-            if q.dtype != torch.float32 or not q.is_contiguous():
-                q = q.float().contiguous()
-            summed = self.score_reduce == "sum"
-            out = torch.empty(b, 1 if summed else h, self.rank)
-            adapter, seq_stride = self._query_adapters(layer)
-            if lib.ekv_low_rank_queries(q.data_ptr(), b, h, self.n_kv_heads, d, adapter.data_ptr(), seq_stride,
-                                        self.rank, self.scaling, int(summed), out.data_ptr()) == 0:
-                return out
         grouped = q.reshape(b, self.n_kv_heads, h // self.n_kv_heads, d)
         adapter, seq_stride = self._query_adapters(layer)
         # [(B,) H_kv, d, r]: one for the batch, or each row's own
@@ -403,59 +407,58 @@ class LowRankSelector(Selector):
         counts = np.asarray(n_groups)
         max_groups, batch = int(counts.max(initial=0)), q.shape[0]
         if max_groups == 0:
-            return (torch.zeros(batch, self.M, dtype=torch.long, device=q.device),
-                    torch.zeros(batch, self.M, dtype=torch.bool, device=q.device))
+            return (torch.zeros(batch, self.picked_groups, dtype=torch.long, device=q.device),
+                    torch.zeros(batch, self.picked_groups, dtype=torch.bool, device=q.device))
         group_scores = self._group_scores[:batch]
-        if not self._native_group_scores(layer, q, max_groups, group_scores):
-            scores = self.token_scores(layer, q, max_groups * self.G)
-            group_scores[:, :max_groups] = scores.view(batch, max_groups, self.G).amax(dim=-1)
+        self._score_groups(layer, q, max_groups, group_scores)
         return self._top(group_scores, counts, first)
 
+    def _torch_group_scores(self, layer: int, q: torch.Tensor, max_groups: int, out: torch.Tensor) -> None:
+        """Each group's score into ``out[:, :max_groups]``: its tokens' ``token_scores``, their maximum."""
+        scores = self.token_scores(layer, q, max_groups * self.G)
+        out[:, :max_groups] = scores.view(out.shape[0], max_groups, self.G).amax(dim=-1)
+
     def launch(self, layer, q, n_groups, first=0):
-        """With the policy's helper thread (a CPU), the native scorer's job is posted to it and the caller goes on;
-        the top-M is taken when the picks are."""
+        return self._launch(layer, q, n_groups, first)
+
+    def _launch_native(self, layer: int, q: torch.Tensor, n_groups, first: int) -> "Picking":
+        """With the policy's helper thread lent, the native scorer's job and then the top-M's are posted to it and the
+        caller goes on; without, the picks are made now."""
         self._fit(layer)
         counts = np.asarray(n_groups)
         max_groups = int(counts.max(initial=0))
-        if self.aside is not None and max_groups:
-            posted = self._launch_posted(layer, q, counts, max_groups, first)
-            if posted is not None:
-                return posted
-            out = torch.empty(q.shape[0], self.max_groups)
-            scratch = self._posted_scratch.pop() if self._posted_scratch else torch.empty(0)
-            job = self._native_job(layer, q, max_groups, out, scratch)
-            if job is not None:
-                # the helper runs posted jobs in order: a phase's units after the last one's
-                jobs, keep = [(fn, job.buffer, job.units) for fn in job.phases], job.keep
-                call = self._top_call(out, counts, first)
-                if call is not None:  # then the top-M, there too: the caller only reads the picks
-                    lib, picks, kept_counts, args = call
-                    top_job = np.empty(lib.top_job_bytes, dtype=np.uint8)
-                    jobs.append((lib.top_unit, top_job, _top_units(lib.ekv_top_job(address(top_job), *args))))
-                    keep += (picks, kept_counts)
-                ticket = self.aside.post_chain(jobs, keep)
+        if self.aside is None or not max_groups:
+            return super().launch(layer, q, n_groups, first)
+        posted = self._launch_posted(layer, q, counts, max_groups, first)
+        if posted is not None:
+            return posted
+        out = torch.empty(q.shape[0], self.max_groups)
+        scratch = self._posted_scratch.pop() if self._posted_scratch else torch.empty(0)
+        job = self._native_job(layer, q, max_groups, out, scratch)
+        # the helper runs posted jobs in order: a phase's units after the last one's, then the top-M's (the caller
+        # only reads the picks)
+        jobs, keep = [(fn, job.buffer, job.units) for fn in job.phases], job.keep
+        lib, picks, kept_counts, args = self._top_call(out, counts, first)
+        top_job = np.empty(lib.top_job_bytes, dtype=np.uint8)
+        jobs.append((lib.top_unit, top_job, _top_units(lib.ekv_top_job(address(top_job), *args))))
+        ticket = self.aside.post_chain(jobs, keep + (picks, kept_counts))
 
-                def made() -> np.ndarray:
-                    self._posted_scratch.append(job.keep[1])
-                    if call is not None:
-                        return call[1]
-                    groups, valid = self._top(out, counts, first)  # on the caller
-                    return torch.where(valid, groups, -1).numpy()
+        def made() -> np.ndarray:
+            self._posted_scratch.append(job.keep[1])
+            return picks
 
-                return ScoredAside(self.aside, ticket, made)
-        return super().launch(layer, q, n_groups, first)
+        return ScoredAside(self.aside, ticket, made)
 
     def _launch_posted(self, layer: int, q: torch.Tensor, counts: np.ndarray, max_groups: int, first: int
                        ) -> "ScoredAside | None":
         """``launch``'s queries, scores' job and top-M's job made and posted to the helper in one native call
-        (ekv_score.c ekv_score_launch); None where it does not serve (no native scorer for the rows, a GPU, a closed
-        helper) or refuses, and the calls one by one take the launch."""
-        rows = self._native_rows(layer)
+        (ekv_score.c ekv_score_launch); None once the helper is closed, and the calls one by one (which run on the
+        caller then) take the launch."""
         post = self.aside.native_post()
-        adapter, seq_stride = self._query_adapters(layer)
-        if rows is None or post is None or q.device.type != "cpu" or adapter is None:
+        if post is None:
             return None
-        lib, kind, row_args = rows
+        lib, kind, row_args = self._scorer, self._rows_kind, self._rows_args[layer]
+        adapter, seq_stride = self._query_adapters(layer)
         if q.dtype != torch.float32 or not q.is_contiguous():
             q = q.float().contiguous()
         batch, heads, _, head_dim = q.shape
@@ -467,16 +470,15 @@ class LowRankSelector(Selector):
             scratch = torch.empty(needed)
         queries, out = torch.empty(batch, n_queries, self.rank), torch.empty(batch, self.max_groups)
         counts = np.ascontiguousarray(counts, dtype=np.int64)
-        picks = np.empty((batch, self.M), dtype=np.int64)
+        picks = np.empty((batch, self.picked_groups), dtype=np.int64)
         jobs = np.empty(lib.launch_bytes, dtype=np.uint8)
         ticket = lib.ekv_score_launch(
             address(jobs), *post, q.data_ptr(), batch, heads, self.n_kv_heads, head_dim, adapter.data_ptr(), seq_stride,
             self.rank, self.scaling, queries.data_ptr(), *row_args, kind, n_tokens, self.G, int(softmax),
-            scratch.data_ptr(), scratch.numel(), out.data_ptr(), out.stride(0), address(counts), first, self.M,
-            self.max_groups, address(picks))
-        if ticket < 0:
-            self._posted_scratch.append(scratch)
-            return None
+            scratch.data_ptr(), scratch.numel(), out.data_ptr(), out.stride(0), address(counts), first,
+            self.picked_groups, self.max_groups, address(picks))
+        if ticket < 0:  # the selector's shapes were checked when it was built: a bug
+            raise RuntimeError("the native launch refused its arguments (ekv_score.c ekv_score_launch)")
         self.aside.posted(ticket, (jobs, queries, scratch, out, counts, picks))
 
         def made() -> np.ndarray:
@@ -485,62 +487,55 @@ class LowRankSelector(Selector):
 
         return ScoredAside(self.aside, ticket, made)
 
-    def _top(self, group_scores: torch.Tensor, counts: np.ndarray, first: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The top-M of each row's group scores [B, max_groups] among the groups ``first <= g < counts[b]``: on a CPU
-        in one native call (ekv_score.c ekv_top: ties to the lower group), else torch's topk."""
-        call = self._top_call(group_scores, counts, first)
-        if call is not None:
-            lib, picks, _, args = call
-            _top_units(lib.ekv_top(*args))
-            return _picked(picks)
-        # top-k over every group a sequence can have, whatever the batch's longest: how topk breaks ties depends
-        # on the width, and a row's picks must depend on its own scores only, not on the rows beside it
+    def _native_top(self, group_scores: torch.Tensor, counts: np.ndarray, first: int
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``_top`` in one native call (ekv_score.c ekv_top: ties to the lower group)."""
+        lib, picks, _, args = self._top_call(group_scores, counts, first)
+        _top_units(lib.ekv_top(*args))
+        return _picked(picks)
+
+    def _torch_top(self, group_scores: torch.Tensor, counts: np.ndarray, first: int
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The top-M of each row's group scores [B, max_groups] among the groups ``first <= g < counts[b]``: torch's
+        topk over every group a sequence can have, whatever the batch's longest (how topk breaks ties depends on the
+        width, and a row's picks must depend on its own scores only, not on the rows beside it)."""
         batch = group_scores.shape[0]
         top = group_scores.masked_fill_(self._outside(counts, first), float("-inf")).topk(
-            min(self.M, self.max_groups), dim=-1)
+            min(self.picked_groups, self.max_groups), dim=-1)
         groups, valid = top.indices, top.values > float("-inf")
-        if groups.shape[1] < self.M:  # fewer groups than picks in the whole context
-            short = self.M - groups.shape[1]
+        if groups.shape[1] < self.picked_groups:  # fewer groups than picks in the whole context
+            short = self.picked_groups - groups.shape[1]
             groups = torch.cat([groups, groups.new_zeros(batch, short)], dim=1)
             valid = torch.cat([valid, valid.new_zeros(batch, short)], dim=1)
         return groups, valid
 
     def _top_call(self, group_scores: torch.Tensor, counts: np.ndarray, first: int
-                  ) -> "tuple[object, np.ndarray, np.ndarray, tuple] | None":
+                  ) -> "tuple[object, np.ndarray, np.ndarray, tuple]":
         """(the scorer, the picks [B, M] it fills: best first, -1 past a row's candidates, the counts it reads, the
-        top-M's arguments) for float32 scores on a CPU; None elsewhere (torch's topk takes them)."""
-        lib = native_scorer() if group_scores.device.type == "cpu" else None
-        if lib is None or group_scores.dtype != torch.float32 or group_scores.stride(1) != 1:
-            return None
+        top-M's arguments) for float32 scores [B, max_groups] with rows of contiguous groups (``_group_scores``)."""
         counts = np.ascontiguousarray(counts, dtype=np.int64)
-        picks = np.empty((group_scores.shape[0], self.M), dtype=np.int64)
-        return lib, picks, counts, (group_scores.data_ptr(), group_scores.stride(0), group_scores.shape[0],
-                                    address(counts), first, self.M, group_scores.shape[1], address(picks))
+        picks = np.empty((group_scores.shape[0], self.picked_groups), dtype=np.int64)
+        return self._native, picks, counts, (group_scores.data_ptr(), group_scores.stride(0), group_scores.shape[0],
+                                             address(counts), first, self.picked_groups, group_scores.shape[1],
+                                             address(picks))
 
-    def _native_group_scores(self, layer: int, q: torch.Tensor, max_groups: int, out: torch.Tensor) -> bool:
+    def _native_group_scores(self, layer: int, q: torch.Tensor, max_groups: int, out: torch.Tensor) -> None:
         """Each group's score into ``out[:, :max_groups]`` by the native scorer, its parts shared with the helper thread
-        where the policy lent one; False where the scorer does not serve."""
+        where the policy lent one."""
         job = self._native_job(layer, q, max_groups, out, self._scratch)
-        if job is None:
-            return False
         self._scratch = job.keep[1]
         for fn in job.phases:
             if self.aside is not None:
                 self.aside.share(fn, job.buffer, job.units)
             else:
                 run_units(fn, job.buffer, job.units)
-        return True
 
     def _native_job(self, layer: int, q: torch.Tensor, max_groups: int, out: torch.Tensor, scratch: torch.Tensor
-                    ) -> "ScoreJob | None":
+                    ) -> "ScoreJob":
         """The native scorer's job (runtime/native/ekv_score.c: one pass over the rank-major rows, no float copy of
         them; units of a part of a sequence) for each group's score into ``out[:, :max_groups]`` over ``scratch``
-        (grown here where short: the job's ``keep[1]``); None where it does not serve (a GPU, float16 rows, a rank
-        above 256, no compiler), and the torch path computes the same."""
-        rows = self._native_rows(layer)
-        if rows is None:
-            return None
-        lib, kind, row_args = rows
+        (grown here where short: the job's ``keep[1]``)."""
+        lib = self._scorer
         n_tokens = max_groups * self.G
         queries = self._low_rank_queries(layer, q).contiguous()
         batch, n_queries = queries.shape[:2]
@@ -549,40 +544,15 @@ class LowRankSelector(Selector):
             scratch = torch.empty(needed)
         softmax = self.score_reduce == "softmax"
         job = np.empty(lib.job_bytes, dtype=np.uint8)
-        units = lib.ekv_score_job(address(job), *row_args, queries.data_ptr(), batch, n_queries, self.rank, n_tokens,
-                                  self.G, kind, int(softmax), scratch.data_ptr(), scratch.numel(), out.data_ptr(),
-                                  out.stride(0))
-        return ScoreJob(job, (queries, scratch, out), units, lib.phases[softmax]) if units >= 0 else None
-
-    def _native_rows(self, layer: int) -> "tuple[object, int, tuple] | None":
-        """(the scorer, the rows' kind, the layer's K_lr rows and scales as the job takes them: addresses and byte
-        strides, found once a layer, as the rows are allocated once); None where the scorer does not serve
-        (``fallback`` says why)."""
-        if self.k_lr.device.type != "cpu":
-            return None
-        kind = NATIVE_ROWS.get(self.k_lr.dtype if self.bits != 4 else "int4")
-        why = self._why_not_native(kind)
-        if why is not None:
-            self.fallback = f"{why}: scored through torch"
-            return None
-        if self._rows_args[layer] is None:
-            rows, scales = self.k_lr[layer], self.k_scale[layer] if self.quantized else None
-            self._rows_args[layer] = (rows.data_ptr(), rows.stride(1) * rows.element_size(),  # a block's bytes
-                                      rows.stride(0) * rows.element_size(), None if scales is None else scales.data_ptr(),
-                                      0 if scales is None else scales.stride(0))
-        return native_scorer(), kind, self._rows_args[layer]
-
-    def _why_not_native(self, kind: int | None) -> str | None:
-        """Why a CPU select cannot take the native scorer (its row format, its rank, no library), or None."""
-        if kind is None:
-            return f"{self.k_lr.dtype} K_lr rows"
-        lib = native_scorer()
-        if lib is None:
-            return "the native K_lr scorer could not be built (the log says why)"
-        return f"rank {self.rank} > {lib.max_rank}" if self.rank > lib.max_rank else None
+        units = lib.ekv_score_job(address(job), *self._rows_args[layer], queries.data_ptr(), batch, n_queries,
+                                  self.rank, n_tokens, self.G, self._rows_kind, int(softmax), scratch.data_ptr(),
+                                  scratch.numel(), out.data_ptr(), out.stride(0))
+        if units < 0:  # the rows' format, rank and heads were checked when the selector was built: a bug
+            raise RuntimeError("the native scorer refused its arguments (ekv_score.c ekv_score_job)")
+        return ScoreJob(job, (queries, scratch, out), units, lib.phases[softmax])
 
     def stats(self) -> dict:
-        return {"scorer_fallback": self.fallback}
+        return {"scorer_fallback": self._why_torch}
 
     def _outside(self, counts: np.ndarray, first: int) -> torch.Tensor:
         """[B, max_groups] bool on the device: the groups a row may not pick (before ``first`` or at/after its count).

@@ -7,17 +7,12 @@ share a prompt prefix name the shared groups with the owner's id, so a record th
 """
 from __future__ import annotations
 
-import ctypes
-import functools
-import logging
 from typing import Iterable, NamedTuple
 
 import numpy as np
 
-from . import native_build
+from .kernels import Backend, resolve_backend
 from .native_build import address
-
-log = logging.getLogger(__name__)
 
 
 class Misses(NamedTuple):
@@ -132,14 +127,6 @@ REPLACEMENTS = {"fifo": Fifo, "lru": Lru, "cost": CostAware}
 NATIVE_ORDERS = {Fifo: 0, Lru: 1, CostAware: 2}  # the replacements ekv_slots.c keeps (its score_kind)
 
 
-@functools.cache
-def native_slots() -> ctypes.CDLL | None:
-    """The native slot assignment, or None (logged once) when it cannot be built: the numpy path serves."""
-    p, i64, i32 = native_build.P, native_build.I64, native_build.I32
-    return native_build.load_or_none("slots", log, "assigning slots through numpy", {
-        "ekv_slots_assign": ([i32, i32, i32, p, p, p, i32, i64, p, p, p, p, p, p, i32, p, p, p, p, p, p, p, p, p], i64)})
-
-
 class Slots:
     """Where a layer's selected records sit in memory, and which must be read (the protocol both tables keep).
 
@@ -194,7 +181,10 @@ class SlotTable(Slots):
 
     keeps_records = True
 
-    def __init__(self, n_layers: int, batch: int, capacity: int, max_groups: int, replacement: str = "fifo"):
+    def __init__(self, n_layers: int, batch: int, capacity: int, max_groups: int, replacement: str = "fifo",
+                 backend: Backend | None = None):
+        """``backend``: whose slot assignment it takes (runtime/kernels.py: the native one's or numpy's; None: the
+        CPU's)."""
         if replacement not in REPLACEMENTS:
             raise ValueError(f"replacement must be one of {sorted(REPLACEMENTS)}, got {replacement!r}")
         self.capacity = capacity
@@ -212,16 +202,29 @@ class SlotTable(Slots):
         self._clocks = np.zeros(n_layers, dtype=np.int64)
         self.hits = np.zeros(batch, dtype=np.int64)
         self.lookups = np.zeros(batch, dtype=np.int64)
+        self._lib = (backend or resolve_backend("cpu")).lib("slots")
         self.replacement = REPLACEMENTS[replacement](self)
+
+    @property
+    def replacement(self) -> Replacement:
+        return self._replacement
+
+    @replacement.setter
+    def replacement(self, replacement: Replacement) -> None:
+        """The replacement, and with it the assignment: native for one ekv_slots.c keeps (its ``_native_order``),
+        numpy's for any other."""
+        self._replacement = replacement
+        self._native_order = NATIVE_ORDERS.get(type(replacement)) if self._lib is not None else None
+        self._assign = self._assign_numpy if self._native_order is None else self._assign_native
 
     def buffer_index(self, layer: int) -> int:
         return layer
 
     def native_fields(self, layer: int) -> dict[str, int] | None:
         """What ``ekv_slots_assign`` takes of ``layer``'s tables (runtime/native/ekv_fetch.c's job fields: sizes,
-        addresses), for a native caller that passes no owners and counts its picks; None for a replacement the native
-        code does not keep."""
-        order = NATIVE_ORDERS.get(type(self.replacement))
+        addresses), for a native caller that passes no owners and counts its picks; None where the assignment is numpy's
+        (the torch backend, or a replacement the native code does not keep)."""
+        order = self._native_order
         if order is None:
             return None
         frequency, cost = self.replacement.native_rows(layer)
@@ -271,9 +274,11 @@ class SlotTable(Slots):
                owners: np.ndarray | None = None, count: bool = True) -> tuple[np.ndarray, Misses]:
         """groups, valid, owners: [B, M] (owners None: each row's own).  Returns flat slots [B, M] and the misses;
         ``count``: the picks count in ``hits`` and ``lookups``."""
-        placed = self._assign_native(layer, groups, valid, owners, count)
-        if placed is not None:
-            return placed
+        return self._assign(layer, groups, valid, owners, count)
+
+    def _assign_numpy(self, layer: int, groups: np.ndarray, valid: np.ndarray, owners: np.ndarray | None,
+                      count: bool) -> tuple[np.ndarray, Misses]:
+        """``assign`` in numpy: the reference the native assignment is tested against."""
         rows, cols = np.nonzero(valid)
         owner = rows if owners is None else np.asarray(owners)[rows, cols]
         pool = self.pool[rows]
@@ -299,14 +304,10 @@ class SlotTable(Slots):
         return slots, Misses(owner[new], found[new], group[new])
 
     def _assign_native(self, layer: int, groups: np.ndarray, valid: np.ndarray, owners: np.ndarray | None,
-                       count: bool) -> tuple[np.ndarray, Misses] | None:
+                       count: bool) -> tuple[np.ndarray, Misses]:
         """``assign`` in one native call (runtime/native/ekv_slots.c: the same tables, bit for bit, where numpy takes
-        ~40 calls) for fifo, lru and cost; None where it does not serve (another replacement, no compiler) or refuses (a
-        pick outside its pool, a pool too small: it changed nothing, and the numpy path raises the error)."""
-        order = NATIVE_ORDERS.get(type(self.replacement))
-        lib = native_slots() if order is not None else None
-        if lib is None:
-            return None
+        ~40 calls) for fifo, lru and cost.  Where it refuses (a pick outside its pool, a pool too small) it changed
+        nothing, and the numpy path raises the error naming the sequences."""
         groups = np.ascontiguousarray(groups, dtype=np.int64)
         valid = np.ascontiguousarray(valid, dtype=bool)
         owners = None if owners is None else np.ascontiguousarray(owners, dtype=np.int64)
@@ -315,14 +316,14 @@ class SlotTable(Slots):
         new = np.empty((3, batch * picks), dtype=np.int64)  # each new record's owner, slot and group
         tables = (self.group_at[layer], self.owner_at[layer], self.inserted_at[layer], self.used_at[layer],
                   self.slot_of[layer])
-        n_new = lib.ekv_slots_assign(
+        n_new = self._lib.ekv_slots_assign(
             len(self.pool), batch, picks, address(groups), address(valid),
             None if owners is None else address(owners), self.capacity, self.max_groups, address(self.pool),
-            *(address(table) for table in tables), order, address(self._clocks[layer:]), address(slots),
+            *(address(table) for table in tables), self._native_order, address(self._clocks[layer:]), address(slots),
             *(address(row) for row in new), address(self.hits) if count else None,
             address(self.lookups) if count else None, *self.replacement.native_rows(layer))
         if n_new < 0:
-            return None
+            return self._assign_numpy(layer, groups, valid, owners, count)
         return slots, Misses(new[0, :n_new], new[1, :n_new], new[2, :n_new])
 
     def _victims(self, layer: int, protected: np.ndarray, pools: np.ndarray) -> np.ndarray:

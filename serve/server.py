@@ -130,7 +130,7 @@ def allowed_hosts(options: ServeOptions) -> tuple[str, ...]:
 def load_engine(options: ServeOptions, model: str, kv_paths: list[str]):
     from edgekv.runtime import Engine
 
-    engine = Engine.from_pretrained(model, kv_offload_path=kv_paths, config=options.config, policy=options.policy,
+    engine = Engine.from_pretrained(model, kv_path=kv_paths, config=options.config, policy=options.policy,
                                     device=options.device, dtype=options.dtype)
     if options.context_store:
         engine.open_context_store(Path(kv_paths[0]) / "contexts", chunk_tokens=options.chunk_tokens,

@@ -30,7 +30,7 @@ def serving(model, kv_dir, config=CFG, names=("tiny",), load=None, store: bool =
     import uvicorn
 
     def load_engine():
-        engine = Engine.from_pretrained(model, kv_offload_path=kv_dir, config=config, device="cpu")
+        engine = Engine.from_pretrained(model, kv_path=kv_dir, config=config, device="cpu")
         if store:
             engine.open_context_store(kv_dir / "contexts", chunk_tokens=8)
         return engine

@@ -13,7 +13,8 @@ from edgekv.runtime.arkv import GROUP_TOKENS, ArkvGeometry, ArkvKV
 from edgekv.runtime.checkpoints import resolve_checkpoint
 from edgekv.runtime.model import ModelDims
 from edgekv.runtime.prompt_cache import PromptKVCache
-from edgekv.runtime.qattn import GroupLayout, group_scores, group_values, native_kernel
+from edgekv.runtime.kernels import resolve_backend
+from edgekv.runtime.qattn import GroupLayout, NativeGroups, TorchGroups, group_kernels
 from edgekv.runtime.quant import quant_format, quantize_keys, quantize_values
 from tests.conftest import save_model
 
@@ -235,20 +236,21 @@ def quantized_rows(fmt: str, n_kv: int, d: int, n_groups: int):
 def test_kernel_matches_torch(fmt, n_kv, rep, d, n_groups):
     if shutil.which("cc") is None:
         pytest.skip("no C compiler: the torch path serves")
-    assert native_kernel() is not None
+    kernel, torch_path = group_kernels(resolve_backend("cpu", "native")), group_kernels(resolve_backend("cpu", "torch"))
+    assert isinstance(kernel, NativeGroups) and type(torch_path) is TorchGroups
     torch.manual_seed(n_kv * 100 + d)
     layout, rows, qk, qv = quantized_rows(fmt, n_kv, d, n_groups)
     pos = layout.fields(rows)["pos"]
     pos[0, 3] = pos[-1, 7:] = -1  # holes
     q = torch.randn(n_kv, rep, d)
-    native, reference = group_scores(q, rows, layout, 0.3), group_scores(q, rows, layout, 0.3, use_native=False)
+    native, reference = kernel.scores(q, rows, layout, 0.3), torch_path.scores(q, rows, layout, 0.3)
     exact = torch.einsum("hjd,nhtd->hjnt", q, qk.dequantize()).flatten(2) * 0.3
     holes = (pos < 0).flatten()
     assert native[..., holes].eq(float("-inf")).all() and reference[..., holes].eq(float("-inf")).all()
     torch.testing.assert_close(native[..., ~holes], reference[..., ~holes], rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(native[..., ~holes], exact[..., ~holes], rtol=1e-5, atol=1e-4)
     w = native.softmax(-1)
-    out, ref_out = group_values(w, rows, layout), group_values(w, rows, layout, use_native=False)
+    out, ref_out = kernel.values(w, rows, layout), torch_path.values(w, rows, layout)
     exact_out = torch.einsum("hjnt,nhtd->hjd", w.unflatten(-1, (n_groups, GROUP_TOKENS)), qv.dequantize())
     torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(out, exact_out, rtol=1e-5, atol=1e-5)
@@ -266,8 +268,8 @@ def test_the_torch_path_gives_the_same_attention_in_blocks_or_all_groups_at_once
     results = []
     for block in (64, 1000):
         monkeypatch.setattr(qattn, "TORCH_BLOCK_GROUPS", block)
-        scores = group_scores(q, rows, layout, 0.3, use_native=False)
-        results.append((scores, group_values(scores.softmax(-1), rows, layout, use_native=False)))
+        scores = TorchGroups().scores(q, rows, layout, 0.3)
+        results.append((scores, TorchGroups().values(scores.softmax(-1), rows, layout)))
     (blocked, blocked_out), (whole, whole_out) = results
     assert torch.equal(blocked, whole) and blocked[..., 70 * GROUP_TOKENS + 2].eq(float("-inf")).all()
     torch.testing.assert_close(blocked_out, whole_out, rtol=1e-5, atol=1e-5)  # sums in another order

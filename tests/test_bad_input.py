@@ -1,4 +1,4 @@
-"""Bad input everywhere (issue 17): odd prompts, prompt files, flags, damaged model folders, profiles, deployed
+"""Bad input everywhere: odd prompts, prompt files, flags, damaged model folders, profiles, deployed
 configs and KV folders on tmpfs or a read-only mount.  Each is refused with an error naming the problem and the
 fix, or works; a refused request leaves the engine serving and no file in the KV folder."""
 import json
@@ -34,7 +34,7 @@ CFG = {"G": 4, "M": 8, "C": 16, "max_context": 128, "max_batch": 2}
 def served(tmp_path_factory):
     """One kvswap engine on the fixture for every prompt below, and the answer it gives a good prompt."""
     kv = tmp_path_factory.mktemp("kv")
-    with Engine.from_pretrained("fixture", kv_offload_path=kv, config=CFG, device="cpu") as engine:
+    with Engine.from_pretrained("fixture", kv_path=kv, config=CFG, device="cpu") as engine:
         good = engine.generate([[5, 6, 7]], max_new_tokens=4, stop_token_ids=[])[0].token_ids
         yield engine, kv, good
 
@@ -307,7 +307,7 @@ def sharded(tmp_path_factory):
 
 
 def test_a_sharded_checkpoint_loads_and_a_missing_or_short_shard_is_named(sharded, tmp_path, kv_dir):
-    with Engine.from_pretrained(sharded, kv_offload_path=kv_dir, config=CFG, device="cpu") as engine:
+    with Engine.from_pretrained(sharded, kv_path=kv_dir, config=CFG, device="cpu") as engine:
         assert len(engine.generate([[1, 2, 3]], max_new_tokens=2, stop_token_ids=[])[0].token_ids) == 2
     index = json.loads((sharded / "model.safetensors.index.json").read_text())
     shards = sorted(set(index["weight_map"].values()))
@@ -317,19 +317,19 @@ def test_a_sharded_checkpoint_loads_and_a_missing_or_short_shard_is_named(sharde
     (missing / shards[-1]).unlink()  # was transformers' FileNotFoundError without a word on what to do
     with pytest.raises(ModelError, match=rf"{missing / shards[-1]} is missing \(named by model.safetensors.index.json\);"
                                          r" the checkpoint is damaged or incomplete: download it again"):
-        Engine.from_pretrained(missing, kv_offload_path=kv_dir, config=CFG, device="cpu")
+        Engine.from_pretrained(missing, kv_path=kv_dir, config=CFG, device="cpu")
 
     moved = Path(shutil.copytree(sharded, tmp_path / "moved"))
     tensor = next(t for t, s in index["weight_map"].items() if s == shards[0])
     (moved / "model.safetensors.index.json").write_text(json.dumps(
         {**index, "weight_map": {**index["weight_map"], tensor: shards[-1]}}))
     with pytest.raises(ModelError, match=rf"puts tensor '{tensor}' in {shards[-1]}, which lacks it"):
-        Engine.from_pretrained(moved, kv_offload_path=kv_dir, config=CFG, device="cpu")
+        Engine.from_pretrained(moved, kv_path=kv_dir, config=CFG, device="cpu")
 
     broken = Path(shutil.copytree(sharded, tmp_path / "broken"))
     (broken / "model.safetensors.index.json").write_text("{garbage")  # was a bare JSONDecodeError
     with pytest.raises(ModelError, match=r"model.safetensors.index.json is not a shard index \(JSONDecodeError"):
-        Engine.from_pretrained(broken, kv_offload_path=kv_dir, config=CFG, device="cpu")
+        Engine.from_pretrained(broken, kv_path=kv_dir, config=CFG, device="cpu")
     assert files_under(kv_dir) == []
 
 
@@ -379,7 +379,7 @@ DEPLOYED = {"platform": "local", "model": "fixture", "G": 4, "M": 8, "C": 16, "s
 
 def test_a_prompt_plus_new_tokens_past_max_context_runs_with_the_largest_solution(kv_dir):
     """The nearest row by distance was the 256-token one, shorter than the 500-token prompt: a RuntimeError."""
-    with Engine.from_pretrained("fixture", kv_offload_path=kv_dir, config=DEPLOYED, device="cpu") as engine:
+    with Engine.from_pretrained("fixture", kv_path=kv_dir, config=DEPLOYED, device="cpu") as engine:
         result = engine.generate([[t % 200 + 3 for t in range(500)]], max_new_tokens=100, stop_token_ids=[])[0]
     assert result.stats["config"]["max_context"] == 512 and len(result.token_ids) == 512 - 500
     assert files_under(kv_dir) == []
@@ -414,7 +414,7 @@ PROMPTS = [[t % 200 + 3 for t in range(100)], [t % 190 + 5 for t in range(90)]]
 def _generate_on(path, caplog) -> tuple[list, list[str]]:
     """The fixture's kvswap tokens with the KV cache in ``path``, and the O_DIRECT warnings logged meanwhile."""
     caplog.clear()
-    with caplog.at_level(logging.WARNING), Engine.from_pretrained("fixture", kv_offload_path=path, config=CFG,
+    with caplog.at_level(logging.WARNING), Engine.from_pretrained("fixture", kv_path=path, config=CFG,
                                                                   device="cpu") as engine:
         results = engine.generate(PROMPTS, max_new_tokens=12, stop_token_ids=[])
     assert files_under(path) == []
@@ -485,7 +485,7 @@ def test_a_kv_path_on_a_read_only_mount_is_refused_naming_it(read_only_dir, caps
         (read_only_dir / "probe").write_bytes(b"x")
     assert write.value.errno == 30  # EROFS: the mount is read-only even for root
     with pytest.raises(StoreError, match=rf"kv_offload_path {read_only_dir} is on a read-only filesystem"):
-        Engine.from_pretrained("fixture", kv_offload_path=read_only_dir, config=CFG, device="cpu")
+        Engine.from_pretrained("fixture", kv_path=read_only_dir, config=CFG, device="cpu")
     assert main(["generate", "--model", "fixture", "--kv-path", str(read_only_dir), "--prompt", "[1, 2]"]) == 2
     assert f"kv_offload_path {read_only_dir} is on a read-only filesystem" in capsys.readouterr().err
 
@@ -522,7 +522,7 @@ def test_engine_sampling_refuses_nan_and_out_of_range_seeds(params, match):
 @pytest.mark.parametrize("temperature", [1e-300, 5e-324, 1e-40, 1e-6, 1e-5, 0.5, 2.0])
 @pytest.mark.parametrize("top_k, top_p", [(0, 1.0), (3, 1.0), (0, 1e-300), (10**12, 0.5)])
 def test_every_accepted_temperature_samples_without_overflow(temperature, top_k, top_p):
-    """Temperatures a request may send (any finite value >= 0) never overflow the scaled logits (issue 28: 1e-40
+    """Temperatures a request may send (any finite value >= 0) never overflow the scaled logits (1e-40 once
     made torch.multinomial raise); below the sampled range a draw is the top token."""
     from edgekv.runtime.sampling import MIN_SAMPLED_TEMPERATURE, Sampler, SamplingParams
 

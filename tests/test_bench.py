@@ -1,5 +1,7 @@
 """The bench command: ratio arithmetic, step timing without warm-up, and a CI-fast end-to-end run."""
 import json
+import os
+import shutil
 import sys
 import types
 from pathlib import Path
@@ -132,6 +134,77 @@ def test_llama_cpp_row_only_for_a_gguf_model_with_the_binding(model_dirs, tmp_pa
     assert bench.llama_cpp_source(tmp_path, ["llama.cpp"])[0] == source
 
 
+@pytest.fixture
+def fake_llama_cpp(monkeypatch, tmp_path):
+    """llama-cpp-python's stand-in (tests/fake_llama_cpp) for the bench's import check here and for the llama.cpp
+    row's child process; the file it records each instance in (FAKE_LLAMA_CPP_LOG)."""
+    folder = str(Path(__file__).parent / "fake_llama_cpp")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [folder, os.environ.get("PYTHONPATH")])))
+    monkeypatch.setenv("FAKE_LLAMA_CPP_LOG", str(tmp_path / "llama-cpp.jsonl"))
+    monkeypatch.syspath_prepend(folder)
+    monkeypatch.delitem(sys.modules, "llama_cpp", raising=False)
+    yield tmp_path / "llama-cpp.jsonl"
+    sys.modules.pop("llama_cpp", None)
+
+
+def converted_from_gguf(model_dirs, tmp_path) -> Path:
+    """The small llama as a folder converted from a GGUF file (what gives the bench its llama.cpp row)."""
+    from edgekv.runtime import checkpoints
+
+    model = tmp_path / "converted"
+    shutil.copytree(model_dirs["llama"], model)
+    (tmp_path / "m.gguf").write_bytes(b"GGUF")
+    (model / checkpoints._CONVERTED_META).write_text(json.dumps({"source": str(tmp_path / "m.gguf")}))
+    return model
+
+
+def test_the_llama_cpp_row_decodes_the_gguf_greedily_in_a_process_of_its_own(model_dirs, tmp_path, fake_llama_cpp):
+    from edgekv.runtime.model import ModelDims, read_model_config
+    from tests.fake_llama_cpp.llama_cpp import next_token
+
+    model, out = converted_from_gguf(model_dirs, tmp_path), tmp_path / "bench.json"
+    assert small_bench(model_dirs, tmp_path, "--model", str(model), "--batches", "1", "--policies", "full,llama.cpp",
+                       "--json", str(out)) == 0
+    meta, (full, llama) = (json.loads(out.read_text())[k] for k in ("meta", "runs"))
+    assert "llama_cpp_failed" not in meta and set(llama) == set(full)
+    assert (llama["policy"], llama["budget"], llama["batch"], llama["context"]) == ("llama.cpp", None, 1, 512)
+    assert llama["decode_tok_s"] > 0 and llama["step_ms"] > 0
+    assert llama["ratio_to_full"] == pytest.approx(llama["decode_tok_s"] / full["decode_tok_s"])
+    dims = ModelDims.from_config(read_model_config(model))
+    assert llama["kv_resident_mib"] * 2**20 == dims.n_layers * 512 * 2 * dims.n_kv_heads * dims.head_dim * 2  # f16
+    (called,) = [json.loads(line) for line in fake_llama_cpp.read_text().splitlines()]
+    assert called["pid"] != os.getpid() and called["model_path"] == str(tmp_path / "m.gguf")
+    threads = torch.get_num_threads()
+    assert (called["n_ctx"], called["n_threads"], called["n_threads_batch"], called["verbose"]) == (512, threads,
+                                                                                                    threads, False)
+    prompt, *steps = called["evals"]
+    assert len(prompt) == 512 - 2 - 1 - 8 and [len(s) for s in steps] == [1] * 3  # one warm-up step, two timed
+    fed = [prompt[-1]] + [s[0] for s in steps]
+    assert all(token == next_token(before) for before, token in zip(fed, fed[1:]))  # each the last one's greedy pick
+
+
+def test_a_llama_cpp_row_killed_by_a_signal_names_it_and_the_fix_and_the_other_rows_are_written(
+        model_dirs, tmp_path, fake_llama_cpp, monkeypatch, capsys):
+    """The wheel's AMX matmul killed the bench with SIGSEGV on a VM that lists AMX: now its process dies alone, the
+    row says so with the fix, and every other row is measured and written (JSON and PNG)."""
+    monkeypatch.setenv("FAKE_LLAMA_CPP_CRASH", "SIGSEGV")
+    out, png = tmp_path / "bench.json", tmp_path / "bench.png"
+    assert small_bench(model_dirs, tmp_path, "--model", str(converted_from_gguf(model_dirs, tmp_path)), "--batches",
+                       "1", "--policies", "full,kvswap,llama.cpp", "--json", str(out), "--png", str(png)) == 0
+    meta, runs = (json.loads(out.read_text())[k] for k in ("meta", "runs"))
+    assert [r["policy"] for r in runs] == ["full", "kvswap"] and all(r["decode_tok_s"] > 0 for r in runs)
+    why = meta["llama_cpp_failed"]["1x512"]
+    assert why == f"killed by SIGSEGV; {bench.LLAMA_CPP_CRASH_FIX}"
+    assert "without AMX" in why and "-mno-amx-tile" in why and "pip install --force-reinstall" in why
+    assert f"llama.cpp at 1x512: {why}" in capsys.readouterr().out and png.is_file()
+    assert not fake_llama_cpp.exists()  # it died in the prompt's eval, before close
+
+
+def test_a_llama_cpp_row_whose_process_fails_names_its_last_error(tmp_path, fake_llama_cpp):
+    with pytest.raises(bench.LlamaCppFailed, match="exited with status 1: ValueError: Model path does not exist"):
+        bench.llama_cpp_run(tmp_path / "gone.gguf", None, [5, 6], 64, 2, 1)
+
+
 def test_the_in_memory_twin_sets_kvswaps_overlap_against_its_limits(model_dirs, tmp_path):
     out = tmp_path / "bench.json"
     rc = small_bench(model_dirs, tmp_path, "--policies", "full,kvswap,kvswap-ram", "--json", str(out))
@@ -186,46 +259,6 @@ def test_the_tuned_row_has_a_corrected_twin_in_the_same_memory(model_dirs, tmp_p
     assert corrected["kv_resident_mib"] == guess["kv_resident_mib"] and corrected["guess_recall"] is not None
 
 
-def test_copy_probe_windows_end_in_spans_of_their_own_prompt():
-    from bench.copy_probe import copy_windows
-
-    windows = [list(range(1000 * w, 1000 * w + 900)) for w in range(3)]
-    copies = copy_windows(windows, spans=2, span_tokens=16, seed=7)
-    assert copies == copy_windows(windows, spans=2, span_tokens=16, seed=7)  # seeded
-    for window, copy in zip(windows, copies):
-        prompt, tail = copy[:-32], copy[-32:]
-        assert len(copy) == len(window) and prompt == window[:-32]
-        for span in (tail[:16], tail[16:]):
-            start = prompt.index(span[0])
-            assert prompt[start : start + 16] == span and 64 <= start < len(prompt) - 256
-
-
-def test_the_step_waits_bench_times_the_compute_threads_waits_and_probes_every_site(capsys, monkeypatch):
-    """``python -m bench.step_waits`` on the fixture: the compute thread's wall against its CPU in the step and in
-    each wait (no wait takes longer than the step, its CPU never more than its wall), then every probe site timed
-    against no probe, each probe's added work counted from the probes that ran."""
-    import re
-
-    from bench.step_waits import PROBES, WAITS, main as step_waits
-    from edgekv.runtime import aside as aside_module
-
-    monkeypatch.setattr(aside_module, "cores", lambda: 2)
-    torch.manual_seed(0)
-    step_waits(["--model", "fixture", "--context", "200", "--batch", "2", "--kvswap", "G=4,M=6,C=8,sigma=2",
-                "--extra", '{"reuse": true, "correction": "corrected"}', "--rounds", "1", "--steps", "2"])
-    out = capsys.readouterr().out
-    step = re.search(r"^batch 2: ([\d.]+) ms a step, the compute thread's CPU ([\d.]+), waiting (-?[\d.]+)$", out,
-                     re.M)
-    assert step and float(step[1]) > 0
-    waits = dict((m[0], tuple(map(float, m[1:]))) for m in re.findall(
-        r"^  in (.+): ([\d.]+) ms a step, CPU ([\d.]+), waiting (-?[\d.]+) \(([\d.]+) calls a step\)$", out, re.M))
-    assert set(waits) == set(WAITS) and waits["a layer's reads"][3] > 0 and waits["a correction"][3] > 0
-    assert all(wall <= float(step[1]) + 1e-2 and cpu <= wall + 1e-2 for wall, cpu, _, _ in waits.values())
-    probes = re.findall(r"^  probe at (.+): ([\d.]+) ms of compute-thread work added a step, median ([\d.]+) ms a "
-                        r"step: (-?[\d.]+) of it on the critical path$", out, re.M)
-    assert [p[0] for p in probes] == list(PROBES) and all(float(p[1]) > 0 for p in probes)
-
-
 def test_the_policies_bench_alternates_them_at_any_batch(capsys):
     """``python -m bench.policies_ab`` on the fixture: each policy timed in every round on its own prefilled batch,
     the first the base."""
@@ -239,37 +272,3 @@ def test_the_policies_bench_alternates_them_at_any_batch(capsys):
                       r"full$", capsys.readouterr().out, re.M)
     assert [row[0] for row in rows] == ["full", "kvswap"] and float(rows[0][3]) == 1.0
     assert all(float(row[1]) > 0 and len(row[2].split(", ")) == 2 for row in rows)
-
-
-def test_the_fused_calls_bench_alternates_them_with_the_forms_they_replaced(capsys):
-    """``python -m bench.fused_calls`` on the fixture: both forms timed in every round, and the fused ones in place
-    again after it."""
-    import re
-
-    from bench.fused_calls import main as fused_calls
-    from edgekv.runtime.selector import LowRankSelector
-
-    from edgekv.runtime.disk_store import DiskKVStore
-
-    top_call, launch, striped = LowRankSelector._top_call, LowRankSelector._launch_posted, DiskKVStore._striped_runs
-    fused_calls(["--model", "fixture", "--context", "200", "--batch", "1", "--kvswap", "G=4,M=6,C=8,sigma=2",
-                 "--extra", '{"reuse": true}', "--rounds", "2", "--steps", "2"])
-    rows = re.findall(r"^kvswap batch 1 (fused calls|replaced forms): median ([\d.]+) ms a step \(([\d., ]+)\); "
-                      r"([\d.]+) x the tok/s of replaced forms$", capsys.readouterr().out, re.M)
-    assert [row[0] for row in rows] == ["fused calls", "replaced forms"] and float(rows[1][3]) == 1.0
-    assert LowRankSelector._top_call is top_call and LowRankSelector._launch_posted is launch
-    assert DiskKVStore._striped_runs is striped
-
-
-def test_the_fused_calls_bench_replaces_only_the_forms_named_and_refuses_an_unknown_one(capsys):
-    from bench.fused_calls import main as fused_calls
-    from edgekv.runtime.selector import LowRankSelector
-
-    with pytest.raises(SystemExit):
-        fused_calls(["--model", "fixture", "--replace", "norms,fused everything"])
-    assert "fused everything is no form" in capsys.readouterr().err
-    einsum_free = LowRankSelector._low_rank_queries
-    fused_calls(["--model", "fixture", "--context", "200", "--batch", "1", "--kvswap", "G=4,M=6,C=8,sigma=2",
-                 "--rounds", "1", "--steps", "1", "--replace", "glue norms,rope"])
-    assert "replaced: glue norms, rope\n" in capsys.readouterr().out
-    assert LowRankSelector._low_rank_queries is einsum_free

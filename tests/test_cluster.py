@@ -15,7 +15,7 @@ def picked(n_obs: int, n_groups: int, sets: dict[int, range | list[int]]) -> np.
     return picks
 
 
-def brute_force_picks(q, k, G, n_pick, first_group, end_group, scaling):
+def brute_force_picks(q, k, G, picked_groups, first_group, end_group, scaling):
     """One query and one head at a time, straight from the rule's definition."""
     n_heads, n_obs, _ = q.shape
     n_kv, n_tokens, _ = k.shape
@@ -31,7 +31,7 @@ def brute_force_picks(q, k, G, n_pick, first_group, end_group, scaling):
             token_scores = [sum(float(q[h, w] @ k[h // (n_heads // n_kv), t]) for h in range(n_heads)) * scaling
                             for t in visible]
             scores[g] = max(token_scores)
-        for g in sorted(scores, key=scores.get, reverse=True)[:n_pick]:
+        for g in sorted(scores, key=scores.get, reverse=True)[:picked_groups]:
             picks[w, g] = True
     return picks
 

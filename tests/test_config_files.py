@@ -22,7 +22,7 @@ FLAT_V1 = {"G": 4, "M": 100, "sigma": 8.0, "C": 200, "max_kv_mem_mib": None, "ma
            "read_deadline_s": 60.0}
 
 
-# an earlier config runs as before: issue 33's selection, issue 31's slot memory, issue 34's gaps read through (none)
+# the keys added since, each at a default under which an earlier config runs as before
 ADDED_SINCE_V1 = {"correction": "guess", "correction_reads": None, "correction_overlap": False, "slot_memory": "device",
                   "decode_cpu_threads": None, "correction_recall": 1.0, "guess_from_before": False, "io_gap_bytes": 0,
                   "prompt_adapter": False}
@@ -38,8 +38,8 @@ def test_the_flat_key_set_of_earlier_versions_loads_and_writes_back_unchanged():
 def test_every_config_shipped_in_docs_results_loads():
     from edgekv.evals.harness import recorded_configs
 
-    loaded = [RuntimeConfig.load(RESULTS / "serve-smollm2-config.json")]
-    for path in sorted(RESULTS.glob("*.json")):
+    loaded = [RuntimeConfig.load(RESULTS / "serving" / "serve-smollm2-config.json")]
+    for path in sorted(RESULTS.rglob("*.json")):
         data = json.loads(path.read_text())
         rows = (data.get("results") or data.get("ppl") or []) if isinstance(data, dict) else []
         for row in rows:

@@ -1,8 +1,8 @@
-"""Issue 17's crash target at CI size: processes SIGKILLed mid-prefill and mid-save leave no corrupt context that
+"""The crash target at CI size: processes SIGKILLed mid-prefill and mid-save leave no corrupt context that
 reads back as valid, no debris, and a store that still generates the tokens a run without it does.
 
-The trials and the checks are bench/crash_trials.py's (``python -m bench.crash_trials --trials 60`` is the full
-campaign); the checker is first shown to catch a half-written blob renamed into place and flipped bits.
+The trials and the checks are tests/harness/crash_trials.py's (``python -m tests.harness.crash_trials --trials 60``
+is the full campaign); the checker is first shown to catch a half-written blob renamed into place and flipped bits.
 """
 import os
 import signal
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.crash_trials import Setup, checker_self_test, load_base, run_campaign
+from tests.harness.crash_trials import Setup, checker_self_test, load_base, run_campaign
 
 REPO = Path(__file__).resolve().parents[1]
 PREFILL_PHASES = {"save.prefill", "gen.prefill", "gen.load"}
@@ -95,7 +95,7 @@ if __name__ == "__main__":
 
 
 def test_a_name_saved_again_and_killed_before_the_index_is_listed_as_what_it_holds(tmp_path):
-    from bench.crash_trials import tmp_debris
+    from tests.harness.crash_trials import tmp_debris
 
     repro = {}
     exec(compile(REPRO, "repro", "exec"), repro)  # the same helpers in this process (not __main__: nothing runs)

@@ -49,7 +49,7 @@ def run(tmp_path, policy, extra, device, dtype=torch.float32, prompts=PROMPTS, c
     paths = [tmp_path / f"{device}-p{i}" for i in range(2 if extra.get("clustering") else 1)]
     for p in paths:
         p.mkdir(parents=True, exist_ok=True)
-    with Engine.from_pretrained("fixture", kv_offload_path=paths, config={**BASE, **extra}, policy=policy,
+    with Engine.from_pretrained("fixture", kv_path=paths, config={**BASE, **extra}, policy=policy,
                                 device=device, dtype=dtype) as engine:
         if context is not None:
             engine.open_context_store(tmp_path / f"{device}-store", chunk_tokens=64)
@@ -77,7 +77,7 @@ def test_a_hybrid_model_on_cuda_gives_the_cpu_tokens(tmp_path):
     tokens = {}
     for device in ("cuda", "cpu"):
         (tmp_path / device).mkdir()
-        with Engine.from_pretrained(folder, kv_offload_path=tmp_path / device, config=BASE, policy="kvswap",
+        with Engine.from_pretrained(folder, kv_path=tmp_path / device, config=BASE, policy="kvswap",
                                     device=device, dtype=torch.float32) as engine:
             tokens[device] = [r.token_ids for r in engine.generate(prompts, max_new_tokens=NEW_TOKENS,
                                                                    stop_token_ids=[])]
@@ -97,7 +97,7 @@ def test_the_ttft_plan_on_cuda_gives_full_prefills_tokens(tmp_path):
     context = [(i * 3) % 250 + 4 for i in range(384)]
     got = {}
     for method in ("full_prefill", "edgekv"):
-        with Engine.from_pretrained("fixture", kv_offload_path=tmp_path, config=BASE, policy="full",
+        with Engine.from_pretrained("fixture", kv_path=tmp_path, config=BASE, policy="full",
                                     device="cuda", dtype=torch.float32) as engine:
             engine.open_context_store(tmp_path / f"store-{method}", chunk_tokens=64)
             engine.save_context(context, name="doc")
@@ -160,7 +160,7 @@ def test_edgekv_serve_on_cuda_answers_as_the_cpu(tmp_path):
     answers = {}
     for device in ("cuda", "cpu"):
         (tmp_path / device).mkdir()
-        engine_args = {"kv_offload_path": tmp_path / device, "config": BASE, "device": device, "dtype": torch.float32}
+        engine_args = {"kv_path": tmp_path / device, "config": BASE, "device": device, "dtype": torch.float32}
         with serving("fixture", tmp_path / device, store=False,
                      load=lambda: Engine.from_pretrained("fixture", **engine_args)) as (url, state):
             poll(lambda: httpx.get(url + "/health").status_code == 200, "model loaded")
@@ -171,7 +171,7 @@ def test_edgekv_serve_on_cuda_answers_as_the_cpu(tmp_path):
 
 
 def _one_batch(tmp_path, extra=None):
-    engine = Engine.from_pretrained("fixture", kv_offload_path=tmp_path, config={**BASE, **(extra or {})},
+    engine = Engine.from_pretrained("fixture", kv_path=tmp_path, config={**BASE, **(extra or {})},
                                     policy="kvswap", device="cuda", dtype=torch.float16)
     batch = engine.open_batch(2, BASE["max_context"])
     for row, prompt in enumerate(PROMPTS):
@@ -266,15 +266,17 @@ def test_decode_attention_runs_without_the_math_kernel():
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 def test_quantized_group_attention_on_the_gpu_equals_the_cpus(fmt):
     """arkv's quantized groups on CUDA: every group dequantized in one call, the CPU's blocks' result."""
-    from edgekv.runtime.qattn import group_scores, group_values
+    from edgekv.runtime.kernels import resolve_backend
+    from edgekv.runtime.qattn import group_kernels
     from tests.test_arkv import quantized_rows
 
     torch.manual_seed(5)
     layout, rows, _, _ = quantized_rows(fmt, 8, 128, 300)
     q = torch.randn(8, 4, 128)
-    cpu = group_scores(q, rows, layout, 0.09, use_native=False)
-    gpu = group_scores(q.cuda(), rows.cuda(), layout, 0.09)
+    cpu_path, gpu_path = group_kernels(resolve_backend("cpu", "torch")), group_kernels(resolve_backend("cuda"))
+    cpu = cpu_path.scores(q, rows, layout, 0.09)
+    gpu = gpu_path.scores(q.cuda(), rows.cuda(), layout, 0.09)
     torch.testing.assert_close(gpu.cpu(), cpu, rtol=1e-5, atol=1e-4)
     w = cpu.softmax(-1)
-    torch.testing.assert_close(group_values(w.cuda(), rows.cuda(), layout).cpu(),
-                               group_values(w, rows, layout, use_native=False), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(gpu_path.values(w.cuda(), rows.cuda(), layout).cpu(),
+                               cpu_path.values(w, rows, layout), rtol=1e-5, atol=1e-5)

@@ -8,6 +8,7 @@ import torch
 
 from edgekv.runtime.dense_attention import DenseAttention
 from edgekv.runtime.forward import decode_attention
+from edgekv.runtime.kernels import resolve_backend
 from tests.conftest import assert_same_decodes
 
 
@@ -31,7 +32,7 @@ def _torch_attention(q, k, v, start, stop):
 
 
 def _attention(dtype, n_heads, n_kv, head_dim):
-    attention = DenseAttention.for_cache(dtype, torch.device("cpu"), n_heads, n_kv, head_dim, head_dim ** -0.5)
+    attention = DenseAttention.for_cache(resolve_backend("cpu"), dtype, n_heads, n_kv, head_dim, head_dim ** -0.5)
     assert attention is not None
     return attention
 
@@ -105,23 +106,27 @@ def test_keys_and_values_of_other_layouts_are_refused():
         attention(q, kv[0], kv[1].bfloat16(), np.array([0]), np.array([5]))
 
 
-@pytest.mark.parametrize("dtype, device, head_dim, n_heads", [
-    (torch.float64, "cpu", 64, 4),  # a dtype the kernel does not read
-    (torch.float32, "cuda", 64, 4),  # a GPU's cache: SDPA's kernels
-    (torch.float32, "cpu", 512, 4),  # head_dim above the kernel's maximum
-    (torch.float32, "cpu", 64, 66),  # 33 query heads a KV head: above its maximum
+@pytest.mark.parametrize("dtype, backend, head_dim, n_heads", [
+    (torch.float64, "native", 64, 4),  # a dtype the kernel does not read
+    (torch.float32, "cuda", 64, 4),  # a GPU's cache: SDPA's kernels (no native attention on its backend)
+    (torch.float32, "torch", 64, 4),  # the torch reference asked for
+    (torch.float32, "native", 512, 4),  # head_dim above the kernel's maximum
+    (torch.float32, "native", 64, 66),  # 33 query heads a KV head: above its maximum
 ])
-def test_torch_attends_what_the_kernel_does_not_read(dtype, device, head_dim, n_heads):
-    assert DenseAttention.for_cache(dtype, torch.device(device), n_heads, 2, head_dim, 0.1) is None
+def test_torch_attends_what_the_kernel_does_not_read(dtype, backend, head_dim, n_heads):
+    from edgekv.runtime.kernels import Backend
+
+    backend = Backend("cuda", torch.device("cuda")) if backend == "cuda" else resolve_backend("cpu", backend)
+    assert DenseAttention.for_cache(backend, dtype, n_heads, 2, head_dim, 0.1) is None
 
 
 @pytest.mark.parametrize("arch, dtype, policy", [("llama", "float32", "full"), ("qwen2", "bfloat16", "full"),
                                                  ("gemma3", "float32", "full"), ("gemma3", "bfloat16", "kvswap")])
 def test_a_model_decodes_the_same_through_the_kernel_as_through_torch(tmp_path, monkeypatch, arch, dtype, policy):
     """``full``'s cache and a hybrid model's window rings (Gemma 3's: 8 slots, filled and wrapped around) on the CPU
-    attend through the kernel, else through ``decode_attention``: the same tokens, logits within float rounding,
-    rows of different lengths in one batch."""
-    from edgekv.runtime import Engine, hybrid, kv_policy
+    attend through the kernel (the native backend), else through ``decode_attention`` (the torch backend): the same
+    tokens, logits within float rounding, rows of different lengths in one batch."""
+    from edgekv.runtime import Engine
     from tests.conftest import save_model
 
     prompts = [[3 + i % 150 for i in range(157)], [7 + (i * 13) % 150 for i in range(5)]]  # the second fills a ring
@@ -130,11 +135,9 @@ def test_a_model_decodes_the_same_through_the_kernel_as_through_torch(tmp_path, 
     monkeypatch.setattr(DenseAttention, "__call__", lambda self, *a: calls.append(1) or native_call(self, *a))
     folder = save_model(tmp_path / arch, arch)
     config = {"max_context": 256, "max_batch": 2, **({"G": 4, "M": 6, "C": 12, "sigma": 2} if policy == "kvswap" else {})}
-    for name, for_cache in {"native": DenseAttention.for_cache, "torch": lambda *a: None}.items():
-        monkeypatch.setattr(kv_policy.DenseAttention, "for_cache", for_cache)
-        monkeypatch.setattr(hybrid.DenseAttention, "for_cache", for_cache)
-        with Engine.from_pretrained(folder, kv_offload_path=tmp_path, config=config, policy=policy, device="cpu",
-                                    dtype=dtype) as engine:
+    for name in ("native", "torch"):
+        with Engine.from_pretrained(folder, kv_path=tmp_path, config=config, policy=policy, device="cpu",
+                                    dtype=dtype, backend=name) as engine:
             runs[name] = engine.generate(prompts, max_new_tokens=8, stop_token_ids=[], output_logits=True)
         assert bool(calls) == (name == "native")
         calls.clear()
@@ -146,39 +149,14 @@ def test_a_model_decodes_the_same_through_the_kernel_as_through_torch(tmp_path, 
 def test_the_kernel_built_for_narrower_vectors_computes_the_same(tmp_path, march):
     """Built for SSE (4 floats a vector) and AVX2 (8), as a machine without AVX-512 (16) builds it: the same
     attention within float32 rounding, float16 widened by F16C or from its bits."""
-    import ctypes
-
     from edgekv.runtime import native_build
-    from edgekv.runtime.dense_attention import native_dense
+    from edgekv.runtime.kernels import load_library
 
     lib = native_build.LIBRARIES["dense"]
     flags = [f if f != "-march=native" else f"-march={march}" for f in lib.flags]
-    source = str(native_build.SOURCES / lib.source)
-    path = native_build.compile_library(lambda out: ["cc", *flags, "-shared", "-fPIC", source, "-o", out, *lib.libs],
-                                        tmp_path / f"dense-{march}.so", lib.what)
-    built = ctypes.CDLL(str(path))
-    for function in ("ekv_dense_job", "ekv_dense_run", "ekv_dense_merge", "ekv_dense_parts"):
-        getattr(built, function).argtypes = getattr(native_dense(), function).argtypes
-        getattr(built, function).restype = getattr(native_dense(), function).restype
-    built.job_bytes, built.unit = native_dense().job_bytes, None
+    built = load_library("dense", native_build.compile_units(lib, tmp_path / f"dense-{march}.so", flags))
     q, kv = _case(2, 9, 3, 64, 700, torch.float16)
     start, stop = np.array([0, 5]), np.array([700, 300])
     expected = _attention(torch.float16, 9, 3, 64)(q, kv[0], kv[1], start, stop)
     out = DenseAttention(built, 0.125)(q, kv[0], kv[1], start, stop)
     torch.testing.assert_close(out.double(), expected.double(), atol=1e-3, rtol=1e-3)
-
-
-def test_the_dense_attention_bench_times_the_three_paths_on_one_batch(capsys):
-    """``python -m bench.dense_attention`` on the fixture: the kernel with and without the helper thread and torch's
-    path alternate, each with its median step and its ratio to torch's."""
-    import re
-
-    from bench.dense_attention import main
-
-    main(["--model", "fixture", "--context", "200", "--batch", "2", "--rounds", "2", "--steps", "2"])
-    rows = re.findall(r"^(native, helper thread|native, one thread|torch): median ([\d.]+) ms a step \(([\d., ]+)\); "
-                      r"([\d.]+) x", capsys.readouterr().out, re.M)
-    assert [row[0] for row in rows] == ["native, helper thread", "native, one thread", "torch"]
-    for _, median_ms, rounds, ratio in rows:
-        assert float(median_ms) > 0 and len(rounds.split(", ")) == 2 and float(ratio) > 0
-    assert float(rows[2][3]) == 1.0

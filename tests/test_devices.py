@@ -53,9 +53,9 @@ def test_an_engine_runs_in_the_dtype_its_config_was_deployed_with(kv_dir):
     deployed = {"platform": "local", "model": "fixture", "device": "cpu", "dtype": "bfloat16", "G": 4, "M": 8,
                 "C": 16, "sigma": 8, "max_batch": 1, "max_context": 256,
                 "solutions": [{"batch": 1, "context": 256, "G": 4, "M": 8, "C": 16, "sigma": 8}]}
-    with Engine.from_pretrained("fixture", kv_offload_path=kv_dir, config=deployed) as engine:
+    with Engine.from_pretrained("fixture", kv_path=kv_dir, config=deployed) as engine:
         assert engine.model.dtype == torch.bfloat16
-    with Engine.from_pretrained("fixture", kv_offload_path=kv_dir, config=deployed, dtype="float32") as engine:
+    with Engine.from_pretrained("fixture", kv_path=kv_dir, config=deployed, dtype="float32") as engine:
         assert engine.model.dtype == torch.float32
 
 
@@ -63,11 +63,11 @@ def test_an_engine_loads_the_weight_format_its_config_was_deployed_with_where_it
     deployed = {"platform": "local", "model": "fixture", "device": "cpu", "dtype": "float32", "weights": "int4",
                 "G": 4, "M": 8, "C": 16, "sigma": 8, "max_batch": 1, "max_context": 256,
                 "solutions": [{"batch": 1, "context": 256, "G": 4, "M": 8, "C": 16, "sigma": 8}]}
-    with Engine.from_pretrained("fixture", kv_offload_path=kv_dir, config=deployed) as engine:
+    with Engine.from_pretrained("fixture", kv_path=kv_dir, config=deployed) as engine:
         assert engine.model.weights == "int4"
-    with Engine.from_pretrained("fixture", kv_offload_path=kv_dir, config=deployed, weights="native") as engine:
+    with Engine.from_pretrained("fixture", kv_path=kv_dir, config=deployed, weights="native") as engine:
         assert engine.model.weights == "native"  # named wins
-    with Engine.from_pretrained("fixture", kv_offload_path=kv_dir, config=deployed, dtype="bfloat16") as engine:
+    with Engine.from_pretrained("fixture", kv_path=kv_dir, config=deployed, dtype="bfloat16") as engine:
         assert engine.model.weights == "native"  # not the deployed dtype: its own default, not a refusal
 
 
@@ -140,7 +140,7 @@ def test_a_decode_step_computes_on_the_batchs_threads_and_gives_the_same_tokens(
     for asked in (None, 2):
         cfg = {"G": 4, "M": 6, "C": 12, "sigma": 2, "max_context": 128, "max_batch": 1, "decode_cpu_threads": asked}
         (kv := tmp_path / f"kv{asked}").mkdir()
-        with Engine.from_pretrained(model_dirs["llama"], kv_offload_path=kv, config=cfg,
+        with Engine.from_pretrained(model_dirs["llama"], kv_path=kv, config=cfg,
                                     policy=policy, device="cpu") as engine:
             finish = engine.model.finish_layer
             monkeypatch.setattr(engine.model, "finish_layer", _decode_threads_into(seen, finish, _threads))

@@ -10,7 +10,7 @@ EXACT = {"G": 4, "M": 64, "C": 64, "max_context": 256, "max_batch": 3, "sigma": 
 
 
 def run(model_dir, kv_dir, policy, config=EXACT, **kw):
-    with Engine.from_pretrained(model_dir, kv_offload_path=kv_dir, config=config,
+    with Engine.from_pretrained(model_dir, kv_path=kv_dir, config=config,
                                 policy=policy, device="cpu") as engine:
         results = engine.generate(PROMPTS, max_new_tokens=14, stop_token_ids=[], output_logits=True, **kw)
     assert files_under(kv_dir) == [], "released sequences must leave no KV files"

@@ -1,4 +1,4 @@
-"""Fault injection at the KV reader and writer (bench/faults.py): damaged records, failed, short and hung reads,
+"""Fault injection at the KV reader and writer (tests/harness/faults.py): damaged records, failed, short and hung reads,
 a full disk, a KV path that disappears, damaged context-store chunks.  Each ends in the same tokens as a clean
 run or a clear error, no file left behind, and an engine that serves the next request."""
 import errno
@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 import torch
 
-from bench.faults import DAMAGE, FaultyReader, rewrite, run_store_flips
 from edgekv.cli import main
 from edgekv.runtime import Engine
 from edgekv.runtime import disk_store as disk_store_mod
@@ -23,6 +22,8 @@ from edgekv.runtime.reader import open_reader
 from edgekv.runtime.store import ChunkCorrupt, ContextStore
 from edgekv.runtime.ttft.prefill import TTFTOptions
 
+from tests.harness.faults import DAMAGE, FaultyReader, rewrite, run_store_flips
+
 from .conftest import files_under
 
 CFG = {"G": 4, "M": 4, "C": 8, "max_context": 160, "max_batch": 2, "read_deadline_s": 0.5}
@@ -32,7 +33,7 @@ NEW_TOKENS = 9
 
 @pytest.fixture
 def engine(model_dirs, kv_dir):
-    with Engine.from_pretrained(model_dirs["llama"], kv_offload_path=kv_dir, config=CFG, policy="kvswap",
+    with Engine.from_pretrained(model_dirs["llama"], kv_path=kv_dir, config=CFG, policy="kvswap",
                                 device="cpu") as engine:
         yield engine
 
@@ -66,7 +67,7 @@ def test_a_damaged_record_is_caught_and_the_answer_is_unchanged(engine, kv_dir, 
 @pytest.mark.parametrize("fault", DAMAGE)
 def test_damage_is_caught_with_gaps_read_through(model_dirs, kv_dir, fault, caplog):
     """Requests bridge gaps (io_gap_bytes): the damage lands in a wanted record, never in one only read to bridge."""
-    with Engine.from_pretrained(model_dirs["llama"], kv_offload_path=kv_dir, config={**CFG, "io_gap_bytes": 3 * 4096},
+    with Engine.from_pretrained(model_dirs["llama"], kv_path=kv_dir, config={**CFG, "io_gap_bytes": 3 * 4096},
                                 policy="kvswap", device="cpu") as engine:
         want = run(engine)
         stores = []
@@ -82,7 +83,7 @@ def test_damage_is_caught_with_gaps_read_through(model_dirs, kv_dir, fault, capl
 
 def test_without_verification_damage_goes_through_and_a_warning_says_so(model_dirs, kv_dir, caplog):
     with caplog.at_level(logging.WARNING, logger="edgekv"):
-        with Engine.from_pretrained(model_dirs["llama"], kv_offload_path=kv_dir, config={**CFG, "verify_fraction": 0},
+        with Engine.from_pretrained(model_dirs["llama"], kv_path=kv_dir, config={**CFG, "verify_fraction": 0},
                                     policy="kvswap", device="cpu") as engine:
             reader = inject(engine, "flip_disk", 2)
             run(engine)
@@ -92,7 +93,7 @@ def test_without_verification_damage_goes_through_and_a_warning_says_so(model_di
 
 def test_sampled_verification_states_its_coverage_and_checks_about_that_share(model_dirs, kv_dir, caplog):
     with caplog.at_level(logging.WARNING, logger="edgekv"):
-        with Engine.from_pretrained(model_dirs["llama"], kv_offload_path=kv_dir, config={**CFG, "verify_fraction": 0.5},
+        with Engine.from_pretrained(model_dirs["llama"], kv_path=kv_dir, config={**CFG, "verify_fraction": 0.5},
                                     policy="kvswap", device="cpu") as engine:
             stores = []
             open_batch = engine.open_batch
@@ -178,7 +179,7 @@ def small_fs(tmp_path):
 
 
 def test_a_real_full_filesystem_fails_the_request_cleanly(model_dirs, small_fs):
-    with Engine.from_pretrained(model_dirs["llama"], kv_offload_path=small_fs, config=CFG, policy="kvswap",
+    with Engine.from_pretrained(model_dirs["llama"], kv_path=small_fs, config=CFG, policy="kvswap",
                                 device="cpu") as engine:
         with pytest.raises(StoreError) as err:
             engine.generate(PROMPTS, max_new_tokens=40, stop_token_ids=[])
@@ -270,7 +271,7 @@ def stored(model_dirs, tmp_path):
     ids = torch.randint(1, 160, (100,), generator=torch.Generator().manual_seed(5)).tolist()
     kv = tmp_path / "kv"
     kv.mkdir()
-    engine = Engine.from_pretrained(model_dirs["llama"], kv_offload_path=kv, config=CFG, policy="kvswap", device="cpu")
+    engine = Engine.from_pretrained(model_dirs["llama"], kv_path=kv, config=CFG, policy="kvswap", device="cpu")
     engine.open_context_store(tmp_path / "store", chunk_tokens=32)
     want = engine.generate([ids], max_new_tokens=6, stop_token_ids=[])[0].token_ids
     saved = engine.save_context(ids[:96], name="doc")
@@ -345,10 +346,10 @@ def test_the_trailer_names_what_it_checks():
             Trailer.unpack(data, *args)
 
 
-# ---- the context store's other files: one flipped byte anywhere (issue 28) ------------------------------------
+# ---- the context store's other files: one flipped byte anywhere ----------------------------------------------
 
 def test_every_file_of_a_stored_context_survives_flipped_bytes():
-    """The CI share of the campaign (docs/results/faults-store-flips.json runs 700): every file flipped 6 times."""
+    """The CI share of the campaign (docs/results/faults/faults-store-flips.json runs 700): every file flipped 6 times."""
     result = run_store_flips(42, progress=False)
     assert result["undamaged_equals_no_store"]
     assert {k: (r["files"], r["flips"]) for k, r in result["by_kind"].items()} == {
@@ -393,7 +394,7 @@ def test_generate_with_a_context_whose_index_or_store_json_was_damaged_answers_a
 def test_a_step_past_a_rows_max_context_is_refused_by_name(model_dirs, kv_dir, policy):
     """The batch API (a bench's or a server's loop) stepping a row that holds max_context tokens gets a named error,
     not a shape error from deep in a cache that has no room for the token."""
-    with Engine.from_pretrained(model_dirs["llama"], kv_offload_path=kv_dir, config=CFG, policy=policy,
+    with Engine.from_pretrained(model_dirs["llama"], kv_path=kv_dir, config=CFG, policy=policy,
                                 device="cpu") as engine, engine.open_batch(1, CFG["max_context"]) as batch:
         batch.join(0, [1 + i % 150 for i in range(CFG["max_context"] - 3)])
         batch.end_prefill()

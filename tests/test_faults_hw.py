@@ -1,4 +1,4 @@
-"""Fault injection, hardware side (issue 17, item 3): a power meter lost mid-measurement, and an in-storage scorer
+"""Fault injection, hardware side: a power meter lost mid-measurement, and an in-storage scorer
 (the csim, or the card through pyxrt) that fails mid-request.
 
 The fakes fail the way the real sources do:
@@ -395,7 +395,7 @@ def _generate(engine):
 def reference(model_dirs, tmp_path_factory):
     """The tokens of a clean HillInfer run scored by the numpy reference."""
     kv = tmp_path_factory.mktemp("kv-reference")
-    with Engine.from_pretrained(model_dirs["llama"], kv_offload_path=kv, config=CONFIG, policy="hillinfer",
+    with Engine.from_pretrained(model_dirs["llama"], kv_path=kv, config=CONFIG, policy="hillinfer",
                                 scorer=NumpyScorer(), device="cpu") as engine:
         return _generate(engine)
 
@@ -404,7 +404,7 @@ def test_the_engine_is_never_stopped_by_a_lost_meter_and_the_next_measurement_wo
                                                                                    caplog, reference):
     gpu = FakeGpu(lose_after=3)
     monkeypatch.setitem(sys.modules, "pynvml", fake_pynvml(gpu))
-    with Engine.from_pretrained(model_dirs["llama"], kv_offload_path=kv_dir, config=CONFIG, policy="hillinfer",
+    with Engine.from_pretrained(model_dirs["llama"], kv_path=kv_dir, config=CONFIG, policy="hillinfer",
                                 scorer=NumpyScorer(), device="cpu") as engine:
         with caplog.at_level(logging.WARNING), energy.measure_energy("nvml", rate_hz=1000, engine=engine) as m:
             tokens = _generate(engine)
@@ -549,7 +549,7 @@ def test_a_failing_scorer_falls_back_to_the_cpu_and_the_next_request_uses_it_aga
                                                                                 backend, fault):
     scorer, card = _csim(monkeypatch) if backend == "csim" else _xrt(tmp_path, monkeypatch)
     calls = (lambda: card.calls) if backend == "csim" else (lambda: card.runs)
-    with Engine.from_pretrained(model_dirs["llama"], kv_offload_path=kv_dir, config=CONFIG, policy="hillinfer",
+    with Engine.from_pretrained(model_dirs["llama"], kv_path=kv_dir, config=CONFIG, policy="hillinfer",
                                 scorer=scorer, device="cpu") as engine:
         if backend == "csim":
             card.fault, card.faulty_from = fault, FAULTY_FROM
@@ -577,7 +577,7 @@ def test_a_failing_scorer_falls_back_to_the_cpu_and_the_next_request_uses_it_aga
 
 def test_a_request_whose_pool_the_cpu_cannot_read_either_fails_clearly(model_dirs, kv_dir, monkeypatch, reference):
     scorer, csim = _csim(monkeypatch)
-    with Engine.from_pretrained(model_dirs["llama"], kv_offload_path=kv_dir, config=CONFIG, policy="hillinfer",
+    with Engine.from_pretrained(model_dirs["llama"], kv_path=kv_dir, config=CONFIG, policy="hillinfer",
                                 scorer=scorer, device="cpu") as engine:
         csim.fault, csim.faulty_from = "pool gone", FAULTY_FROM
         with pytest.raises(ScoringError, match=r"on the CPU either .FileNotFoundError.*in-storage scorer csim "
@@ -668,7 +668,7 @@ class Crashing:  # the csim library segfaults inside its C function
 scorer = CsimScorer()
 scorer._lib = Crashing()
 config = {config!r}
-with Engine.from_pretrained({model!r}, kv_offload_path={kv!r}, config=config, policy="hillinfer", scorer=scorer,
+with Engine.from_pretrained({model!r}, kv_path={kv!r}, config=config, policy="hillinfer", scorer=scorer,
                             device="cpu") as e:
     e.generate({prompts!r}, max_new_tokens=2, stop_token_ids=[])
 """
@@ -680,7 +680,7 @@ def test_a_csim_crash_ends_its_process_and_the_next_engine_removes_its_files(mod
     assert done.returncode == -signal.SIGSEGV, done.stderr
     left = files_under(kv_dir)
     assert any(name.endswith(".f16") for name in left), "the crashed request left no pool files to clean"
-    with Engine.from_pretrained(model_dirs["llama"], kv_offload_path=kv_dir, config=CONFIG, policy="hillinfer",
+    with Engine.from_pretrained(model_dirs["llama"], kv_path=kv_dir, config=CONFIG, policy="hillinfer",
                                 scorer=CsimScorer(), device="cpu") as engine:
         assert _generate(engine) == reference
     assert files_under(kv_dir) == []

@@ -8,12 +8,14 @@ import numpy as np
 import pytest
 import torch
 
-from edgekv.runtime.fetch_plan import CallsPlanner, FetchJob, NativePlanner, native_fetch, planner_for
+from edgekv.runtime.fetch_plan import CallsPlanner, FetchJob, NativePlanner, planner_for
+from edgekv.runtime.kernels import Backend, resolve_backend
 from edgekv.runtime.slot_memory import HostSlots
 from edgekv.runtime.slots import SlotTable, record_owners
 from tests.test_native_requests import assert_same, store_of
 
-pytestmark = pytest.mark.skipif(native_fetch() is None, reason="no C compiler for the native fetch planning")
+NATIVE = resolve_backend("cpu")
+pytestmark = pytest.mark.skipif(NATIVE.lib("fetch") is None, reason="no C compiler for the native fetch planning")
 
 LAYERS, CAPACITY, GROUPS = 2, 9, 60
 
@@ -47,7 +49,7 @@ def test_the_planner_gives_what_the_calls_one_by_one_give(tmp_path, replacement,
         for t in (table, table_b):
             t.share(list(range(batch)))
     read, read_b = np.zeros(batch, dtype=np.int64), np.zeros(batch, dtype=np.int64)
-    planner = planner_for(table, memory, store, read)
+    planner = planner_for(NATIVE, table, memory, store, read)
     assert isinstance(planner, NativePlanner)
     try:
         for _ in range(10):
@@ -80,7 +82,7 @@ def test_the_planner_gives_what_the_calls_one_by_one_give(tmp_path, replacement,
 def test_the_job_layout_is_the_headers():
     """FetchJob's fields sit where runtime/native/ekv_fetch.h's struct has them (the library checks it on loading:
     here against a field moved in Python)."""
-    lib = native_fetch()
+    lib = NATIVE.lib("fetch")
     offsets = np.zeros(lib.ekv_fetch_job_fields(), dtype=np.int64)
     lib.ekv_fetch_job_offsets(offsets.ctypes.data)
     assert offsets.tolist() == [getattr(FetchJob, name).offset for name, _ in FetchJob._fields_]
@@ -92,7 +94,7 @@ def test_the_planner_plans_a_laid_out_layer_call_by_call_and_lets_the_table_name
     a pick outside the table is refused by the native call with the tables unchanged, and ``SlotTable.assign`` names
     it; a replacement ekv_slots.c does not keep, or slots on a device, get the calls one by one."""
     table, memory, store = twin(tmp_path, "fifo", 1)
-    planner = planner_for(table, memory, store, np.zeros(1, dtype=np.int64))
+    planner = planner_for(NATIVE, table, memory, store, np.zeros(1, dtype=np.int64))
     try:
         store.open_sequence(1)
         store.place(1, 1, [np.arange(4)])
@@ -108,9 +110,9 @@ def test_the_planner_plans_a_laid_out_layer_call_by_call_and_lets_the_table_name
         assert planner._jobs[(0, 1, 3)].native
     finally:
         store.close()
-    assert type(planner_for(table, object(), store, np.zeros(1, dtype=np.int64))) is CallsPlanner
-    lru = SlotTable(LAYERS, 1, CAPACITY, 256, "lru")
-    assert type(planner_for(lru, memory, store, np.zeros(1, dtype=np.int64), native=False)) is CallsPlanner
+    assert type(planner_for(NATIVE, table, object(), store, np.zeros(1, dtype=np.int64))) is CallsPlanner
+    reference = Backend("torch", torch.device("cpu"))
+    assert type(planner_for(reference, table, memory, store, np.zeros(1, dtype=np.int64))) is CallsPlanner
 
 
 def test_a_decode_with_the_planner_makes_the_tokens_of_one_without(model_dirs, kv_dir, monkeypatch):
@@ -124,9 +126,9 @@ def test_a_decode_with_the_planner_makes_the_tokens_of_one_without(model_dirs, k
     planners, plan = [], pipeline.planner_for
     runs = []
     for native in (True, False):
-        monkeypatch.setattr(pipeline, "planner_for", lambda *a: planners.append(plan(*a, native=native)) or
-                            planners[-1])
-        with Engine.from_pretrained(model_dirs["llama"], kv_offload_path=kv_dir, config=config, device="cpu") as engine:
+        monkeypatch.setattr(pipeline, "planner_for", lambda backend, *a: planners.append(
+            plan(backend, *a) if native else CallsPlanner(*a)) or planners[-1])
+        with Engine.from_pretrained(model_dirs["llama"], kv_path=kv_dir, config=config, device="cpu") as engine:
             results = engine.generate(prompts, max_new_tokens=8, stop_token_ids=[])
         runs.append([(r.token_ids, *(r.stats[key] for key in ("kv_bytes_read", "reuse_hits", "kv_read_requests",
                                                                  "kv_records_read", "kv_records_verified")))
@@ -155,7 +157,7 @@ def test_picks_taken_on_an_io_thread_decode_what_the_compute_thread_taking_them_
         patch.setattr(OffloadedKV, "_take_and_read", lambda self, fetch, *a: taken.append(fetch.layer) or
                       take(self, fetch, *a))
         for on_io in (True, False):
-            with Engine.from_pretrained(model_dirs["llama"], kv_offload_path=kv_dir, config=config,
+            with Engine.from_pretrained(model_dirs["llama"], kv_path=kv_dir, config=config,
                                         device="cpu") as engine:
                 events = []
                 engine.events.subscribe(lambda e: events.append((e.info["layer"], e.info["groups"].copy(),
@@ -190,7 +192,7 @@ def test_picks_events_come_in_layer_order_when_some_layers_picks_are_taken_on_an
     for picks in (HostPicks, ScoredPicks):
         monkeypatch.setattr(picks, "ready", lambda self: calls.append(0) or len(calls) % 2 == 0)
     config = {"G": 4, "M": 4, "C": 8, "max_context": 160, "max_batch": 2, "reuse": True}
-    with Engine.from_pretrained(model_dirs["llama"], kv_offload_path=kv_dir, config=config, device="cpu") as engine:
+    with Engine.from_pretrained(model_dirs["llama"], kv_path=kv_dir, config=config, device="cpu") as engine:
         layers = []
         engine.events.subscribe(lambda e: layers.append(e.info["layer"]) if e.kind == "groups_selected" else None)
         engine.generate([list(range(1, 50)), list(range(20, 41))], max_new_tokens=6, stop_token_ids=[])

@@ -64,7 +64,7 @@ def test_fpga_selftest_command_writes_its_json(tmp_path):
 def test_hillinfer_with_alpha_one_equals_full(model_dirs, kv_dir, scorer):
     reference = run(model_dirs["llama"], kv_dir, "full")
     config = {**EXACT, "importance_rate": 1.0, "beta": 0.1, "score_block_tokens": 16}  # most keys in the SSD pool
-    with Engine.from_pretrained(model_dirs["llama"], kv_offload_path=kv_dir, config=config, policy="hillinfer",
+    with Engine.from_pretrained(model_dirs["llama"], kv_path=kv_dir, config=config, policy="hillinfer",
                                 scorer=scorer(), device="cpu") as engine:
         results = engine.generate(PROMPTS, max_new_tokens=14, stop_token_ids=[], output_logits=True)
     assert files_under(kv_dir) == []

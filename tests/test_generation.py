@@ -14,7 +14,7 @@ PROMPTS = [list(range(1, 50)), list(range(20, 41)), list(range(60, 90))]
 
 @pytest.fixture
 def engine(model_dirs, kv_dir):
-    with Engine.from_pretrained(model_dirs["llama"], kv_offload_path=kv_dir, config=CFG, device="cpu") as engine:
+    with Engine.from_pretrained(model_dirs["llama"], kv_path=kv_dir, config=CFG, device="cpu") as engine:
         yield engine
 
 
@@ -82,7 +82,7 @@ def test_step_events_bracket_prefill_and_decode(engine):
     picks = [e for e in events if e.kind == "groups_selected"]
     n_layers = engine.model.dims.n_layers
     assert [e.info["layer"] for e in picks] == list(range(n_layers)) * 3
-    assert all(e.info["groups"].shape == e.info["valid"].shape == (2, engine.config.M) for e in picks)
+    assert all(e.info["groups"].shape == e.info["valid"].shape == (2, engine.config.picked_groups) for e in picks)
 
 
 def test_teacher_forcing_feeds_the_given_tokens(engine):

@@ -259,7 +259,7 @@ def test_ggml_weights_decode_close_to_the_models_own(tmp_path, dtype, policy):
     tokens = {}
     for weights in ("native", "ggml"):
         (tmp_path / weights).mkdir()
-        with Engine.from_pretrained("fixture", kv_offload_path=tmp_path / weights, policy=policy, device="cpu",
+        with Engine.from_pretrained("fixture", kv_path=tmp_path / weights, policy=policy, device="cpu",
                                     dtype=dtype, config={"max_context": 256, "max_batch": 1, "G": 4, "M": 8},
                                     weights=weights) as engine:
             tokens[weights] = engine.generate([PROMPT], max_new_tokens=4, stop_token_ids=[])[0].token_ids

@@ -33,7 +33,7 @@ def hf_and_gguf(request, tmp_path_factory):
 
 
 def generate(model, kv_dir, policy):
-    with Engine.from_pretrained(model, kv_offload_path=kv_dir, config=CONFIG, policy=policy, device="cpu") as engine:
+    with Engine.from_pretrained(model, kv_path=kv_dir, config=CONFIG, policy=policy, device="cpu") as engine:
         return engine.generate(PROMPTS, max_new_tokens=8, stop_token_ids=[], output_logits=True)
 
 
@@ -60,7 +60,7 @@ def test_a_gemma3_gguf_serves_hybrid_attention_like_hf(tmp_path, kv_dir, policy)
     prompt = list(range(3, 40))
     model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32)
     expected = model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=None)
-    with Engine.from_pretrained(gguf_file, kv_offload_path=kv_dir, config=CONFIG, policy=policy, device="cpu") as engine:
+    with Engine.from_pretrained(gguf_file, kv_path=kv_dir, config=CONFIG, policy=policy, device="cpu") as engine:
         assert engine.model.dims.global_layers == (5,)
         got = engine.generate([prompt], max_new_tokens=8, stop_token_ids=[])[0]
     assert got.token_ids == expected[0, len(prompt):].tolist()
@@ -68,7 +68,7 @@ def test_a_gemma3_gguf_serves_hybrid_attention_like_hf(tmp_path, kv_dir, policy)
 
 def test_tokenizer_and_chat_template_come_from_the_file(hf_and_gguf, kv_dir):
     _, gguf_file = hf_and_gguf
-    with Engine.from_pretrained(gguf_file.parent, kv_offload_path=kv_dir, config=CONFIG,
+    with Engine.from_pretrained(gguf_file.parent, kv_path=kv_dir, config=CONFIG,
                                 policy="full", device="cpu") as engine:
         assert engine.tokenizer.chat_template == TEMPLATE
         out = engine.generate(["the value of bab"], chat=True, max_new_tokens=3, stop_token_ids=[])[0]

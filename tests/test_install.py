@@ -90,7 +90,7 @@ def test_mapped_slots_on_the_cpu_are_its_host_slots_and_give_the_same_tokens(tmp
     tokens = []
     for placement in ("device", "mapped"):
         (tmp_path / placement).mkdir()
-        with Engine.from_pretrained("fixture", kv_offload_path=tmp_path / placement, policy="kvswap", device="cpu",
+        with Engine.from_pretrained("fixture", kv_path=tmp_path / placement, policy="kvswap", device="cpu",
                                     config={**config, "slot_memory": placement}) as engine:
             tokens.append(engine.generate(prompts, max_new_tokens=6, stop_token_ids=[])[0].token_ids)
             with engine.open_batch(1, 256) as batch:
@@ -150,14 +150,14 @@ def test_fit_scales_mg_down_at_short_contexts_and_prefers_shared_buffers_when_sl
 
 
 def _solve(io_ms_per_byte, io_ms_per_read=1e-4, budget_fraction=1 / 13, context=32768, batch=4):
-    def t_io(b, M, G, hit, record_dtype="auto"):
+    def t_io(b, picked, G, hit, record_dtype="auto"):
         stride = RecordLayout(G, 2, 64, torch.float32, 512, record_dtype).stride_bytes
-        return DIMS.n_layers * b * M * (1 - hit) * (stride * io_ms_per_byte + io_ms_per_read)
+        return DIMS.n_layers * b * picked * (1 - hit) * (stride * io_ms_per_byte + io_ms_per_read)
 
-    def t_model(b, S, rank, M, G, reuse=True):
+    def t_model(b, S, rank, picked, G, reuse=True):
         return 2.0 * b
 
-    reuse = lambda G, C, M: min(0.9, 0.5 * C / M)  # noqa: E731
+    reuse = lambda G, C, picked: min(0.9, 0.5 * C / picked)  # noqa: E731
     return solver.solve(batch, context, _full_bytes(context) / budget_fraction ** -1, DIMS, torch.float32, LIMITS,
                         t_io, t_model, reuse)
 
@@ -264,7 +264,7 @@ def test_each_solution_keeps_its_own_record_alignment_and_so_the_memory_it_was_s
 
 
 def test_engine_runs_each_batch_with_its_solution(model_dirs, kv_dir, tmp_path):
-    with Engine.from_pretrained(model_dirs["llama"], kv_offload_path=kv_dir, config=_deployed(tmp_path),
+    with Engine.from_pretrained(model_dirs["llama"], kv_path=kv_dir, config=_deployed(tmp_path),
                                 device="cpu") as engine:
         one = engine.generate([[t % 150 + 3 for t in range(150)]], max_new_tokens=4, stop_token_ids=[])[0]
         two = engine.generate([[t % 150 + 3 for t in range(300)], [t % 150 + 5 for t in range(200)]], max_new_tokens=4,
@@ -373,8 +373,9 @@ SYNTHETIC = [_point(400, 16, 2.5), _point(400, 4, 1.3), _point(1600, 8, 1.04, 4,
 def _solve_quality(budget_fraction, target, logs=None, points=SYNTHETIC):
     limits = solver.Limits(io_align_bytes=512, quality_target=target)
     return solver.solve_for_quality(2, 8192, _full_bytes(8192) * budget_fraction, DIMS, torch.float32, limits, points,
-                                    lambda b, M, G, hit, record="auto": 0.1, lambda b, S, rank, M, G, reuse=True: 1.0,
-                                    lambda G, C, M: 0.5, log=None if logs is None else logs.append)
+                                    lambda b, picked, G, hit, record="auto": 0.1,
+                                    lambda b, S, rank, picked, G, reuse=True: 1.0,
+                                    lambda G, C, picked: 0.5, log=None if logs is None else logs.append)
 
 
 def test_solver_meets_the_quality_target_within_the_budget():
@@ -397,8 +398,8 @@ def test_the_quality_solver_fills_the_budget_with_reuse_slots_between_the_tables
 
     budget = need(100) + 0.6 * (need(125) - need(100))
     sol = solver.solve_for_quality(2, 8192, budget, DIMS, torch.float32, limits, [point],
-                                   lambda b, M, G, hit, record="auto": 1.0 - hit, lambda *a, **k: 0.1,
-                                   lambda G, C, M: min(1.0, C / M / 4))
+                                   lambda b, picked, G, hit, record="auto": 1.0 - hit, lambda *a, **k: 0.1,
+                                   lambda G, C, picked: min(1.0, C / picked / 4))
     assert sol.reuse and 100 < sol.C < 125 and sol.bytes_per_sequence == need(sol.C) <= budget < need(sol.C + 1)
 
 
@@ -428,8 +429,8 @@ def test_a_top1_floor_passes_over_a_cheaper_point_whose_next_tokens_disagree_wit
     def solve(top1_min):
         limits = solver.Limits(io_align_bytes=512, quality_target=1.05, quality_top1_min=top1_min)
         return solver.solve_for_quality(2, 8192, _full_bytes(8192) / 4, DIMS, torch.float32, limits, [cheap, agreeing],
-                                        lambda b, M, G, hit, record="auto": 0.01 * M,
-                                        lambda b, S, rank, M, G, reuse=True: 1.0, lambda G, C, M: 0.0)
+                                        lambda b, picked, G, hit, record="auto": 0.01 * picked,
+                                        lambda b, S, rank, picked, G, reuse=True: 1.0, lambda G, C, picked: 0.0)
 
     assert (solve(None).M * 4, solve(None).top1_agreement) == (400, 0.85)
     floored = solve(0.9)
@@ -587,9 +588,10 @@ def test_each_sequences_own_projection_is_in_the_memory_the_solver_fills():
     for own in (False, True):
         limits = solver.Limits(io_align_bytes=512, quality_target=1.05, prompt_adapter=own)
         chosen[own] = solver.solve_for_quality(2, 8192, budget, DIMS, torch.float32, limits, SYNTHETIC,
-                                               lambda b, M, G, hit, record="auto": 10.0 * (1 - hit),
-                                               lambda b, S, rank, M, G, reuse=True: 1.0,
-                                               lambda G, C, M: min(1.0, C / (4 * M)))  # more slots, less exposed
+                                               lambda b, picked, G, hit, record="auto": 10.0 * (1 - hit),
+                                               lambda b, S, rank, picked, G, reuse=True: 1.0,
+                                               # more slots, less exposed
+                                               lambda G, C, picked: min(1.0, C / (4 * picked)))
     plain, own = chosen[False], chosen[True]
     assert (own.G, own.M, own.sigma, own.prompt_adapter, plain.prompt_adapter) == (plain.G, plain.M, plain.sigma,
                                                                                     True, False)

@@ -193,7 +193,7 @@ def test_a_missing_or_repeated_kv_path_is_named(tmp_path):
 
 
 def run(model_dir, kv, policy, config):
-    with Engine.from_pretrained(model_dir, kv_offload_path=kv, config=config, policy=policy, device="cpu") as engine:
+    with Engine.from_pretrained(model_dir, kv_path=kv, config=config, policy=policy, device="cpu") as engine:
         results = engine.generate(PROMPTS, max_new_tokens=14, stop_token_ids=[], output_logits=True)
     for path in kv if isinstance(kv, list) else [kv]:
         assert files_under(path) == [], "released sequences must leave no KV files"
@@ -246,7 +246,7 @@ def test_sequences_sharing_a_document_read_it_once_and_decode_the_same_tokens(mo
     config = {"G": 4, "M": 12, "C": 24, "max_context": 256, "max_batch": 4, "sigma": 4}
 
     def generate(share):
-        with Engine.from_pretrained(model_dirs["llama"], kv_offload_path=tmp_path, policy="kvswap",
+        with Engine.from_pretrained(model_dirs["llama"], kv_path=tmp_path, policy="kvswap",
                                     config={**config, "share_prefix": share}, device="cpu") as engine:
             return engine.generate(prompts, max_new_tokens=12, stop_token_ids=[])
 
@@ -325,11 +325,11 @@ def test_a_stored_context_over_two_paths_is_laid_out_from_its_decode_picks_and_d
         moved.append(np.concatenate(per_path)), relocate(self, seq, layer, per_path, in_memory))[1])
     ids = torch.randint(0, 256, (300,), generator=torch.Generator().manual_seed(5)).tolist()
     config = {"max_context": 1024, "M": 24, "C": 48, "clustering": True, "recluster_steps": 3}
-    with Engine.from_pretrained("fixture", policy="kvswap", kv_offload_path=tmp_path, config=config,
+    with Engine.from_pretrained("fixture", policy="kvswap", kv_path=tmp_path, config=config,
                                 device="cpu") as plain:
         expected = plain.generate([ids], max_new_tokens=10, stop_token_ids=[])[0].token_ids
     kv = paths(tmp_path, 2)
-    with Engine.from_pretrained("fixture", policy="kvswap", kv_offload_path=kv, config=config, device="cpu") as engine:
+    with Engine.from_pretrained("fixture", policy="kvswap", kv_path=kv, config=config, device="cpu") as engine:
         engine.open_context_store(tmp_path / "store", chunk_tokens=128)
         engine.ttft = TTFTOptions("load_only")
         engine.save_context(ids[:256])
@@ -344,9 +344,9 @@ def test_a_stored_context_over_two_paths_is_laid_out_from_its_decode_picks_and_d
 
 def test_m_and_c_beyond_the_context_allocate_nothing_more(model_dirs, tmp_path):
     huge = {**EXACT, "M": 100_000, "C": 200_000}
-    with Engine.from_pretrained(model_dirs["llama"], kv_offload_path=tmp_path, config=huge, policy="kvswap",
+    with Engine.from_pretrained(model_dirs["llama"], kv_path=tmp_path, config=huge, policy="kvswap",
                                 device="cpu") as big, \
-            Engine.from_pretrained(model_dirs["llama"], kv_offload_path=tmp_path, config=EXACT, policy="kvswap",
+            Engine.from_pretrained(model_dirs["llama"], kv_path=tmp_path, config=EXACT, policy="kvswap",
                                    device="cpu") as fit:
         assert big.config.M == 64 and big.config.C == 64  # 256 tokens are 64 groups of 4
         assert big.memory_plan.per_sequence_bytes == fit.memory_plan.per_sequence_bytes
@@ -403,17 +403,3 @@ def test_an_interrupted_atomic_write_leaves_the_old_file_and_no_debris(tmp_path,
         files.write_json_atomic(target, {"G": 8})
     assert target.read_text() == '{\n "G": 4\n}'
     assert [p.name for p in tmp_path.iterdir()] == ["config.json"]
-
-
-def test_the_gap_bench_alternates_gaps_in_one_process_and_counts_each(capsys):
-    """``python -m bench.gap_reads`` on the fixture: each gap's requests and bridged records, side by side."""
-    import re
-
-    from bench.gap_reads import main
-
-    main(["--model", "fixture", "--context", "200", "--batch", "2", "--kvswap", "G=4,M=8,C=8,sigma=4",
-          "--extra", '{"reuse": false}', "--gaps", "0,3", "--rounds", "1", "--steps", "2"])
-    rows = {int(gap): (int(requests), int(records), int(bridged)) for gap, requests, records, bridged in re.findall(
-        r"gap (\d+) records: .*?; (\d+) requests, (\d+) records \+ (\d+) read through gaps", capsys.readouterr().out)}
-    assert rows[0][1] == rows[3][1] and rows[0][2] == 0 < rows[3][2], "the same records, gaps bridged only at 3"
-    assert rows[3][0] < rows[0][0]

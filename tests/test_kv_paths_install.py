@@ -1,6 +1,7 @@
 """Several KV paths in the install step: profiles, the planned rate over paths, the solver, deploy, the CLI."""
 import functools
 import json
+import logging
 
 import pytest
 import torch
@@ -121,7 +122,8 @@ def _solve(profiles, t_model_ms):
     budget = DIMS.n_layers * 32768 * 2 * DIMS.n_kv_heads * DIMS.head_dim * 4 / 13
     t_io = io_model(profiles, DIMS, torch.float32, 512, 32)
     return solver.solve(4, 32768, budget, DIMS, torch.float32, solver.Limits(io_align_bytes=512), t_io,
-                        lambda b, S, rank, M, G, reuse=True: t_model_ms, lambda G, C, M: min(0.9, 0.5 * C / M))
+                        lambda b, S, rank, picked, G, reuse=True: t_model_ms,
+                        lambda G, C, picked: min(0.9, 0.5 * C / picked))
 
 
 def test_solver_with_a_second_disk_hides_reads_it_could_not_and_takes_smaller_groups():
@@ -158,7 +160,7 @@ def _fixed_model_phases(monkeypatch, deploy, root):
     monkeypatch.setattr(deploy, "record_table", lambda *_: {})  # exact records only
 
 
-def test_deploy_profiles_each_path_plans_with_them_and_reports_each(two_path_profile, monkeypatch):
+def test_deploy_profiles_each_path_plans_with_them_and_reports_each(two_path_profile, monkeypatch, caplog):
     import edgekv.deploy as deploy
 
     root, path = two_path_profile
@@ -172,7 +174,7 @@ def test_deploy_profiles_each_path_plans_with_them_and_reports_each(two_path_pro
     assert config["kv_paths"] == kv and config["kv_path"] == kv[0]
     load_deployed(config)  # kv_paths is metadata the runtime accepts
     measured = config["measurements"]["disk"]
-    assert [p["kv_dir"] for p in measured["paths"]] == kv
+    assert [p["kv_path"] for p in measured["paths"]] == kv
     at = measured["at_record"]
     assert len(at["paths_mib_s"]) == 2 and at["queue_depth"] == 32
     # both folders sit on this machine's one disk: the plan is that disk once, not twice
@@ -187,6 +189,17 @@ def test_deploy_profiles_each_path_plans_with_them_and_reports_each(two_path_pro
     records = config["io_gap_bytes"] // at["block_bytes"]
     assert (f"gaps read through: {records} records of " if records else "gaps read through: none") in report
     assert not list((root / "kv0").iterdir()) and not list((root / "kv1").iterdir())
+
+    # a disk profile cached before the rename (each path's 'kv_dir'): still reused, the old name warned about
+    cached = root / "out" / "local" / "disk.json"
+    cached.write_text(cached.read_text().replace('"kv_path"', '"kv_dir"'))
+    logs.clear()
+    with caplog.at_level(logging.WARNING, logger="edgekv.install.disk"):
+        deploy.run(str(path), "fixture", out_root=root / "out", cache_dir=root / "cache", log=logs.append, smoke=False)
+    assert any(line.startswith("disk: reusing") for line in logs)
+    assert f"{cached}: field 'kv_dir' is now 'kv_path'" in caplog.text
+    config = json.loads((root / "out" / "local" / "config.json").read_text())
+    assert [p["kv_path"] for p in config["measurements"]["disk"]["paths"]] == kv
 
     # the same folders on two devices: profiled again (another disk), planned at 2 x the slower one
     real = disk.disk_fingerprint
@@ -268,7 +281,7 @@ def test_kv_paths_reach_the_engine_deploy_eval_and_bench(tmp_path, monkeypatch):
     monkeypatch.setattr(harness, "evaluate", stop("eval"))
     monkeypatch.setattr(edgekv.bench, "run", stop("bench"))
     assert main(["generate", "--model", "fixture", "--prompt", "[1, 2]", "--kv-paths", f"{a},{b}"]) == 2
-    assert seen["engine"][1]["kv_offload_path"] == [str(a), str(b)]
+    assert seen["engine"][1]["kv_path"] == [str(a), str(b)]
     assert main(["deploy", "--kv-paths", f"{tmp_path}/new0,{tmp_path}/new1"]) == 2  # deploy creates them
     assert seen["deploy"][0][2] == [f"{tmp_path}/new0", f"{tmp_path}/new1"]
     assert main(["eval", "--kv-paths", f"{a},{b}", "--tasks", "single_needle"]) == 2

@@ -77,7 +77,7 @@ def matrix(tmp_path_factory):
 def test_every_policy_matches_hf_greedy(matrix, kv_dir, model, policy):
     folder, expected = matrix[model]
     name, overrides = POLICIES[policy]
-    with Engine.from_pretrained(folder, kv_offload_path=kv_dir, config={**EXACT, **overrides}, policy=name,
+    with Engine.from_pretrained(folder, kv_path=kv_dir, config={**EXACT, **overrides}, policy=name,
                                 device="cpu") as engine:
         result = engine.generate([PROMPT], max_new_tokens=NEW_TOKENS, stop_token_ids=[])[0]
         assert result.stats["kv_resident_bytes"] == engine.memory_plan.total_bytes  # the plan counts the buffers made
@@ -172,7 +172,7 @@ def _fail_reads(monkeypatch):
 def test_a_failing_step_surfaces_its_own_error(matrix, kv_dir, monkeypatch, inject, policy):
     folder, expected = matrix["3-layers"]
     name, overrides = POLICIES[policy]
-    with Engine.from_pretrained(folder, kv_offload_path=kv_dir, config={**EXACT, **overrides}, policy=name,
+    with Engine.from_pretrained(folder, kv_path=kv_dir, config={**EXACT, **overrides}, policy=name,
                                 device="cpu") as engine:
         with monkeypatch.context() as patch:
             _slow_reads(patch)
@@ -195,7 +195,7 @@ def test_every_local_global_pattern_matches_hf_greedy(tmp_path, kv_dir, pattern,
     folder = save_model(tmp_path / pattern, "gemma3", num_hidden_layers=3, layer_types=types)
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     expected = hf.generate(torch.tensor([PROMPT]), max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None)
-    with Engine.from_pretrained(folder, kv_offload_path=kv_dir, config=EXACT, policy=policy, device="cpu") as engine:
+    with Engine.from_pretrained(folder, kv_path=kv_dir, config=EXACT, policy=policy, device="cpu") as engine:
         result = engine.generate([PROMPT], max_new_tokens=NEW_TOKENS, stop_token_ids=[])[0]
         window = engine.memory_plan.per_sequence_bytes.get("window_ring", 0)
         assert window == 2 * pattern.count("L") * 8 * 2 * 16 * 4  # K+V x local layers x W x H_kv x d x fp32

@@ -8,11 +8,12 @@ import numpy as np
 import pytest
 import torch
 
-from edgekv.runtime import disk_store as disk_store_module
-from edgekv.runtime.disk_store import DiskKVStore, RecordLayout, native_requests
+from edgekv.runtime.disk_store import DiskKVStore, RecordLayout
+from edgekv.runtime.kernels import resolve_backend
 from edgekv.runtime.reader import open_reader
 
-pytestmark = pytest.mark.skipif(native_requests() is None, reason="no C compiler for the native request planning")
+pytestmark = pytest.mark.skipif(resolve_backend("cpu").lib("requests") is None,
+                                reason="no C compiler for the native request planning")
 
 
 def store_of(root, n_paths=1, verify_fraction=1.0, gap_bytes=0, max_request_bytes=None, seqs=3):
@@ -29,14 +30,11 @@ def store_of(root, n_paths=1, verify_fraction=1.0, gap_bytes=0, max_request_byte
     return store
 
 
-def both_plans(store, layer, seqs, groups, addresses, monkeypatch):
+def both_plans(store, layer, seqs, groups, addresses):
     """(native batch, numpy batch) of the same reads; the native one asserted to have served."""
     native = store._native_requests(layer, seqs, groups, addresses)
     assert native is not None
-    with monkeypatch.context() as m:
-        m.setattr(disk_store_module, "native_requests", lambda: None)
-        reference = store._requests(layer, seqs, groups, addresses)
-    return native, reference
+    return native, store._requests_numpy(layer, seqs, groups, addresses)
 
 
 def assert_same(native, reference):
@@ -49,7 +47,7 @@ def assert_same(native, reference):
 
 
 @pytest.mark.parametrize("trial", range(12))
-def test_native_requests_equal_the_numpy_paths(tmp_path, trial, monkeypatch):
+def test_native_requests_equal_the_numpy_paths(tmp_path, trial):
     rng = np.random.default_rng(trial)
     n_paths = 1 + trial % 2
     stride = 512
@@ -62,17 +60,17 @@ def test_native_requests_equal_the_numpy_paths(tmp_path, trial, monkeypatch):
             groups = np.where(rng.random(n) < 0.6, rng.integers(0, 60, n), rng.integers(0, 12, n))  # runs and repeats
             addresses = rng.integers(1, 1 << 40, n)
             layer = int(rng.integers(0, 2))
-            native, reference = both_plans(store, layer, seqs, groups, addresses, monkeypatch)
+            native, reference = both_plans(store, layer, seqs, groups, addresses)
             assert_same(native, reference)
     finally:
         store.close()
 
 
-def test_a_batch_with_gaps_reads_them_into_the_sink_unchecked(tmp_path, monkeypatch):
+def test_a_batch_with_gaps_reads_them_into_the_sink_unchecked(tmp_path):
     store = store_of(tmp_path, gap_bytes=2 * 512, max_request_bytes=4 * 512)
     try:
         native, reference = both_plans(store, 1, np.zeros(5, dtype=np.int64), np.array([9, 3, 0, 1, 7]),
-                                       np.arange(5) * 4096 + 4096, monkeypatch)
+                                       np.arange(5) * 4096 + 4096)
         assert_same(native, reference)
         # 0 1 [2] 3 in one request (the cap: 4 records), then 7 [8] 9: a gap of one record each
         assert native.counts.tolist() == [4, 3] and native.gap_counts.tolist() == [1, 1]
@@ -83,14 +81,14 @@ def test_a_batch_with_gaps_reads_them_into_the_sink_unchecked(tmp_path, monkeypa
     wide = store_of(tmp_path / "wide", gap_bytes=3 * 512, max_request_bytes=16 * 512)
     try:  # more records read than twice those wanted: the native call asks for room again
         native, reference = both_plans(wide, 0, np.zeros(3, dtype=np.int64), np.array([0, 4, 8]),
-                                       np.arange(3) * 4096 + 4096, monkeypatch)
+                                       np.arange(3) * 4096 + 4096)
         assert_same(native, reference)
         assert native.counts.tolist() == [9] and native.gap_counts.tolist() == [6]
     finally:
         wide.close()
 
 
-def test_stores_the_native_planning_does_not_serve_take_the_numpy_path(tmp_path, monkeypatch):
+def test_stores_the_native_planning_does_not_serve_take_the_numpy_path(tmp_path):
     """A share of the records checked (numpy's random draw), a layer laid out by clustering, a stored context, and a
     released sequence's closed files: the native call declines or refuses, and numpy plans the batch or raises."""
     seqs, groups, addresses = np.zeros(3, dtype=np.int64), np.array([1, 2, 5]), np.arange(3) * 4096 + 4096

@@ -1,6 +1,8 @@
-"""The native K_lr group scorer (runtime/native/ekv_score.c) against the torch path it stands in for: the same group
-scores within float32 rounding and the same picks, for every row format, both score reduces, odd ranks, several
-sequences of different lengths, and group sizes from 1 to 16."""
+"""The native K_lr group scorer (runtime/native/ekv_score.c) against the torch reference it stands in for (a selector
+built on the torch backend over the same keys): the same group scores within float32 rounding and the same picks, for
+every row format, both score reduces, odd ranks, several sequences of different lengths, and group sizes from 1 to
+16."""
+import dataclasses
 import platform
 
 import numpy as np
@@ -12,38 +14,48 @@ from edgekv.runtime import aside as aside_module
 from edgekv.runtime import selector as selector_module
 from edgekv.runtime.adapter import LowRankAdapter
 from edgekv.runtime.config import PredictorConfig
+from edgekv.runtime.kernels import load_backend, load_library, resolve_backend
 from edgekv.runtime.model import ModelDims
-from edgekv.runtime.selector import KLR_BLOCK_TOKENS, LowRankSelector, native_scorer
+from edgekv.runtime.selector import KLR_BLOCK_TOKENS, LowRankSelector
 
-pytestmark = pytest.mark.skipif(native_scorer() is None, reason="no C compiler for the native scorer")
+NATIVE, TORCH = resolve_backend("cpu"), resolve_backend("cpu", "torch")
+pytestmark = pytest.mark.skipif(NATIVE.name != "native", reason="no C compiler for the native kernels")
 
 
-def filled_selector(klr_dtype, score_reduce, rank, G, batch, lengths, head_dim=16, n_kv_heads=2, n_heads=6, M=5):
-    """A selector whose K_lr holds ``lengths[b]`` random keys for each sequence (one layer), the adapter fitted on
-    them."""
+def filled_selectors(klr_dtype, score_reduce, rank, G, batch, lengths, head_dim=16, n_kv_heads=2, n_heads=6,
+                     picked_groups=5, backends=(NATIVE, TORCH)):
+    """A selector on each of ``backends`` whose K_lr holds the same ``lengths[b]`` random keys for each sequence (one
+    layer), the adapter fitted on them."""
     dims = ModelDims(n_layers=1, hidden=n_heads * head_dim, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim,
                      vocab=10)
     keys = [torch.randn(n_kv_heads, n, head_dim) for n in lengths]
     adapter = LowRankAdapter.fit([k.transpose(0, 1).reshape(k.shape[1], -1) for k in keys], n_kv_heads, head_dim,
                                  rank=rank)
-    selector = LowRankSelector(adapter, rank, dims, batch, max(lengths) + G, G, M,
-                               PredictorConfig(klr_dtype=klr_dtype, score_reduce=score_reduce), torch.device("cpu"),
-                               head_dim ** -0.5)
-    for seq, k in enumerate(keys):
-        selector.append(0, seq, 0, k)
-    return selector
+    selectors = []
+    for backend in backends:
+        selectors.append(LowRankSelector(adapter, rank, dims, batch, max(lengths) + G, G, picked_groups,
+                                         PredictorConfig(klr_dtype=klr_dtype, score_reduce=score_reduce),
+                                         torch.device("cpu"), head_dim ** -0.5, backend))
+        for seq, k in enumerate(keys):
+            selectors[-1].append(0, seq, 0, k)
+    return selectors
 
 
-def both_paths(selector, q, counts, monkeypatch):
-    """(group scores, groups, valid) through the native scorer, then through torch, from the same low-rank queries
-    (a CPU's both paths project them natively; test_native_low_rank_queries_equal_torchs_projection checks that)."""
-    assert selector._native_group_scores(0, q, int(counts.max()), selector._group_scores)  # the native path serves
-    queries = selector._low_rank_queries(0, q)
+def filled_selector(*args, backend=NATIVE, **options):
+    """``filled_selectors``' one selector on ``backend``."""
+    return filled_selectors(*args, backends=(backend,), **options)[0]
+
+
+def both_paths(selectors, q, counts, monkeypatch):
+    """(group scores, groups, valid) through the native scorer, then through the torch reference (``selectors``: a
+    native and a torch selector over the same keys), from the same low-rank queries (a CPU's native selector projects
+    them natively whichever path scores; test_native_low_rank_queries_equal_torchs_projection checks that)."""
+    native, reference = selectors
+    assert native._scorer is not None and reference._scorer is None  # the native path serves the first only
+    queries = native._low_rank_queries(0, q)
+    monkeypatch.setattr(reference, "_low_rank_queries", lambda layer, q: queries)
     out = []
-    for native in (True, False):
-        if not native:
-            monkeypatch.setattr(selector_module, "native_scorer", lambda: None)
-            monkeypatch.setattr(selector, "_low_rank_queries", lambda layer, q: queries)
+    for selector in selectors:
         groups, valid = selector.select(0, q, counts)
         out.append((selector._group_scores[:, : int(counts.max())].clone(), groups, valid))
     return out
@@ -55,10 +67,10 @@ def both_paths(selector, q, counts, monkeypatch):
 def test_native_scores_and_picks_equal_the_torch_paths(klr_dtype, score_reduce, rank, G, monkeypatch):
     torch.manual_seed(rank * G)
     lengths = [8 * G + 3, 5 * G]  # one sequence longer than the other, neither a whole number of groups
-    selector = filled_selector(klr_dtype, score_reduce, rank, G, 2, lengths)
+    selectors = filled_selectors(klr_dtype, score_reduce, rank, G, 2, lengths)
     q = torch.randn(2, 6, 1, 16)
     counts = np.array([n // G for n in lengths])
-    (native, n_groups, n_valid), (torch_scores, t_groups, t_valid) = both_paths(selector, q, counts, monkeypatch)
+    (native, n_groups, n_valid), (torch_scores, t_groups, t_valid) = both_paths(selectors, q, counts, monkeypatch)
     inside = torch.from_numpy(np.arange(native.shape[1]) < counts[:, None])
     torch.testing.assert_close(native[inside], torch_scores[inside], rtol=2e-5, atol=1e-6)
     assert torch.equal(n_valid, t_valid) and torch.equal(n_groups[n_valid], t_groups[t_valid])
@@ -67,9 +79,10 @@ def test_native_scores_and_picks_equal_the_torch_paths(klr_dtype, score_reduce, 
 def test_batch_of_one_at_a_long_context_with_deployed_shapes(monkeypatch):
     """SmolLM2's deployed scorer: 9 heads over 3 KV heads of 64, rank 96 in int8, softmax votes, G=4, 2,048 groups."""
     torch.manual_seed(7)
-    selector = filled_selector("int8", "softmax", 96, 4, 1, [8192], head_dim=64, n_kv_heads=3, n_heads=9, M=205)
+    selectors = filled_selectors("int8", "softmax", 96, 4, 1, [8192], head_dim=64, n_kv_heads=3, n_heads=9,
+                                 picked_groups=205)
     counts = np.array([2048])
-    (native, n_groups, _), (torch_scores, t_groups, _) = both_paths(selector, torch.randn(1, 9, 1, 64), counts,
+    (native, n_groups, _), (torch_scores, t_groups, _) = both_paths(selectors, torch.randn(1, 9, 1, 64), counts,
                                                                      monkeypatch)
     torch.testing.assert_close(native, torch_scores, rtol=2e-5, atol=1e-7)
     assert sorted(n_groups[0].tolist()) == sorted(t_groups[0].tolist())
@@ -84,10 +97,10 @@ def test_integer_rows_give_the_torch_paths_scores_to_the_bit(klr_dtype, rank, mo
     several blocks of 64 tokens and a short last one."""
     torch.manual_seed(rank)
     lengths = [700, 333]
-    selector = filled_selector(klr_dtype, "sum", rank, 1, 2, lengths)
+    selectors = filled_selectors(klr_dtype, "sum", rank, 1, 2, lengths)
     q = torch.randn(2, 6, 1, 16)
     counts = np.array(lengths)
-    (native, n_groups, n_valid), (torch_scores, t_groups, t_valid) = both_paths(selector, q, counts, monkeypatch)
+    (native, n_groups, n_valid), (torch_scores, t_groups, t_valid) = both_paths(selectors, q, counts, monkeypatch)
     inside = torch.from_numpy(np.arange(native.shape[1]) < counts[:, None])
     assert torch.equal(native[inside], torch_scores[inside])
     assert torch.equal(n_valid, t_valid) and torch.equal(n_groups, t_groups)
@@ -96,8 +109,7 @@ def test_integer_rows_give_the_torch_paths_scores_to_the_bit(klr_dtype, rank, mo
 @pytest.mark.parametrize("score_reduce", ["sum", "softmax"])
 @pytest.mark.parametrize("n_heads,n_kv_heads,head_dim,rank", [(6, 2, 16, 7), (4, 4, 64, 33), (9, 3, 64, 96),
                                                                (8, 1, 256, 256)])
-def test_native_low_rank_queries_equal_torchs_projection(score_reduce, n_heads, n_kv_heads, head_dim, rank,
-                                                         monkeypatch):
+def test_native_low_rank_queries_equal_torchs_projection(score_reduce, n_heads, n_kv_heads, head_dim, rank):
     """The queries' projection (ekv_score.c ekv_low_rank_queries) that a CPU's both scoring paths take: torch's
     broadcast matmul (a GPU's) within float32 rounding, for GQA, MHA and MQA, odd ranks up to the native maximum,
     a batch of two, and bfloat16 or non-contiguous queries (widened first: torch's "sum" of bfloat16 heads rounds)."""
@@ -107,9 +119,7 @@ def test_native_low_rank_queries_equal_torchs_projection(score_reduce, n_heads, 
     for q in (torch.randn(2, n_heads, 1, head_dim), torch.randn(2, n_heads, head_dim, 1).transpose(2, 3),
               torch.randn(2, n_heads, 1, head_dim).bfloat16()):
         native = selector._low_rank_queries(0, q)
-        with monkeypatch.context() as m:
-            m.setattr(selector_module, "native_scorer", lambda: None)
-            expected = selector._low_rank_queries(0, q.float())  # widened before "sum" adds the heads
+        expected = selector._torch_queries(0, q.float())  # the reference; widened before "sum" adds the heads
         assert native.shape == expected.shape == (2, 1 if score_reduce == "sum" else n_heads, rank)
         torch.testing.assert_close(native, expected, rtol=1e-5, atol=1e-5)
 
@@ -123,7 +133,7 @@ def test_integer_queries_round_half_to_even_within_127_and_a_zero_query_scores_z
     lhs = torch.tensor([[127.0, 2.5, 3.5, -0.5, -127.0]])
     codes, scale = integer_queries(lhs)
     assert codes.dtype == torch.int8 and codes.tolist() == [[127, 2, 4, 0, -127]] and scale.tolist() == [1.0]
-    lib, rows = native_scorer(), torch.zeros(1, 8, KLR_BLOCK_TOKENS, dtype=torch.int8)  # one block, rank-major
+    lib, rows = NATIVE.lib("score"), torch.zeros(1, 8, KLR_BLOCK_TOKENS, dtype=torch.int8)  # one block, rank-major
     rows[0, :, :8] = torch.eye(8, dtype=torch.int8)  # token t's row: 1 at rank position t
     ones, out = torch.ones(1, 8, dtype=torch.bfloat16), torch.empty(1, 8)
     q = torch.tensor([127.0, 2.5, 3.5, -0.5, -127.0, 1.5, -2.5, 0.25])
@@ -134,9 +144,9 @@ def test_integer_queries_round_half_to_even_within_127_and_a_zero_query_scores_z
     assert out.tolist() == [[127, 2, 4, 0, -127, 2, -2, 0]]  # the native scorer's codes, read through the identity
     codes, scale = integer_queries(torch.zeros(1, 3))
     assert codes.tolist() == [[0, 0, 0]] and scale.item() > 0
-    selector = filled_selector("int4", "sum", 8, 4, 1, [40])
+    selectors = filled_selectors("int4", "sum", 8, 4, 1, [40])
     zero = torch.zeros(1, 6, 1, 16)
-    native, torch_scores = (scores[:, :10] for scores, _, _ in both_paths(selector, zero, np.array([10]),
+    native, torch_scores = (scores[:, :10] for scores, _, _ in both_paths(selectors, zero, np.array([10]),
                                                                            monkeypatch))
     assert torch.equal(native, torch.zeros(1, 10)) and torch.equal(torch_scores, native)
 
@@ -145,7 +155,8 @@ def test_integer_scores_track_those_of_the_unrounded_query():
     """The query's rounding moves a score by a fraction of a percent of the largest: the picks of a long context stay
     those of the float query's dot products with the same codes."""
     torch.manual_seed(4)
-    selector = filled_selector("int4", "softmax", 96, 4, 1, [4096], head_dim=64, n_kv_heads=3, n_heads=9, M=200)
+    selector = filled_selector("int4", "softmax", 96, 4, 1, [4096], head_dim=64, n_kv_heads=3, n_heads=9,
+                               picked_groups=200)
     q = torch.randn(1, 9, 1, 64)
     rounded = selector.token_scores(0, q, 4096)
     lhs = selector._low_rank_queries(0, q)
@@ -160,20 +171,39 @@ def test_integer_scores_track_those_of_the_unrounded_query():
 def test_rows_the_scorer_cannot_read_take_the_torch_path():
     """float16 rows are not among the native formats: the torch path scores them (and the selection still works)."""
     selector = filled_selector("float16", "softmax", 8, 4, 1, [40])
-    assert not selector._native_group_scores(0, torch.randn(1, 6, 1, 16), 10, selector._group_scores)
+    assert selector._scorer is None  # chosen when the selector was built
     groups, valid = selector.select(0, torch.randn(1, 6, 1, 16), np.array([10]))
     assert valid.all() and len(set(groups[0].tolist())) == 5
     assert selector.stats()["scorer_fallback"] == "torch.float16 K_lr rows: scored through torch"
 
 
-def test_a_selection_that_scores_natively_reports_no_fallback_and_a_missing_compiler_is_reported(monkeypatch):
-    """The result's stats say when a CPU select scored through torch, so a slow run is not a mystery."""
+def test_a_selection_that_scores_natively_reports_no_fallback_and_a_missing_compiler_is_reported(monkeypatch, caplog):
+    """The result's stats say when a CPU select scored through torch, so a slow run is not a mystery: a scorer that
+    does not build leaves the whole CPU backend torch's (the build's error logged), and the selector says so."""
+    from edgekv.runtime import native_build
+
     selector = filled_selector("int8", "softmax", 8, 4, 1, [40])
     selector.select(0, torch.randn(1, 6, 1, 16), np.array([10]))
     assert selector.stats() == {"scorer_fallback": None}
-    monkeypatch.setattr(selector_module, "native_scorer", lambda: None)
-    selector.select(0, torch.randn(1, 6, 1, 16), np.array([10]))
-    assert "could not be built" in selector.stats()["scorer_fallback"]
+    real_build = native_build.build
+
+    def build(name):
+        if name == "score":
+            raise native_build.BuildError("the K_lr group scorer", ["cc"], "ekv_score.c:1: error: no compiler here")
+        return real_build(name)
+
+    monkeypatch.setattr(native_build, "build", build)
+    with caplog.at_level("WARNING", logger="edgekv.runtime.kernels"):
+        backend = load_backend("cpu")
+    assert backend.name == "torch" and backend.libraries == {} and "error: no compiler here" in backend.reason
+    assert [r.getMessage() for r in caplog.records] == [f"{backend.reason}: every operation runs the torch reference"]
+    with pytest.raises(OSError, match="no compiler here"):  # asked for by name, the native backend is an error
+        load_backend("cpu", "native")
+    selector = filled_selector("int8", "softmax", 8, 4, 1, [40], backend=backend)
+    groups, valid = selector.select(0, torch.randn(1, 6, 1, 16), np.array([10]))
+    assert valid.all() and selector.stats()["scorer_fallback"] == (
+        f"the torch backend (building the K_lr group scorer failed: ekv_score.c:1: error: no compiler here): scored "
+        "through torch")
 
 
 def test_a_rank_past_the_native_limit_takes_the_torch_path():
@@ -182,7 +212,7 @@ def test_a_rank_past_the_native_limit_takes_the_torch_path():
     torch.manual_seed(11)
     selector = filled_selector("int8", "softmax", 300, 4, 1, [400], head_dim=64, n_kv_heads=8, n_heads=8)
     q = torch.randn(1, 8, 1, 64)
-    assert not selector._native_group_scores(0, q, 100, selector._group_scores)
+    assert selector._scorer is None
     assert selector.stats()["scorer_fallback"] == "rank 300 > 256: scored through torch"
     groups, valid = selector.select(0, q, np.array([100]))
     expected = selector.token_scores(0, q, 400).view(1, 100, 4).amax(-1).topk(5).indices
@@ -209,7 +239,7 @@ def test_picks_scored_on_the_helper_thread_equal_those_scored_on_the_callers(klr
     monkeypatch.setattr(aside_module, "cores", lambda: 2)
     torch.manual_seed(5)
     lengths = [37 * 4 + 1, 20 * 4, 9 * 4]
-    selector = filled_selector(klr_dtype, "softmax", 12, 4, 3, lengths, M=7)
+    selector = filled_selector(klr_dtype, "softmax", 12, 4, 3, lengths, picked_groups=7)
     counts = torch.tensor([n // 4 for n in lengths])
     queries = [torch.randn(3, 6, 1, 16) for _ in range(3)]
     expected = [selector.select(0, q, counts, first=1) for q in queries]
@@ -235,7 +265,7 @@ def test_a_launch_posted_in_one_native_call_picks_what_its_calls_one_by_one_pick
     monkeypatch.setattr(aside_module, "cores", lambda: 2)
     torch.manual_seed(17)
     lengths = [4 * 300 + 2, 4 * 41, 4 * 9]
-    selector = filled_selector(klr_dtype, score_reduce, 13, 4, 3, lengths, M=11)
+    selector = filled_selector(klr_dtype, score_reduce, 13, 4, 3, lengths, picked_groups=11)
     counts = torch.tensor([n // 4 for n in lengths])
     queries = [torch.randn(3, 6, 1, 16), torch.randn(3, 1, 6, 16, dtype=torch.bfloat16).transpose(1, 2)]
     selector.aside = aside_module.AsideThread.open()
@@ -291,24 +321,6 @@ def test_a_flushed_groups_keys_appended_for_every_layer_at_once_store_what_each_
     assert torch.equal(selectors[0].k_lr, selectors[1].k_lr) and torch.equal(selectors[0].k_scale, selectors[1].k_scale)
 
 
-def test_the_helper_bench_alternates_lending_the_helper_on_one_batch(capsys, monkeypatch):
-    """``python -m bench.aside`` on the fixture: the three settings timed in every round, the compute thread's CPU a
-    step beside the process's."""
-    import re
-
-    from bench.aside import main
-
-    monkeypatch.setattr(aside_module, "cores", lambda: 2)
-    main(["--model", "fixture", "--context", "200", "--batch", "2", "--kvswap", "G=4,M=6,C=8,sigma=2",
-          "--extra", '{"reuse": true, "correction": "corrected"}', "--rounds", "2", "--steps", "2"])
-    rows = re.findall(r"^batch 2 (posted|shared|no helper): median ([\d.]+) ms a step \(([\d., ]+)\); the compute "
-                      r"thread's CPU ([\d.]+) ms a step, the process's ([\d.]+); ([\d.]+) x no helper's tok/s",
-                      capsys.readouterr().out, re.M)
-    assert [row[0] for row in rows] == ["posted", "shared", "no helper"] and float(rows[2][5]) == 1.0
-    assert all(float(row[1]) > 0 and len(row[2].split(", ")) == 2 and float(row[4]) >= float(row[3])
-               for row in rows)
-
-
 def test_a_step_posts_or_shares_the_next_layers_scores_by_which_its_trial_steps_ran_shorter():
     """``PostOrShare``: the first steps of every cycle try posting, then sharing; the rest of the cycle keeps the one
     whose median step was shorter; a fixed choice is never timed."""
@@ -336,15 +348,14 @@ def test_sequences_longer_than_a_part_score_the_same_bits_on_either_thread(score
     monkeypatch.setattr(aside_module, "cores", lambda: 2)
     torch.manual_seed(13)
     lengths = [G * 700 + 3, G * 300 + 100, G * 40]
-    selector = filled_selector("int4", score_reduce, 24, G, 3, lengths, M=9)
+    selectors = filled_selectors("int4", score_reduce, 24, G, 3, lengths, picked_groups=9)
     q, counts = torch.randn(3, 6, 1, 16), np.array([n // G for n in lengths])
-    (alone, groups, valid), (torch_scores, _, _) = both_paths(selector, q, counts, monkeypatch)
-    monkeypatch.undo()
-    monkeypatch.setattr(aside_module, "cores", lambda: 2)
+    (alone, groups, valid), (torch_scores, _, _) = both_paths(selectors, q, counts, monkeypatch)
+    selector = selectors[0]
     inside = torch.from_numpy(np.arange(alone.shape[1]) < counts[:, None])
     torch.testing.assert_close(alone[inside], torch_scores[inside], rtol=2e-5, atol=1e-6)
     selector.aside = aside_module.AsideThread.open()
-    assert selector._native_group_scores(0, q, int(counts.max()), selector._group_scores)
+    selector._native_group_scores(0, q, int(counts.max()), selector._group_scores)
     assert torch.equal(selector._group_scores[:, : int(counts.max())][inside], alone[inside])
     posted = selector.launch(0, q, counts)
     assert isinstance(posted, selector_module.ScoredAside)
@@ -355,44 +366,38 @@ def test_sequences_longer_than_a_part_score_the_same_bits_on_either_thread(score
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="x86 targets")
 @pytest.mark.parametrize("march", ["x86-64", "x86-64-v3"])
 @pytest.mark.parametrize("klr_dtype", ["int8", "int4"])
-def test_the_scorer_built_for_narrower_vectors_scores_the_same(tmp_path, monkeypatch, march, klr_dtype):
+def test_the_scorer_built_for_narrower_vectors_scores_the_same(tmp_path, march, klr_dtype):
     """Built for SSE (plain integer loops) and AVX2 (int4 codes a byte at a time, vpmaddubsw), as a machine without
     AVX-512 VNNI builds it: the same integer dot products, so the same logits; the softmax's exponentials within
     float32 rounding (a target with FMA fuses them); the same picks.  Batch of two, lengths not whole blocks, rank 90
     (a quad padded, more quads than an int16 sum of AVX2 holds)."""
     from edgekv.runtime import native_build
 
-    torch.manual_seed(11)
-    lengths = [333 * 4, 71 * 4 + 2]
-    selector = filled_selector(klr_dtype, "softmax", 90, 4, 2, lengths, head_dim=64, n_kv_heads=3, n_heads=9, M=20)
-    counts = torch.tensor([n // 4 for n in lengths])
-    q = torch.randn(2, 9, 1, 64)
-    expected_groups, expected_valid = selector.select(0, q, counts)
-    expected = selector._group_scores[:, : int(counts.max())].clone()
     lib = native_build.LIBRARIES["score"]
     flags = [f if f != "-march=native" else f"-march={march}" for f in lib.flags]
-    source = str(native_build.SOURCES / lib.source)
-    path = native_build.compile_library(
-        lambda out: ["cc", *flags, "-I", str(native_build.SOURCES), "-shared", "-fPIC", source, "-o", out, *lib.libs],
-        tmp_path / f"score-{march}.so", lib.what)
-    real_build = native_build.build
-    monkeypatch.setattr(native_build, "build", lambda name: path if name == "score" else real_build(name))
-    native_scorer.cache_clear()
-    try:
+    path = native_build.compile_units(lib, tmp_path / f"score-{march}.so", flags)
+    narrower = dataclasses.replace(NATIVE, libraries={**NATIVE.libraries, "score": load_library("score", path)})
+    torch.manual_seed(11)
+    lengths = [333 * 4, 71 * 4 + 2]
+    selectors = filled_selectors(klr_dtype, "softmax", 90, 4, 2, lengths, head_dim=64, n_kv_heads=3, n_heads=9,
+                                 picked_groups=20, backends=(NATIVE, narrower))
+    counts = torch.tensor([n // 4 for n in lengths])
+    q = torch.randn(2, 9, 1, 64)
+    results = []
+    for selector in selectors:  # the native backend's scorer, then the narrower build's
         groups, valid = selector.select(0, q, counts)
-        got = selector._group_scores[:, : int(counts.max())]
-        inside = torch.arange(got.shape[1]) < counts[:, None]
-        torch.testing.assert_close(got[inside], expected[inside], rtol=1e-5, atol=1e-7)
-        assert torch.equal(valid, expected_valid) and torch.equal(groups[valid], expected_groups[expected_valid])
-    finally:
-        native_scorer.cache_clear()
+        results.append((selector._group_scores[:, : int(counts.max())].clone(), groups, valid))
+    (expected, expected_groups, expected_valid), (got, groups, valid) = results
+    inside = torch.arange(got.shape[1]) < counts[:, None]
+    torch.testing.assert_close(got[inside], expected[inside], rtol=1e-5, atol=1e-7)
+    assert torch.equal(valid, expected_valid) and torch.equal(groups[valid], expected_groups[expected_valid])
 
 
-def test_the_native_top_m_equals_torchs_topk_and_breaks_ties_to_the_lower_group(monkeypatch):
-    """The top-M in one native call (ekv_score.c ekv_top) against torch's topk over the same scores: rows of several
-    counts (none, a few, all), groups before ``first`` and from a row's count on never picked, -inf never a pick,
-    fewer candidates than M padded as none; equal scores go to the lower group."""
-    selector = filled_selector("int8", "softmax", 8, 4, 3, [40, 40, 40], M=7)
+def test_the_native_top_m_equals_torchs_topk_and_breaks_ties_to_the_lower_group():
+    """The top-M in one native call (ekv_score.c ekv_top) against torch's topk (the torch backend's) over the same
+    scores: rows of several counts (none, a few, all), groups before ``first`` and from a row's count on never picked,
+    -inf never a pick, fewer candidates than M padded as none; equal scores go to the lower group."""
+    selector, reference = filled_selectors("int8", "softmax", 8, 4, 3, [40, 40, 40], picked_groups=7)
     width = selector.max_groups
     generator = torch.Generator().manual_seed(5)
     for trial in range(60):
@@ -401,9 +406,7 @@ def test_the_native_top_m_equals_torchs_topk_and_breaks_ties_to_the_lower_group(
         counts = np.array([width, 3, 0]) if trial == 0 else torch.randint(0, width + 1, (3,), generator=generator).numpy()
         first = trial % 3
         native_groups, native_valid = selector._top(scores.clone(), counts, first)
-        with monkeypatch.context() as patched:
-            patched.setattr(selector_module, "native_scorer", lambda: None)
-            torch_groups, torch_valid = selector._top(scores.clone(), counts, first)
+        torch_groups, torch_valid = reference._top(scores.clone(), counts, first)
         assert native_valid.shape == torch_valid.shape == (3, 7)
         assert torch.equal(native_valid, torch_valid) and torch.equal(native_groups[native_valid],
                                                                       torch_groups[torch_valid])
@@ -415,7 +418,7 @@ def test_the_native_top_m_takes_the_best_then_the_lowest_groups_at_the_mth_score
     """Scores of few values (many ties at the M-th best, where the quickselect's threshold falls), NaN and -inf
     among them, rows rising with the group (the order that made a heap of M sift at every candidate): the picks
     are the valid groups by score, then group, best first."""
-    selector = filled_selector("int8", "softmax", 8, 4, 3, [40, 40, 40], M=7)
+    selector = filled_selector("int8", "softmax", 8, 4, 3, [40, 40, 40], picked_groups=7)
     width = selector.max_groups
     generator = torch.Generator().manual_seed(6)
     for trial in range(40):

@@ -1,5 +1,5 @@
-"""bench/op_counts.py attributes a decode step's torch calls to the edgekv functions that made them."""
-from bench.op_counts import count
+"""tests/harness/op_counts.py attributes a decode step's torch calls to the edgekv functions that made them."""
+from tests.harness.op_counts import count
 
 
 def test_a_steps_calls_are_counted_by_their_edgekv_caller():

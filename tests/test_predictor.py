@@ -4,9 +4,10 @@ import torch
 
 from edgekv.runtime import Engine, LowRankAdapter, build_adapter
 from edgekv.runtime.adapter import AdapterError
-from edgekv.runtime.config import PredictorConfig
+from edgekv.runtime.choices import SELECTOR_NAMES
+from edgekv.runtime.config import ConfigError, PredictorConfig, RuntimeConfig
 from edgekv.runtime.model import ModelDims
-from edgekv.runtime.selector import KLR_BLOCK_TOKENS, LowRankSelector
+from edgekv.runtime.selector import KLR_BLOCK_TOKENS, SELECTORS, LowRankSelector
 from tests.conftest import save_model
 
 
@@ -18,9 +19,10 @@ def stored_rows(selector, layer, seq, n_tokens):
     return torch.stack([blocks[t // 64, :, t % 64] for t in range(n_tokens)], dim=1)
 
 
-def make_selector(adapter, rank, G=4, M=2, max_context=64, klr_dtype="float32", score_reduce="sum", scaling=1.0):
+def make_selector(adapter, rank, G=4, picked_groups=2, max_context=64, klr_dtype="float32", score_reduce="sum",
+                  scaling=1.0):
     dims = ModelDims(n_layers=1, hidden=64, n_heads=4, n_kv_heads=2, head_dim=16, vocab=10)
-    return LowRankSelector(adapter, rank, dims, 1, max_context, G, M,
+    return LowRankSelector(adapter, rank, dims, 1, max_context, G, picked_groups,
                            PredictorConfig(klr_dtype=klr_dtype, score_reduce=score_reduce), torch.device("cpu"), scaling)
 
 
@@ -65,27 +67,35 @@ def test_bf16_rows_are_rounded_once_and_scored_in_fp32(score_reduce):
     torch.testing.assert_close(selector.token_scores(0, q, 40)[0], expected, rtol=1e-5, atol=1e-6)
 
 
+def test_the_config_takes_the_selectors_there_are_and_no_other():
+    """The config checks 'selector' against runtime/choices.py, not the selector module: the names must match."""
+    assert tuple(SELECTORS) == SELECTOR_NAMES
+    assert [RuntimeConfig.load({"selector": name}).predictor.selector for name in SELECTORS] == list(SELECTORS)
+    with pytest.raises(ConfigError, match="selector"):
+        RuntimeConfig.load({"selector": "topk"})
+
+
 def test_grouped_top_m_finds_the_planted_groups():
     torch.manual_seed(1)
     k = torch.randn(2, 64, 16) * 0.1
     q = torch.randn(1, 4, 1, 16)
     for token in (9, 42):  # plant two keys aligned with the query: groups 2 and 10
         k[:, token] = q[0, ::2, 0] * 3
-    selector = make_selector(None, 8, G=4, M=2)
+    selector = make_selector(None, 8, G=4, picked_groups=2)
     selector.append(0, 0, 0, k)
     groups, valid = selector.select(0, q, torch.tensor([16]))
     assert sorted(groups[0].tolist()) == [2, 10] and valid.all()
 
 
 def test_selection_never_returns_groups_not_on_disk():
-    selector = make_selector(None, 8, G=4, M=5)
+    selector = make_selector(None, 8, G=4, picked_groups=5)
     selector.append(0, 0, 0, torch.randn(2, 12, 16))
     groups, valid = selector.select(0, torch.randn(1, 4, 1, 16), torch.tensor([3]))
     assert valid.sum() == 3 and sorted(groups[0, valid[0]].tolist()) == [0, 1, 2]
 
 
 def test_build_adapter_save_load_and_use(model_dirs, kv_dir, tmp_path):
-    with Engine.from_pretrained(model_dirs["llama"], kv_offload_path=kv_dir, config={"max_context": 128},
+    with Engine.from_pretrained(model_dirs["llama"], kv_path=kv_dir, config={"max_context": 128},
                                 device="cpu") as engine:
         adapter = build_adapter(engine, [list(range(1, 100)), list(range(50, 120))], sigma=4)
     assert adapter.rank == 8 and adapter.sigma == 4
@@ -94,15 +104,15 @@ def test_build_adapter_save_load_and_use(model_dirs, kv_dir, tmp_path):
     loaded = LowRankAdapter.load(path)
     assert all(torch.equal(a, b) for a, b in zip(adapter.matrices, loaded.matrices))
     config = {"G": 4, "M": 4, "C": 8, "max_context": 128, "sigma": None, "adapter_path": str(path)}
-    with Engine.from_pretrained(model_dirs["llama"], kv_offload_path=kv_dir, config=config, device="cpu") as engine:
+    with Engine.from_pretrained(model_dirs["llama"], kv_path=kv_dir, config=config, device="cpu") as engine:
         assert engine.rank == 8
         assert engine.generate([list(range(1, 60))], max_new_tokens=4, stop_token_ids=[])[0].token_ids
     with pytest.raises(Exception, match="sigma"):
-        Engine.from_pretrained(model_dirs["llama"], kv_offload_path=kv_dir, config={**config, "sigma": 16},
+        Engine.from_pretrained(model_dirs["llama"], kv_path=kv_dir, config={**config, "sigma": 16},
                                device="cpu")
     deeper = save_model(tmp_path / "deeper", "llama", num_hidden_layers=3)
     with pytest.raises(AdapterError, match="build an adapter for this model"):
-        Engine.from_pretrained(deeper, kv_offload_path=kv_dir, config=config, device="cpu")
+        Engine.from_pretrained(deeper, kv_path=kv_dir, config=config, device="cpu")
 
 
 
@@ -110,7 +120,7 @@ def test_build_adapter_save_load_and_use(model_dirs, kv_dir, tmp_path):
 def test_fit_without_an_adapter_file_uses_the_whole_batch_and_is_kept_only_when_it_saw_enough_keys(model_dirs, kv_dir,
                                                                                                    caplog):
     config = {"G": 4, "M": 4, "C": 8, "max_context": 128, "sigma": 4}  # rank 8: a fit is kept from 32 keys per layer
-    with Engine.from_pretrained(model_dirs["llama"], kv_offload_path=kv_dir, config=config, device="cpu") as engine:
+    with Engine.from_pretrained(model_dirs["llama"], kv_path=kv_dir, config=config, device="cpu") as engine:
         with caplog.at_level("WARNING", logger="edgekv"):
             engine.generate([list(range(1, 8))], max_new_tokens=3, stop_token_ids=[])  # 7 tokens: one group, 4 keys
         assert engine.adapter is None  # not kept for later batches
@@ -162,23 +172,22 @@ def test_int4_k_lowrank_rows_are_the_nibbles_of_the_rounded_projection_at_a_quar
                                             pytest.param("cuda", False, marks=pytest.mark.cuda)])
 @pytest.mark.parametrize("shared", ["file", None])
 @pytest.mark.parametrize("score_reduce", ["sum", "softmax"])
-def test_prompt_adapter_rows_project_through_their_own_prompts_fit(score_reduce, shared, device, native,
-                                                                   monkeypatch):
+def test_prompt_adapter_rows_project_through_their_own_prompts_fit(score_reduce, shared, device, native):
     """prompt_adapter: a row whose prompt gives KEYS_PER_RANK x rank keys stores its prompt, the keys a flush appends
     after it and scores its queries through the SVD of its own prompt's keys, as a batch of one fitted on that prompt
     alone would; a shorter prompt's row through the shared adapter (the file's, or fitted on the prompts waiting for
-    it), on the native scorer and on torch's path (a GPU's)."""
-    from edgekv.runtime import selector as selector_module
+    it), on the native scorer and on torch's path (the torch backend's, and a GPU's)."""
+    from edgekv.runtime.kernels import resolve_backend
 
-    if not native:
-        monkeypatch.setattr(selector_module, "native_scorer", lambda: None)
+    backend = resolve_backend(device, None if native else "torch")
     torch.manual_seed(5)
     dims = ModelDims(n_layers=2, hidden=64, n_heads=4, n_kv_heads=2, head_dim=16, vocab=10)
     rank = 8  # a row fits its own from 4 x 8 = 32 keys
 
     def build(adapter, batch, prompt_adapter):
         return LowRankSelector(adapter, rank, dims, batch, 64, 4, 2, PredictorConfig(
-            klr_dtype="float32", score_reduce=score_reduce, prompt_adapter=prompt_adapter), torch.device(device), 0.25)
+            klr_dtype="float32", score_reduce=score_reduce, prompt_adapter=prompt_adapter), torch.device(device), 0.25,
+            backend)
 
     def fill(selector, rows):
         """The prompts stored, prefill ended, then a decode flush each: every layer's group in one call."""

@@ -54,7 +54,7 @@ def test_records_read_back_through_every_reader_are_the_in_memory_dequantisation
 
 
 def _run(model_dir, kv_dir, policy, config, forced=None):
-    with Engine.from_pretrained(model_dir, kv_offload_path=kv_dir, config=config,
+    with Engine.from_pretrained(model_dir, kv_path=kv_dir, config=config,
                                 policy=policy, device="cpu") as engine:
         results = engine.generate(PROMPTS, max_new_tokens=14, stop_token_ids=[], output_logits=True,
                                   teacher_forcing=forced)
@@ -104,7 +104,7 @@ def test_the_memory_plan_counts_the_quantized_stride_and_the_same_budget_holds_m
     config = {**EXACT, "G": 16, "M": 16, "C": 16, "io_align_bytes": 512, "max_context": 1024}  # 64 groups: C up to 64
     plans = {}
     for record_dtype in ("auto", "int8"):
-        with Engine.from_pretrained(model_dirs["llama"], kv_offload_path=kv_dir, policy="kvswap",
+        with Engine.from_pretrained(model_dirs["llama"], kv_path=kv_dir, policy="kvswap",
                                     config={**config, "kv_record_dtype": record_dtype}, device="cpu") as engine:
             plans[record_dtype] = engine.memory_plan
             stride = RecordLayout(16, 2, 16, torch.float32, 512, record_dtype).stride_bytes
@@ -115,8 +115,8 @@ def test_the_memory_plan_counts_the_quantized_stride_and_the_same_budget_holds_m
     more = {**config, "C": 16 * strides["auto"] // strides["int8"], "max_kv_mem_mib": plans["auto"].total_bytes / 2**20}
     assert more["C"] > 16
     with pytest.raises(BudgetError, match="max_kv_mem_mib"):
-        Engine.from_pretrained(model_dirs["llama"], kv_offload_path=kv_dir, policy="kvswap", config=more, device="cpu")
-    Engine.from_pretrained(model_dirs["llama"], kv_offload_path=kv_dir, policy="kvswap",
+        Engine.from_pretrained(model_dirs["llama"], kv_path=kv_dir, policy="kvswap", config=more, device="cpu")
+    Engine.from_pretrained(model_dirs["llama"], kv_path=kv_dir, policy="kvswap",
                            config={**more, "kv_record_dtype": "int8"}, device="cpu").close()
 
 
@@ -124,7 +124,7 @@ def test_a_bad_record_dtype_is_refused_by_name(model_dirs, kv_dir):
     with pytest.raises(ConfigError, match="'kv_record_dtype' must be one of"):
         RuntimeConfig.load({"kv_record_dtype": "int3"})
     with pytest.raises(ConfigError, match="'kv_record_dtype' must be one of"):
-        Engine.from_pretrained(model_dirs["llama"], kv_offload_path=kv_dir, config={**EXACT, "kv_record_dtype": "q8"},
+        Engine.from_pretrained(model_dirs["llama"], kv_path=kv_dir, config={**EXACT, "kv_record_dtype": "q8"},
                                device="cpu")
     odd = ModelDims(n_layers=1, hidden=8, n_heads=1, n_kv_heads=1, head_dim=7, vocab=16)
     from edgekv.runtime.engine import _plan
@@ -145,10 +145,10 @@ def test_a_quantized_disk_policy_copies_a_stored_prefix_and_only_exact_records_a
         kv = tmp_path / f"kv-{record_dtype}"
         kv.mkdir()
         config = {"kv_record_dtype": record_dtype, "max_context": 1024}
-        with Engine.from_pretrained("fixture", policy="kvswap", kv_offload_path=kv,
+        with Engine.from_pretrained("fixture", policy="kvswap", kv_path=kv,
                                     config=config, device="cpu") as plain:
             expected = plain.generate([ids], max_new_tokens=4)[0].token_ids
-        with Engine.from_pretrained("fixture", policy="kvswap", kv_offload_path=kv,
+        with Engine.from_pretrained("fixture", policy="kvswap", kv_path=kv,
                                     config=config, device="cpu") as engine:
             store = engine.open_context_store(tmp_path / "store", chunk_tokens=128)
             engine.ttft = TTFTOptions("load_only")  # the prefix's KV from the store as it is (no compute planning)
@@ -168,13 +168,14 @@ def _solve_records(io_ms_per_byte, losses=RECORD_LOSSES, record_ppl_max=1.01, co
     """The greedy solver on bf16 KV with an I/O time of bytes times a rate plus a cost per read."""
     limits = solver.Limits(io_align_bytes=512, record_losses=losses, record_ppl_max=record_ppl_max)
 
-    def t_io(b, M, G, hit, record_dtype="auto"):
+    def t_io(b, picked, G, hit, record_dtype="auto"):
         stride = RecordLayout(G, 2, 64, torch.bfloat16, 512, record_dtype).stride_bytes
-        return SOLVER_DIMS.n_layers * b * M * (1 - hit) * (stride * io_ms_per_byte + 1e-3)
+        return SOLVER_DIMS.n_layers * b * picked * (1 - hit) * (stride * io_ms_per_byte + 1e-3)
 
     full = SOLVER_DIMS.n_layers * context * 2 * 2 * 64 * 2
     return solver.solve(batch, context, full / 13, SOLVER_DIMS, torch.bfloat16, limits, t_io,
-                        lambda b, S, rank, M, G, reuse=True: 2.0 * b, lambda G, C, M: min(0.9, 0.5 * C / M))
+                        lambda b, S, rank, picked, G, reuse=True: 2.0 * b,
+                        lambda G, C, picked: min(0.9, 0.5 * C / picked))
 
 
 def _stride(sol):
@@ -204,8 +205,9 @@ def test_with_a_quality_target_a_record_format_counts_its_loss_against_the_point
         limits = solver.Limits(io_align_bytes=512, quality_target=target, record_losses=RECORD_LOSSES)
         return solver.solve_for_quality(
             2, 8192, full / 4, SOLVER_DIMS, torch.bfloat16, limits, points,
-            lambda b, M, G, hit, record="auto": io_ms * RecordLayout(G, 2, 64, torch.bfloat16, 512, record).stride_bytes,
-            lambda b, S, rank, M, G, reuse=True: 1.0, lambda G, C, M: 0.0)
+            lambda b, picked, G, hit, record="auto":
+                io_ms * RecordLayout(G, 2, 64, torch.bfloat16, 512, record).stride_bytes,
+            lambda b, S, rank, picked, G, reuse=True: 1.0, lambda G, C, picked: 0.0)
 
     assert solve(1.05, 1e-6).kv_record_dtype == "auto"  # hidden either way: the lower loss
     slow = solve(1.05, 1e-3)
@@ -315,8 +317,8 @@ def test_records_padded_from_the_disks_block_let_the_int4_twin_hold_a_reuse_buff
     def solve(block_bytes, points=(point, twin)):
         limits = solver.Limits(quality_target=1.05, quality_top1_min=0.9, record_losses=losses, block_bytes=block_bytes)
         return solver.solve_for_quality(4, 8192, budget, dims, torch.bfloat16, limits, list(points),
-                                        lambda b, M, G, hit, record="auto": 100.0 * b * (1 - hit),
-                                        lambda b, S, rank, M, G, reuse=True: 20.0, lambda G, C, M: 0.75)
+                                        lambda b, picked, G, hit, record="auto": 100.0 * b * (1 - hit),
+                                        lambda b, S, rank, picked, G, reuse=True: 20.0, lambda G, C, picked: 0.75)
 
     paged = solve(None)
     assert not paged.reuse and paged.io_align_bytes == 4096

@@ -8,7 +8,10 @@ import torch
 
 from edgekv.runtime.disk_store import RecordLayout, aligned_zeros
 from edgekv.runtime.forward import decode_attention
-from edgekv.runtime.record_attention import RecordAttention, native_attention
+from edgekv.runtime.kernels import Backend, resolve_backend
+from edgekv.runtime.record_attention import RecordAttention
+
+NATIVE = resolve_backend("cpu")
 from tests.conftest import assert_same_decodes
 
 
@@ -58,7 +61,7 @@ def _torch_attention(layout, records, slots, valid, dense, resident, q):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_native_attention_equals_attention_over_the_gathered_copy(batch, n_heads, n_kv, head_dim, G, picks, dtype):
     layout, records, slots, valid, dense, resident, q = _case(batch, n_heads, n_kv, head_dim, G, picks, dtype)
-    attention = RecordAttention.for_layout(layout, n_heads, head_dim ** -0.5, torch.device("cpu"), dtype)
+    attention = RecordAttention.for_layout(NATIVE, layout, n_heads, head_dim ** -0.5, dtype)
     assert attention is not None
     out = attention(q, records, slots, valid, dense, resident)
     assert out.dtype == dtype and out.shape == q.shape
@@ -82,7 +85,7 @@ def test_the_native_attention_over_codes_equals_attention_over_their_dequantised
     RecordLayout.decode gives the torch path, the dense segments in the model's dtype beside them."""
     layout, records, slots, valid, dense, resident, q = _case(batch, n_heads, n_kv, head_dim, G, picks, dtype,
                                                               record_dtype=record_dtype)
-    attention = RecordAttention.for_layout(layout, n_heads, head_dim ** -0.5, torch.device("cpu"), dtype)
+    attention = RecordAttention.for_layout(NATIVE, layout, n_heads, head_dim ** -0.5, dtype)
     assert attention is not None
     out = attention(q, records, slots, valid, dense, resident)
     expected = _torch_attention(layout, records, slots, valid, dense, resident, q)
@@ -93,7 +96,7 @@ def test_the_native_attention_over_codes_equals_attention_over_their_dequantised
 def test_a_sequence_with_nothing_to_attend_gets_zeros_and_the_others_their_attention():
     layout, records, slots, valid, dense, resident, q = _case(2, 4, 2, 64, 4, 6, torch.float32)
     valid[0], resident[0] = False, False
-    out = RecordAttention.for_layout(layout, 4, 0.125, torch.device("cpu"), torch.float32)(
+    out = RecordAttention.for_layout(NATIVE, layout, 4, 0.125, torch.float32)(
         q, records, slots, valid, dense, resident)
     assert torch.equal(out[0], torch.zeros_like(out[0]))
     torch.testing.assert_close(out[1:].double(), _torch_attention(layout, records, slots, valid, dense, resident, q)[1:],
@@ -108,7 +111,7 @@ def test_attention_shared_with_the_helper_thread_is_the_same_bits_as_on_the_call
     monkeypatch.setattr(aside, "cores", lambda: 2)
     layout, records, slots, valid, dense, resident, q = _case(3, 9, 3, 64, 4, 40, torch.bfloat16,
                                                               record_dtype=record_dtype)
-    attention = RecordAttention.for_layout(layout, 9, 0.125, torch.device("cpu"), torch.bfloat16)
+    attention = RecordAttention.for_layout(NATIVE, layout, 9, 0.125, torch.bfloat16)
     alone = attention(q, records, slots, valid, dense, resident)
     attention.aside = aside.AsideThread.open()
     for _ in range(3):
@@ -123,23 +126,25 @@ def test_a_pick_outside_the_slots_is_an_error_not_a_read_past_them():
     layout, records, slots, valid, dense, resident, q = _case(1, 4, 2, 64, 4, 6, torch.float32)
     slots[0, 0], valid[0, 0] = records.shape[0], True
     with pytest.raises(RuntimeError, match="slot lies outside the slots"):
-        RecordAttention.for_layout(layout, 4, 0.125, torch.device("cpu"), torch.float32)(
+        RecordAttention.for_layout(NATIVE, layout, 4, 0.125, torch.float32)(
             q, records, slots, valid, dense, resident)
 
 
-@pytest.mark.parametrize("record_dtype, dtype, device", [
-    ("fp16", torch.float32, "cpu"),  # float16 records: torch decodes them
-    ("auto", torch.float16, "cpu"), ("int8", torch.float16, "cpu"),  # a model dtype the kernel does not read
-    ("auto", torch.float32, "cuda"),  # a GPU's slots
+@pytest.mark.parametrize("record_dtype, dtype, backend", [
+    ("fp16", torch.float32, "native"),  # float16 records: torch decodes them
+    ("auto", torch.float16, "native"), ("int8", torch.float16, "native"),  # a model dtype the kernel does not read
+    ("auto", torch.float32, "cuda"),  # a GPU's slots (no native attention on its backend)
+    ("auto", torch.float32, "torch"),  # the torch reference asked for
 ])
-def test_the_torch_path_attends_what_the_kernel_does_not_read(record_dtype, dtype, device):
+def test_the_torch_path_attends_what_the_kernel_does_not_read(record_dtype, dtype, backend):
     layout = RecordLayout(4, 2, 64, dtype, record_dtype=record_dtype)
-    assert RecordAttention.for_layout(layout, 4, 0.125, torch.device(device), dtype) is None
+    backend = Backend("cuda", torch.device("cuda")) if backend == "cuda" else resolve_backend("cpu", backend)
+    assert RecordAttention.for_layout(backend, layout, 4, 0.125, dtype) is None
 
 
 def test_records_of_another_dtype_than_the_dense_segments_attend_through_torch():
     layout = RecordLayout(4, 2, 64, torch.float32)
-    assert RecordAttention.for_layout(layout, 4, 0.125, torch.device("cpu"), torch.bfloat16) is None
+    assert RecordAttention.for_layout(NATIVE, layout, 4, 0.125, torch.bfloat16) is None
 
 
 def test_an_edited_shared_header_renames_the_libraries_that_include_it(tmp_path, monkeypatch):
@@ -175,32 +180,14 @@ def test_a_disk_policy_decodes_the_same_through_the_kernel_as_through_the_gather
     runs, used = {}, []
     monkeypatch.setattr(pipeline, "picked_attention", lambda *a: used.append(attention.picked_attention(*a)) or
                         used[-1])
-    for name, for_layout in {"native": RecordAttention.for_layout, "torch": lambda *a: None}.items():
-        monkeypatch.setattr(RecordAttention, "for_layout", for_layout)
+    for name in ("native", "torch"):  # the backend's kernel, the torch reference's gathered copy
         (tmp_path / name).mkdir()
-        with Engine.from_pretrained(model_dirs[arch], kv_offload_path=tmp_path / name, config=config, policy="kvswap",
-                                    device="cpu", dtype=dtype) as engine:
+        with Engine.from_pretrained(model_dirs[arch], kv_path=tmp_path / name, config=config, policy="kvswap",
+                                    device="cpu", dtype=dtype, backend=name) as engine:
             runs[name] = engine.generate(prompts, max_new_tokens=8, stop_token_ids=[], output_logits=True)
         assert used and all(isinstance(a, attention.SlotAttention) for a in used) == (name == "native")
         used.clear()
     assert_same_decodes(runs["native"], runs["torch"], dtype)
-
-
-def test_the_record_attention_bench_times_both_paths_on_one_batch(capsys):
-    """``python -m bench.record_attention`` on the fixture: the kernel and the gathered copy alternate, each with
-    its median step and its ratio to the copy."""
-    import re
-
-    from bench.record_attention import main
-
-    main(["--model", "fixture", "--context", "200", "--batch", "2", "--kvswap", "G=4,M=6,C=6,sigma=2",
-          "--extra", '{"reuse": false}', "--rounds", "2", "--steps", "2"])
-    rows = re.findall(r"^(native|gathered copy): median ([\d.]+) ms a step \(([\d., ]+)\); stall ([\d.]+) ms a step; "
-                      r"([\d.]+) x", capsys.readouterr().out, re.M)
-    assert [row[0] for row in rows] == ["native", "gathered copy"]
-    for _, median_ms, rounds, stall_ms, ratio in rows:
-        assert float(median_ms) > 0 and len(rounds.split(", ")) == 2 and float(stall_ms) >= 0 and float(ratio) > 0
-    assert float(rows[1][4]) == 1.0
 
 
 def test_a_strided_query_attends_as_its_contiguous_copy():
@@ -208,7 +195,7 @@ def test_a_strided_query_attends_as_its_contiguous_copy():
     layout, records, slots, valid, dense, resident, q = _case(2, 4, 2, 64, 4, 6, torch.float32)
     wide = torch.zeros(*q.shape[:-1], 2 * q.shape[-1])
     wide[..., ::2] = q
-    attention = RecordAttention.for_layout(layout, 4, 0.125, torch.device("cpu"), torch.float32)
+    attention = RecordAttention.for_layout(NATIVE, layout, 4, 0.125, torch.float32)
     assert torch.equal(attention(wide[..., ::2], records, slots, valid, dense, resident),
                        attention(q, records, slots, valid, dense, resident))
 
@@ -227,31 +214,23 @@ def test_the_kernels_built_for_narrower_vectors_compute_the_same(tmp_path, march
     """The scorer and the attention built for SSE (4 floats a vector) and AVX2 (8), as a machine without AVX-512 (16)
     builds them: the scorer's scores to the bit where the target fuses multiply-adds as this one does (each sum still
     runs over the rank in order), within float32 rounding where it does not; the attention within float32 rounding."""
-    import ctypes
-
-    from edgekv.runtime import native_build, selector
+    from edgekv.runtime import native_build
+    from edgekv.runtime.kernels import load_library
 
     if flag not in _cpu_flags():
         pytest.skip(f"this CPU lacks {flag}")
     built = {}
-    for name, native in (("score", selector.native_scorer()), ("attend", native_attention())):
+    for name in ("score", "attend"):
         lib = native_build.LIBRARIES[name]
         flags = [f if f != "-march=native" else f"-march={march}" for f in lib.flags]
-        source = str(native_build.SOURCES / lib.source)
-        path = native_build.compile_library(lambda out: ["cc", *flags, "-shared", "-fPIC", source, "-o", out, *lib.libs],
-                                            tmp_path / f"{name}-{march}.so", lib.what)
-        built[name] = ctypes.CDLL(str(path))
-        for function in ("ekv_group_scores", "ekv_attend"):
-            if hasattr(native, function):
-                getattr(built[name], function).argtypes = getattr(native, function).argtypes
-        built[name].max_head_dim, built[name].max_group_queries = 256, 32
+        built[name] = load_library(name, native_build.compile_units(lib, tmp_path / f"{name}-{march}.so", flags))
     torch.manual_seed(3)
     # K_lr's stored blocks of 64 tokens (runtime/selector.py KLR_BLOCK_TOKENS): 11 a sequence, rank 33
     rows, scales = torch.randint(-127, 128, (2, 11, 33, 64), dtype=torch.int8), torch.rand(2, 704).bfloat16()
     q = torch.randn(2, 9, 33)
     scores = []
-    for lib in (selector.native_scorer(), built["score"]):
-        out, scratch = torch.empty(2, 176), torch.empty(selector.native_scorer().ekv_score_scratch_floats(2, 9, 704, 4))
+    for lib in (NATIVE.lib("score"), built["score"]):
+        out, scratch = torch.empty(2, 176), torch.empty(lib.ekv_score_scratch_floats(2, 9, 704, 4))
         assert lib.ekv_group_scores(rows.data_ptr(), rows.stride(1), rows.stride(0), scales.data_ptr(), scales.stride(0),
                                     q.data_ptr(), 2, 9, 33, 704, 4, 2, 1, scratch.data_ptr(), scratch.numel(),
                                     out.data_ptr(), 176) == 0
@@ -262,7 +241,7 @@ def test_the_kernels_built_for_narrower_vectors_compute_the_same(tmp_path, march
     for shape, record_dtype in [((1, 9, 3, 64, 4, 50), "auto"), ((2, 8, 1, 256, 8, 5), "int8"),
                                 ((2, 6, 3, 72, 2, 9), "auto"), ((1, 9, 3, 64, 4, 50), "int4")]:
         layout, records, slots, valid, dense, resident, q = _case(*shape, torch.float32, record_dtype=record_dtype)
-        native = RecordAttention.for_layout(layout, shape[1], shape[3] ** -0.5, torch.device("cpu"), torch.float32)
+        native = RecordAttention.for_layout(NATIVE, layout, shape[1], shape[3] ** -0.5, torch.float32)
         narrow = RecordAttention(built["attend"], layout, shape[3] ** -0.5, torch.float32)
         torch.testing.assert_close(narrow(q, records, slots, valid, dense, resident),
                                    native(q, records, slots, valid, dense, resident), atol=2e-6, rtol=1e-5)

@@ -206,7 +206,7 @@ def test_health_is_503_while_loading_then_200(text_model, tmp_path):
 
     def slow_load():
         gate.wait(60)
-        return Engine.from_pretrained(text_model, kv_offload_path=tmp_path, config=CFG, device="cpu")
+        return Engine.from_pretrained(text_model, kv_path=tmp_path, config=CFG, device="cpu")
 
     with serving(text_model, tmp_path, load=slow_load, store=False) as (url, state):
         r = httpx.get(url + "/health")
@@ -261,7 +261,7 @@ def _job(ids, n, results, seed=None, temperature=0.0):
 def test_requests_joining_a_running_batch_get_their_lone_greedy_tokens(model_dirs, kv_dir, policy):
     prompts = [list(range(1, 50)), list(range(20, 41)), list(range(60, 90)), list(range(7, 70)), [3, 4, 5]]
     lengths = [30, 5, 17, 9, 12]  # rows free at different steps: joins land mid-run
-    with Engine.from_pretrained(model_dirs["llama"], kv_offload_path=kv_dir, config=CFG, policy=policy,
+    with Engine.from_pretrained(model_dirs["llama"], kv_path=kv_dir, config=CFG, policy=policy,
                                 device="cpu") as engine:
         engine.generate([list(range(1, 120))], max_new_tokens=1)  # fits the K adapter on enough keys to keep it
         alone = [_greedy(engine, p, n) for p, n in zip(prompts, lengths)]
@@ -283,7 +283,7 @@ def test_requests_joining_a_running_batch_get_their_lone_greedy_tokens(model_dir
 
 def test_sampled_requests_in_a_batch_keep_their_own_seeds(model_dirs, kv_dir):
     prompt = list(range(1, 30))
-    with Engine.from_pretrained(model_dirs["llama"], kv_offload_path=kv_dir, config=CFG, device="cpu") as engine:
+    with Engine.from_pretrained(model_dirs["llama"], kv_path=kv_dir, config=CFG, device="cpu") as engine:
         lone = engine.generate([prompt], max_new_tokens=10, temperature=1.2, seed=5, stop_token_ids=[])[0].token_ids
         scheduler = Scheduler(engine, ServerMetrics(), max_queue=16)
         results = []
@@ -300,7 +300,7 @@ def test_sampled_requests_in_a_batch_keep_their_own_seeds(model_dirs, kv_dir):
 def test_a_longer_request_waits_for_the_batch_to_drain_and_gets_its_own_solution(model_dirs, kv_dir):
     config = {**CFG, "solutions": [{"batch": 2, "context": 64, "G": 4, "M": 2, "C": 4, "sigma": 8},
                                    {"batch": 2, "context": 256, "G": 4, "M": 4, "C": 8, "sigma": 8}]}
-    with Engine.from_pretrained(model_dirs["llama"], kv_offload_path=kv_dir, config=config, device="cpu") as engine:
+    with Engine.from_pretrained(model_dirs["llama"], kv_path=kv_dir, config=config, device="cpu") as engine:
         built = []
         real_open = engine.open_batch
         engine.open_batch = lambda rows, context: built.append(context) or real_open(rows, context)
@@ -321,7 +321,7 @@ def test_a_longer_request_waits_for_the_batch_to_drain_and_gets_its_own_solution
 
 
 def test_a_failed_step_or_prefill_ends_its_requests_and_serving_goes_on(model_dirs, kv_dir, caplog):
-    with Engine.from_pretrained(model_dirs["llama"], kv_offload_path=kv_dir, config=CFG, device="cpu") as engine:
+    with Engine.from_pretrained(model_dirs["llama"], kv_path=kv_dir, config=CFG, device="cpu") as engine:
         failures = {"prefill_start": 1, "decode_step_start": 1}
 
         def fault(event):

@@ -1,4 +1,4 @@
-"""One request never harms another (issue 28): a request's own failure ends its row only, hostile requests
+"""One request never harms another: a request's own failure ends its row only, hostile requests
 interleaved with running streams never change them, and the API fuzzed from its own OpenAPI schema never
 answers 500 or hangs."""
 import os
@@ -13,8 +13,8 @@ from edgekv.runtime.sampling import Sampler, SamplingParams
 from edgekv.serve.metrics import ServerMetrics
 from edgekv.serve.scheduler import Job, Scheduler
 from edgekv.serve.text import TextStream
-from bench.serve_fuzz import fuzz_checks, fuzz_strategy, hostile_requests, send_hostile, steer, stream_text
 from tests.conftest import files_under, save_chat_model
+from tests.harness.serve_fuzz import fuzz_checks, fuzz_strategy, hostile_requests, send_hostile, steer, stream_text
 from tests.serving import CFG, poll, post, serving, steps_held
 
 
@@ -54,7 +54,7 @@ def _job(ids, n, sampler=None):
 def test_a_request_whose_sampling_fails_ends_alone(model_dirs, kv_dir, fails_at):
     """The failing request gets its error; the row beside it runs to its lone greedy tokens; the next request runs."""
     victim_ids, after_ids = list(range(1, 40)), list(range(9, 30))
-    with Engine.from_pretrained(model_dirs["llama"], kv_offload_path=kv_dir, config=CFG, device="cpu") as engine:
+    with Engine.from_pretrained(model_dirs["llama"], kv_path=kv_dir, config=CFG, device="cpu") as engine:
         engine.generate([list(range(1, 120))], max_new_tokens=1)  # fits the K adapter on enough keys to keep it
         alone = engine.generate([victim_ids], max_new_tokens=30, stop_token_ids=[])[0].token_ids
         scheduler = Scheduler(engine, ServerMetrics(), max_queue=8)
@@ -102,7 +102,7 @@ def test_the_issue_repro_a_tiny_temperature_beside_a_running_stream(text_model, 
 
 # ---- the API fuzzed from its own OpenAPI schema ------------------------------------------------------------
 
-FUZZ_EXAMPLES = 240  # bounded for CI; bench/serve_fuzz.py runs thousands beside running streams
+FUZZ_EXAMPLES = 240  # bounded for CI; tests/harness/serve_fuzz.py runs thousands beside running streams
 KEY = {"Authorization": "Bearer s3cret"}
 
 

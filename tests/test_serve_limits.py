@@ -1,4 +1,4 @@
-"""What bounds a client of ``edgekv serve`` (issue 28): metric series, the API docs, the key, the Host, header and
+"""What bounds a client of ``edgekv serve``: metric series, the API docs, the key, the Host, header and
 body read times, the connection cap, strict request types, the served model id, and what errors show."""
 import json
 import socket

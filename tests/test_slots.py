@@ -73,18 +73,19 @@ def test_reverse_map_tracks_evictions():
 
 @pytest.mark.parametrize("replacement", ["fifo", "lru", "cost"])
 @pytest.mark.parametrize("seed", range(6))
-def test_the_native_assignment_keeps_the_tables_as_the_numpy_path_does(replacement, seed, monkeypatch):
+def test_the_native_assignment_keeps_the_tables_as_the_numpy_path_does(replacement, seed):
     """runtime/native/ekv_slots.c against the numpy path on random steps: odd capacities, two sequences pooled by a
     shared prefix (one picks the other's records), rows without picks, repeated picks, corrections (not counted), steps
     a pool cannot hold and a pick outside its pool (the same error, nothing changed): the same slots, misses, hits and
     tables after every step; with cost, refetch costs and priors set now and then (fractional, with ties) and the same
-    frequencies after every step."""
-    from edgekv.runtime import slots as slots_module
+    frequencies after every step (a table on the native backend beside one on the torch backend, numpy's)."""
+    from edgekv.runtime.kernels import resolve_backend
     from edgekv.runtime.slots import record_owners
-    assert slots_module.native_slots() is not None
     rng = np.random.default_rng(seed)
     n_layers, batch, capacity, max_groups = 3, 4, int(rng.integers(5, 12)), 40
-    tables = [SlotTable(n_layers, batch, capacity, max_groups, replacement) for _ in range(2)]
+    tables = [SlotTable(n_layers, batch, capacity, max_groups, replacement, resolve_backend("cpu", name))
+              for name in ("native", "torch")]
+    assert tables[0]._assign == tables[0]._assign_native and tables[1]._assign == tables[1]._assign_numpy
     owner, shared = np.arange(batch), np.zeros(batch, dtype=np.int64)
     if seed % 2:
         owner[2], shared[2] = 0, 10
@@ -106,14 +107,11 @@ def test_the_native_assignment_keeps_the_tables_as_the_numpy_path_does(replaceme
         if step % 11 == 10:
             owners[1, 0], valid[1, 0] = 3, True  # a record of a sequence outside row 1's pool
         results = []
-        for native, table in zip((True, False), tables):
-            with monkeypatch.context() as patched:
-                if not native:
-                    patched.setattr(slots_module, "native_slots", lambda: None)
-                try:
-                    results.append(table.assign(step % n_layers, groups, valid, owners, count=step % 4 != 3))
-                except ValueError as exc:
-                    results.append(str(exc))
+        for table in tables:
+            try:
+                results.append(table.assign(step % n_layers, groups, valid, owners, count=step % 4 != 3))
+            except ValueError as exc:
+                results.append(str(exc))
         if isinstance(results[1], str):
             errors += 1
             assert results[0] == results[1]

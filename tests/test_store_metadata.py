@@ -1,4 +1,4 @@
-"""The context store's JSON files (issue 28): paths from an index stay inside the store, --store takes only the
+"""The context store's JSON files: paths from an index stay inside the store, --store takes only the
 schemes it can serve, and damage to store.json, index.json or a context file is a miss named by file, never an
 opaque error (the engine-level campaign is in test_faults.py)."""
 import json

@@ -32,7 +32,7 @@ def reference(ids):
 
 
 def _engine(store_dir, policy="full", kv_path=None, dtype=None):
-    engine = Engine.from_pretrained("fixture", policy=policy, kv_offload_path=kv_path, dtype=dtype, device="cpu")
+    engine = Engine.from_pretrained("fixture", policy=policy, kv_path=kv_path, dtype=dtype, device="cpu")
     engine.open_context_store(store_dir, chunk_tokens=128)
     return engine
 
@@ -55,7 +55,7 @@ def test_every_method_gives_full_prefills_tokens(tmp_path, ids, reference, metho
 def test_disk_policies_decode_from_a_stored_prefix(tmp_path, ids, policy):
     kv = tmp_path / "kv"
     kv.mkdir()
-    with Engine.from_pretrained("fixture", policy=policy, kv_offload_path=kv, device="cpu") as plain:
+    with Engine.from_pretrained("fixture", policy=policy, kv_path=kv, device="cpu") as plain:
         expected = plain.generate([ids], max_new_tokens=NEW_TOKENS)[0].token_ids
     with _engine(tmp_path / "store", policy=policy, kv_path=kv) as engine:
         engine.save_context(ids[:CONTEXT_TOKENS])
@@ -265,9 +265,9 @@ def test_a_hybrid_model_from_a_stored_prefix_keeps_its_windows(tmp_path, policy,
     kv = tmp_path / "kv"
     kv.mkdir()
     config = {"max_context": 512, "G": 4, "M": 128, "C": 128, "sigma": 4}  # every group selected: exact
-    with Engine.from_pretrained(folder, policy=policy, kv_offload_path=kv, config=config, device="cpu") as plain:
+    with Engine.from_pretrained(folder, policy=policy, kv_path=kv, config=config, device="cpu") as plain:
         expected = plain.generate([ids], max_new_tokens=NEW_TOKENS)[0].token_ids
-    with Engine.from_pretrained(folder, policy=policy, kv_offload_path=kv, config=config, device="cpu") as engine:
+    with Engine.from_pretrained(folder, policy=policy, kv_path=kv, config=config, device="cpu") as engine:
         engine.open_context_store(tmp_path / "store", chunk_tokens=128)
         engine.save_context(ids[:CONTEXT_TOKENS])
         engine.ttft = TTFTOptions(method, link_mib_s=200.0)

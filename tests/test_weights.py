@@ -32,7 +32,7 @@ def test_quantized_weights_decode_close_to_fp32(tmp_path, weights):
     tokens = {}
     for weights in ("native", weights):
         (tmp_path / weights).mkdir()
-        with Engine.from_pretrained("fixture", kv_offload_path=tmp_path / weights, policy="full", device="cpu",
+        with Engine.from_pretrained("fixture", kv_path=tmp_path / weights, policy="full", device="cpu",
                                     config={"max_context": 256, "max_batch": 1}, weights=weights) as engine:
             tokens[weights] = engine.generate([PROMPT], max_new_tokens=8, stop_token_ids=[])[0].token_ids
     assert sum(a == b for a, b in zip(tokens["native"], tokens[weights])) >= 6  # a trained model's margins hold
@@ -50,7 +50,7 @@ def test_int4_runs_in_a_bfloat16_model_as_its_kernels_take_it(tmp_path):
     tokens = {}
     for weights in ("native", "int4"):
         (tmp_path / weights).mkdir()
-        with Engine.from_pretrained("fixture", kv_offload_path=tmp_path / weights, policy="full", device="cpu",
+        with Engine.from_pretrained("fixture", kv_path=tmp_path / weights, policy="full", device="cpu",
                                     dtype="bfloat16", config={"max_context": 256, "max_batch": 1},
                                     weights=weights) as engine:
             assert engine.model.dtype == torch.bfloat16
@@ -199,7 +199,7 @@ def test_a_decode_step_makes_one_int4_call_for_q_k_v_and_one_for_gate_up(tmp_pat
     calls = []
     matmul = Int4Linear.matmul
     monkeypatch.setattr(Int4Linear, "matmul", lambda self, x: calls.append(self) or matmul(self, x))
-    with Engine.from_pretrained(str(q4_fixture), kv_offload_path=tmp_path, policy="full", device="cpu",
+    with Engine.from_pretrained(str(q4_fixture), kv_path=tmp_path, policy="full", device="cpu",
                                 config={"max_context": 256, "max_batch": 1}, weights="int4") as engine:
         with engine.open_batch(1, 256) as batch:
             batch.join(0, PROMPT)
@@ -235,7 +235,7 @@ def test_the_rescored_head_gives_the_fp32_logits_of_its_best_tokens():
 
 def test_an_unknown_weight_format_is_named(tmp_path):
     with pytest.raises(ModelError, match="'int3'.*native, int8, int4"):
-        Engine.from_pretrained("fixture", kv_offload_path=tmp_path, policy="full", device="cpu", weights="int3")
+        Engine.from_pretrained("fixture", kv_path=tmp_path, policy="full", device="cpu", weights="int3")
 
 
 def _fixture():

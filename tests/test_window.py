@@ -21,7 +21,7 @@ def scripted_scores(self, layer, q, n_tokens):
 
 
 def run(model_dir, kv_dir, policy, config):
-    with Engine.from_pretrained(model_dir, kv_offload_path=kv_dir, config=config, policy=policy,
+    with Engine.from_pretrained(model_dir, kv_path=kv_dir, config=config, policy=policy,
                                 device="cpu") as engine:
         return engine.generate(PROMPTS, max_new_tokens=12, stop_token_ids=[], output_logits=True)
 
@@ -53,7 +53,7 @@ def test_memory_plan_counts_sinks_and_window():
 
 def test_resident_bytes_match_the_plan_with_a_window(model_dirs, kv_dir):
     config = {**BASE, "M": 10, "C": 10, "reuse": True, "sink_tokens": 4, "window_tokens": 16}
-    with Engine.from_pretrained(model_dirs["llama"], kv_offload_path=kv_dir, config=config, device="cpu") as engine:
+    with Engine.from_pretrained(model_dirs["llama"], kv_path=kv_dir, config=config, device="cpu") as engine:
         result = engine.generate(PROMPTS, max_new_tokens=4, stop_token_ids=[])[0]
         assert result.stats["kv_resident_bytes"] == engine.memory_plan.total_bytes
         assert engine.memory_plan.per_sequence_bytes["sinks"] > 0

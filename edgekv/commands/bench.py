@@ -84,6 +84,8 @@ def run(args) -> int:
                                prompt_source=args.prompts, device=args.device, dtype=args.dtype, weights=args.weights)
     meta.update(model=args.model, checkpoint=str(checkpoint), command=args.command_line)
     print(bench.table(runs))
+    for point, why in meta.get("llama_cpp_failed", {}).items():  # "{batch}x{context}": no llama.cpp row there
+        print(f"{bench.LLAMA_CPP_ROW} at {point}: {why}")
     if meta["synthetic_weights"]:
         print(f"{args.model}: synthetic weights (random, in the architecture's shape): speed and memory only")
     if "paths" in meta:

@@ -97,7 +97,7 @@ def run(args) -> int:
         fmt = harness.task_format(model)
         calibration = [i.context for i in harness.make_set(tasks, contexts[0], 1, args.seed + 1, fmt)]
         rows = selection_recall(decoder, harness.make_set(tasks, contexts[0], max(1, (args.samples or 20) // 2), args.seed, fmt),
-                                sigmas, G=4, M=max(1, contexts[0] // 34 // 4), calibration=calibration)
+                                sigmas, G=4, picked_groups=max(1, contexts[0] // 34 // 4), calibration=calibration)
         meta["selection_recall"] = rows
         for row in rows:
             print(f"sigma {row['sigma']:g} (rank {row['rank']}): top-M recall {row['recall']:.3f}, "

@@ -64,7 +64,7 @@ def run(args) -> int:
         raise ValueError(f"--context {args.context} needs the store it was saved to: pass the same --kv-path (or --store)")
     with contextlib.ExitStack() as stack:
         kv = kv_paths or stack.enter_context(common.scratch_kv(None))
-        engine = stack.enter_context(Engine.from_pretrained(args.model, kv_offload_path=kv, config=args.config,
+        engine = stack.enter_context(Engine.from_pretrained(args.model, kv_path=kv, config=args.config,
                                                             policy=args.policy, device=args.device,
                                                             dtype=args.dtype))
         if args.context or args.store:

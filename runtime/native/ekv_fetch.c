@@ -1,14 +1,15 @@
 /* A layer's picks to its reads in one call (runtime/fetch_plan.py NativePlanner, on the thread that takes the picks):
  * the reuse buffer's slots assigned (ekv_slots.c ekv_slots_assign), each missed record's host address in its slot,
  * and the misses' reads planned as requests (ekv_requests.c ekv_requests_plan).  A layer's job is made once (every
- * table and buffer it points into lives as long as the batch) and a step passes only its picks.  Both sources are
- * compiled in, so their reference behaviour stays where it is tested.
+ * table and buffer it points into lives as long as the batch) and a step passes only its picks.  The "fetch" library
+ * links this unit with ekv_slots.c and ekv_requests.c, so their reference behaviour stays where it is tested.
  */
 #include <stddef.h>
+#include <stdint.h>
 
 #include "ekv_fetch.h"
-#include "ekv_slots.c"
-#include "ekv_requests.c"
+#include "ekv_requests.h"
+#include "ekv_slots.h"
 
 #define FIELD(name) offsetof(struct ekv_fetch_job, name)
 static const int64_t JOB_OFFSETS[] = {

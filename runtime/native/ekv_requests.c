@@ -13,6 +13,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "ekv_requests.h"
+
 typedef struct {
     int64_t key; /* file << 40 | record index: the order DiskKVStore._requests sorts by */
     int64_t at;  /* the read's place in the caller's arrays: equal keys keep their order (a stable sort) */

@@ -303,9 +303,9 @@ int ekv_low_rank_queries(const float *q, int batch, int heads, int kv_heads, int
     return 0;
 }
 
-/* The largest rank a call takes (the caller scores larger ones through torch; more than MAX_QUERIES queries a
- * sequence too, which no model's heads come near). */
+/* The largest rank and the most queries a sequence a call takes: a selector built for more scores through torch. */
 int ekv_score_max_rank(void) { return MAX_RANK; }
+int ekv_score_max_queries(void) { return MAX_QUERIES; }
 
 /* The tokens of a stored block: the caller lays K_lr out in blocks of this many (runtime/selector.py KLR_BLOCK_TOKENS
  * checks it). */

@@ -13,6 +13,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "ekv_slots.h"
+
 enum { SCORE_INSERTED, SCORE_USED, SCORE_COST }; /* fifo, lru, cost */
 enum { POOL_MISMATCH = -1, POOL_TOO_SMALL = -2, NO_MEMORY = -3, OUTSIDE = -4 };
 

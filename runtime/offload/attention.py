@@ -8,6 +8,7 @@ import torch
 
 from ..disk_store import RecordLayout
 from ..forward import decode_attention, decode_attention_part
+from ..kernels import Backend
 from ..model import DecoderModel
 from ..record_attention import RecordAttention
 from ..transfer import to_device
@@ -72,10 +73,10 @@ class SlotAttention(GatheredAttention):
         return self.kernel(q, records, slots, valid, dense, resident)
 
 
-def picked_attention(model: DecoderModel, layout: RecordLayout, slot_memory, slots, window: Window
+def picked_attention(backend: Backend, model: DecoderModel, layout: RecordLayout, slot_memory, slots, window: Window
                      ) -> GatheredAttention:
-    """Straight from the slots where the records' kernel serves this layout, model and device; else gathered."""
-    kernel = RecordAttention.for_layout(layout, model.dims.n_heads, model.scaling, model.device, model.dtype)
+    """Straight from the slots where the backend's records kernel serves this layout and model; else gathered."""
+    kernel = RecordAttention.for_layout(backend, layout, model.dims.n_heads, model.scaling, model.dtype)
     if kernel is None:
         return GatheredAttention(model, layout, slot_memory, slots, window)
     return SlotAttention(kernel, model, layout, slot_memory, slots, window)

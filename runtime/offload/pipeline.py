@@ -15,6 +15,7 @@ from ..aside import AsideThread, PostOrShare
 from ..config import RuntimeConfig
 from ..disk_store import DiskKVStore
 from ..fetch_plan import NativePlanner, planner_for
+from ..kernels import Backend, resolve_backend
 from ..kv_policy import KVPolicy
 from ..model import DecoderModel
 from ..selector import Selector
@@ -35,21 +36,23 @@ class OffloadedKV(KVPolicy):
     slots while the sinks and window stay exact."""
 
     def __init__(self, model: DecoderModel, batch: int, cfg: RuntimeConfig, store: DiskKVStore, selector: Selector,
-                 slots: Slots, predict: bool = True, placer=None, on_select=None):
+                 slots: Slots, predict: bool = True, placer=None, on_select=None, backend: Backend | None = None):
         """``cfg``: the policy's effective config.  ``predict``: the selector gets the next layer's predicted query
         (flexgen's needs none).  ``placer``: a cluster.CoactivationLayout placing a prompt's groups on the KV paths
-        (None: striped).  ``on_select(layer, groups [B, M], valid [B, M])``: each layer's picks as it attends."""
+        (None: striped).  ``on_select(layer, groups [B, M], valid [B, M])``: each layer's picks as it attends.
+        ``backend``: the kernels (runtime/kernels.py; None: the device's)."""
         super().__init__(model, batch, cfg.max_context)
         dims, cpu = model.dims, model.device.type == "cpu"
+        backend = backend or resolve_backend(model.device)
         self.store, self.layout, self.selector, self.slots = store, store.layout, selector, slots
         self.G, self.picked_groups = store.layout.group_tokens, cfg.picked_groups
         self.predict, self.on_select = predict, on_select
-        self.window = Window(model, batch, cfg, self.G)
+        self.window = Window(model, batch, cfg, self.G, backend)
         # on a GPU the slots are device memory and only misses cross the bus, or pinned host memory it reads in place
         self.slot_memory = slot_memory(slots.n_buffers(dims.n_layers), batch, slots.capacity, self.layout,
                                        model.device, batch * self.picked_groups, cfg.io.slot_memory)
-        self.attention = picked_attention(model, self.layout, self.slot_memory, slots, self.window)
-        self.planner = planner_for(slots, self.slot_memory, store, self.bytes_read)
+        self.attention = picked_attention(backend, model, self.layout, self.slot_memory, slots, self.window)
+        self.planner = planner_for(backend, slots, self.slot_memory, store, self.bytes_read)
         self.takes_on_io = cpu and isinstance(self.planner, NativePlanner)  # picks still being made: _take's thread
         reads_cap = cfg.correction_slots if predict and selector.reads_ahead else 0
         self.io = ReadIO(store, self.slot_memory, self.read_time, cfg.io.read_deadline_s, bool(reads_cap))
@@ -63,7 +66,7 @@ class OffloadedKV(KVPolicy):
         self.prompt_queries = self.recluster.prompt_queries if self.recluster is not None else 0
         # on a CPU a helper thread makes the next layer's scores and shares a correction's and the records' attention
         # (runtime/aside.py): the core the step leaves to the reads is idle most of the step
-        self.aside = AsideThread.open() if cpu else None
+        self.aside = AsideThread.open(backend=backend)
         self.lend_aside(self.aside)
         self.post_or_share = PostOrShare() if self.aside is not None else None
         self._step_started = None  # perf_counter at the step's first prefetch: the steps the PostOrShare choice times

@@ -8,9 +8,9 @@ import numpy as np
 import torch
 
 from ..config import RuntimeConfig
+from ..kernels import Backend
 from ..model import DecoderModel
 from ..native_build import address
-from ..record_attention import native_attention
 from ..transfer import to_device
 
 
@@ -18,7 +18,7 @@ class Window:
     """Sinks and ring of every layer and sequence, and how far each sequence has filled them: ``n_groups`` full
     groups written, ``rb_len`` tokens of the group being filled."""
 
-    def __init__(self, model: DecoderModel, batch: int, cfg: RuntimeConfig, group_tokens: int):
+    def __init__(self, model: DecoderModel, batch: int, cfg: RuntimeConfig, group_tokens: int, backend: Backend):
         dims = model.dims
         self.G, self.sink_groups, self.window_groups = group_tokens, cfg.sink_groups, cfg.window_groups
         self.ring_groups = cfg.window_groups + 1
@@ -31,10 +31,11 @@ class Window:
         self.rb_len = np.zeros(batch, dtype=np.int64)
         self._step = None  # the step's device tensors (step_tensors), made again when lengths change
         self._batch_index = torch.arange(batch, device=model.device)
-        # on a CPU a step's K and V land in the ring by one native call (ekv_put_rows), where torch's two index_put
-        # calls cost ~70 us a layer inside the step.  The ring as rows of one token's head: each (K|V, sequence, KV
-        # head)'s row of layer 0 at ring position 0; a step adds its write positions, a layer its offset
-        lib = native_attention() if model.device.type == "cpu" else None
+        # on a CPU a step's K and V land in the ring by one native call (the "attend" library's ekv_put_rows), where
+        # torch's two index_put calls cost ~70 us a layer inside the step.  The ring as rows of one token's head: each
+        # (K|V, sequence, KV head)'s row of layer 0 at ring position 0; a step adds its write positions, a layer its
+        # offset
+        lib = backend.lib("attend")
         self._put_rows = None if lib is None else lib.ekv_put_rows
         self.write = self._write_torch if lib is None else self._write_native
         self._ring_first_rows = ((np.arange(2)[:, None, None] + 2 * np.arange(batch)[None, :, None]) * dims.n_kv_heads

@@ -32,4 +32,4 @@ class Arkv(PolicySpec, name="arkv", on_disk=False):
         model = env.model
         if ArkvGeometry(cfg, model.dims, torch.empty(0, dtype=model.dtype).element_size()).fits_all:
             return Full().build(env, batch, cfg)
-        return ArkvKV(model, batch, cfg)
+        return ArkvKV(model, batch, cfg, env.backend)

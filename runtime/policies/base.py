@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Callable, ClassVar
 
 from ..config import RuntimeConfig
+from ..kernels import Backend, resolve_backend
 from ..kv_policy import KVPolicy
 from ..model import DecoderModel, ModelDims
 
@@ -27,6 +28,11 @@ class PolicyEnv:
     adapter_for: Callable[[RuntimeConfig], object | None]  # the calibrated low-rank adapter for a config, or None
     rank_for: Callable[[RuntimeConfig], int]  # the K_lr rank a config runs with
     on_select: Callable | None = None  # on_select(layer, groups [B, M], valid [B, M]): every step's picks
+    backend: Backend | None = None  # what the policy's operations run on (runtime/kernels.py); None: the model device's
+
+    def __post_init__(self):
+        if self.backend is None:
+            self.backend = resolve_backend(self.model.device)
 
 
 class BudgetFit:

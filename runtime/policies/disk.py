@@ -55,13 +55,14 @@ def disk_parts(cfg: RuntimeConfig, dims: ModelDims, kv_itemsize: int, rank: int,
 def open_store(env: PolicyEnv, cfg: RuntimeConfig) -> DiskKVStore:
     dims = env.model.dims
     return DiskKVStore(env.kv_paths, dims.n_layers, record_layout(cfg, dims, env.model.dtype), env.reader,
-                       cfg.max_groups, cfg.io.max_request_bytes, cfg.integrity.verify_fraction, cfg.io.io_gap_bytes)
+                       cfg.max_groups, cfg.io.max_request_bytes, cfg.integrity.verify_fraction, cfg.io.io_gap_bytes,
+                       backend=env.backend)
 
 
 def offloaded(env: PolicyEnv, batch: int, cfg: RuntimeConfig, store: DiskKVStore, selector: Selector,
               predict: bool = True, placer=None) -> OffloadedKV:
     """The disk pipeline over ``selector``'s picks: a reuse buffer when the config has one, else preload slots."""
     dims = env.model.dims
-    slots = SlotTable(dims.n_layers, batch, cfg.C, cfg.max_groups, cfg.replacement) if cfg.reuse \
+    slots = SlotTable(dims.n_layers, batch, cfg.C, cfg.max_groups, cfg.replacement, env.backend) if cfg.reuse \
         else PreloadSlots(batch, cfg.picked_groups)
-    return OffloadedKV(env.model, batch, cfg, store, selector, slots, predict, placer, env.on_select)
+    return OffloadedKV(env.model, batch, cfg, store, selector, slots, predict, placer, env.on_select, env.backend)

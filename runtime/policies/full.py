@@ -12,4 +12,4 @@ class Full(PolicySpec, name="full", on_disk=False, reference=True, budgeted=Fals
         return {"kv": dims.n_layers * cfg.max_context * 2 * dims.n_kv_heads * dims.head_dim * kv_itemsize}
 
     def build(self, env, batch, cfg):
-        return InMemoryKV(env.model, batch, cfg.max_context)
+        return InMemoryKV(env.model, batch, cfg.max_context, env.backend)

@@ -27,7 +27,7 @@ class KVSwap(PolicySpec, name="kvswap", predicts=True, selects=True, reuses=True
         adapter, rank = (env.adapter_for(cfg), env.rank_for(cfg)) if kind.uses_adapter else (None, 0)
         if kind.uses_adapter and adapter is None:
             _warn_fitting(rank)
-        selector = kind.for_batch(adapter, rank, model.dims, batch, cfg, model.device, model.scaling)
+        selector = kind.for_batch(adapter, rank, model.dims, batch, cfg, env.backend, model.scaling)
         placement = cfg.placement
         placer = CoactivationLayout.from_config(placement, model.scaling, store.layout.stride_bytes) \
             if placement.clustering else None
