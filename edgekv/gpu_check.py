@@ -30,8 +30,8 @@ from pathlib import Path
 MODEL = "synth:llama-3.1-8b"
 CONTEXTS, BATCHES, BUDGETS = (16384, 32768), (1, 4, 8), ("1/13",)
 POLICIES = ("full", "flexgen", "kvswap", "kvswap-ram", "kvswap-mapped")
-# --quick: what fits a lent machine's few minutes (about 5 on an H200, suite included; docs/results, fifth GPU
-# session): 16K at batch 1/4/8 without flexgen, whose step reads the whole KV, then flexgen beside kvswap at 16K x 1
+# --quick: what fits a lent machine's few minutes (about 5 on an H200, suite included;
+# docs/results/gpu): 16K at batch 1/4/8 without flexgen, whose step reads the whole KV, then flexgen beside kvswap at 16K x 1
 QUICK = {"contexts": "16384", "batches": "1,4,8", "steps": 8, "warmup": 2, "disk_seconds": 2.0,
          "policies": "full,kvswap,kvswap-ram,kvswap-mapped"}
 QUICK_FLEXGEN = {"contexts": [16384], "batches": [1], "steps": 1, "warmup": 1, "policies": ["flexgen", "kvswap"]}

@@ -50,10 +50,10 @@ def gap_bytes(disk: DiskProfile | list[DiskProfile], record_bytes: int, queue_de
     The rates are fio's where it ran (the disk's own random reads), not our reader's, and the sizes stop at
     ``SPAN_RECORDS`` records, where merged reads are (2-3 records of 4 KiB bridged: 19 KiB a request on average): on
     this machine's virtio disk the reader's rates and the 64 KiB points vary from profile to profile (fio 1,175 to
-    2,222 MiB/s at 64 KiB), and a fit that leaned on them chose gaps of 8-11 records, measured 0.90x no gap at 11
-    (docs/results, issue 34).  Over 4-16 KiB fio's rates give 9-11 KiB in four profiles of seven (2 records, measured
-    1.11-1.20x), 16 KiB in the other three (4 records, 1.05-1.12x); an NVMe SSD's none (a request costs less than a
-    record); a disk whose requests cost nothing over their bytes none."""
+    2,222 MiB/s at 64 KiB), and a fit that leaned on them chose gaps of 8-11 records, measured 0.90x no gap at 11.
+    Over 4-16 KiB fio's rates give 9-11 KiB in four profiles of seven (2 records, measured 1.11-1.20x), 16 KiB in the
+    other three (4 records, 1.05-1.12x); an NVMe SSD's none (a request costs less than a record); a disk whose
+    requests cost nothing over their bytes none."""
     profiles = list(disk) if isinstance(disk, (list, tuple)) else [disk]
     small, large = record_bytes, SPAN_RECORDS * record_bytes
     cost_small, cost_large = (size / (planned_mib_s(profiles, size, queue_depth, source="disk") * 2**20)

@@ -27,7 +27,7 @@ from .native_build import address
 
 # how long ``full``'s helper spins out of work when the model's layers share it (weights 'ggml'): longer than the
 # Python between two of a layer's calls; SmolLM2 8K, batch 1: 1.15x the step of a sleeping helper and torch's two
-# threads (docs/results, issue 34)
+# threads
 SPIN_US = 300
 
 
@@ -140,9 +140,9 @@ class PostOrShare:
     sequences beside the helper and the reads start before this layer's QKV.  Which is faster depends on what the step
     waits for: SmolLM2 8K, the deployed configuration, posting is 1.17x / 1.28x no helper at batch 1 / 4 with the KV on
     tmpfs (sharing 1.03x / 1.27x), 1.08x at batch 1 from this machine's disk (sharing 1.04x) and 1.02x at batch 4
-    there, where sharing is 1.28x: the step waits on ~3,400 read requests, and posting starts them later
-    (``bench.aside``, docs/results/aside-ab-smollm2-8k-s21.txt).  So both are timed: ``TRIAL_STEPS`` steps of each at
-    the start of every ``CYCLE_STEPS``, the rest of the cycle the one whose median step was shorter."""
+    there, where sharing is 1.28x: the step waits on ~3,400 read requests, and posting starts them later.  So both
+    are timed: ``TRIAL_STEPS`` steps of each at the start of every ``CYCLE_STEPS``, the rest of the cycle the one
+    whose median step was shorter."""
 
     TRIAL_STEPS = 4
     CYCLE_STEPS = 64

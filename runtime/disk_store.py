@@ -140,7 +140,7 @@ def record_align_bytes(record_bytes: int, page_bytes: int, block_bytes: int) -> 
     """The alignment a record of ``record_bytes`` pads to (``RecordLayout.align_bytes``): the smallest power of two
     that holds it, at least the disk's ``block_bytes`` (its O_DIRECT unit) and at most ``page_bytes`` (a record that
     long pads to whole pages).  So padded, a record never straddles a page (on this machine's disk records across 4
-    KiB boundaries read far slower than their count says: docs/results, issue 34), and one far smaller than a page
+    KiB boundaries read far slower than their count says), and one far smaller than a page
     does not take a whole one on disk and in the slots (SmolLM2's int4 records of 4 tokens: 1,584 bytes, 2 KiB a slot
     instead of 4)."""
     align = min(block_bytes, page_bytes)

@@ -9,9 +9,8 @@ to the type's partner (Q8_1 or Q8_0) as llama.cpp quantizes them, and each outpu
 library; runtime/native/ekv_ggml.c only splits the rows into units, shared with the decode step's helper thread, and
 takes the RMS norm a layer's input may need first (``RmsNorm``: one loop where torch dispatches five or six calls).
 
-On this 2-core Zen 3, one token on one thread, SmolLM2's four layer shapes took 33-123 us a call where torch's int4
-kernel took 83-291 us (2.37-2.52x), and the Q8_0 head 2.5 ms where torch's int8 took 6.0 ms (``bench.linear_kernels``,
-docs/results, issue 34).
+On a 2-core Zen 3, one token on one thread, SmolLM2's four layer shapes took 33-123 us a call where torch's int4
+kernel took 83-291 us (2.37-2.52x), and the Q8_0 head 2.5 ms where torch's int8 took 6.0 ms.
 """
 from __future__ import annotations
 

@@ -25,7 +25,7 @@ CUDA_SPAN_TOKENS = 256  # full's attended span on a GPU grows in these steps (at
 def attended_span(longest: int, max_context: int, device: torch.device) -> int:
     """Key positions full attends this step, ``longest`` + 1 at least.  On a GPU it is rounded up to
     ``CUDA_SPAN_TOKENS`` (the rest masked): cuDNN's attention builds a graph per shape, 1.3 ms of host time a call
-    on the H100 when the span grew every step (docs/results, issue 31), against 0.07 ms for a shape it has seen."""
+    on an H100 when the span grew every step, against 0.07 ms for a shape it has seen."""
     span = longest + 1
     if device.type == "cuda":
         span = -(-span // CUDA_SPAN_TOKENS) * CUDA_SPAN_TOKENS

@@ -364,7 +364,7 @@ class LayerPlan:
     ``nn.Module.__call__`` or attribute lookups through ``nn.Module.__getattr__`` per call, nothing here hooks a
     module), and the packed layers (runtime/weights.py ``PackedSlice``) as one call and the slices it is cut into.
     On a 2-core CPU a decode step does little else but dispatch per token: SmolLM2 1K, full, int4, 1.08x the tok/s
-    of looking them up per call (docs/results, issue 34)."""
+    of looking them up per call."""
 
     def __init__(self, block: nn.Module):
         attn, mlp = block.self_attn, block.mlp

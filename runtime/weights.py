@@ -3,7 +3,7 @@
 - ``native``: as loaded (a GGUF is dequantised to the model's dtype: SmolLM2's Q4_1 file becomes 540 MB of fp32
   read per token).
 - ``int8``: PyTorch's dynamic int8 linear (weights int8 a scale per output row, activations quantized per call;
-  fbgemm). 1.3-1.8x fp32's decode speed on SmolLM2 and 1.37x its perplexity (docs/results): activations quantized
+  fbgemm). 1.3-1.8x fp32's decode speed on SmolLM2 and 1.37x its perplexity: activations quantized
   per call are what SmolLM2 does not survive. Measured, never chosen.
 - ``int4``: weight-only, 4 bits in groups of ``INT4_GROUP`` inputs with a scale and a minimum each (torch's CPU
   kernel ``_weight_int4pack_mm_for_cpu``), for the layers whose weights already lie on such a grid: a GGUF
@@ -11,17 +11,16 @@
   bfloat16 (the kernel's); the activations cross it in bfloat16. A layer off a 4-bit grid (a 5-, 6- or 8-bit
   GGUF tensor, fp16 weights) or one it cannot pack (outputs not a multiple of 16, inputs not of the group) is int8
   weight-only (``_weight_int8pack_mm``, a scale per row): 4 bits over other grids cost Gemma 3 270M 1.198x its
-  perplexity, its own grids in 4 bits and int8 elsewhere 0.994x (docs/results, issue 34). The output head is int8
+  perplexity, its own grids in 4 bits and int8 elsewhere 0.994x. The output head is int8
   weight-only too, with each row's best few logits computed again in fp32 (``RescoredHead``); a layer neither
   kernel takes (inputs not a multiple of 16) stays as loaded.
   Attention's q/k/v are packed as one layer and the MLP's gate/up as another (``PackedSlice``): four kernel calls
   a block where there were seven (SmolLM2 8K full step 30.7 -> 28.8 ms).
-  SmolLM2 (Q4_1 GGUF): ppl 1.0007x fp32, top-1 agreement 0.990, decode 2x fp32's speed at 8K (docs/results).
+  SmolLM2 (Q4_1 GGUF): ppl 1.0007x fp32, top-1 agreement 0.990, decode 2x fp32's speed at 8K.
 - ``ggml``: each layer in the smallest GGUF block type that gives its weight back (a Q4_1 file's own blocks), else
   Q8_0, computed by ggml's CPU dot products with 8-bit activations, as llama.cpp computes the same file
   (runtime/ggml_weights.py; the library ``make ggml`` builds, or llama-cpp-python's).  q/k/v and gate/up packed as
-  for int4, the head Q8_0 rescored.  SmolLM2 8K, full, batch 1: 1.47x int4's tok/s, ppl 1.004x fp32 (docs/results,
-  issue 34).
+  for int4, the head Q8_0 rescored.  SmolLM2 8K, full, batch 1: 1.47x int4's tok/s, ppl 1.004x fp32.
 
 The weight-only kernels run fast with bfloat16 activations only (AVX-512 BF16 / AMX; in fp16 or fp32 they are
 10-40x slower than an fp32 GEMV on the same CPU), so ``int4`` runs on a CPU in a float32 model, whose norms, RoPE,
@@ -43,7 +42,7 @@ WEIGHT_FORMATS = ("native", "int8", "int4", "ggml")
 INT4_GROUP = 32  # inputs per scale/minimum: a GGUF Q4_0/Q4_1 block, a Q4_K sub-block
 INT4_ROWS = 16  # the int4 CPU packing takes outputs in multiples of this
 # a weight lies on a 4-bit grid when its groups found again (``_int4_grid``) are within this share of its norm: 0 for
-# SmolLM2's Q4_1 tensors and Gemma 3 270M's Q4_K ones, 0.08-0.10 for its Q5_0 ones (docs/results, issue 34)
+# SmolLM2's Q4_1 tensors and Gemma 3 270M's Q4_K ones, 0.08-0.10 for its Q5_0 ones
 INT4_GRID_ERROR = 1e-3
 INT8_INPUTS = 16  # the int8 kernel takes inputs in multiples of this (torch 2.13 crashes on others)
 ACTIVATION_DTYPE = torch.bfloat16  # the weight-only kernels' fast path
@@ -479,7 +478,7 @@ def _dynamic_int8(hf_model: nn.Module) -> nn.Module:
         except ImportError as exc:
             raise WeightFormatError(f"weights 'int8' needs torch.ao.quantization, which torch {torch.__version__} "
                                     "lacks: use --weights native") from exc
-        # a scale per output row: one per tensor cost SmolLM2 1.6x its perplexity (docs/results, issue 34)
+        # a scale per output row: one per tensor cost SmolLM2 1.6x its perplexity
         return quantize_dynamic(hf_model, {nn.Linear: per_channel_dynamic_qconfig}, inplace=True)
 
 

@@ -218,7 +218,7 @@ def test_prompt_adapter_rows_project_through_their_own_prompts_fit(score_reduce,
 
 def test_a_rows_picks_do_not_depend_on_the_rows_beside_it_even_in_ties():
     """topk breaks ties by the width it sees; the width is every group a sequence can have, not the batch's
-    longest, so a request's picks never change with what else is batched (issue 28's isolation)."""
+    longest, so a request's picks never change with what else is batched (request isolation)."""
     torch.manual_seed(0)
     dims = ModelDims(n_layers=1, hidden=64, n_heads=4, n_kv_heads=2, head_dim=16, vocab=10)
     adapter = LowRankAdapter([torch.zeros(32, 4)], 2, 16)  # every score 0: all ties

@@ -48,7 +48,7 @@ def add(sub) -> None:
     be.add_argument("--json")
     be.add_argument("--png", help="throughput vs batch and kvswap step time vs context")
     common.add_compute_flags(be)
-    common.add_weights_flag(be, "default native; SmolLM2 ppl: int8 1.37x fp32's, int4 1.0007x, docs/results")
+    common.add_weights_flag(be, "default native; SmolLM2 ppl: int8 1.37x fp32's, int4 1.0007x")
     be.set_defaults(func=run)
 
 

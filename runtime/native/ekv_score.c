@@ -63,7 +63,7 @@ enum { QUERY_BLOCK = 1 };
  * block is one contiguous stretch the hardware prefetcher follows.  Rank-major rows a whole context apart were one
  * stream a stored row (48 at int4 rank 96), more than it follows, and a prefetch 1-8 blocks ahead did not cover them:
  * SmolLM2 8K, int4 rank 96, 9 queries, rows out of cache, the first phase 232 -> 120 us a sequence at batch 1 and
- * 256 -> 170 at batch 4 (an AVX-512 VM; an AVX2 build 248 -> 181 us; docs/results/scorer-blocks-s33.txt). */
+ * 256 -> 170 at batch 4 (an AVX-512 VM; an AVX2 build 248 -> 181 us). */
 static inline const uint8_t *block_of(const uint8_t *rows, int64_t block_bytes, int64_t first) {
     return rows + first / BLOCK * block_bytes;
 }
