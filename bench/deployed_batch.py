@@ -89,7 +89,7 @@ def text_batch(args: argparse.Namespace, room: int, policy: str = "kvswap"):
     ids = text_ids(args.model, args.text, args.context + 997 * (args.batch - 1) + room)
     starts = [997 * row for row in range(args.batch)]
     with tempfile.TemporaryDirectory(dir=args.kv_path) as kv, Engine.from_pretrained(
-            args.model, kv_offload_path=kv, policy=policy, device="cpu", dtype=args.dtype, weights=args.weights,
+            args.model, kv_path=kv, policy=policy, device="cpu", dtype=args.dtype, weights=args.weights,
             config=engine_config(args, room)) as engine:
         batch = engine.open_batch(args.batch, args.context + room)
         for row, start in enumerate(starts):

@@ -28,7 +28,7 @@ def main(path: str) -> None:
         cfg = {"max_context": 512, "G": 4, "M": 24, "C": 48, "max_batch": 3, **extra}
         with tempfile.TemporaryDirectory() as a, tempfile.TemporaryDirectory() as b:
             paths = [a, b] if extra.get("clustering") else a
-            with Engine.from_pretrained("fixture", kv_offload_path=paths, config=cfg, policy=policy, device="cpu") as e:
+            with Engine.from_pretrained("fixture", kv_path=paths, config=cfg, policy=policy, device="cpu") as e:
                 rs = e.generate(prompts, max_new_tokens=24, stop_token_ids=[])
         out.append({"policy": policy, "extra": extra, "tokens": [r.token_ids for r in rs],
                     "keys": sorted(rs[0].stats), "reads": [r.stats["kv_bytes_read"] for r in rs],

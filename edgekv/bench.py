@@ -251,7 +251,7 @@ class SolverFit(registry.BudgetFit):
         if self._tuned is None:
             self._tuned = solver.solve(self.batch, self.context, self.per_seq, self.model.dims, self.model.dtype,
                                        self.limits, self.t_io, self.compute_profile.t_model_ms,
-                                       lambda G, C, M: tables.reuse_rate(self.reuse_table or {}, G, C, M))
+                                       lambda G, C, picked: tables.reuse_rate(self.reuse_table or {}, G, C, picked))
         return self.geometry(self._tuned)
 
     def fixed(self, G: int, reuse: bool) -> dict | None:
@@ -487,7 +487,7 @@ def task_prompts(model_dir: Path, batch: int, prompt_len: int, generator: torch.
     return [make_instance(TASKS[i % len(TASKS)], prompt_len - 4 * i, rng, fmt=fmt).context for i in range(batch)]
 
 
-def bench_point(model: DecoderModel, kv_dir: Path, batch: int, context: int, budgets: list[str], steps: int,
+def bench_point(model: DecoderModel, kv_path: Path, batch: int, context: int, budgets: list[str], steps: int,
                 warmup: int, limits: solver.Limits, disk_profile, compute_profile, policies, reuse_table=None,
                 log=print, gguf: Path | None = None, on_event=None, chosen: dict | None = None,
                 record_dtypes=("auto",), kv_paths: list[Path] | None = None, path_limit_mib_s: float | None = None,
@@ -510,7 +510,7 @@ def bench_point(model: DecoderModel, kv_dir: Path, batch: int, context: int, bud
             if row_named(name).kv_in_memory:
                 in_memory_folder(kv_bytes(model, batch, context)).cleanup()
             try:
-                preflight(row_policy(name), RuntimeConfig.load(cfg), model.dims, model.dtype, None, kv_dir)
+                preflight(row_policy(name), RuntimeConfig.load(cfg), model.dims, model.dtype, None, kv_path)
             except ValueError as exc:
                 raise ValueError(f"row {name} at budget {budget}, batch {batch}, context {context}: {exc}") from exc
     runs: list[Run] = []
@@ -529,7 +529,7 @@ def bench_point(model: DecoderModel, kv_dir: Path, batch: int, context: int, bud
                 with in_memory_folder(kv_bytes(model, batch, context)) as ram:
                     keep(measure(name, label, budget, cfg, ram, prompts))
             else:
-                keep(measure(name, label, budget, cfg, kv_dir, prompts))
+                keep(measure(name, label, budget, cfg, kv_path, prompts))
     found = {"paths_configs": {}, "replacement_replay": {}, "dedup": {}, "llama_cpp_failed": {}}
     questions = shared_doc_prompts(prompts[0], max(2, batch), vocab, g) if kv_paths else []
     for budget in budgets if kv_paths else []:
@@ -726,14 +726,14 @@ def plot(runs: list[Run], png: Path) -> None:
     plt.close(fig)
 
 
-def run(model_dir: Path, kv_dir: Path, batches: list[int], contexts: list[int], budgets: list[str], steps: int,
+def run(model_dir: Path, kv_path: Path, batches: list[int], contexts: list[int], budgets: list[str], steps: int,
         warmup: int, disk_seconds: float, policies: list[str], log=print, quiet: bool = False,
         chosen_from: str | None = None, record_dtypes=("auto",), kv_paths: list[Path] | None = None,
         path_limit_mib_s: float | None = None, path_limit_iops: float | None = None,
         prompt_source: str = "random", device: str | None = None, dtype: str | None = None, on_point=None,
         weights: str | None = None, on_row=None) -> tuple[list[Run], dict]:
     """Every point's rows; ``kv_paths`` adds the kvswap/Np rows, each path paced to ``path_limit_mib_s`` and
-    ``path_limit_iops`` (None: unlimited) to emulate that many devices, while ``kv_dir`` holds the other rows.
+    ``path_limit_iops`` (None: unlimited) to emulate that many devices, while ``kv_path`` holds the other rows.
     ``prompt_source``: "random" tokens or the eval's "tasks" (``task_prompts``).  ``device``/``dtype``: what the
     rows compute in (default: $EDGEKV_DEVICE or the GPU, and its dtype; runtime/devices.py).  ``on_point(runs)``:
     called with every row so far after each point (a caller keeps what finished if a later point is cut off);
@@ -746,11 +746,11 @@ def run(model_dir: Path, kv_dir: Path, batches: list[int], contexts: list[int], 
     if not kv_paths and (path_limit_mib_s is not None or path_limit_iops is not None):
         raise ValueError("a per-path read limit paces the rows over several KV paths: give the folders too "
                          "(--kv-paths DIR1,DIR2,...)")
-    kv_dir.mkdir(parents=True, exist_ok=True)
+    kv_path.mkdir(parents=True, exist_ok=True)
     model = load_model(model_dir, *resolve_compute(device, dtype, model_dir), max(contexts) + 64, weights or "native")
     limits = solver.Limits()
-    log(f"disk profile of {kv_dir} ({disk_seconds:g} s, fio beside our reader)")
-    disk_profile = diskprof.profile_disk(kv_dir, disk_seconds, 256, block_sizes=(4096, 16384, 65536, 262144),
+    log(f"disk profile of {kv_path} ({disk_seconds:g} s, fio beside our reader)")
+    disk_profile = diskprof.profile_disk(kv_path, disk_seconds, 256, block_sizes=(4096, 16384, 65536, 262144),
                                          queue_depths=(QUEUE_DEPTH,))
     ranks = sorted({LowRankAdapter.rank_for(model.dims.n_kv_heads, model.dims.head_dim, s) for s in solver.SIGMAS})
     compute_profile = profile_compute(model, {}, sorted(set(batches)), sorted(set(contexts)), ranks, limits.mg_const)
@@ -763,7 +763,7 @@ def run(model_dir: Path, kv_dir: Path, batches: list[int], contexts: list[int], 
     with Progress(len(points), "bench points", quiet) as progress:
         for context, batch in points:
             with progress.cell(f"batch {batch}, context {context}") as on_event:
-                rows, point = bench_point(model, kv_dir, batch, context, budgets, steps, warmup, limits, disk_profile,
+                rows, point = bench_point(model, kv_path, batch, context, budgets, steps, warmup, limits, disk_profile,
                                           compute_profile, policies, reuse_table, progress.write, gguf, on_event,
                                           recorded_configs(chosen_from) if chosen_from else {}, record_dtypes,
                                           kv_paths, path_limit_mib_s, path_limit_iops,

@@ -161,18 +161,18 @@ def open_maybe_direct(path: Path, flags: int, mode: int = 0o600, direct: bool = 
     return os.open(path, flags, mode), False
 
 
-def check_offload_path(root) -> Path:
+def check_kv_path(root) -> Path:
     """The offload folder must exist and be writable; nothing is created here."""
     if root is None:
-        raise StoreError("kv_offload_path is required for the disk policies (kvswap, token, flexgen); pass a folder on the KV disk")
+        raise StoreError("kv_path is required for the disk policies (kvswap, token, flexgen, hillinfer); pass a folder on the KV disk")
     root = Path(root)
     if not root.is_dir():
-        raise StoreError(f"kv_offload_path {root} does not exist; create it (on the disk that should hold the KV cache)")
+        raise StoreError(f"kv_path {root} does not exist; create it (on the disk that should hold the KV cache)")
     if os.statvfs(root).f_flag & os.ST_RDONLY:
-        raise StoreError(f"kv_offload_path {root} is on a read-only filesystem; remount it read-write or pick a "
+        raise StoreError(f"kv_path {root} is on a read-only filesystem; remount it read-write or pick a "
                          "folder on a writable disk")
     if not os.access(root, os.W_OK | os.X_OK):
-        raise StoreError(f"kv_offload_path {root} is not writable by this user; pick a writable folder")
+        raise StoreError(f"kv_path {root} is not writable by this user; pick a writable folder")
     return root
 
 
@@ -215,7 +215,7 @@ class DiskKVStore:
                  backend: Backend | None = None):
         """``backend``: whose request planning it takes (runtime/kernels.py: the native one's or numpy's; None: the
         CPU's)."""
-        self.roots = [check_offload_path(root) for root in kv_path_list(roots) or [None]]
+        self.roots = [check_kv_path(root) for root in kv_path_list(roots) or [None]]
         for root in self.roots:
             remove_dead_sequences(root)
         if len({r.resolve() for r in self.roots}) != len(self.roots):
@@ -645,7 +645,7 @@ class DiskKVStore:
         try:
             self.reader.read(batch)
         except OSError as exc:
-            where = self.roots[getattr(exc, "kv_path", 0)]
+            where = self.roots[getattr(exc, "kv_path_index", 0)]
             raise StoreError(exc.errno, f"reading KV records from {where} failed ({exc.strerror or exc}); every KV "
                              "path must stay available while its sequences run: check the device, then run again") from exc
         if isinstance(batch, VerifiedBatch) and batch.check is not None:

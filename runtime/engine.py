@@ -24,7 +24,7 @@ from .batching import GenerationResult, RunningBatch
 from .checkpoints import load_tokenizer, resolve_checkpoint
 from .config import ConfigError, RuntimeConfig, read_config_file
 from .devices import resolve_device, resolve_dtype
-from .disk_store import CorruptRecord, RecordLayout, check_offload_path, kv_path_list
+from .disk_store import CorruptRecord, RecordLayout, check_kv_path, kv_path_list
 from .events import EventBus, JsonLinesLog
 from .forward import prefill
 from .kernels import resolve_backend
@@ -481,7 +481,7 @@ def preflight(policy, cfg: RuntimeConfig, dims: ModelDims, dtype, adapter, kv_pa
     plan.check(cfg.max_kv_mem_mib, policy)
     if get_policy(policy).on_disk:
         for path in kv_path_list(kv_path) or [None]:
-            check_offload_path(path)
+            check_kv_path(path)
     return plan
 
 

@@ -324,7 +324,7 @@ class MultiPathReader(KVReader):
             carried = True
             return result
         except OSError as error:
-            error.kv_path = path
+            error.kv_path_index = path
             raise
         finally:
             self._busy[path].end()

@@ -88,7 +88,7 @@ def model_dirs(tmp_path_factory):
 
 
 @pytest.fixture
-def kv_dir(tmp_path):
+def kv_path(tmp_path):
     path = tmp_path / "kv"
     path.mkdir()
     return path

@@ -23,16 +23,16 @@ def poll(check, what: str, limit_s: float = 60.0):
 
 
 @contextlib.contextmanager
-def serving(model, kv_dir, config=CFG, names=("tiny",), load=None, store: bool = True, options: dict | None = None,
+def serving(model, kv_path, config=CFG, names=("tiny",), load=None, store: bool = True, options: dict | None = None,
             **settings):
     """The app under uvicorn in a thread on a free port, with ``edgekv serve``'s uvicorn settings (``options``:
     ServeOptions fields); yields (base_url, state) once /health answers 200."""
     import uvicorn
 
     def load_engine():
-        engine = Engine.from_pretrained(model, kv_path=kv_dir, config=config, device="cpu")
+        engine = Engine.from_pretrained(model, kv_path=kv_path, config=config, device="cpu")
         if store:
-            engine.open_context_store(kv_dir / "contexts", chunk_tokens=8)
+            engine.open_context_store(kv_path / "contexts", chunk_tokens=8)
         return engine
 
     state = ServerState(ServeSettings(tuple(names), save_prompts=store, **settings), load or load_engine)

@@ -19,7 +19,7 @@ from edgekv.cli import main, parse_args
 from edgekv.install.profile import PROFILES_DIR, ProfileError, load_profile
 from edgekv.runtime import ConfigError, Engine, ModelError, StoreError
 from edgekv.runtime.checkpoints import resolve_checkpoint
-from edgekv.runtime.disk_store import check_offload_path
+from edgekv.runtime.disk_store import check_kv_path
 from edgekv.runtime.solutions import load_deployed
 from tests.conftest import SMALL, files_under
 
@@ -130,11 +130,11 @@ def test_generate_refuses_bad_prompts_and_flags_before_the_model_loads(prompt_fi
     (["--prompt", "[1, null]"], "prompt 0 token 1 is None (NoneType)"),  # was a TypeError traceback
     (["--prompt-file", "{root}/long.json"], "prompt 0 has 40000 tokens but max_context is 32768"),
 ])
-def test_generate_refuses_token_ids_the_model_cannot_take(prompt_files, capsys, kv_dir, argv, message):
-    argv = ["generate", "--model", "fixture", "--kv-path", str(kv_dir), *[a.format(root=prompt_files) for a in argv]]
+def test_generate_refuses_token_ids_the_model_cannot_take(prompt_files, capsys, kv_path, argv, message):
+    argv = ["generate", "--model", "fixture", "--kv-path", str(kv_path), *[a.format(root=prompt_files) for a in argv]]
     assert main(argv) == 2
     assert message in capsys.readouterr().err
-    assert files_under(kv_dir) == []
+    assert files_under(kv_path) == []
 
 
 def test_generate_reads_token_ids_and_prompts_from_files_in_order(prompt_files, capsys):
@@ -306,8 +306,8 @@ def sharded(tmp_path_factory):
     return folder
 
 
-def test_a_sharded_checkpoint_loads_and_a_missing_or_short_shard_is_named(sharded, tmp_path, kv_dir):
-    with Engine.from_pretrained(sharded, kv_path=kv_dir, config=CFG, device="cpu") as engine:
+def test_a_sharded_checkpoint_loads_and_a_missing_or_short_shard_is_named(sharded, tmp_path, kv_path):
+    with Engine.from_pretrained(sharded, kv_path=kv_path, config=CFG, device="cpu") as engine:
         assert len(engine.generate([[1, 2, 3]], max_new_tokens=2, stop_token_ids=[])[0].token_ids) == 2
     index = json.loads((sharded / "model.safetensors.index.json").read_text())
     shards = sorted(set(index["weight_map"].values()))
@@ -317,20 +317,20 @@ def test_a_sharded_checkpoint_loads_and_a_missing_or_short_shard_is_named(sharde
     (missing / shards[-1]).unlink()  # was transformers' FileNotFoundError without a word on what to do
     with pytest.raises(ModelError, match=rf"{missing / shards[-1]} is missing \(named by model.safetensors.index.json\);"
                                          r" the checkpoint is damaged or incomplete: download it again"):
-        Engine.from_pretrained(missing, kv_path=kv_dir, config=CFG, device="cpu")
+        Engine.from_pretrained(missing, kv_path=kv_path, config=CFG, device="cpu")
 
     moved = Path(shutil.copytree(sharded, tmp_path / "moved"))
     tensor = next(t for t, s in index["weight_map"].items() if s == shards[0])
     (moved / "model.safetensors.index.json").write_text(json.dumps(
         {**index, "weight_map": {**index["weight_map"], tensor: shards[-1]}}))
     with pytest.raises(ModelError, match=rf"puts tensor '{tensor}' in {shards[-1]}, which lacks it"):
-        Engine.from_pretrained(moved, kv_path=kv_dir, config=CFG, device="cpu")
+        Engine.from_pretrained(moved, kv_path=kv_path, config=CFG, device="cpu")
 
     broken = Path(shutil.copytree(sharded, tmp_path / "broken"))
     (broken / "model.safetensors.index.json").write_text("{garbage")  # was a bare JSONDecodeError
     with pytest.raises(ModelError, match=r"model.safetensors.index.json is not a shard index \(JSONDecodeError"):
-        Engine.from_pretrained(broken, kv_path=kv_dir, config=CFG, device="cpu")
-    assert files_under(kv_dir) == []
+        Engine.from_pretrained(broken, kv_path=kv_path, config=CFG, device="cpu")
+    assert files_under(kv_path) == []
 
 
 # ---- platform profiles and deployed configs -----------------------------------------------------------------
@@ -377,12 +377,12 @@ DEPLOYED = {"platform": "local", "model": "fixture", "G": 4, "M": 8, "C": 16, "s
                           {"batch": 2, "context": 512, "G": 4, "M": 8, "C": 16, "sigma": 4, "reuse": True}]}
 
 
-def test_a_prompt_plus_new_tokens_past_max_context_runs_with_the_largest_solution(kv_dir):
+def test_a_prompt_plus_new_tokens_past_max_context_runs_with_the_largest_solution(kv_path):
     """The nearest row by distance was the 256-token one, shorter than the 500-token prompt: a RuntimeError."""
-    with Engine.from_pretrained("fixture", kv_path=kv_dir, config=DEPLOYED, device="cpu") as engine:
+    with Engine.from_pretrained("fixture", kv_path=kv_path, config=DEPLOYED, device="cpu") as engine:
         result = engine.generate([[t % 200 + 3 for t in range(500)]], max_new_tokens=100, stop_token_ids=[])[0]
     assert result.stats["config"]["max_context"] == 512 and len(result.token_ids) == 512 - 500
-    assert files_under(kv_dir) == []
+    assert files_under(kv_path) == []
 
 
 @pytest.mark.parametrize("edit, match", [
@@ -434,9 +434,9 @@ def _takes_o_direct(folder) -> bool:
 
 
 @pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no /dev/shm (tmpfs) on this machine")
-def test_a_kv_path_on_tmpfs_gives_the_same_tokens_as_the_disk(kv_dir, caplog):
+def test_a_kv_path_on_tmpfs_gives_the_same_tokens_as_the_disk(kv_path, caplog):
     """tmpfs takes O_DIRECT since Linux 6.6; before, it refused it and the store fell back to buffered I/O."""
-    on_disk, _ = _generate_on(kv_dir, caplog)
+    on_disk, _ = _generate_on(kv_path, caplog)
     with tempfile.TemporaryDirectory(dir="/dev/shm") as shm:
         direct = _takes_o_direct(shm)
         on_tmpfs, warned = _generate_on(shm, caplog)
@@ -456,8 +456,8 @@ def ramfs_dir(tmp_path):
     subprocess.run(["umount", str(folder)], check=True)
 
 
-def test_a_kv_path_without_o_direct_reads_buffered_with_a_warning_and_the_same_tokens(kv_dir, ramfs_dir, caplog):
-    on_disk, _ = _generate_on(kv_dir, caplog)
+def test_a_kv_path_without_o_direct_reads_buffered_with_a_warning_and_the_same_tokens(kv_path, ramfs_dir, caplog):
+    on_disk, _ = _generate_on(kv_path, caplog)
     assert not _takes_o_direct(ramfs_dir)
     on_ramfs, warned = _generate_on(ramfs_dir, caplog)
     assert [r.token_ids for r in on_ramfs] == [r.token_ids for r in on_disk]
@@ -484,10 +484,10 @@ def test_a_kv_path_on_a_read_only_mount_is_refused_naming_it(read_only_dir, caps
     with pytest.raises(OSError) as write:
         (read_only_dir / "probe").write_bytes(b"x")
     assert write.value.errno == 30  # EROFS: the mount is read-only even for root
-    with pytest.raises(StoreError, match=rf"kv_offload_path {read_only_dir} is on a read-only filesystem"):
+    with pytest.raises(StoreError, match=rf"kv_path {read_only_dir} is on a read-only filesystem"):
         Engine.from_pretrained("fixture", kv_path=read_only_dir, config=CFG, device="cpu")
     assert main(["generate", "--model", "fixture", "--kv-path", str(read_only_dir), "--prompt", "[1, 2]"]) == 2
-    assert f"kv_offload_path {read_only_dir} is on a read-only filesystem" in capsys.readouterr().err
+    assert f"kv_path {read_only_dir} is on a read-only filesystem" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="about root only")
@@ -495,7 +495,7 @@ def test_as_root_mode_0o500_does_not_make_a_folder_read_only(tmp_path):
     """Why the read-only test mounts: root writes through the mode bits, so chmod cannot stand in for it."""
     folder = tmp_path / "r-x"
     folder.mkdir(mode=0o500)
-    assert check_offload_path(folder) == folder
+    assert check_kv_path(folder) == folder
     (folder / "written").write_bytes(b"root ignores the mode")
 
 

@@ -74,9 +74,9 @@ def test_generate_command_resolves_the_fixture_by_name(capsys):
     assert len(line["token_ids"]) == 3 and line["stats"]["prompt_tokens"] == 3
 
 
-def test_chat_prompts_go_through_the_chat_template(chat_model, kv_dir):
+def test_chat_prompts_go_through_the_chat_template(chat_model, kv_path):
     message = "the value of bab is ceda"
-    with Engine.from_pretrained(chat_model, kv_path=kv_dir, config={"max_context": 256, "G": 4, "M": 8, "C": 8},
+    with Engine.from_pretrained(chat_model, kv_path=kv_path, config={"max_context": 256, "G": 4, "M": 8, "C": 8},
                                 policy="full", device="cpu") as engine:
         expected = engine.tokenizer.apply_chat_template([{"role": "user", "content": message}],
                                                         add_generation_prompt=True, tokenize=True, return_dict=True)

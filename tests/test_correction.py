@@ -18,9 +18,9 @@ BASE = {"G": 4, "M": 6, "C": 12, "sigma": 2, "max_context": 256, "max_batch": 2,
 PROMPTS = [[3 + i % 150 for i in range(157)], [7 + (i * 13) % 150 for i in range(141)]]  # 157 and 141 tokens: not a multiple of G
 
 
-def _run(model_dir, kv_dir, policy="kvswap", **config):
-    kv_dir.mkdir()
-    with Engine.from_pretrained(model_dir, kv_path=kv_dir, config={**BASE, **config}, policy=policy,
+def _run(model_dir, kv_path, policy="kvswap", **config):
+    kv_path.mkdir()
+    with Engine.from_pretrained(model_dir, kv_path=kv_path, config={**BASE, **config}, policy=policy,
                                 device="cpu") as engine:
         return engine.generate(PROMPTS, max_new_tokens=12, stop_token_ids=[], output_logits=True)
 

@@ -49,29 +49,29 @@ def test_the_gpu_default_is_bf16_only_where_it_is_native(monkeypatch):
         assert resolve_dtype(gpu) == want
 
 
-def test_an_engine_runs_in_the_dtype_its_config_was_deployed_with(kv_dir):
+def test_an_engine_runs_in_the_dtype_its_config_was_deployed_with(kv_path):
     deployed = {"platform": "local", "model": "fixture", "device": "cpu", "dtype": "bfloat16", "G": 4, "M": 8,
                 "C": 16, "sigma": 8, "max_batch": 1, "max_context": 256,
                 "solutions": [{"batch": 1, "context": 256, "G": 4, "M": 8, "C": 16, "sigma": 8}]}
-    with Engine.from_pretrained("fixture", kv_path=kv_dir, config=deployed) as engine:
+    with Engine.from_pretrained("fixture", kv_path=kv_path, config=deployed) as engine:
         assert engine.model.dtype == torch.bfloat16
-    with Engine.from_pretrained("fixture", kv_path=kv_dir, config=deployed, dtype="float32") as engine:
+    with Engine.from_pretrained("fixture", kv_path=kv_path, config=deployed, dtype="float32") as engine:
         assert engine.model.dtype == torch.float32
 
 
-def test_an_engine_loads_the_weight_format_its_config_was_deployed_with_where_it_was_deployed(kv_dir):
+def test_an_engine_loads_the_weight_format_its_config_was_deployed_with_where_it_was_deployed(kv_path):
     deployed = {"platform": "local", "model": "fixture", "device": "cpu", "dtype": "float32", "weights": "int4",
                 "G": 4, "M": 8, "C": 16, "sigma": 8, "max_batch": 1, "max_context": 256,
                 "solutions": [{"batch": 1, "context": 256, "G": 4, "M": 8, "C": 16, "sigma": 8}]}
-    with Engine.from_pretrained("fixture", kv_path=kv_dir, config=deployed) as engine:
+    with Engine.from_pretrained("fixture", kv_path=kv_path, config=deployed) as engine:
         assert engine.model.weights == "int4"
-    with Engine.from_pretrained("fixture", kv_path=kv_dir, config=deployed, weights="native") as engine:
+    with Engine.from_pretrained("fixture", kv_path=kv_path, config=deployed, weights="native") as engine:
         assert engine.model.weights == "native"  # named wins
-    with Engine.from_pretrained("fixture", kv_path=kv_dir, config=deployed, dtype="bfloat16") as engine:
+    with Engine.from_pretrained("fixture", kv_path=kv_path, config=deployed, dtype="bfloat16") as engine:
         assert engine.model.weights == "native"  # not the deployed dtype: its own default, not a refusal
 
 
-def test_generate_takes_device_and_dtype_flags(kv_dir, capsys):
+def test_generate_takes_device_and_dtype_flags(kv_path, capsys):
     assert main(["generate", "--model", "fixture", "--policy", "full", "--prompt", "[4, 5, 6]", "--max-new-tokens",
                  "3", "--device", "cpu", "--dtype", "bfloat16", "--json"]) == 0
     assert len(json.loads(capsys.readouterr().out)["token_ids"]) == 3

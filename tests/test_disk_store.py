@@ -39,10 +39,10 @@ def test_layout_is_aligned_and_round_trips():
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_round_trip_across_4_gib(kv_dir, backend):
+def test_round_trip_across_4_gib(kv_path, backend):
     reader = reader_or_skip(backend)
     layout = RecordLayout(group_tokens=8, n_kv_heads=2, head_dim=64, dtype=torch.float16)
-    store = DiskKVStore(kv_dir, n_layers=2, layout=layout, reader=reader)
+    store = DiskKVStore(kv_path, n_layers=2, layout=layout, reader=reader)
     try:
         store.open_sequence(0)
         far = (5 << 30) // layout.stride_bytes  # a group index whose offset is past 5 GiB (64-bit offsets)
@@ -60,19 +60,19 @@ def test_round_trip_across_4_gib(kv_dir, backend):
     finally:
         store.close()
         reader.close()
-    assert not any(kv_dir.iterdir()), "store.close() must remove its files"
+    assert not any(kv_path.iterdir()), "store.close() must remove its files"
 
 
-def test_direct_io_is_used_where_the_filesystem_allows(kv_dir):
+def test_direct_io_is_used_where_the_filesystem_allows(kv_path):
     layout = RecordLayout(group_tokens=4, n_kv_heads=1, head_dim=8, dtype=torch.float32)
-    store = DiskKVStore(kv_dir, 1, layout, open_reader("python"))
+    store = DiskKVStore(kv_path, 1, layout, open_reader("python"))
     store.open_sequence(0)
     try:
-        fs_type = filesystem_of(kv_dir)
+        fs_type = filesystem_of(kv_path)
         if fs_type in ("ext4", "xfs", "btrfs", "f2fs"):
             assert store.o_direct is True
         else:  # tmpfs and friends refuse O_DIRECT; the store falls back (with a warning): it must say which
-            probe = kv_dir / "probe"
+            probe = kv_path / "probe"
             try:
                 os.close(os.open(probe, os.O_RDWR | os.O_CREAT | os.O_DIRECT))
                 allowed = True
@@ -94,9 +94,9 @@ def filesystem_of(path) -> str:
     return best[1]
 
 
-def test_release_removes_the_sequence_files(kv_dir):
+def test_release_removes_the_sequence_files(kv_path):
     layout = RecordLayout(group_tokens=4, n_kv_heads=1, head_dim=8, dtype=torch.float32)
-    store = DiskKVStore(kv_dir, 3, layout, open_reader("python"))
+    store = DiskKVStore(kv_path, 3, layout, open_reader("python"))
     store.open_sequence(0)
     store.open_sequence(1)
     assert len(list(store.dir.iterdir())) == 6
@@ -114,10 +114,10 @@ def test_store_refuses_missing_or_read_only_paths(tmp_path):
         DiskKVStore(None, 1, layout, open_reader("python"))
 
 
-def test_short_file_read_is_an_error(kv_dir):
+def test_short_file_read_is_an_error(kv_path):
     reader = open_reader("auto")
     layout = RecordLayout(group_tokens=4, n_kv_heads=1, head_dim=8, dtype=torch.float32)
-    store = DiskKVStore(kv_dir, 1, layout, reader)
+    store = DiskKVStore(kv_path, 1, layout, reader)
     store.open_sequence(0)
     dest = aligned_zeros((1, layout.stride_bytes), layout.align_bytes)
     with pytest.raises(OSError):
@@ -147,14 +147,14 @@ def test_python_reader_raises_only_after_every_read_of_the_batch_ended(monkeypat
     reader.close()
 
 
-def test_a_flush_writes_every_layer_at_once_and_raises_the_first_failure(kv_dir, monkeypatch):
+def test_a_flush_writes_every_layer_at_once_and_raises_the_first_failure(kv_path, monkeypatch):
     """``write_layers`` (a decode step's flush: a record a layer, each to its own file, the writes in flight
     together) stores what ``write_groups`` layer by layer stores; with two layers' writes failing, every other write
     still lands and the error raised is the lowest layer's, named as a write failure."""
     import edgekv.runtime.disk_store as disk_store_mod
 
     layout = RecordLayout(group_tokens=4, n_kv_heads=1, head_dim=8, dtype=torch.float32, align_bytes=512)
-    store = DiskKVStore(kv_dir, 6, layout, open_reader("python"))
+    store = DiskKVStore(kv_path, 6, layout, open_reader("python"))
     try:
         store.open_sequence(0)
         records, reversed_records = (aligned_zeros((6, 1, layout.stride_bytes), layout.align_bytes) for _ in range(2))

@@ -32,8 +32,8 @@ NEW_TOKENS = 9
 
 
 @pytest.fixture
-def engine(model_dirs, kv_dir):
-    with Engine.from_pretrained(model_dirs["llama"], kv_path=kv_dir, config=CFG, policy="kvswap",
+def engine(model_dirs, kv_path):
+    with Engine.from_pretrained(model_dirs["llama"], kv_path=kv_path, config=CFG, policy="kvswap",
                                 device="cpu") as engine:
         yield engine
 
@@ -50,7 +50,7 @@ def inject(engine, fault: str, at: int) -> FaultyReader:
 
 @pytest.mark.parametrize("at", [0, 4, 9])
 @pytest.mark.parametrize("fault", DAMAGE)
-def test_a_damaged_record_is_caught_and_the_answer_is_unchanged(engine, kv_dir, fault, at, caplog):
+def test_a_damaged_record_is_caught_and_the_answer_is_unchanged(engine, kv_path, fault, at, caplog):
     want = run(engine)
     reader = inject(engine, fault, at)
     with caplog.at_level(logging.WARNING, logger="edgekv"):
@@ -60,14 +60,14 @@ def test_a_damaged_record_is_caught_and_the_answer_is_unchanged(engine, kv_dir, 
     if fault == "flip_memory":  # transient: the second read is intact and used
         assert "then read back intact" in caplog.text and "twice" not in caplog.text
     else:  # on disk: the batch is computed again from its tokens, the message names the file and record
-        assert "failed its checksum twice" in caplog.text and str(kv_dir) in caplog.text
-    assert files_under(kv_dir) == []
+        assert "failed its checksum twice" in caplog.text and str(kv_path) in caplog.text
+    assert files_under(kv_path) == []
 
 
 @pytest.mark.parametrize("fault", DAMAGE)
-def test_damage_is_caught_with_gaps_read_through(model_dirs, kv_dir, fault, caplog):
+def test_damage_is_caught_with_gaps_read_through(model_dirs, kv_path, fault, caplog):
     """Requests bridge gaps (io_gap_bytes): the damage lands in a wanted record, never in one only read to bridge."""
-    with Engine.from_pretrained(model_dirs["llama"], kv_path=kv_dir, config={**CFG, "io_gap_bytes": 3 * 4096},
+    with Engine.from_pretrained(model_dirs["llama"], kv_path=kv_path, config={**CFG, "io_gap_bytes": 3 * 4096},
                                 policy="kvswap", device="cpu") as engine:
         want = run(engine)
         stores = []
@@ -81,9 +81,9 @@ def test_damage_is_caught_with_gaps_read_through(model_dirs, kv_dir, fault, capl
     assert ("then read back intact" if fault == "flip_memory" else "failed its checksum twice") in caplog.text
 
 
-def test_without_verification_damage_goes_through_and_a_warning_says_so(model_dirs, kv_dir, caplog):
+def test_without_verification_damage_goes_through_and_a_warning_says_so(model_dirs, kv_path, caplog):
     with caplog.at_level(logging.WARNING, logger="edgekv"):
-        with Engine.from_pretrained(model_dirs["llama"], kv_path=kv_dir, config={**CFG, "verify_fraction": 0},
+        with Engine.from_pretrained(model_dirs["llama"], kv_path=kv_path, config={**CFG, "verify_fraction": 0},
                                     policy="kvswap", device="cpu") as engine:
             reader = inject(engine, "flip_disk", 2)
             run(engine)
@@ -91,9 +91,9 @@ def test_without_verification_damage_goes_through_and_a_warning_says_so(model_di
     assert "are not checked against their checksums" in caplog.text and "failed its checksum" not in caplog.text
 
 
-def test_sampled_verification_states_its_coverage_and_checks_about_that_share(model_dirs, kv_dir, caplog):
+def test_sampled_verification_states_its_coverage_and_checks_about_that_share(model_dirs, kv_path, caplog):
     with caplog.at_level(logging.WARNING, logger="edgekv"):
-        with Engine.from_pretrained(model_dirs["llama"], kv_path=kv_dir, config={**CFG, "verify_fraction": 0.5},
+        with Engine.from_pretrained(model_dirs["llama"], kv_path=kv_path, config={**CFG, "verify_fraction": 0.5},
                                     policy="kvswap", device="cpu") as engine:
             stores = []
             open_batch = engine.open_batch
@@ -110,20 +110,20 @@ def _keep_store(batch, stores):
 
 
 @pytest.mark.parametrize("fault", ["eio", "short"])
-def test_failed_and_short_reads_end_the_request_with_a_named_error(engine, kv_dir, fault):
+def test_failed_and_short_reads_end_the_request_with_a_named_error(engine, kv_path, fault):
     want = run(engine)
     inner = engine.reader
     reader = inject(engine, fault, 3)
     with pytest.raises(StoreError) as err:
         run(engine)
     assert reader.injected is not None and err.value.errno == errno.EIO
-    assert str(kv_dir) in str(err.value) and "check the device" in str(err.value)
-    assert files_under(kv_dir) == []
+    assert str(kv_path) in str(err.value) and "check the device" in str(err.value)
+    assert files_under(kv_path) == []
     engine.reader = inner
     assert run(engine) == want
 
 
-def test_a_read_that_hangs_past_the_deadline_fails_the_request_and_the_next_one_runs(engine, kv_dir):
+def test_a_read_that_hangs_past_the_deadline_fails_the_request_and_the_next_one_runs(engine, kv_path):
     want = run(engine)
     inner = engine.reader
     reader = inject(engine, "hang", 2)
@@ -131,7 +131,7 @@ def test_a_read_that_hangs_past_the_deadline_fails_the_request_and_the_next_one_
     with pytest.raises(StoreError) as err:
         run(engine)
     assert err.value.errno == errno.ETIMEDOUT and "read_deadline_s=0.5" in str(err.value)
-    assert files_under(kv_dir) == []
+    assert files_under(kv_path) == []
     reader.released.set()  # the device answers at last: its read lands in memory kept for it
     engine.reader = inner
     assert run(engine) == want
@@ -150,7 +150,7 @@ def _failing_pwrite(after: int):
 
 
 @pytest.mark.parametrize("after,phase", [(1, "prefill"), (4, "flush")])
-def test_a_full_disk_during_prefill_or_a_group_flush_is_named(engine, kv_dir, monkeypatch, after, phase):
+def test_a_full_disk_during_prefill_or_a_group_flush_is_named(engine, kv_path, monkeypatch, after, phase):
     """4 layer writes of prefill (2 sequences x 2 layers), then the flushes of decode."""
     want = run(engine)
     steps = []
@@ -159,9 +159,9 @@ def test_a_full_disk_during_prefill_or_a_group_flush_is_named(engine, kv_dir, mo
     with pytest.raises(StoreError) as err:
         run(engine)
     assert err.value.errno == errno.ENOSPC and "free space there or pick another --kv-path" in str(err.value)
-    assert str(kv_dir) in str(err.value)
+    assert str(kv_path) in str(err.value)
     assert bool(steps) == (phase == "flush")
-    assert files_under(kv_dir) == []
+    assert files_under(kv_path) == []
     monkeypatch.undo()
     assert run(engine) == want
 
@@ -188,20 +188,20 @@ def test_a_real_full_filesystem_fails_the_request_cleanly(model_dirs, small_fs):
         assert len(engine.generate(PROMPTS[:1], max_new_tokens=2, stop_token_ids=[])[0].token_ids) == 2
 
 
-def test_a_kv_path_that_disappears_mid_decode(engine, kv_dir):
+def test_a_kv_path_that_disappears_mid_decode(engine, kv_path):
     """Open files outlive their folder (the request finishes, the same tokens); the next request names the path."""
     want = run(engine)
     gone = []
 
     def remove(event):
         if event.kind == "decode_step_start" and event.info["step"] == 2 and not gone:
-            shutil.rmtree(kv_dir)
+            shutil.rmtree(kv_path)
             gone.append(True)
     engine.events.subscribe(remove)
     assert run(engine) == want and gone
-    with pytest.raises(StoreError, match=f"{kv_dir} does not exist"):
+    with pytest.raises(StoreError, match=f"{kv_path} does not exist"):
         run(engine)
-    kv_dir.mkdir()
+    kv_path.mkdir()
     assert run(engine) == want
 
 
@@ -391,10 +391,10 @@ def test_generate_with_a_context_whose_index_or_store_json_was_damaged_answers_a
 
 
 @pytest.mark.parametrize("policy", ["full", "kvswap"])
-def test_a_step_past_a_rows_max_context_is_refused_by_name(model_dirs, kv_dir, policy):
+def test_a_step_past_a_rows_max_context_is_refused_by_name(model_dirs, kv_path, policy):
     """The batch API (a bench's or a server's loop) stepping a row that holds max_context tokens gets a named error,
     not a shape error from deep in a cache that has no room for the token."""
-    with Engine.from_pretrained(model_dirs["llama"], kv_path=kv_dir, config=CFG, policy=policy,
+    with Engine.from_pretrained(model_dirs["llama"], kv_path=kv_path, config=CFG, policy=policy,
                                 device="cpu") as engine, engine.open_batch(1, CFG["max_context"]) as batch:
         batch.join(0, [1 + i % 150 for i in range(CFG["max_context"] - 3)])
         batch.end_prefill()

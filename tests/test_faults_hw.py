@@ -400,11 +400,11 @@ def reference(model_dirs, tmp_path_factory):
         return _generate(engine)
 
 
-def test_the_engine_is_never_stopped_by_a_lost_meter_and_the_next_measurement_works(model_dirs, kv_dir, monkeypatch,
+def test_the_engine_is_never_stopped_by_a_lost_meter_and_the_next_measurement_works(model_dirs, kv_path, monkeypatch,
                                                                                    caplog, reference):
     gpu = FakeGpu(lose_after=3)
     monkeypatch.setitem(sys.modules, "pynvml", fake_pynvml(gpu))
-    with Engine.from_pretrained(model_dirs["llama"], kv_path=kv_dir, config=CONFIG, policy="hillinfer",
+    with Engine.from_pretrained(model_dirs["llama"], kv_path=kv_path, config=CONFIG, policy="hillinfer",
                                 scorer=NumpyScorer(), device="cpu") as engine:
         with caplog.at_level(logging.WARNING), energy.measure_energy("nvml", rate_hz=1000, engine=engine) as m:
             tokens = _generate(engine)
@@ -544,12 +544,12 @@ FAULTY_FROM = 5  # the first calls of the request succeed: the fault hits mid-re
 
 
 @pytest.mark.parametrize("backend, fault", SCORER_FAULTS, ids=[f"{b}-{f}" for b, f in SCORER_FAULTS])
-def test_a_failing_scorer_falls_back_to_the_cpu_and_the_next_request_uses_it_again(model_dirs, kv_dir, tmp_path,
+def test_a_failing_scorer_falls_back_to_the_cpu_and_the_next_request_uses_it_again(model_dirs, kv_path, tmp_path,
                                                                                 monkeypatch, caplog, reference,
                                                                                 backend, fault):
     scorer, card = _csim(monkeypatch) if backend == "csim" else _xrt(tmp_path, monkeypatch)
     calls = (lambda: card.calls) if backend == "csim" else (lambda: card.runs)
-    with Engine.from_pretrained(model_dirs["llama"], kv_path=kv_dir, config=CONFIG, policy="hillinfer",
+    with Engine.from_pretrained(model_dirs["llama"], kv_path=kv_path, config=CONFIG, policy="hillinfer",
                                 scorer=scorer, device="cpu") as engine:
         if backend == "csim":
             card.fault, card.faulty_from = fault, FAULTY_FROM
@@ -563,7 +563,7 @@ def test_a_failing_scorer_falls_back_to_the_cpu_and_the_next_request_uses_it_aga
         assert calls() >= FAULTY_FROM, "the request ended before the fault could hit"
         warnings = [r.getMessage() for r in caplog.records if "in-storage scorer" in r.getMessage()]
         assert len(warnings) == 1 and WARNED[fault] in warnings[0] and "scored on the CPU" in warnings[0]
-        assert files_under(kv_dir) == []
+        assert files_under(kv_path) == []
         before = calls()
         if backend == "csim":
             card.fault = None
@@ -572,21 +572,21 @@ def test_a_failing_scorer_falls_back_to_the_cpu_and_the_next_request_uses_it_aga
         out = engine.generate(FAULT_PROMPTS, max_new_tokens=NEW_TOKENS, stop_token_ids=[])
         assert [r.token_ids for r in out] == reference and out[0].stats["scorer_fallback"] is None  # the next request ...
         assert calls() > before, "the next request did not use the in-storage scorer again"  # ... on the card
-        assert files_under(kv_dir) == []
+        assert files_under(kv_path) == []
 
 
-def test_a_request_whose_pool_the_cpu_cannot_read_either_fails_clearly(model_dirs, kv_dir, monkeypatch, reference):
+def test_a_request_whose_pool_the_cpu_cannot_read_either_fails_clearly(model_dirs, kv_path, monkeypatch, reference):
     scorer, csim = _csim(monkeypatch)
-    with Engine.from_pretrained(model_dirs["llama"], kv_path=kv_dir, config=CONFIG, policy="hillinfer",
+    with Engine.from_pretrained(model_dirs["llama"], kv_path=kv_path, config=CONFIG, policy="hillinfer",
                                 scorer=scorer, device="cpu") as engine:
         csim.fault, csim.faulty_from = "pool gone", FAULTY_FROM
         with pytest.raises(ScoringError, match=r"on the CPU either .FileNotFoundError.*in-storage scorer csim "
                                                r"\(emulated\) failed .*No such file.*missing or short.*run it again"):
             _generate(engine)
-        assert files_under(kv_dir) == []
+        assert files_under(kv_path) == []
         csim.fault = None
         assert _generate(engine) == reference
-        assert files_under(kv_dir) == []
+        assert files_under(kv_path) == []
 
 
 @pytest.mark.parametrize("backend", ["csim", "xrt"])
@@ -674,13 +674,13 @@ with Engine.from_pretrained({model!r}, kv_path={kv!r}, config=config, policy="hi
 """
 
 
-def test_a_csim_crash_ends_its_process_and_the_next_engine_removes_its_files(model_dirs, kv_dir, tmp_path, reference):
-    script = CRASH.format(config=CONFIG, model=model_dirs["llama"], kv=str(kv_dir), prompts=FAULT_PROMPTS)
+def test_a_csim_crash_ends_its_process_and_the_next_engine_removes_its_files(model_dirs, kv_path, tmp_path, reference):
+    script = CRASH.format(config=CONFIG, model=model_dirs["llama"], kv=str(kv_path), prompts=FAULT_PROMPTS)
     done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert done.returncode == -signal.SIGSEGV, done.stderr
-    left = files_under(kv_dir)
+    left = files_under(kv_path)
     assert any(name.endswith(".f16") for name in left), "the crashed request left no pool files to clean"
-    with Engine.from_pretrained(model_dirs["llama"], kv_path=kv_dir, config=CONFIG, policy="hillinfer",
+    with Engine.from_pretrained(model_dirs["llama"], kv_path=kv_path, config=CONFIG, policy="hillinfer",
                                 scorer=CsimScorer(), device="cpu") as engine:
         assert _generate(engine) == reference
-    assert files_under(kv_dir) == []
+    assert files_under(kv_path) == []

@@ -115,7 +115,7 @@ def test_the_planner_plans_a_laid_out_layer_call_by_call_and_lets_the_table_name
     assert type(planner_for(reference, table, memory, store, np.zeros(1, dtype=np.int64))) is CallsPlanner
 
 
-def test_a_decode_with_the_planner_makes_the_tokens_of_one_without(model_dirs, kv_dir, monkeypatch):
+def test_a_decode_with_the_planner_makes_the_tokens_of_one_without(model_dirs, kv_path, monkeypatch):
     """The fixture model decoding with reuse and corrections: the same tokens and reads whether the policy plans its
     layers' reads in one native call or call by call, and the native call served every layer's picks."""
     from edgekv.runtime import Engine
@@ -128,7 +128,7 @@ def test_a_decode_with_the_planner_makes_the_tokens_of_one_without(model_dirs, k
     for native in (True, False):
         monkeypatch.setattr(pipeline, "planner_for", lambda backend, *a: planners.append(
             plan(backend, *a) if native else CallsPlanner(*a)) or planners[-1])
-        with Engine.from_pretrained(model_dirs["llama"], kv_path=kv_dir, config=config, device="cpu") as engine:
+        with Engine.from_pretrained(model_dirs["llama"], kv_path=kv_path, config=config, device="cpu") as engine:
             results = engine.generate(prompts, max_new_tokens=8, stop_token_ids=[])
         runs.append([(r.token_ids, *(r.stats[key] for key in ("kv_bytes_read", "reuse_hits", "kv_read_requests",
                                                                  "kv_records_read", "kv_records_verified")))
@@ -139,7 +139,7 @@ def test_a_decode_with_the_planner_makes_the_tokens_of_one_without(model_dirs, k
 
 
 @pytest.mark.parametrize("extra", [{}, {"correction_recall": 0.85, "guess_from_before": True}])
-def test_picks_taken_on_an_io_thread_decode_what_the_compute_thread_taking_them_decodes(model_dirs, kv_dir, extra):
+def test_picks_taken_on_an_io_thread_decode_what_the_compute_thread_taking_them_decodes(model_dirs, kv_path, extra):
     """The fixture model decoding with reuse and corrections, its picks taken on an I/O thread once made (on a CPU,
     picks still being made at prefetch: here every layer's, as if the helper were slow) or on the compute thread
     after the layer before attended: the same tokens, reads and hits, and every layer's picks seen in layer order
@@ -157,7 +157,7 @@ def test_picks_taken_on_an_io_thread_decode_what_the_compute_thread_taking_them_
         patch.setattr(OffloadedKV, "_take_and_read", lambda self, fetch, *a: taken.append(fetch.layer) or
                       take(self, fetch, *a))
         for on_io in (True, False):
-            with Engine.from_pretrained(model_dirs["llama"], kv_path=kv_dir, config=config,
+            with Engine.from_pretrained(model_dirs["llama"], kv_path=kv_path, config=config,
                                         device="cpu") as engine:
                 events = []
                 engine.events.subscribe(lambda e: events.append((e.info["layer"], e.info["groups"].copy(),
@@ -181,7 +181,7 @@ def test_picks_taken_on_an_io_thread_decode_what_the_compute_thread_taking_them_
     assert all(np.array_equal(a, c) for (_, *io), (_, *cp) in zip(io_events, compute_events) for a, c in zip(io, cp))
 
 
-def test_picks_events_come_in_layer_order_when_some_layers_picks_are_taken_on_an_io_thread(model_dirs, kv_dir,
+def test_picks_events_come_in_layer_order_when_some_layers_picks_are_taken_on_an_io_thread(model_dirs, kv_path,
                                                                                            monkeypatch):
     """Every other launch's picks made already (taken by the compute thread at once), the rest still being made
     (taken on an I/O thread): each step's ``groups_selected`` events still come layer by layer."""
@@ -192,7 +192,7 @@ def test_picks_events_come_in_layer_order_when_some_layers_picks_are_taken_on_an
     for picks in (HostPicks, ScoredPicks):
         monkeypatch.setattr(picks, "ready", lambda self: calls.append(0) or len(calls) % 2 == 0)
     config = {"G": 4, "M": 4, "C": 8, "max_context": 160, "max_batch": 2, "reuse": True}
-    with Engine.from_pretrained(model_dirs["llama"], kv_path=kv_dir, config=config, device="cpu") as engine:
+    with Engine.from_pretrained(model_dirs["llama"], kv_path=kv_path, config=config, device="cpu") as engine:
         layers = []
         engine.events.subscribe(lambda e: layers.append(e.info["layer"]) if e.kind == "groups_selected" else None)
         engine.generate([list(range(1, 50)), list(range(20, 41))], max_new_tokens=6, stop_token_ids=[])

@@ -61,13 +61,13 @@ def test_fpga_selftest_command_writes_its_json(tmp_path):
 
 
 @pytest.mark.parametrize("scorer", [NumpyScorer, CsimScorer])
-def test_hillinfer_with_alpha_one_equals_full(model_dirs, kv_dir, scorer):
-    reference = run(model_dirs["llama"], kv_dir, "full")
+def test_hillinfer_with_alpha_one_equals_full(model_dirs, kv_path, scorer):
+    reference = run(model_dirs["llama"], kv_path, "full")
     config = {**EXACT, "importance_rate": 1.0, "beta": 0.1, "score_block_tokens": 16}  # most keys in the SSD pool
-    with Engine.from_pretrained(model_dirs["llama"], kv_path=kv_dir, config=config, policy="hillinfer",
+    with Engine.from_pretrained(model_dirs["llama"], kv_path=kv_path, config=config, policy="hillinfer",
                                 scorer=scorer(), device="cpu") as engine:
         results = engine.generate(PROMPTS, max_new_tokens=14, stop_token_ids=[], output_logits=True)
-    assert files_under(kv_dir) == []
+    assert files_under(kv_path) == []
     for ref, got in zip(reference, results):
         assert got.token_ids == ref.token_ids
         torch.testing.assert_close(got.logits, ref.logits, rtol=1e-4, atol=1e-4)

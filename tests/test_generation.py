@@ -13,8 +13,8 @@ PROMPTS = [list(range(1, 50)), list(range(20, 41)), list(range(60, 90))]
 
 
 @pytest.fixture
-def engine(model_dirs, kv_dir):
-    with Engine.from_pretrained(model_dirs["llama"], kv_path=kv_dir, config=CFG, device="cpu") as engine:
+def engine(model_dirs, kv_path):
+    with Engine.from_pretrained(model_dirs["llama"], kv_path=kv_path, config=CFG, device="cpu") as engine:
         yield engine
 
 

@@ -32,23 +32,23 @@ def hf_and_gguf(request, tmp_path_factory):
     return hf, write_gguf(hf, root / "gguf" / "tiny.gguf", chat_template=TEMPLATE)
 
 
-def generate(model, kv_dir, policy):
-    with Engine.from_pretrained(model, kv_path=kv_dir, config=CONFIG, policy=policy, device="cpu") as engine:
+def generate(model, kv_path, policy):
+    with Engine.from_pretrained(model, kv_path=kv_path, config=CONFIG, policy=policy, device="cpu") as engine:
         return engine.generate(PROMPTS, max_new_tokens=8, stop_token_ids=[], output_logits=True)
 
 
 @pytest.mark.parametrize("policy", ["full", "kvswap"])
-def test_gguf_serves_exactly_like_its_safetensors_checkpoint(hf_and_gguf, kv_dir, policy):
+def test_gguf_serves_exactly_like_its_safetensors_checkpoint(hf_and_gguf, kv_path, policy):
     hf, gguf_file = hf_and_gguf
-    reference = generate(hf, kv_dir, policy)
-    got = generate(gguf_file, kv_dir, policy)
+    reference = generate(hf, kv_path, policy)
+    got = generate(gguf_file, kv_path, policy)
     for ref, res in zip(reference, got):
         assert res.token_ids == ref.token_ids and res.stats["prompt_tokens"] == ref.stats["prompt_tokens"]
         torch.testing.assert_close(res.logits, ref.logits, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("policy", ["full", "kvswap", "token", "arkv"])
-def test_a_gemma3_gguf_serves_hybrid_attention_like_hf(tmp_path, kv_dir, policy):
+def test_a_gemma3_gguf_serves_hybrid_attention_like_hf(tmp_path, kv_path, policy):
     """A Gemma 3 file (its extra norms stored as 1 + w, a window of 8 tokens, the default six-layer pattern over 7
     layers: local x5, global, local) gives Hugging Face's greedy tokens from the folder it was written from."""
     from transformers import AutoModelForCausalLM
@@ -60,15 +60,15 @@ def test_a_gemma3_gguf_serves_hybrid_attention_like_hf(tmp_path, kv_dir, policy)
     prompt = list(range(3, 40))
     model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32)
     expected = model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=None)
-    with Engine.from_pretrained(gguf_file, kv_path=kv_dir, config=CONFIG, policy=policy, device="cpu") as engine:
+    with Engine.from_pretrained(gguf_file, kv_path=kv_path, config=CONFIG, policy=policy, device="cpu") as engine:
         assert engine.model.dims.global_layers == (5,)
         got = engine.generate([prompt], max_new_tokens=8, stop_token_ids=[])[0]
     assert got.token_ids == expected[0, len(prompt):].tolist()
 
 
-def test_tokenizer_and_chat_template_come_from_the_file(hf_and_gguf, kv_dir):
+def test_tokenizer_and_chat_template_come_from_the_file(hf_and_gguf, kv_path):
     _, gguf_file = hf_and_gguf
-    with Engine.from_pretrained(gguf_file.parent, kv_path=kv_dir, config=CONFIG,
+    with Engine.from_pretrained(gguf_file.parent, kv_path=kv_path, config=CONFIG,
                                 policy="full", device="cpu") as engine:
         assert engine.tokenizer.chat_template == TEMPLATE
         out = engine.generate(["the value of bab"], chat=True, max_new_tokens=3, stop_token_ids=[])[0]

@@ -58,12 +58,12 @@ def test_rings_take_the_budget_first_and_are_named_when_it_cannot_hold_them():
                     _dims(), 4, 8, 512)
 
 
-def test_arkv_on_a_hybrid_model_sizes_its_global_layers_to_what_the_rings_leave(tmp_path, kv_dir):
+def test_arkv_on_a_hybrid_model_sizes_its_global_layers_to_what_the_rings_leave(tmp_path, kv_path):
     folder = save_model(tmp_path / "m", "gemma3", num_hidden_layers=3,
                         layer_types=["sliding_attention", "sliding_attention", "full_attention"])
     budget_mib = 0.025  # under the 128-token cache of the global layer plus the rings: arkv tailors
     config = {"max_context": 128, "max_batch": 1, "max_kv_mem_mib": budget_mib, "arkv_window_tokens": 8}
-    with Engine.from_pretrained(folder, kv_path=kv_dir, config=config, policy="arkv", device="cpu") as engine:
+    with Engine.from_pretrained(folder, kv_path=kv_path, config=config, policy="arkv", device="cpu") as engine:
         parts = engine.memory_plan.per_sequence_bytes
         result = engine.generate([PROMPT], max_new_tokens=6, stop_token_ids=[])[0]
     assert "window_ring" in parts and "window_original" in parts  # tailored, not full

@@ -263,8 +263,8 @@ def test_each_solution_keeps_its_own_record_alignment_and_so_the_memory_it_was_s
     assert table.pick(1, 200).io.io_align_bytes == 1024 and table.pick(2, 500).io.io_align_bytes == 2048
 
 
-def test_engine_runs_each_batch_with_its_solution(model_dirs, kv_dir, tmp_path):
-    with Engine.from_pretrained(model_dirs["llama"], kv_path=kv_dir, config=_deployed(tmp_path),
+def test_engine_runs_each_batch_with_its_solution(model_dirs, kv_path, tmp_path):
+    with Engine.from_pretrained(model_dirs["llama"], kv_path=kv_path, config=_deployed(tmp_path),
                                 device="cpu") as engine:
         one = engine.generate([[t % 150 + 3 for t in range(150)]], max_new_tokens=4, stop_token_ids=[])[0]
         two = engine.generate([[t % 150 + 3 for t in range(300)], [t % 150 + 5 for t in range(200)]], max_new_tokens=4,

@@ -20,9 +20,9 @@ DIMS = ModelDims(n_layers=4, hidden=128, n_heads=4, n_kv_heads=2, head_dim=64, v
 RATES = ((512, 20.0), (4096, 120.0), (16384, 300.0), (65536, 600.0), (262144, 800.0))  # MiB/s at qd 32
 
 
-def _disk(kv_dir, dev, scale=1.0, fio=None, rates=RATES):
+def _disk(kv_path, dev, scale=1.0, fio=None, rates=RATES):
     points = [DiskPoint(b, 32, scale * r, None if fio is None else fio * r) for b, r in rates]
-    return DiskProfile(kv_dir, {"dev": dev, "disk": dev}, "fio io_uring" if fio else "none", "pthread", True, 1.0,
+    return DiskProfile(kv_path, {"dev": dev, "disk": dev}, "fio io_uring" if fio else "none", "pthread", True, 1.0,
                        points)
 
 

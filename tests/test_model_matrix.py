@@ -74,15 +74,15 @@ def matrix(tmp_path_factory):
 
 @pytest.mark.parametrize("policy", list(POLICIES))
 @pytest.mark.parametrize("model", list(MODELS))
-def test_every_policy_matches_hf_greedy(matrix, kv_dir, model, policy):
+def test_every_policy_matches_hf_greedy(matrix, kv_path, model, policy):
     folder, expected = matrix[model]
     name, overrides = POLICIES[policy]
-    with Engine.from_pretrained(folder, kv_path=kv_dir, config={**EXACT, **overrides}, policy=name,
+    with Engine.from_pretrained(folder, kv_path=kv_path, config={**EXACT, **overrides}, policy=name,
                                 device="cpu") as engine:
         result = engine.generate([PROMPT], max_new_tokens=NEW_TOKENS, stop_token_ids=[])[0]
         assert result.stats["kv_resident_bytes"] == engine.memory_plan.total_bytes  # the plan counts the buffers made
     assert result.token_ids == expected
-    assert files_under(kv_dir) == []
+    assert files_under(kv_path) == []
 
 
 @pytest.mark.parametrize("model", ["2-layers", "qwen2-bias", "gemma3-6", "mistral-window"])
@@ -169,24 +169,24 @@ def _fail_reads(monkeypatch):
 @pytest.mark.parametrize("inject", [_fail_opening_layer_2, _fail_at_layer_1("prefetch"), _fail_reads,
                                     _fail_at_layer_1("attend")], ids=lambda f: f.__name__)
 @pytest.mark.parametrize("policy", ["kvswap", "kvswap-noreuse", "flexgen", "hillinfer"])
-def test_a_failing_step_surfaces_its_own_error(matrix, kv_dir, monkeypatch, inject, policy):
+def test_a_failing_step_surfaces_its_own_error(matrix, kv_path, monkeypatch, inject, policy):
     folder, expected = matrix["3-layers"]
     name, overrides = POLICIES[policy]
-    with Engine.from_pretrained(folder, kv_path=kv_dir, config={**EXACT, **overrides}, policy=name,
+    with Engine.from_pretrained(folder, kv_path=kv_path, config={**EXACT, **overrides}, policy=name,
                                 device="cpu") as engine:
         with monkeypatch.context() as patch:
             _slow_reads(patch)
             inject(patch)
             with pytest.raises(Injected, match="injected"):
                 engine.generate([PROMPT], max_new_tokens=NEW_TOKENS, stop_token_ids=[])
-        assert files_under(kv_dir) == [] and open_files_under(kv_dir) == []
+        assert files_under(kv_path) == [] and open_files_under(kv_path) == []
         after = engine.generate([PROMPT], max_new_tokens=NEW_TOKENS, stop_token_ids=[])[0]  # still usable
     assert after.token_ids == expected
 
 
 @pytest.mark.parametrize("policy", ["kvswap", "token"])
 @pytest.mark.parametrize("pattern", ["".join(p) for p in itertools.product("LG", repeat=3)])
-def test_every_local_global_pattern_matches_hf_greedy(tmp_path, kv_dir, pattern, policy):
+def test_every_local_global_pattern_matches_hf_greedy(tmp_path, kv_path, pattern, policy):
     """Three Gemma 3 layers in each local (L) / global (G) arrangement: the policy holds exactly the global ones
     (its KV files, its memory) and the tokens are Hugging Face's."""
     from transformers import AutoModelForCausalLM
@@ -195,7 +195,7 @@ def test_every_local_global_pattern_matches_hf_greedy(tmp_path, kv_dir, pattern,
     folder = save_model(tmp_path / pattern, "gemma3", num_hidden_layers=3, layer_types=types)
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     expected = hf.generate(torch.tensor([PROMPT]), max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None)
-    with Engine.from_pretrained(folder, kv_path=kv_dir, config=EXACT, policy=policy, device="cpu") as engine:
+    with Engine.from_pretrained(folder, kv_path=kv_path, config=EXACT, policy=policy, device="cpu") as engine:
         result = engine.generate([PROMPT], max_new_tokens=NEW_TOKENS, stop_token_ids=[])[0]
         window = engine.memory_plan.per_sequence_bytes.get("window_ring", 0)
         assert window == 2 * pattern.count("L") * 8 * 2 * 16 * 4  # K+V x local layers x W x H_kv x d x fp32

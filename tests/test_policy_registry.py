@@ -71,24 +71,24 @@ def toy():
     policies.unregister("toy-recent")
 
 
-def test_a_toy_policy_generates_and_equals_full_while_the_context_fits(model_dirs, kv_dir, toy):
+def test_a_toy_policy_generates_and_equals_full_while_the_context_fits(model_dirs, kv_path, toy):
     prompt = list(range(3, 60))
     runs = {}
     for policy in ("full", "toy-recent"):
-        with Engine.from_pretrained(model_dirs["llama"], kv_path=kv_dir, config={"max_context": 128},
+        with Engine.from_pretrained(model_dirs["llama"], kv_path=kv_path, config={"max_context": 128},
                                     policy=policy, device="cpu") as engine:
             runs[policy] = engine.generate([prompt], max_new_tokens=8)[0]
     assert runs["toy-recent"].token_ids == runs["full"].token_ids
     assert runs["toy-recent"].stats["policy"] == "toy-recent" and runs["toy-recent"].stats["kv_bytes_read"] == 0
 
 
-def test_a_toy_policy_is_sized_and_refused_by_the_memory_plan(model_dirs, kv_dir, toy):
+def test_a_toy_policy_is_sized_and_refused_by_the_memory_plan(model_dirs, kv_path, toy):
     dims = ModelDims(n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, hidden=32, vocab=100)
     cfg = RuntimeConfig.load({"max_context": 1024, "max_batch": 1, "max_kv_mem_mib": 0.25})
     plan = plan_memory("toy-recent", cfg, dims, 4, 1, 512)
     assert plan.per_sequence_bytes == {"recent": 1024 * 2 * 2 * 2 * 8 * 4} and plan.total_bytes <= 0.25 * 2**20
     with pytest.raises(ValueError, match="unknown policy 'toy-recnt'.*toy-recent"):
-        Engine.from_pretrained(model_dirs["llama"], kv_path=kv_dir, policy="toy-recnt", device="cpu")
+        Engine.from_pretrained(model_dirs["llama"], kv_path=kv_path, policy="toy-recnt", device="cpu")
 
 
 def test_a_toy_policy_runs_as_a_bench_row_under_each_budget(model_dirs, tmp_path, toy):

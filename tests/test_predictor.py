@@ -94,8 +94,8 @@ def test_selection_never_returns_groups_not_on_disk():
     assert valid.sum() == 3 and sorted(groups[0, valid[0]].tolist()) == [0, 1, 2]
 
 
-def test_build_adapter_save_load_and_use(model_dirs, kv_dir, tmp_path):
-    with Engine.from_pretrained(model_dirs["llama"], kv_path=kv_dir, config={"max_context": 128},
+def test_build_adapter_save_load_and_use(model_dirs, kv_path, tmp_path):
+    with Engine.from_pretrained(model_dirs["llama"], kv_path=kv_path, config={"max_context": 128},
                                 device="cpu") as engine:
         adapter = build_adapter(engine, [list(range(1, 100)), list(range(50, 120))], sigma=4)
     assert adapter.rank == 8 and adapter.sigma == 4
@@ -104,23 +104,23 @@ def test_build_adapter_save_load_and_use(model_dirs, kv_dir, tmp_path):
     loaded = LowRankAdapter.load(path)
     assert all(torch.equal(a, b) for a, b in zip(adapter.matrices, loaded.matrices))
     config = {"G": 4, "M": 4, "C": 8, "max_context": 128, "sigma": None, "adapter_path": str(path)}
-    with Engine.from_pretrained(model_dirs["llama"], kv_path=kv_dir, config=config, device="cpu") as engine:
+    with Engine.from_pretrained(model_dirs["llama"], kv_path=kv_path, config=config, device="cpu") as engine:
         assert engine.rank == 8
         assert engine.generate([list(range(1, 60))], max_new_tokens=4, stop_token_ids=[])[0].token_ids
     with pytest.raises(Exception, match="sigma"):
-        Engine.from_pretrained(model_dirs["llama"], kv_path=kv_dir, config={**config, "sigma": 16},
+        Engine.from_pretrained(model_dirs["llama"], kv_path=kv_path, config={**config, "sigma": 16},
                                device="cpu")
     deeper = save_model(tmp_path / "deeper", "llama", num_hidden_layers=3)
     with pytest.raises(AdapterError, match="build an adapter for this model"):
-        Engine.from_pretrained(deeper, kv_path=kv_dir, config=config, device="cpu")
+        Engine.from_pretrained(deeper, kv_path=kv_path, config=config, device="cpu")
 
 
 
 
-def test_fit_without_an_adapter_file_uses_the_whole_batch_and_is_kept_only_when_it_saw_enough_keys(model_dirs, kv_dir,
+def test_fit_without_an_adapter_file_uses_the_whole_batch_and_is_kept_only_when_it_saw_enough_keys(model_dirs, kv_path,
                                                                                                    caplog):
     config = {"G": 4, "M": 4, "C": 8, "max_context": 128, "sigma": 4}  # rank 8: a fit is kept from 32 keys per layer
-    with Engine.from_pretrained(model_dirs["llama"], kv_path=kv_dir, config=config, device="cpu") as engine:
+    with Engine.from_pretrained(model_dirs["llama"], kv_path=kv_path, config=config, device="cpu") as engine:
         with caplog.at_level("WARNING", logger="edgekv"):
             engine.generate([list(range(1, 8))], max_new_tokens=3, stop_token_ids=[])  # 7 tokens: one group, 4 keys
         assert engine.adapter is None  # not kept for later batches

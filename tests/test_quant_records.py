@@ -28,10 +28,10 @@ def _reference_kv(k: torch.Tensor, v: torch.Tensor, fmt: quant.QuantFormat, G: i
 @pytest.mark.parametrize("G", [1, 8])
 @pytest.mark.parametrize("record_dtype", ["int8", "int4"])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_records_read_back_through_every_reader_are_the_in_memory_dequantisation(kv_dir, backend, record_dtype, G):
+def test_records_read_back_through_every_reader_are_the_in_memory_dequantisation(kv_path, backend, record_dtype, G):
     reader = reader_or_skip(backend)
     layout = RecordLayout(G, n_kv_heads=2, head_dim=64, dtype=torch.float32, align_bytes=512, record_dtype=record_dtype)
-    store = DiskKVStore(kv_dir, n_layers=1, layout=layout, reader=reader)
+    store = DiskKVStore(kv_path, n_layers=1, layout=layout, reader=reader)
     gen = torch.Generator().manual_seed(G)
     k = torch.randn(2, 6 * G, 64, generator=gen) * torch.linspace(0.1, 4, 64)  # channels of different ranges
     v = torch.randn(2, 6 * G, 64, generator=gen)
@@ -53,12 +53,12 @@ def test_records_read_back_through_every_reader_are_the_in_memory_dequantisation
     assert layout.record_bytes < RecordLayout(G, 2, 64, torch.float32, 512).record_bytes
 
 
-def _run(model_dir, kv_dir, policy, config, forced=None):
-    with Engine.from_pretrained(model_dir, kv_path=kv_dir, config=config,
+def _run(model_dir, kv_path, policy, config, forced=None):
+    with Engine.from_pretrained(model_dir, kv_path=kv_path, config=config,
                                 policy=policy, device="cpu") as engine:
         results = engine.generate(PROMPTS, max_new_tokens=14, stop_token_ids=[], output_logits=True,
                                   teacher_forcing=forced)
-    assert files_under(kv_dir) == []
+    assert files_under(kv_path) == []
     return results
 
 
@@ -72,13 +72,13 @@ def full_reference(model_dirs, tmp_path_factory):
 
 
 @pytest.mark.parametrize("policy", ["kvswap", "flexgen", "token"])
-def test_disk_policies_with_quantized_records_stay_within_the_codes_error(model_dirs, kv_dir, full_reference, policy):
+def test_disk_policies_with_quantized_records_stay_within_the_codes_error(model_dirs, kv_path, full_reference, policy):
     """Every value is within half a step of its code (range / (2 * levels)); the logits move by no more than a few
     such relative steps of their own scale, so int4's bound is 255/15 = 17 times int8's, and int8 keeps every token."""
     forced, reference = full_reference
     scale = max(float(r.logits.abs().max()) for r in reference)
     for record_dtype, min_agreement in (("int8", 1.0), ("int4", 0.9)):
-        results = _run(model_dirs["llama"], kv_dir, policy, {**EXACT, "kv_record_dtype": record_dtype}, forced)
+        results = _run(model_dirs["llama"], kv_path, policy, {**EXACT, "kv_record_dtype": record_dtype}, forced)
         bound = 2 * scale / quant.quant_format(record_dtype).levels
         error = max(float((got.logits - ref.logits).abs().max()) for got, ref in zip(results, reference))
         agree = np.mean([a == b for got, ref in zip(results, reference) for a, b in zip(got.token_ids, ref.token_ids)])
@@ -87,12 +87,12 @@ def test_disk_policies_with_quantized_records_stay_within_the_codes_error(model_
         assert results[0].stats["config"]["kv_record_dtype"] == record_dtype
 
 
-def test_bytes_read_per_step_shrink_by_the_record_size(model_dirs, kv_dir):
+def test_bytes_read_per_step_shrink_by_the_record_size(model_dirs, kv_path):
     """flexgen reads every group every step, so its bytes differ only by the stride of a record."""
     config = {**EXACT, "G": 16, "M": 16, "C": 16, "io_align_bytes": 512}
     read = {}
     for record_dtype in ("auto", "fp16", "int8", "int4"):
-        results = _run(model_dirs["llama"], kv_dir, "flexgen", {**config, "kv_record_dtype": record_dtype})
+        results = _run(model_dirs["llama"], kv_path, "flexgen", {**config, "kv_record_dtype": record_dtype})
         read[record_dtype] = sum(r.stats["kv_bytes_read"] for r in results)
     stride = {dt: RecordLayout(16, 2, 16, torch.float32, 512, dt).stride_bytes for dt in read}
     assert stride["int4"] < stride["int8"] < stride["fp16"] < stride["auto"]
@@ -100,11 +100,11 @@ def test_bytes_read_per_step_shrink_by_the_record_size(model_dirs, kv_dir):
         assert read[record_dtype] * stride["auto"] == read["auto"] * stride[record_dtype]
 
 
-def test_the_memory_plan_counts_the_quantized_stride_and_the_same_budget_holds_more_slots(model_dirs, kv_dir):
+def test_the_memory_plan_counts_the_quantized_stride_and_the_same_budget_holds_more_slots(model_dirs, kv_path):
     config = {**EXACT, "G": 16, "M": 16, "C": 16, "io_align_bytes": 512, "max_context": 1024}  # 64 groups: C up to 64
     plans = {}
     for record_dtype in ("auto", "int8"):
-        with Engine.from_pretrained(model_dirs["llama"], kv_path=kv_dir, policy="kvswap",
+        with Engine.from_pretrained(model_dirs["llama"], kv_path=kv_path, policy="kvswap",
                                     config={**config, "kv_record_dtype": record_dtype}, device="cpu") as engine:
             plans[record_dtype] = engine.memory_plan
             stride = RecordLayout(16, 2, 16, torch.float32, 512, record_dtype).stride_bytes
@@ -115,16 +115,16 @@ def test_the_memory_plan_counts_the_quantized_stride_and_the_same_budget_holds_m
     more = {**config, "C": 16 * strides["auto"] // strides["int8"], "max_kv_mem_mib": plans["auto"].total_bytes / 2**20}
     assert more["C"] > 16
     with pytest.raises(BudgetError, match="max_kv_mem_mib"):
-        Engine.from_pretrained(model_dirs["llama"], kv_path=kv_dir, policy="kvswap", config=more, device="cpu")
-    Engine.from_pretrained(model_dirs["llama"], kv_path=kv_dir, policy="kvswap",
+        Engine.from_pretrained(model_dirs["llama"], kv_path=kv_path, policy="kvswap", config=more, device="cpu")
+    Engine.from_pretrained(model_dirs["llama"], kv_path=kv_path, policy="kvswap",
                            config={**more, "kv_record_dtype": "int8"}, device="cpu").close()
 
 
-def test_a_bad_record_dtype_is_refused_by_name(model_dirs, kv_dir):
+def test_a_bad_record_dtype_is_refused_by_name(model_dirs, kv_path):
     with pytest.raises(ConfigError, match="'kv_record_dtype' must be one of"):
         RuntimeConfig.load({"kv_record_dtype": "int3"})
     with pytest.raises(ConfigError, match="'kv_record_dtype' must be one of"):
-        Engine.from_pretrained(model_dirs["llama"], kv_path=kv_dir, config={**EXACT, "kv_record_dtype": "q8"},
+        Engine.from_pretrained(model_dirs["llama"], kv_path=kv_path, config={**EXACT, "kv_record_dtype": "q8"},
                                device="cpu")
     odd = ModelDims(n_layers=1, hidden=8, n_heads=1, n_kv_heads=1, head_dim=7, vocab=16)
     from edgekv.runtime.engine import _plan

@@ -258,10 +258,10 @@ def _job(ids, n, results, seed=None, temperature=0.0):
 
 
 @pytest.mark.parametrize("policy", ["kvswap", "full"])
-def test_requests_joining_a_running_batch_get_their_lone_greedy_tokens(model_dirs, kv_dir, policy):
+def test_requests_joining_a_running_batch_get_their_lone_greedy_tokens(model_dirs, kv_path, policy):
     prompts = [list(range(1, 50)), list(range(20, 41)), list(range(60, 90)), list(range(7, 70)), [3, 4, 5]]
     lengths = [30, 5, 17, 9, 12]  # rows free at different steps: joins land mid-run
-    with Engine.from_pretrained(model_dirs["llama"], kv_path=kv_dir, config=CFG, policy=policy,
+    with Engine.from_pretrained(model_dirs["llama"], kv_path=kv_path, config=CFG, policy=policy,
                                 device="cpu") as engine:
         engine.generate([list(range(1, 120))], max_new_tokens=1)  # fits the K adapter on enough keys to keep it
         alone = [_greedy(engine, p, n) for p, n in zip(prompts, lengths)]
@@ -278,12 +278,12 @@ def test_requests_joining_a_running_batch_get_their_lone_greedy_tokens(model_dir
         scheduler.stop()
     assert [job.generated for job in jobs] == alone
     assert len(joins) == 5 and sorted(set(joins)) == [0, 1]  # two rows, refilled as sequences left
-    assert not [f for f in files_under(kv_dir) if os.path.isfile(f)]
+    assert not [f for f in files_under(kv_path) if os.path.isfile(f)]
 
 
-def test_sampled_requests_in_a_batch_keep_their_own_seeds(model_dirs, kv_dir):
+def test_sampled_requests_in_a_batch_keep_their_own_seeds(model_dirs, kv_path):
     prompt = list(range(1, 30))
-    with Engine.from_pretrained(model_dirs["llama"], kv_path=kv_dir, config=CFG, device="cpu") as engine:
+    with Engine.from_pretrained(model_dirs["llama"], kv_path=kv_path, config=CFG, device="cpu") as engine:
         lone = engine.generate([prompt], max_new_tokens=10, temperature=1.2, seed=5, stop_token_ids=[])[0].token_ids
         scheduler = Scheduler(engine, ServerMetrics(), max_queue=16)
         results = []
@@ -297,10 +297,10 @@ def test_sampled_requests_in_a_batch_keep_their_own_seeds(model_dirs, kv_dir):
     assert jobs[0].generated == lone
 
 
-def test_a_longer_request_waits_for_the_batch_to_drain_and_gets_its_own_solution(model_dirs, kv_dir):
+def test_a_longer_request_waits_for_the_batch_to_drain_and_gets_its_own_solution(model_dirs, kv_path):
     config = {**CFG, "solutions": [{"batch": 2, "context": 64, "G": 4, "M": 2, "C": 4, "sigma": 8},
                                    {"batch": 2, "context": 256, "G": 4, "M": 4, "C": 8, "sigma": 8}]}
-    with Engine.from_pretrained(model_dirs["llama"], kv_path=kv_dir, config=config, device="cpu") as engine:
+    with Engine.from_pretrained(model_dirs["llama"], kv_path=kv_path, config=config, device="cpu") as engine:
         built = []
         real_open = engine.open_batch
         engine.open_batch = lambda rows, context: built.append(context) or real_open(rows, context)
@@ -320,8 +320,8 @@ def test_a_longer_request_waits_for_the_batch_to_drain_and_gets_its_own_solution
     assert [c["M"] for c in configs] == [2, 4, 4] and [c["max_context"] for c in configs] == [64, 256, 256]
 
 
-def test_a_failed_step_or_prefill_ends_its_requests_and_serving_goes_on(model_dirs, kv_dir, caplog):
-    with Engine.from_pretrained(model_dirs["llama"], kv_path=kv_dir, config=CFG, device="cpu") as engine:
+def test_a_failed_step_or_prefill_ends_its_requests_and_serving_goes_on(model_dirs, kv_path, caplog):
+    with Engine.from_pretrained(model_dirs["llama"], kv_path=kv_path, config=CFG, device="cpu") as engine:
         failures = {"prefill_start": 1, "decode_step_start": 1}
 
         def fault(event):
@@ -345,7 +345,7 @@ def test_a_failed_step_or_prefill_ends_its_requests_and_serving_goes_on(model_di
     for i, at in enumerate(["prefill_start", "decode_step_start"]):  # the client gets its id, the log the cause
         assert f"(request cmpl-{i})" in results[i][1]["message"] and "injected" not in results[i][1]["message"]
         assert f"request cmpl-{i} failed: OSError: [Errno 5] injected at {at}" in caplog.text
-    assert not [f for f in files_under(kv_dir) if os.path.isfile(f)]
+    assert not [f for f in files_under(kv_path) if os.path.isfile(f)]
 
 
 def test_a_client_leaving_mid_stream_frees_its_row(server):

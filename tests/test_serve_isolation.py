@@ -51,10 +51,10 @@ def _job(ids, n, sampler=None):
 
 
 @pytest.mark.parametrize("fails_at", [1, 3], ids=["at-join", "mid-decode"])
-def test_a_request_whose_sampling_fails_ends_alone(model_dirs, kv_dir, fails_at):
+def test_a_request_whose_sampling_fails_ends_alone(model_dirs, kv_path, fails_at):
     """The failing request gets its error; the row beside it runs to its lone greedy tokens; the next request runs."""
     victim_ids, after_ids = list(range(1, 40)), list(range(9, 30))
-    with Engine.from_pretrained(model_dirs["llama"], kv_path=kv_dir, config=CFG, device="cpu") as engine:
+    with Engine.from_pretrained(model_dirs["llama"], kv_path=kv_path, config=CFG, device="cpu") as engine:
         engine.generate([list(range(1, 120))], max_new_tokens=1)  # fits the K adapter on enough keys to keep it
         alone = engine.generate([victim_ids], max_new_tokens=30, stop_token_ids=[])[0].token_ids
         scheduler = Scheduler(engine, ServerMetrics(), max_queue=8)
@@ -73,7 +73,7 @@ def test_a_request_whose_sampling_fails_ends_alone(model_dirs, kv_dir, fails_at)
     assert bad_out["kind"] == "error" and bad_out["status"] == 500
     assert victim_out["kind"] == "done" and victim.generated == alone
     assert after_out["kind"] == "done" and len(after.generated) == 5
-    assert not [f for f in files_under(kv_dir) if os.path.isfile(f)]
+    assert not [f for f in files_under(kv_path) if os.path.isfile(f)]
 
 
 @pytest.mark.parametrize("temperature", [1e-40, 1e-300])

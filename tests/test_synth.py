@@ -45,8 +45,8 @@ def test_random_weights_are_built_on_the_device_in_the_dtype_and_marked(tiny):
     assert model.hf.model.rotary_emb.inv_freq.dtype == torch.float32 and model.embed.weight.std() > 0.01
 
 
-def test_generate_and_bench_run_synthetic_weights_and_say_so(tiny, kv_dir, tmp_path, capsys):
-    with Engine.from_pretrained(tiny, kv_path=kv_dir, config={"max_context": 256, "G": 4, "M": 8, "C": 16},
+def test_generate_and_bench_run_synthetic_weights_and_say_so(tiny, kv_path, tmp_path, capsys):
+    with Engine.from_pretrained(tiny, kv_path=kv_path, config={"max_context": 256, "G": 4, "M": 8, "C": 16},
                                 device="cpu") as engine:
         result = engine.generate([list(range(3, 60))], max_new_tokens=4, stop_token_ids=[])[0]
         assert engine.model.dtype == torch.bfloat16  # the real checkpoint's dtype unless one is named, CPU too

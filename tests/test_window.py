@@ -20,22 +20,22 @@ def scripted_scores(self, layer, q, n_tokens):
     return torch.minimum(position, n_tokens - 1 - position).expand(q.shape[0], -1).clone()
 
 
-def run(model_dir, kv_dir, policy, config):
-    with Engine.from_pretrained(model_dir, kv_path=kv_dir, config=config, policy=policy,
+def run(model_dir, kv_path, policy, config):
+    with Engine.from_pretrained(model_dir, kv_path=kv_path, config=config, policy=policy,
                                 device="cpu") as engine:
         return engine.generate(PROMPTS, max_new_tokens=12, stop_token_ids=[], output_logits=True)
 
 
 @pytest.mark.parametrize("policy, M", [("kvswap", 17), ("token", 18)])
-def test_sinks_and_window_are_attended_whatever_the_predictor_says(model_dirs, kv_dir, monkeypatch, policy, M):
+def test_sinks_and_window_are_attended_whatever_the_predictor_says(model_dirs, kv_path, monkeypatch, policy, M):
     """The longest history is 70 tokens on disk (17 groups of 4); M covers it only with the ends protected."""
-    reference = run(model_dirs["llama"], kv_dir, "full", BASE)
+    reference = run(model_dirs["llama"], kv_path, "full", BASE)
     monkeypatch.setattr(LowRankSelector, "token_scores", scripted_scores)
-    kept = run(model_dirs["llama"], kv_dir, policy, {**BASE, "M": M, "sink_tokens": 4, "window_tokens": 8})
+    kept = run(model_dirs["llama"], kv_path, policy, {**BASE, "M": M, "sink_tokens": 4, "window_tokens": 8})
     for ref, got in zip(reference, kept):
         torch.testing.assert_close(got.logits, ref.logits, rtol=1e-4, atol=1e-4)
     # the same picks without the protection: the predictor drops the ends it scores lowest, and the output changes
-    dropped = run(model_dirs["llama"], kv_dir, policy, {**BASE, "M": M - 3})
+    dropped = run(model_dirs["llama"], kv_path, policy, {**BASE, "M": M - 3})
     assert not torch.allclose(dropped[0].logits, reference[0].logits, rtol=1e-4, atol=1e-4)
 
 
@@ -51,9 +51,9 @@ def test_memory_plan_counts_sinks_and_window():
     assert no_window.per_sequence_bytes["sinks"] == 0 and no_window.per_sequence_bytes["rolling"] == 3 * 4 * token_bytes
 
 
-def test_resident_bytes_match_the_plan_with_a_window(model_dirs, kv_dir):
+def test_resident_bytes_match_the_plan_with_a_window(model_dirs, kv_path):
     config = {**BASE, "M": 10, "C": 10, "reuse": True, "sink_tokens": 4, "window_tokens": 16}
-    with Engine.from_pretrained(model_dirs["llama"], kv_path=kv_dir, config=config, device="cpu") as engine:
+    with Engine.from_pretrained(model_dirs["llama"], kv_path=kv_path, config=config, device="cpu") as engine:
         result = engine.generate(PROMPTS, max_new_tokens=4, stop_token_ids=[])[0]
         assert result.stats["kv_resident_bytes"] == engine.memory_plan.total_bytes
         assert engine.memory_plan.per_sequence_bytes["sinks"] > 0

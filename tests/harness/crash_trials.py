@@ -80,19 +80,19 @@ class Setup:
     window_s: float = 1.5  # uniform kills land in [0, window_s] after "go"
 
     @property
-    def kv_root(self) -> Path:
+    def kv_path(self) -> Path:
         return self.workdir / "kv"
 
     @property
     def store_dir(self) -> Path:
-        return self.kv_root / "contexts"  # the CLI's place: KV_PATH/contexts
+        return self.kv_path / "contexts"  # the CLI's place: KV_PATH/contexts
 
     @property
     def max_bytes(self) -> int:
         return int(self.cap_mib * 2**20)
 
     def child_args(self, seed: int) -> dict:
-        return {"model": self.model, "kv_root": str(self.kv_root), "store": str(self.store_dir),
+        return {"model": self.model, "kv_path": str(self.kv_path), "store": str(self.store_dir),
                 "chunk_tokens": self.chunk_tokens, "max_tokens": self.max_tokens, "max_bytes": self.max_bytes,
                 "names": self.names, "max_context": self.max_context, "threads": self.threads, "seed": seed}
 
@@ -109,7 +109,7 @@ def child_main(args: dict, status_fd: int) -> None:
     torch.set_num_threads(args["threads"])
     from edgekv.runtime import Engine
 
-    engine = Engine.from_pretrained(args["model"], policy="kvswap", kv_offload_path=args["kv_root"],
+    engine = Engine.from_pretrained(args["model"], policy="kvswap", kv_path=args["kv_path"],
                                     config={"max_context": args["max_context"]})
     say("loaded")
     if sys.stdin.readline().strip() != "go":
@@ -440,10 +440,10 @@ def tmp_debris(root: Path, dead_only: bool = True) -> list[str]:
     return sorted(found)
 
 
-def dead_kv_folders(kv_root: Path) -> list[str]:
+def dead_kv_folders(kv_path: Path) -> list[str]:
     """``edgekv-<pid>-<id>`` KV folders of processes that no longer run."""
     out = []
-    for entry in kv_root.glob("edgekv-*-*"):
+    for entry in kv_path.glob("edgekv-*-*"):
         pid = entry.name.split("-")[1]
         if entry.is_dir() and pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
             out.append(entry.name)
@@ -458,13 +458,13 @@ def generation_check(base, setup: Setup, name: str, rng: random.Random) -> dict:
 
     question = [rng.randrange(base.model.dims.vocab) for _ in range(rng.randint(4, 16))]
     new = 4
-    with Engine(base.model, base.config, "kvswap", setup.kv_root, base.tokenizer) as engine:
+    with Engine(base.model, base.config, "kvswap", setup.kv_path, base.tokenizer) as engine:
         engine.open_context_store(setup.store_dir, chunk_tokens=setup.chunk_tokens, max_bytes=setup.max_bytes)
         ids = engine.context_ids(name)
         engine.ttft = TTFTOptions("load_only")
         with_store = engine.generate([question], max_new_tokens=new, context=name)[0].token_ids
         stored = engine.prefill_stats[0]["stored_tokens"] if engine.prefill_stats else 0
-    with Engine(base.model, base.config, "kvswap", setup.kv_root, base.tokenizer) as plain:
+    with Engine(base.model, base.config, "kvswap", setup.kv_path, base.tokenizer) as plain:
         without = plain.generate([list(ids) + question], max_new_tokens=new)[0].token_ids
     return {"context": name, "stored_tokens": int(stored), "tokens_with_store": with_store,
             "tokens_without_store": without, "equal": with_store == without}
@@ -474,9 +474,9 @@ def check_after_crash(base, setup: Setup, rng: random.Random, gen_checks: int = 
     """(a)-(d) on the folder a killed child left, as the next process would open it."""
     from edgekv.runtime import Engine
 
-    res = {"tmp_before_open": tmp_debris(setup.store_dir), "dead_kv_before": dead_kv_folders(setup.kv_root),
+    res = {"tmp_before_open": tmp_debris(setup.store_dir), "dead_kv_before": dead_kv_folders(setup.kv_path),
            "errors": []}
-    engine = Engine(base.model, base.config, "kvswap", setup.kv_root, base.tokenizer)
+    engine = Engine(base.model, base.config, "kvswap", setup.kv_path, base.tokenizer)
     try:
         store = engine.open_context_store(setup.store_dir, chunk_tokens=setup.chunk_tokens, max_bytes=setup.max_bytes)
         res["tmp_after_open"] = tmp_debris(setup.store_dir)
@@ -487,14 +487,14 @@ def check_after_crash(base, setup: Setup, rng: random.Random, gen_checks: int = 
         for c in rng.sample(listed, min(gen_checks, len(listed))):
             res["generation"].append(generation_check(base, setup, c["name"], rng))
         if not res["generation"]:  # nothing stored yet: a disk-policy run opens the KV store all the same
-            with Engine(base.model, base.config, "kvswap", setup.kv_root, base.tokenizer) as plain:
+            with Engine(base.model, base.config, "kvswap", setup.kv_path, base.tokenizer) as plain:
                 plain.generate([[1, 2, 3, 4, 5]], max_new_tokens=1)
     except Exception as exc:
         res["errors"].append(f"check: {type(exc).__name__}: {exc}")
     finally:
         engine.close()
     res.setdefault("tmp_after_open", tmp_debris(setup.store_dir))
-    res["dead_kv_after"] = dead_kv_folders(setup.kv_root)
+    res["dead_kv_after"] = dead_kv_folders(setup.kv_path)
     res["generation_mismatch"] = sum(not g["equal"] for g in res.get("generation", []))
     return res
 
@@ -504,8 +504,8 @@ def check_after_crash(base, setup: Setup, rng: random.Random, gen_checks: int = 
 def load_base(setup: Setup):
     from edgekv.runtime import Engine
 
-    setup.kv_root.mkdir(parents=True, exist_ok=True)
-    return Engine.from_pretrained(setup.model, policy="kvswap", kv_offload_path=setup.kv_root,
+    setup.kv_path.mkdir(parents=True, exist_ok=True)
+    return Engine.from_pretrained(setup.model, policy="kvswap", kv_path=setup.kv_path,
                                   config={"max_context": setup.max_context})
 
 
@@ -537,7 +537,7 @@ def run_campaign(setup: Setup, trials: int, seed: int = 0, targeted_every: int =
     rng = random.Random(seed)
     setup.workdir.mkdir(parents=True, exist_ok=True)
     base = base or load_base(setup)
-    setup.kv_root.mkdir(parents=True, exist_ok=True)
+    setup.kv_path.mkdir(parents=True, exist_ok=True)
     logs = setup.workdir / "logs"
     logs.mkdir(exist_ok=True)
     results = []

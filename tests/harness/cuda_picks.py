@@ -27,7 +27,7 @@ def trace(case: str, device: str) -> tuple[list, list]:
     OffloadedKV._fetch_picks = recorded
     try:
         with tempfile.TemporaryDirectory() as kv, Engine.from_pretrained(
-                "fixture", kv_offload_path=kv, config={**BASE, **extra}, policy=policy, device=device,
+                "fixture", kv_path=kv, config={**BASE, **extra}, policy=policy, device=device,
                 dtype=torch.float32) as engine:
             batch = engine.open_batch(len(PROMPTS), BASE["max_context"])
             logits = torch.stack([batch.join(row, p).logits for row, p in enumerate(PROMPTS)]).float().cpu()

@@ -156,7 +156,7 @@ def run_campaign(trials: int, model: str = "fixture", seed: int = 0, faults=FAUL
     rows = {f: {"trials": 0, "detected": 0, "wrong_tokens": 0, "errors": {}, "files_left": 0, "next_request_checked": 0,
                 "next_request_ok": 0} for f in faults}
     try:
-        engine = Engine.from_pretrained(model, kv_offload_path=root, config=config, policy="kvswap")
+        engine = Engine.from_pretrained(model, kv_path=root, config=config, policy="kvswap")
         vocab = engine.model.dims.vocab
         prompts = [rng.integers(1, vocab, prompt_tokens).tolist() for _ in range(2)]
         clean = [r.token_ids for r in engine.generate(prompts, max_new_tokens=new_tokens, stop_token_ids=[])]
@@ -285,7 +285,7 @@ def run_store_flips(trials: int, model: str = "fixture", seed: int = 0, kinds=("
     config = {"G": 4, "M": 4, "C": 8, "max_context": context_tokens + new_tokens + 16, "max_batch": 1}
     try:
         (root / "kv").mkdir()
-        with Engine.from_pretrained(model, kv_offload_path=root / "kv", config=config, policy="kvswap") as engine:
+        with Engine.from_pretrained(model, kv_path=root / "kv", config=config, policy="kvswap") as engine:
             engine.ttft = TTFTOptions("load_only")  # every stored chunk is read at prefill: a damaged one meets a read
             ids, prompt = (rng.integers(3, engine.model.dims.vocab, n).tolist() for n in (context_tokens, 4))
             no_store = engine.generate([ids + prompt], max_new_tokens=new_tokens, stop_token_ids=[])[0].token_ids

@@ -52,7 +52,7 @@ def count(model: str, policy: str, cfg: dict, context: int, steps: int, device: 
     thread only (a torch function mode is per thread): on a GPU the I/O threads' copies to the device slots are not
     among them."""
     with tempfile.TemporaryDirectory() as kv, Engine.from_pretrained(
-            model, kv_offload_path=kv, config={"max_context": context, "max_batch": 1, **cfg}, policy=policy,
+            model, kv_path=kv, config={"max_context": context, "max_batch": 1, **cfg}, policy=policy,
             device=device, weights=weights, dtype=dtype) as engine:
         token = torch.tensor([5])
         with prefilled(engine, context) as batch:
