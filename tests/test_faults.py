@@ -350,7 +350,7 @@ def test_the_trailer_names_what_it_checks():
 
 def test_every_file_of_a_stored_context_survives_flipped_bytes():
     """The CI share of the campaign (docs/results/faults/faults-store-flips.json runs 700): every file flipped 6 times."""
-    result = run_store_flips(42, progress=False)
+    result = run_store_flips(42, progress=False, device="cpu")
     assert result["undamaged_equals_no_store"]
     assert {k: (r["files"], r["flips"]) for k, r in result["by_kind"].items()} == {
         "store.json": (1, 6), "index.json": (1, 6), "context": (1, 6), "blob": (4, 24)}
@@ -366,7 +366,7 @@ def test_the_store_campaign_catches_a_store_that_trusts_its_context_files(monkey
         return json.loads(data)
 
     monkeypatch.setattr(ContextStore, "_context_body", trusting)
-    result = run_store_flips(8, kinds=("context",), progress=False)
+    result = run_store_flips(8, kinds=("context",), progress=False, device="cpu")
     assert result["totals"]["wrong"] + result["totals"]["opaque"] > 0
 
 

@@ -133,9 +133,9 @@ class _Seen(logging.Handler):
 
 
 def run_campaign(trials: int, model: str = "fixture", seed: int = 0, faults=FAULTS, prompt_tokens: int = 200,
-                 new_tokens: int = 6, progress: bool = True) -> dict:
+                 new_tokens: int = 6, progress: bool = True, device: str | None = None) -> dict:
     """``trials`` generations, each with one fault at a random read, against one clean run; per fault the count
-    of trials, detections and wrong tokens, and what the user saw."""
+    of trials, detections and wrong tokens, and what the user saw.  ``device``: the engine's (None: its default)."""
     import torch
     from tqdm import tqdm
 
@@ -156,7 +156,7 @@ def run_campaign(trials: int, model: str = "fixture", seed: int = 0, faults=FAUL
     rows = {f: {"trials": 0, "detected": 0, "wrong_tokens": 0, "errors": {}, "files_left": 0, "next_request_checked": 0,
                 "next_request_ok": 0} for f in faults}
     try:
-        engine = Engine.from_pretrained(model, kv_path=root, config=config, policy="kvswap")
+        engine = Engine.from_pretrained(model, kv_path=root, config=config, policy="kvswap", device=device)
         vocab = engine.model.dims.vocab
         prompts = [rng.integers(1, vocab, prompt_tokens).tolist() for _ in range(2)]
         clean = [r.token_ids for r in engine.generate(prompts, max_new_tokens=new_tokens, stop_token_ids=[])]
@@ -262,12 +262,13 @@ def _by_kind(rows: dict) -> dict:
 
 
 def run_store_flips(trials: int, model: str = "fixture", seed: int = 0, kinds=("store.json", "index.json", "context", "blob"),
-                    context_tokens: int = 100, chunk_tokens: int = 32, new_tokens: int = 8, progress: bool = True) -> dict:
+                    context_tokens: int = 100, chunk_tokens: int = 32, new_tokens: int = 8, progress: bool = True,
+                    device: str | None = None) -> dict:
     """``trials`` requests on a saved context ``doc``, each against a fresh copy of its store with one byte of one
     file flipped (the files of ``kinds`` in turn, a random offset, XOR a random non-zero value).  Outcomes per file:
     ``same`` tokens as undamaged, ``named_error`` (an error whose message names the file), ``wrong`` tokens,
     ``opaque`` (any other error); ``named`` counts the flips a warning or the error named (the file, or a blob's
-    hash), ``detected_by`` the check that caught them."""
+    hash), ``detected_by`` the check that caught them.  ``device``: the engine's (None: its default)."""
     import torch
     from tqdm import tqdm
 
@@ -285,7 +286,8 @@ def run_store_flips(trials: int, model: str = "fixture", seed: int = 0, kinds=("
     config = {"G": 4, "M": 4, "C": 8, "max_context": context_tokens + new_tokens + 16, "max_batch": 1}
     try:
         (root / "kv").mkdir()
-        with Engine.from_pretrained(model, kv_path=root / "kv", config=config, policy="kvswap") as engine:
+        with Engine.from_pretrained(model, kv_path=root / "kv", config=config, policy="kvswap",
+                                    device=device) as engine:
             engine.ttft = TTFTOptions("load_only")  # every stored chunk is read at prefill: a damaged one meets a read
             ids, prompt = (rng.integers(3, engine.model.dims.vocab, n).tolist() for n in (context_tokens, 4))
             no_store = engine.generate([ids + prompt], max_new_tokens=new_tokens, stop_token_ids=[])[0].token_ids
