@@ -254,8 +254,8 @@ class DiskKVStore:
         self.records_reread = 0  # failed once, then read back intact (a transient fault)
         self._checks_lock = threading.Lock()  # the two counters above (and bytes_written) grow on several threads
         self._writers: ThreadPoolExecutor | None = None  # a flush's writes in flight together (write_layers)
-        self._planner = (backend or resolve_backend("cpu")).lib("requests")
-        self._requests = self._requests_numpy if self._planner is None else self._planned
+        self._requests_lib = (backend or resolve_backend("cpu")).lib("requests")
+        self._requests = self._requests_numpy if self._requests_lib is None else self._planned
 
     @property
     def n_paths(self) -> int:
@@ -570,7 +570,7 @@ class DiskKVStore:
         every group of the layer sits in the stripe, no stored context is attached and every record is checked or
         none is; None elsewhere, and where it refuses (a closed file, a sequence without checksums): the numpy path
         then raises the error."""
-        n, lib = len(seqs), self._planner
+        n, lib = len(seqs), self._requests_lib
         if not n or not self.plans_natively(layer):
             return None
         files = self.native_plan_fields(layer)

@@ -72,7 +72,7 @@ class FetchPlan(NamedTuple):
 
 class CallsPlanner:
     """The slot table's assignment, the slot memory's addresses and the store's planning, one call each; each read's
-    bytes count against its record's owner in ``bytes_read`` [B] (the policy's)."""
+    bytes count against its record's owner in ``bytes_read`` [B], the policy's own array (added to in place)."""
 
     def __init__(self, slots, slot_memory, store: DiskKVStore, bytes_read: np.ndarray):
         self.slots, self.slot_memory, self.store, self.bytes_read = slots, slot_memory, store, bytes_read
@@ -105,13 +105,11 @@ class CallsPlanner:
 
 class LayerJob:
     """One layer's job for picks of one shape, and the buffers it writes (the last step's until the next: a layer's
-    reads and attention are done with them by then).  ``native``: the store plans this layer's reads natively."""
+    reads and attention are done with them by then)."""
 
     def __init__(self, lib, slots: SlotTable, slot_memory, store: DiskKVStore, layer: int, batch: int, picks: int):
         entries = batch * picks
-        self.version, self.native = store.tables_version, store.plans_natively(layer)
         self.capacity = entries + (entries - 1) * store.gap_records  # every gap bridged
-        self.gap_records = store.gap_records
         self.slots = np.empty((batch, picks), dtype=np.int64)
         self.new = np.empty((4, entries), dtype=np.int64)  # each miss's owner, slot and group, and its address
         self.requests = np.empty((4, entries), dtype=np.int32)  # each request's file, count, path and gap count
@@ -123,7 +121,7 @@ class LayerJob:
         self.counts = np.zeros(2, dtype=np.int64)
         new, requests, records = (address(a) for a in (self.new, self.requests, self.records))
         rows, request_rows, record_rows = 8 * entries, 4 * entries, 8 * self.capacity
-        fields = {**slots.native_fields(layer), **(store.native_plan_fields(layer) if self.native else {}),
+        fields = {**slots.native_fields(layer), **store.native_plan_fields(layer),
                   "batch": batch, "picks": picks, "slots": address(self.slots), "new_owner": new,
                   "new_slot": new + rows, "new_group": new + 2 * rows, "addresses": new + 3 * rows,
                   "slot_base": slot_memory.slot_base(slots.buffer_index(layer)), "stride": store.layout.stride_bytes,
@@ -142,15 +140,19 @@ class NativePlanner(CallsPlanner):
     def __init__(self, lib, slots: SlotTable, slot_memory, store: DiskKVStore, bytes_read: np.ndarray):
         super().__init__(slots, slot_memory, store, bytes_read)
         self._lib = lib
-        self._jobs: dict[tuple[int, int, int], LayerJob] = {}
+        # (layer, batch, picks) -> (the store's tables_version and gap it was made for, the job; None: the store plans
+        # this layer in Python)
+        self._jobs: dict[tuple[int, int, int], tuple[int, int, LayerJob | None]] = {}
 
     def _assign(self, layer, groups, valid, owners):
         store = self.store
         key = (layer, *groups.shape)
-        job = self._jobs.get(key)
-        if job is None or job.version != store.tables_version or job.gap_records < store.gap_records:
-            job = self._jobs[key] = LayerJob(self._lib, self.slots, self.slot_memory, store, layer, *groups.shape)
-        if not job.native:
+        version, gap_records, job = self._jobs.get(key, (None, 0, None))
+        if version != store.tables_version or gap_records < store.gap_records:
+            job = LayerJob(self._lib, self.slots, self.slot_memory, store, layer, *groups.shape) \
+                if store.plans_natively(layer) else None
+            self._jobs[key] = (store.tables_version, store.gap_records, job)
+        if job is None:
             return super()._assign(layer, groups, valid, owners)
         groups = np.ascontiguousarray(groups, dtype=np.int64)
         valid = np.ascontiguousarray(valid, dtype=bool)

@@ -222,8 +222,8 @@ class SlotTable(Slots):
 
     def native_fields(self, layer: int) -> dict[str, int] | None:
         """What ``ekv_slots_assign`` takes of ``layer``'s tables (runtime/native/ekv_fetch.c's job fields: sizes,
-        addresses), for a native caller that passes no owners and counts its picks; None where the assignment is numpy's
-        (the torch backend, or a replacement the native code does not keep)."""
+        addresses), for a native caller that counts its picks (and passes each step's owners, or none); None where the
+        assignment is numpy's (the torch backend, or a replacement the native code does not keep)."""
         order = self._native_order
         if order is None:
             return None

@@ -249,7 +249,7 @@ int ekv_attend(const float *q, int batch, int n_kv_heads, int group_queries, int
     return 0;
 }
 
-/* The step's own K and V into their window ring (runtime/offload.py OffloadedKV._write_ring): `rows` rows of
+/* The step's own K and V into their window ring (runtime/offload/window.py Window._write_native): `rows` rows of
  * `row_bytes` from k, then as many from v (each contiguous, [batch, H_kv] rows of one token's head), to rows
  * `at[i] + offset` of `dst` (`at`: K's rows, then V's).  One call where torch's two index_put calls cost ~70 us a
  * layer inside a decode step. */

@@ -1,6 +1,8 @@
 /* A layer's picks to its reads in one call: the job a caller builds once per (layer, pick shape), and the call a
  * decode step makes with its picks.  runtime/fetch_plan.py's FetchJob mirrors struct ekv_fetch_job field for field
- * and checks its layout against ekv_fetch_job_offsets when the library loads. */
+ * and checks its size and offsets against ekv_fetch_job_bytes and ekv_fetch_job_offsets when the library loads.
+ * Every field is 8 bytes, an int64_t or a pointer (c_int64 or c_void_p there): keep it so, or that check cannot see a
+ * field's type change. */
 #ifndef EKV_FETCH_H
 #define EKV_FETCH_H
 #include <stdint.h>

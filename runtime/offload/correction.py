@@ -33,13 +33,13 @@ class CorrectionReads(NamedTuple):
 
 class Correction:
     """The correction stage of a disk policy that guesses a layer ahead.  ``pick(layer, q)``: the selector's picks
-    from a query on the host now; ``owners(groups)``: whose record each pick is; ``slots``: the policy's ``Slots``."""
+    from a query on the host now; ``owners_of(groups)``: whose record each pick is; ``slots``: the policy's ``Slots``."""
 
     def __init__(self, n_layers: int, batch: int, reads_cap: int, predictor: PredictorConfig, planner: CallsPlanner,
-                 io: ReadIO, slots, pick: Callable, owners: Callable):
+                 io: ReadIO, slots, pick: Callable, owners_of: Callable):
         self.reads_cap, self.overlap, self.recall = reads_cap, predictor.correction_overlap, \
             predictor.correction_recall
-        self.planner, self.io, self.slots, self._pick, self._owners = planner, io, slots, pick, owners
+        self.planner, self.io, self.slots, self._pick, self._owners_of = planner, io, slots, pick, owners_of
         self.steps = 0  # decode steps of the batch (what the probes count)
         self._probes = ProbeSchedule(n_layers)
         self._sources = GuessSources(n_layers) if predictor.guess_from_before else None
@@ -135,12 +135,12 @@ class Correction:
                                   and guessed.sum() >= self.recall * valid.sum())
         if self._sources is not None:
             self._sources.corrected(layer, self.steps, groups, valid, guessed, self._probes.due(layer, self.steps + 1))
-        owners = self._owners(groups)
+        owners = self._owners_of(groups)
         missing = valid & ~self.slots.resident(layer, groups, owners)
         over = missing & (np.cumsum(missing, axis=1) > self.reads_cap)
         if over.any():  # past the cap the guess's picks stand in: each one the guess had
             groups, valid = _fill_from_guess(groups, valid, over, self._guess)
-            owners = self._owners(groups)
+            owners = self._owners_of(groups)
             missing &= ~over  # the guess's picks standing in are in memory
             guessed = (guessed & ~over) | (valid & over)
         self.recall_counts += [int(guessed.sum()), int(valid.sum())]

@@ -14,6 +14,9 @@ from ..slots import record_owners
 
 
 class Stage(enum.IntEnum):
+    """Set by the compute thread alone; where an I/O thread takes picks still being made, their taking is part of the
+    reading job, so such a fetch goes from picked to reading."""
+
     PICKED = 0  # launched: on a GPU a copy to the host queued, on a CPU maybe still scored beside the compute
     PLANNED = 1  # on the host: slots assigned and the misses' reads planned (``FetchPlan``)
     READING = 2  # the reads submitted to an I/O thread
@@ -99,7 +102,7 @@ class PrefixOwners:
     whose prompt prefix it shares (``share_prefix``), so a record both pick is read once."""
 
     def __init__(self, batch: int):
-        self.owner = np.arange(batch)
+        self.owner = np.arange(batch)  # per sequence, whose its shared leading groups are (itself: none shared)
         self.shared_groups = np.zeros(batch, dtype=np.int64)
 
     def reset(self, seq: int) -> None:

@@ -56,9 +56,9 @@ class OffloadedKV(KVPolicy):
         self.takes_on_io = cpu and isinstance(self.planner, NativePlanner)  # picks still being made: _take's thread
         reads_cap = cfg.correction_slots if predict and selector.reads_ahead else 0
         self.io = ReadIO(store, self.slot_memory, self.read_time, cfg.io.read_deadline_s, bool(reads_cap))
-        self.owners = PrefixOwners(batch)
+        self.prefix_owners = PrefixOwners(batch)
         self.correction = Correction(dims.n_layers, batch, reads_cap, cfg.predictor, self.planner, self.io, slots,
-                                     lambda layer, q: self._launch(layer, q).result(), self.owners.of) \
+                                     lambda layer, q: self._launch(layer, q).result(), self.prefix_owners.of) \
             if reads_cap else None
         self.recluster = Recluster(placer, store, slots, self.slot_memory, dims.n_layers, batch,
                                    cfg.placement.recluster_steps, self.G, self.picked_groups, cfg.sink_groups,
@@ -83,7 +83,7 @@ class OffloadedKV(KVPolicy):
         self.store.open_sequence(seq)
         self.slots.reset(seq)
         self.window.start(seq)
-        self.owners.reset(seq)
+        self.prefix_owners.reset(seq)
         if self.correction is not None:
             self.correction.reset()
         if self.recluster is not None:
@@ -93,16 +93,17 @@ class OffloadedKV(KVPolicy):
         """``seq``'s first ``n_groups`` groups are ``owner``'s: it reads them from the owner's records, through
         one reuse pool, so a group both pick is read once and then hit by both."""
         self.store.share_prefix(seq, owner, n_groups)
-        self.owners.share(seq, owner, n_groups)
+        self.prefix_owners.share(seq, owner, n_groups)
         self.slots.share([owner, seq])  # joins the pool of the owner's other borrowers too
 
     def observe_prompt(self, layer, seq, q):
-        self.recluster.observe(layer, q)  # asked for by the re-clustering stage alone (prompt_queries)
+        if self.recluster is not None:  # the one stage that asks for them (prompt_queries)
+            self.recluster.observe(layer, q)
 
     def store_prompt(self, layer, seq, k, v):
         tokens = k.shape[1] // self.G * self.G
         if self.recluster is not None:
-            self.recluster.lay_out(layer, seq, k, tokens // self.G, borrows=bool(self.owners.shared_groups[seq]))
+            self.recluster.lay_out(layer, seq, k, tokens // self.G, borrows=bool(self.prefix_owners.shared_groups[seq]))
         self.store.write_groups(seq, layer, 0, self.layout.pack(k[:, :tokens], v[:, :tokens]))
         self.selector.append(layer, seq, 0, k[:, :tokens])
         self.window.keep_prompt(layer, seq, k, v)
@@ -152,17 +153,18 @@ class OffloadedKV(KVPolicy):
                 return
             started = time.perf_counter()
             self._take(fetch)
+            fetch.stage = Stage.PLANNED
             self.select_s += time.perf_counter() - started
             fetch.stage, fetch.future = Stage.READING, self.io.submit(self._read, fetch, self._gate(fetch.layer))
 
     def _take(self, fetch: LayerFetch) -> None:
-        """Picked -> planned, the one place picks are taken: on the host, kept for re-clustering, slots assigned and
-        the misses' reads planned (the planner's lock: the compute thread and an I/O thread both plan)."""
+        """The one place picks are taken: on the host, kept for re-clustering, slots assigned and the misses' reads
+        planned (the planner's lock: the compute thread and an I/O thread both plan)."""
         fetch.groups, fetch.valid = fetch.picks.result()
         if self.recluster is not None:
-            self.recluster.keep(fetch.layer, fetch.groups, fetch.valid, self.owners.of(fetch.groups), fetch.active)
-        fetch.plan = self.planner.plan(fetch.layer, fetch.groups, fetch.valid, self.owners.where_shared(fetch.groups))
-        fetch.stage = Stage.PLANNED
+            self.recluster.keep(fetch.layer, fetch.groups, fetch.valid, self.prefix_owners.of, fetch.active)
+        fetch.plan = self.planner.plan(fetch.layer, fetch.groups, fetch.valid,
+                                       self.prefix_owners.where_shared(fetch.groups))
 
     def _read(self, fetch: LayerFetch, gate) -> None:
         self.io.read(fetch.layer, self.slots.buffer_index(fetch.layer), fetch.plan.misses, fetch.plan.reads, gate)

@@ -48,10 +48,11 @@ class Recluster:
         self.slots.replacement.set_prior(layer, seq, groups, activation)
         self.slots.replacement.set_cost(layer, seq, groups, cost)
 
-    def keep(self, layer: int, groups: np.ndarray, valid: np.ndarray, owners: np.ndarray, active: np.ndarray) -> None:
-        """The step's picks per record owner, until that owner's layers are clustered again."""
+    def keep(self, layer: int, groups: np.ndarray, valid: np.ndarray, owners_of, active: np.ndarray) -> None:
+        """The step's picks per record owner (``owners_of(groups)``), until that owner's layers are clustered again."""
         if not (self.decode_steps[active] < self.recluster_steps).any():
             return
+        owners = owners_of(groups)
         with self._lock:
             for b in np.flatnonzero(valid.any(axis=1)).tolist():
                 for owner in np.unique(owners[b][valid[b]]).tolist():

@@ -10,35 +10,28 @@ import tempfile
 import numpy as np
 import torch
 from edgekv.runtime import Engine
-from edgekv.runtime.offload import OffloadedKV
 
 from tests.test_cuda import BASE, CASES, NEW_TOKENS, PROMPTS
 
 
 def trace(case: str, device: str) -> tuple[list, list]:
-    """(every layer's fetched picks (layer, picks [B, M], -1 = none), every step's logits [B, V] on the CPU)."""
+    """(every layer's attended picks (layer, picks [B, M], -1 = none), every step's logits [B, V] on the CPU)."""
     policy, extra = CASES[case]
-    picks, fetch = [], OffloadedKV._fetch_picks
-
-    def recorded(self, layer, groups, valid, *rest):
-        picks.append((layer, np.where(valid, groups, -1)))
-        return fetch(self, layer, groups, valid, *rest)
-
-    OffloadedKV._fetch_picks = recorded
-    try:
-        with tempfile.TemporaryDirectory() as kv, Engine.from_pretrained(
-                "fixture", kv_path=kv, config={**BASE, **extra}, policy=policy, device=device,
-                dtype=torch.float32) as engine:
-            batch = engine.open_batch(len(PROMPTS), BASE["max_context"])
-            logits = torch.stack([batch.join(row, p).logits for row, p in enumerate(PROMPTS)]).float().cpu()
-            batch.end_prefill()
-            steps = []
-            with batch:
-                for _ in range(NEW_TOKENS):
-                    steps.append(logits)
-                    logits = batch.step(logits.argmax(-1)).float().cpu()
-    finally:
-        OffloadedKV._fetch_picks = fetch
+    picks = []
+    with tempfile.TemporaryDirectory() as kv, Engine.from_pretrained(
+            "fixture", kv_path=kv, config={**BASE, **extra}, policy=policy, device=device,
+            dtype=torch.float32) as engine:
+        engine.events.subscribe(lambda e: picks.append((e.info["layer"], np.where(e.info["valid"], e.info["groups"],
+                                                                                  -1)))
+                                if e.kind == "groups_selected" else None)
+        batch = engine.open_batch(len(PROMPTS), BASE["max_context"])
+        logits = torch.stack([batch.join(row, p).logits for row, p in enumerate(PROMPTS)]).float().cpu()
+        batch.end_prefill()
+        steps = []
+        with batch:
+            for _ in range(NEW_TOKENS):
+                steps.append(logits)
+                logits = batch.step(logits.argmax(-1)).float().cpu()
     return picks, steps
 
 
