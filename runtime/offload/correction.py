@@ -33,7 +33,8 @@ class CorrectionReads(NamedTuple):
 
 class Correction:
     """The correction stage of a disk policy that guesses a layer ahead.  ``pick(layer, q)``: the selector's picks
-    from a query on the host now; ``owners_of(groups)``: whose record each pick is; ``slots``: the policy's ``Slots``."""
+    from a query on the host now; ``owners_of(groups)``: whose record each pick is; ``slots``: the policy's
+    ``Slots``."""
 
     def __init__(self, n_layers: int, batch: int, reads_cap: int, predictor: PredictorConfig, planner: CallsPlanner,
                  io: ReadIO, slots, pick: Callable, owners_of: Callable):
@@ -102,8 +103,8 @@ class Correction:
         self.correction_s += time.perf_counter() - started
         return picks
 
-    def attend(self, layer: int, q: torch.Tensor, corrected: tuple[np.ndarray, np.ndarray], attention: GatheredAttention,
-               resident: torch.Tensor) -> torch.Tensor:
+    def attend(self, layer: int, q: torch.Tensor, corrected: tuple[np.ndarray, np.ndarray],
+               attention: GatheredAttention, resident: torch.Tensor) -> torch.Tensor:
         """The layer's attention over its corrected picks; with ``correction_overlap`` the picks in memory are
         attended while the correction's reads land, then those, the two parts merged by log-sum-exp."""
         slots, valid, late = self._correct(layer, *corrected)

@@ -11,7 +11,7 @@ from ..reader import BusyTime, ReadBatch
 from ..slot_memory import LAYERS_IN_FLIGHT
 from ..slots import Misses
 
-_ABANDONED: dict = {}  # id(future) -> (future, buffers) of reads past their deadline: their memory lives until they land
+_ABANDONED: dict = {}  # id(future) -> (future, buffers) of reads past their deadline: their memory lives till they land
 _ABANDONED_LOCK = threading.Lock()
 
 

@@ -90,8 +90,7 @@ class OffloadedKV(KVPolicy):
             self.recluster.start_sequence(seq)
 
     def share_prefix(self, seq, owner, n_groups):
-        """``seq``'s first ``n_groups`` groups are ``owner``'s: it reads them from the owner's records, through
-        one reuse pool, so a group both pick is read once and then hit by both."""
+        """``seq``'s first ``n_groups`` groups are ``owner``'s records, in one reuse pool: read once, hit by both."""
         self.store.share_prefix(seq, owner, n_groups)
         self.prefix_owners.share(seq, owner, n_groups)
         self.slots.share([owner, seq])  # joins the pool of the owner's other borrowers too
@@ -141,13 +140,11 @@ class OffloadedKV(KVPolicy):
             self._take_made(wait_upto=-1)
 
     def take_picks(self) -> None:
-        """The launched picks on the host, in layer order, and their reads submitted (at each attention; a hybrid
-        model's local layers call it too, so a global layer's reads start a layer ahead)."""
+        """The launched picks taken in layer order and their reads submitted (a hybrid model's local layers too)."""
         self._take_made(wait_upto=None)
 
     def _take_made(self, wait_upto: int | None) -> None:
-        """``take_picks``, waiting only for the layers up to ``wait_upto`` (None: every one): a later layer's picks
-        are taken if made, and the rest wait for the next call."""
+        """``take_picks``, waiting only for the layers up to ``wait_upto`` (None: all); later ones taken if made."""
         for fetch in [f for f in self._fetches.values() if f.stage is Stage.PICKED]:
             if wait_upto is not None and fetch.layer > wait_upto and not fetch.picks.ready():
                 return

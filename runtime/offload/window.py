@@ -60,7 +60,8 @@ class Window:
         """A layer of a prompt's K/V [H_kv, T, d]: its sinks, and its last full groups and partial group in the ring;
         after the last layer the sequence's counts say how far it is filled."""
         n_full = k.shape[1] // self.G
-        for group in [*range(min(n_full, self.sink_groups))] + [*range(max(0, n_full - self.window_groups), n_full + 1)]:
+        kept = [*range(min(n_full, self.sink_groups))] + [*range(max(0, n_full - self.window_groups), n_full + 1)]
+        for group in kept:
             span = slice(group * self.G, min((group + 1) * self.G, k.shape[1]))
             self.keep_group(layer, seq, group, k[:, span], v[:, span], in_ring=group >= n_full - self.window_groups)
         self._step = None
@@ -133,7 +134,7 @@ class Window:
         """``seq``'s group in ``span`` is on disk: a sink group is kept in the sinks too, and a new group begins."""
         group = int(self.n_groups[seq])
         for layer in range(self.rolling.shape[0]) if group < self.sink_groups else ():
-            self.keep_group(layer, seq, group, self.rolling[layer, seq, 0, :, span], self.rolling[layer, seq, 1, :, span],
-                            in_ring=False)
+            k, v = self.rolling[layer, seq, :, :, span]
+            self.keep_group(layer, seq, group, k, v, in_ring=False)
         self.n_groups[seq] += 1
         self.rb_len[seq] = 0
