@@ -94,6 +94,24 @@ def kv_path(tmp_path):
     return path
 
 
+@pytest.fixture
+def failing_build(monkeypatch):
+    """``failing_build(name, what, stderr)``: the native library ``name`` fails to build as a compiler fails it
+    (runtime/native_build.py's BuildError with that output); the others build as ever."""
+    from edgekv.runtime import native_build
+
+    real = native_build.build
+
+    def fail(name: str, what: str, stderr: str) -> None:
+        def build(library):
+            if library == name:
+                raise native_build.BuildError(what, ["cc"], stderr)
+            return real(library)
+
+        monkeypatch.setattr(native_build, "build", build)
+    return fail
+
+
 def run_in_threads(target, n: int) -> list[BaseException]:
     """``target()`` on ``n`` threads at once, all joined; what they raised."""
     errors = []

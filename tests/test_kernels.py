@@ -4,7 +4,7 @@ kernels from the backend the engine resolved."""
 import pytest
 import torch
 
-from edgekv.runtime import Engine, native_build
+from edgekv.runtime import Engine
 from edgekv.runtime.kernels import CPU_KERNELS, load_backend, resolve_backend
 
 NATIVE = resolve_backend("cpu")
@@ -32,15 +32,8 @@ def test_a_backend_the_device_cannot_run_is_refused_by_name(device, name, messag
         resolve_backend(device, name)
 
 
-def test_a_library_that_does_not_build_leaves_the_cpu_on_the_reference(monkeypatch, caplog):
-    real_build = native_build.build
-
-    def build(name):
-        if name == "dense":
-            raise native_build.BuildError("the in-memory cache's decode attention", ["cc"], "x.c:1: error: broken")
-        return real_build(name)
-
-    monkeypatch.setattr(native_build, "build", build)
+def test_a_library_that_does_not_build_leaves_the_cpu_on_the_reference(failing_build, caplog):
+    failing_build("dense", "the in-memory cache's decode attention", "x.c:1: error: broken")
     with caplog.at_level("WARNING", logger="edgekv.runtime.kernels"):
         backend = load_backend("cpu")
     assert backend.name == "torch" and backend.libraries == {}

@@ -177,22 +177,14 @@ def test_rows_the_scorer_cannot_read_take_the_torch_path():
     assert selector.stats()["scorer_fallback"] == "torch.float16 K_lr rows: scored through torch"
 
 
-def test_a_selection_that_scores_natively_reports_no_fallback_and_a_missing_compiler_is_reported(monkeypatch, caplog):
+def test_a_selection_that_scores_natively_reports_no_fallback_and_a_missing_compiler_is_reported(failing_build,
+                                                                                                   caplog):
     """The result's stats say when a CPU select scored through torch, so a slow run is not a mystery: a scorer that
     does not build leaves the whole CPU backend torch's (the build's error logged), and the selector says so."""
-    from edgekv.runtime import native_build
-
     selector = filled_selector("int8", "softmax", 8, 4, 1, [40])
     selector.select(0, torch.randn(1, 6, 1, 16), np.array([10]))
     assert selector.stats() == {"scorer_fallback": None}
-    real_build = native_build.build
-
-    def build(name):
-        if name == "score":
-            raise native_build.BuildError("the K_lr group scorer", ["cc"], "ekv_score.c:1: error: no compiler here")
-        return real_build(name)
-
-    monkeypatch.setattr(native_build, "build", build)
+    failing_build("score", "the K_lr group scorer", "ekv_score.c:1: error: no compiler here")
     with caplog.at_level("WARNING", logger="edgekv.runtime.kernels"):
         backend = load_backend("cpu")
     assert backend.name == "torch" and backend.libraries == {} and "error: no compiler here" in backend.reason
