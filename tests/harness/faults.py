@@ -119,6 +119,19 @@ class FaultyReader(KVReader):
         self.inner.close()
 
 
+def _listen(handler: logging.Handler):
+    """The engine's warnings reach ``handler`` (a campaign counts them); returns what undoes it."""
+    logger = logging.getLogger("edgekv")
+    level = logger.level
+    logger.setLevel(logging.WARNING)
+    logger.addHandler(handler)
+
+    def stop() -> None:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    return stop
+
+
 class _Seen(logging.Handler):
     """Counts the engine's own words for a caught fault: a re-read that healed it, a record that failed twice."""
 
@@ -149,10 +162,7 @@ def run_campaign(trials: int, model: str = "fixture", seed: int = 0, faults=FAUL
     rng = np.random.default_rng(seed)
     root = Path(tempfile.mkdtemp(prefix="edgekv-faults-"))
     seen = _Seen()
-    logger = logging.getLogger("edgekv")
-    level = logger.level
-    logger.setLevel(logging.WARNING)
-    logger.addHandler(seen)
+    stop_listening = _listen(seen)
     rows = {f: {"trials": 0, "detected": 0, "wrong_tokens": 0, "errors": {}, "files_left": 0, "next_request_checked": 0,
                 "next_request_ok": 0} for f in faults}
     try:
@@ -193,8 +203,7 @@ def run_campaign(trials: int, model: str = "fixture", seed: int = 0, faults=FAUL
                 row["next_request_ok"] += after == clean
         engine.close()
     finally:
-        logger.removeHandler(seen)
-        logger.setLevel(level)
+        stop_listening()
         time.sleep(0.1)
         shutil.rmtree(root, ignore_errors=True)
     damage = [rows[f] for f in faults if f in DAMAGE]
@@ -279,10 +288,7 @@ def run_store_flips(trials: int, model: str = "fixture", seed: int = 0, kinds=("
     rng = np.random.default_rng(seed)
     root = Path(tempfile.mkdtemp(prefix="edgekv-store-flips-"))
     seen = _Messages()
-    logger = logging.getLogger("edgekv")
-    level = logger.level
-    logger.setLevel(logging.WARNING)
-    logger.addHandler(seen)
+    stop_listening = _listen(seen)
     config = {"G": 4, "M": 4, "C": 8, "max_context": context_tokens + new_tokens + 16, "max_batch": 1}
     try:
         (root / "kv").mkdir()
@@ -324,8 +330,7 @@ def run_store_flips(trials: int, model: str = "fixture", seed: int = 0, kinds=("
                     unnamed.append({"file": rel, "offset": offset, "xor": mask, "outcome": outcome, "error": message})
             engine.context_store = None
     finally:
-        logger.removeHandler(seen)
-        logger.setLevel(level)
+        stop_listening()
         shutil.rmtree(root, ignore_errors=True)
     by_kind = _by_kind(rows)
     return {"model": model, "trials": trials, "seed": seed, "context_tokens": context_tokens, "chunk_tokens": chunk_tokens,
