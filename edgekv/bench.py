@@ -25,6 +25,7 @@ compare like with like; the meta says how, and whether the real disk can carry N
 from __future__ import annotations
 
 import json
+import logging
 import os
 import warnings
 from dataclasses import asdict, dataclass
@@ -208,6 +209,9 @@ ROWS = (Row("full", "full"), Row("flexgen", "flexgen"), Row("token", "token"),
         Row("kvswap-noverify", "kvswap", overrides=(("verify_fraction", 0.0),)), Row("arkv", "arkv"),
         Row("kvswap-quality", "kvswap", chosen=True),
         Row("kvswap-quality-corrected", "kvswap", overrides=(("correction", "corrected"),), chosen=True))
+_log = logging.getLogger(__name__)
+# what a bench point finds beyond its rows, per key ("<batch>x<context>", or a budget's), gathered into the meta
+FOUND = ("paths_configs", "replacement_replay", "dedup", "llama_cpp_failed")
 LLAMA_CPP_ROW = "llama.cpp"  # the GGUF file under llama.cpp (llama_cpp_run), not a policy
 # what a crash of the llama.cpp row's process names as its fix (seen: SIGSEGV in ggml's AMX matmul on a VM that lists
 # AMX but faults in it)
@@ -215,6 +219,7 @@ LLAMA_CPP_CRASH_FIX = ("on a CPU that lists AMX but faults in it, build llama-cp
                        "CMAKE_ARGS=\"-DGGML_NATIVE=ON -DCMAKE_C_FLAGS='-mno-amx-tile -mno-amx-int8 -mno-amx-bf16' "
                        "-DCMAKE_CXX_FLAGS='-mno-amx-tile -mno-amx-int8 -mno-amx-bf16'\" "
                        "pip install --force-reinstall --no-deps llama-cpp-python")
+LLAMA_CPP_BASE_S, LLAMA_CPP_S_PER_TOKEN = 120.0, 0.05  # the row's process is stopped after base + this a token
 
 
 def rows() -> list[Row]:
@@ -530,7 +535,7 @@ def bench_point(model: DecoderModel, kv_path: Path, batch: int, context: int, bu
                     keep(measure(name, label, budget, cfg, ram, prompts))
             else:
                 keep(measure(name, label, budget, cfg, kv_path, prompts))
-    found = {"paths_configs": {}, "replacement_replay": {}, "dedup": {}, "llama_cpp_failed": {}}
+    found = {name: {} for name in FOUND}
     questions = shared_doc_prompts(prompts[0], max(2, batch), vocab, g) if kv_paths else []
     for budget in budgets if kv_paths else []:
         kvswap = next((cfg for name, b, cfg in configs if name == TUNED_ROW and b == budget), None)
@@ -632,15 +637,30 @@ def llama_cpp_run(gguf: Path, dims, prompt: list[int], context: int, steps: int,
 
     request = {"gguf": str(gguf), "prompt": prompt, "context": context, "steps": warmup + steps,
                "threads": torch.get_num_threads()}
-    done = subprocess.run([sys.executable, "-m", "edgekv.llama_cpp_row"], input=json.dumps(request),
-                          capture_output=True, text=True)
+    # a child that hangs (a stuck thread pool) ends its row too: far longer than a 2-core CPU's prefill and steps take
+    timeout_s = LLAMA_CPP_BASE_S + LLAMA_CPP_S_PER_TOKEN * (len(prompt) + warmup + steps)
+    try:
+        done = subprocess.run([sys.executable, "-m", "edgekv.llama_cpp_row"], input=json.dumps(request),
+                              capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        raise LlamaCppFailed(f"no step times within {timeout_s:.0f} s: the process was stopped") from None
+    if done.stderr.strip():
+        _log.debug("llama.cpp row's stderr:\n%s", done.stderr)
+    last = (done.stderr.strip().splitlines() or ["(nothing on stderr)"])[-1]
     if done.returncode < 0:
-        name = signal.Signals(-done.returncode).name
-        raise LlamaCppFailed(f"killed by {name}; {LLAMA_CPP_CRASH_FIX}")
+        try:
+            name = signal.Signals(-done.returncode).name
+        except ValueError:
+            name = f"signal {-done.returncode}"
+        if name in ("SIGSEGV", "SIGILL"):  # the wheel's native code: the AMX fault seen, or an instruction it lacks
+            raise LlamaCppFailed(f"killed by {name}; {LLAMA_CPP_CRASH_FIX}")
+        raise LlamaCppFailed(f"killed by {name}: {last}")
     if done.returncode > 0:
-        last = (done.stderr.strip().splitlines() or ["(nothing on stderr)"])[-1]
         raise LlamaCppFailed(f"exited with status {done.returncode}: {last}")
-    step_ns = json.loads(done.stdout.strip().splitlines()[-1])["step_ns"]
+    try:
+        step_ns = json.loads(done.stdout.strip().splitlines()[-1])["step_ns"]
+    except (IndexError, KeyError, json.JSONDecodeError):
+        raise LlamaCppFailed(f"no step times on its stdout ({done.stdout.strip()[-200:]!r}): {last}") from None
     rate, step_ms = decode_rate([(i, 1, ns) for i, ns in enumerate(step_ns)], warmup)
     kv_f16_bytes = dims.n_layers * context * 2 * dims.n_kv_heads * dims.head_dim * 2  # llama.cpp's default f16 cache
     return Run(LLAMA_CPP_ROW, None, 1, context, rate, None, kv_f16_bytes / 2**20, 0.0, None, None, 0.0, 0.0, step_ms)
@@ -759,7 +779,7 @@ def run(model_dir: Path, kv_path: Path, batches: list[int], contexts: list[int],
     gguf, llama_note = llama_cpp_source(model_dir, policies)
     log(f"llama.cpp row: {llama_note}")
     points = [(c, b) for c in contexts for b in batches]
-    runs, found = [], {"paths_configs": {}, "replacement_replay": {}, "dedup": {}, "llama_cpp_failed": {}}
+    runs, found = [], {name: {} for name in FOUND}
     with Progress(len(points), "bench points", quiet) as progress:
         for context, batch in points:
             with progress.cell(f"batch {batch}, context {context}") as on_event:

@@ -205,6 +205,26 @@ def test_a_llama_cpp_row_whose_process_fails_names_its_last_error(tmp_path, fake
         bench.llama_cpp_run(tmp_path / "gone.gguf", None, [5, 6], 64, 2, 1)
 
 
+def test_a_llama_cpp_row_killed_by_another_signal_names_its_last_words_not_the_amx_fix(tmp_path, fake_llama_cpp,
+                                                                                      monkeypatch):
+    """SIGABRT (a ggml assert) or SIGKILL (out of memory) is not the AMX fault: the row names the signal and what the
+    process wrote last, without the AMX rebuild."""
+    (tmp_path / "m.gguf").touch()
+    monkeypatch.setenv("FAKE_LLAMA_CPP_CRASH", "SIGABRT")
+    with pytest.raises(bench.LlamaCppFailed) as failed:
+        bench.llama_cpp_run(tmp_path / "m.gguf", None, [5, 6], 64, 2, 1)
+    assert str(failed.value) == "killed by SIGABRT: GGML_ASSERT failed before SIGABRT"
+
+
+def test_a_llama_cpp_row_whose_process_hangs_is_stopped_and_named(tmp_path, fake_llama_cpp, monkeypatch):
+    (tmp_path / "m.gguf").touch()
+    monkeypatch.setenv("FAKE_LLAMA_CPP_HANG", "1")
+    monkeypatch.setattr(bench, "LLAMA_CPP_BASE_S", 3.0)
+    monkeypatch.setattr(bench, "LLAMA_CPP_S_PER_TOKEN", 0.0)
+    with pytest.raises(bench.LlamaCppFailed, match="no step times within 3 s: the process was stopped"):
+        bench.llama_cpp_run(tmp_path / "m.gguf", None, [5, 6], 64, 2, 1)
+
+
 def test_the_in_memory_twin_sets_kvswaps_overlap_against_its_limits(model_dirs, tmp_path):
     out = tmp_path / "bench.json"
     rc = small_bench(model_dirs, tmp_path, "--policies", "full,kvswap,kvswap-ram", "--json", str(out))

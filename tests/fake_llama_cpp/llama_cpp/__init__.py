@@ -12,12 +12,16 @@ It offers what that child calls, as abetlen/llama-cpp-python defines it (v0.3.35
   logits, ``n_vocab`` floats (without logits_all, one row).
 Its logits are made up: the greedy token after t is ``next_token(t)``, so a caller's greedy chain can be checked.
 ``FAKE_LLAMA_CPP_CRASH=SIGSEGV`` kills the process with that signal in the prompt's ``eval`` (as the wheel's AMX
-matmul did on an 8K prompt); ``FAKE_LLAMA_CPP_LOG=<file>`` records each instance's arguments and evals there as JSON.
+matmul did on an 8K prompt), after a line on stderr as ggml's asserts write one; ``FAKE_LLAMA_CPP_HANG=1`` never
+returns from the prompt's ``eval`` (a stuck thread pool); ``FAKE_LLAMA_CPP_LOG=<file>`` records each instance's
+arguments and evals there as JSON.
 """
 import ctypes
 import json
 import os
 import signal
+import sys
+import time
 
 N_VOCAB = 1000
 
@@ -48,7 +52,10 @@ class Llama:
         tokens = [int(t) for t in tokens]
         crash = os.environ.get("FAKE_LLAMA_CPP_CRASH")
         if crash and not self._evals:
+            print(f"GGML_ASSERT failed before {crash}", file=sys.stderr, flush=True)
             os.kill(os.getpid(), getattr(signal, crash))
+        while os.environ.get("FAKE_LLAMA_CPP_HANG") and not self._evals:
+            time.sleep(1)
         if self._n_tokens + len(tokens) > self._args["n_ctx"]:
             raise RuntimeError("llama_decode returned 1")
         self._evals.append(tokens)
