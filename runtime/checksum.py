@@ -49,7 +49,7 @@ def record_sums_by() -> Callable[[np.ndarray, int, object, object], np.ndarray]:
         lib = load_library("crc32c")
     except OSError as exc:
         log.warning("the CRC-32C library unavailable, checking KV records with the crc32c package (slower): %s",
-                    exc.cause if isinstance(exc, native_build.BuildError) else exc)
+                    native_build.cause(exc))
         return package_sums
 
     def native_sums(addresses: np.ndarray, record_bytes: int, layers, groups) -> np.ndarray:

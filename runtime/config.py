@@ -16,12 +16,12 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 from .quant import QUANT_DTYPES, RECORD_DTYPES
-from .reader import BACKENDS
+from .reader import READER_BACKENDS
 from .choices import CORRECTIONS, KLR_FORMATS, SCORE_REDUCES, SELECTOR_NAMES
 from .slot_memory import SLOT_MEMORIES
 from .slots import REPLACEMENTS as REPLACEMENT_POLICIES
 
-READER_BACKENDS = ("auto", *BACKENDS)
+READER_CHOICES = ("auto", *READER_BACKENDS)
 REPLACEMENTS = tuple(REPLACEMENT_POLICIES)
 
 
@@ -186,7 +186,7 @@ class Section:
 class IOConfig(Section):
     """The disk store and the KV reader (runtime/disk_store.py, runtime/reader.py): how records are read."""
 
-    reader_backend: str = setting("auto", OneOf(READER_BACKENDS), "the KV reader: io_uring, a pthread pool, python")
+    reader_backend: str = setting("auto", OneOf(READER_CHOICES), "the KV reader: io_uring, a pthread pool, python")
     io_align_bytes: int = setting(4096, PowerOfTwo(512), "records are padded to this (O_DIRECT's alignment)")
     io_queue_depth: int = setting(64, Whole(1), "reads in flight per KV path")
     max_request_bytes: int = setting(262144, Whole(1), "adjacent records of one file are read as one request")

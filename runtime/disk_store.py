@@ -162,7 +162,7 @@ def open_maybe_direct(path: Path, flags: int, mode: int = 0o600, direct: bool = 
 
 
 def check_kv_path(root) -> Path:
-    """The offload folder must exist and be writable; nothing is created here."""
+    """The KV folder (``kv_path``) must exist and be writable; nothing is created here."""
     if root is None:
         raise StoreError("kv_path is required for the disk policies (kvswap, token, flexgen, hillinfer); pass a folder on the KV disk")
     root = Path(root)

@@ -132,7 +132,7 @@ def ggml() -> Ggml | str:
     try:
         glue = load_library("ggml")
     except OSError as exc:
-        cause = exc.cause if isinstance(exc, native_build.BuildError) else exc
+        cause = native_build.cause(exc)
         return f"edgekv's glue to ggml (runtime/native/ekv_ggml.c) did not build ({cause})"
     cpu.ggml_cpu_init()  # the fp16 tables the dot products read
     return Ggml(base, cpu, glue)

@@ -77,7 +77,7 @@ def load_backend(device: str | torch.device, name: str | None = None) -> Backend
     except OSError as exc:
         if name == "native":
             raise
-        cause = exc.cause if isinstance(exc, native_build.BuildError) else str(exc)
+        cause = native_build.cause(exc)
         log.warning("%s: %s", cause, "every operation runs the torch reference" if chosen == "native" else
                     "slots and reads planned by numpy")
         return Backend("torch" if chosen == "native" else chosen, device, reason=cause)

@@ -28,6 +28,11 @@ _BUILDING = threading.Lock()  # a library's first users may be several threads a
 _FAILED: dict[Path, "BuildError"] = {}  # library -> its failed build here: each engine would run the compiler again
 
 
+def cause(exc: OSError) -> str:
+    """A library's failure in a line: a build's cause (what failed and the compiler's first error), else the error."""
+    return exc.cause if isinstance(exc, BuildError) else str(exc)
+
+
 class BuildError(OSError):
     """A native library that did not compile: the command and the compiler's output in full, and ``cause`` (what
     failed and the compiler's first error) for a one-line warning."""

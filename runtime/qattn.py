@@ -138,7 +138,7 @@ def _unusable(f: dict, usable: torch.Tensor | None, start: int) -> torch.Tensor:
 
 def batch_group_scores(q: torch.Tensor, rows: torch.Tensor, layout: GroupLayout, scaling: float,
                        usable: torch.Tensor | None = None) -> torch.Tensor:
-    """``group_scores`` of B sequences in one pass, on torch (the reference, and the GPU's path): q [B, H_kv, rep, d]
+    """The scores of B sequences' group rows in one pass, on torch (the reference, and the GPU's path): q [B, H_kv, rep, d]
     float32, rows uint8 [B, n, record_bytes] -> [B, H_kv, rep, n * group_tokens], -inf at holes and at the rows
     ``usable`` [B, n] rules out (a row that is not one of that sequence's groups: its bytes may be anything).
     The scales fold into q as the kernel does; codes are unpacked a block of groups at a time."""
@@ -157,7 +157,7 @@ def batch_group_scores(q: torch.Tensor, rows: torch.Tensor, layout: GroupLayout,
 
 def batch_group_values(w: torch.Tensor, rows: torch.Tensor, layout: GroupLayout,
                        usable: torch.Tensor | None = None) -> torch.Tensor:
-    """``group_values`` of B sequences in one pass: w [B, H_kv, rep, n * group_tokens] float32 -> [B, H_kv, rep, d];
+    """The values of B sequences' group rows weighed in one pass: w [B, H_kv, rep, n * group_tokens] float32 -> [B, H_kv, rep, d];
     holes and rows ``usable`` rules out weigh nothing (their scales too: 0 x a NaN is a NaN)."""
     out = w.new_zeros(*w.shape[:3], layout.d)
     g, block = layout.g, _block_groups(rows)

@@ -28,7 +28,7 @@ from .pacing import MIB, Link
 log = logging.getLogger(__name__)
 
 _IOV_MAX = os.sysconf("SC_IOV_MAX") if "SC_IOV_MAX" in os.sysconf_names else 1024  # preadv's iovec limit per call
-BACKENDS = ("io_uring", "pthread", "python")
+READER_BACKENDS = ("io_uring", "pthread", "python")
 
 
 @dataclass(frozen=True)
@@ -397,9 +397,9 @@ _SKIPPED: set[str] = set()  # backends 'auto' has said it skips (each engine ope
 
 def _open_backend(backend: str, queue_depth: int) -> KVReader:
     """One reader of ``backend``; 'auto' tries io_uring, then pthread, then python, logging each fallback."""
-    if backend != "auto" and backend not in BACKENDS:
-        raise ValueError(f"unknown KV reader backend {backend!r}: choose auto or one of {', '.join(BACKENDS)}")
-    order = BACKENDS if backend == "auto" else [backend]
+    if backend != "auto" and backend not in READER_BACKENDS:
+        raise ValueError(f"unknown KV reader backend {backend!r}: choose auto or one of {', '.join(READER_BACKENDS)}")
+    order = READER_BACKENDS if backend == "auto" else [backend]
     errors = []
     for name in order:
         try:
@@ -411,7 +411,7 @@ def _open_backend(backend: str, queue_depth: int) -> KVReader:
             if backend == "auto" and name not in _SKIPPED:  # once a process, in one line
                 _SKIPPED.add(name)
                 log.warning("KV reader backend %s unavailable, falling back: %s", name,
-                            exc.cause if isinstance(exc, native_build.BuildError) else exc)
+                            native_build.cause(exc))
     raise OSError(f"KV reader backend {backend!r} unavailable: {'; '.join(errors)}")
 
 

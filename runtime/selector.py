@@ -200,9 +200,9 @@ class LowRankSelector(Selector):
                    backend.device, scaling, backend)
 
     def _choose_kernels(self, backend: Backend, klr_dtype: str, n_heads: int) -> None:
-        """Each operation's implementation, from the backend and the shapes this selector is built for: the queries'
-        projection and the top-M natively where the backend has the scorer's library and the rank fits it, the scores
-        where it also reads the rows' format; else torch's (``scorer_fallback`` says why, once, on a CPU)."""
+        """Each operation's implementation, from the backend and the shapes this selector is built for: the top-M
+        natively where the backend has the scorer's library, the queries' projection where the rank fits it too, the
+        scores where it also reads the rows' format; else torch's (``scorer_fallback`` says why, once, on a CPU)."""
         lib = self._native = backend.lib("score")
         projects = lib is not None and self.rank <= lib.max_rank
         self._scorer, self._rows_kind, self._why_torch = None, NATIVE_ROWS.get(klr_dtype), None

@@ -634,7 +634,7 @@ int ekv_launch_bytes(void) { return (int)sizeof(launch_jobs); }
  * rows (ekv_score_job), the top-M's over those scores (ekv_top_job), and the three posted to the helper thread by
  * `post_chain` (ekv_aside.c ekv_aside_post_chain, passed by address with its handle `aside`): one call from Python
  * where the launch took six, each dearer inside the decode step than alone.  Returns the posted chain's ticket, or -1
- * (nothing posted) for arguments a part refuses: the caller then takes the calls one by one, which say why. */
+ * (nothing posted) for arguments a part refuses: the caller, which checked the shapes when it was built, raises. */
 int64_t ekv_score_launch(launch_jobs *jobs, ekv_post_chain_fn post_chain, void *aside, const float *q, int batch,
                          int heads, int kv_heads, int d, const float *adapter, int64_t adapter_seq_stride, int rank,
                          float scaling, float *queries,

@@ -20,4 +20,4 @@ class FlexGen(PolicySpec, name="flexgen", budgeted=False):
 
     def build(self, env, batch, cfg):
         store = open_store(env, cfg)
-        return offloaded(env, batch, cfg, store, AllGroupsSelector(cfg.picked_groups, env.model.device), predict=False)
+        return offloaded(env, batch, cfg, store, AllGroupsSelector(cfg.max_groups, env.model.device), predict=False)
