@@ -131,6 +131,8 @@ class RecordLayout:
         """k, v [H_kv, n*G, d] -> aligned records [n, stride] ready for an O_DIRECT write."""
         n = k.shape[1] // self.group_tokens
         out = aligned_zeros((n, self.stride_bytes), self.align_bytes)
+        if n == 0:  # a prompt shorter than a group: its tokens wait in the window until the group fills
+            return out
         grouped = [t.reshape(self.n_kv_heads, n, self.group_tokens, self.head_dim).transpose(0, 1).cpu() for t in (k, v)]
         self.codec.encode_into(torch.from_numpy(out), *grouped)
         return out
