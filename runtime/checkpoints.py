@@ -229,11 +229,22 @@ def _import_gguf():
     return gguf
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
+VOCABULARY_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")  # what a tokenizer's vocabulary is read from
+
+
 def load_tokenizer(model_dir: str | Path):
-    """The checkpoint's tokenizer (with its chat template), or None when the folder has none."""
-    names = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
-    if not any((Path(model_dir) / n).exists() for n in names):
+    """The checkpoint's tokenizer (with its chat template), or None when the folder has none.  A folder whose
+    tokenizer_config.json names a tokenizer with none of its vocabulary files is refused by the file missing:
+    transformers would answer that sentencepiece or tiktoken should be installed, which cannot help."""
+    folder = Path(model_dir)
+    present = [n for n in TOKENIZER_FILES if (folder / n).exists()]
+    if not present:
         return None
+    if not any(n in present for n in VOCABULARY_FILES):
+        raise ModelError(f"tokenizer.json is missing from {folder} (its {', '.join(present)} names a tokenizer, "
+                         "but its vocabulary is not there): copy tokenizer.json from where the checkpoint came from "
+                         "into that folder")
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    return AutoTokenizer.from_pretrained(folder, local_files_only=True)

@@ -32,6 +32,7 @@ import torch
 
 from .native_build import address
 from .checksum import record_sums, sums_at
+from .errors import DiskError, disk_fix
 from .kernels import Backend, resolve_backend
 from .placement import Placement
 from .store.files import pid_alive
@@ -48,6 +49,10 @@ FILE_FIELDS = ("n_seqs", "fds", "fd_seq_stride", "fd_path_stride", "n_paths", "c
 
 class StoreError(OSError):
     """The offload path cannot hold the KV cache; the message says what to fix."""
+
+
+class KVDiskError(StoreError, DiskError):
+    """A KV folder that cannot hold or give back records (gone, full, not writable, failing): its errno says which."""
 
 
 class CorruptRecord(StoreError):
@@ -168,13 +173,17 @@ def check_kv_path(root) -> Path:
     if root is None:
         raise StoreError("kv_path is required for the disk policies (kvswap, token, flexgen, hillinfer); pass a folder on the KV disk")
     root = Path(root)
+    if root.exists() and not root.is_dir():
+        raise KVDiskError(errno.ENOTDIR, f"kv_path {root} is a file, not a folder: point kv_path (--kv-path) at a "
+                                         "folder on the disk that should hold the KV cache")
     if not root.is_dir():
-        raise StoreError(f"kv_path {root} does not exist; create it (on the disk that should hold the KV cache)")
+        raise KVDiskError(errno.ENOENT, f"kv_path {root} does not exist; create it (on the disk that should hold the "
+                                        "KV cache)")
     if os.statvfs(root).f_flag & os.ST_RDONLY:
-        raise StoreError(f"kv_path {root} is on a read-only filesystem; remount it read-write or pick a "
-                         "folder on a writable disk")
+        raise KVDiskError(errno.EROFS, f"kv_path {root} is on a read-only filesystem; remount it read-write or pick "
+                                       "a folder on a writable disk")
     if not os.access(root, os.W_OK | os.X_OK):
-        raise StoreError(f"kv_path {root} is not writable by this user; pick a writable folder")
+        raise KVDiskError(errno.EACCES, f"kv_path {root} is not writable by this user; pick a writable folder")
     return root
 
 
@@ -269,7 +278,10 @@ class DiskKVStore:
         return sum(p.table_bytes for p in self._placement.values()) + sum(s.nbytes for s in self._sums.values())
 
     def _open(self, path: Path) -> int:
-        fd, direct = open_maybe_direct(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, direct=self.o_direct is not False)
+        try:
+            fd, direct = open_maybe_direct(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, direct=self.o_direct is not False)
+        except OSError as exc:
+            raise _disk_failure(exc, f"creating the KV file {path}") from exc
         if not direct and self.o_direct is not False:
             log.warning("O_DIRECT refused on %s: falling back to buffered I/O, "
                         "so reads may come from the page cache rather than the disk", path.parent.parent)
@@ -284,7 +296,10 @@ class DiskKVStore:
             raise StoreError(f"sequence {seq} still lends its KV to {self._borrowers(seq)}: release those first")
         self.release(seq)
         for d in self.dirs:
-            d.mkdir(exist_ok=True)
+            try:
+                d.mkdir(exist_ok=True)
+            except OSError as exc:
+                raise _disk_failure(exc, f"creating the KV folder {d}") from exc
         if seq >= len(self._fds):
             grown = np.full((seq + 1, self.n_layers, self.n_paths), -1, dtype=np.int32)
             grown[: len(self._fds)] = self._fds
@@ -428,9 +443,7 @@ class DiskKVStore:
             while done < len(view):
                 done += os.pwrite(fd, view[done:], offset + done)
         except OSError as exc:
-            fix = ("free space there or pick another --kv-path" if exc.errno in (errno.ENOSPC, errno.EDQUOT)
-                   else "check the device, then run again")
-            raise StoreError(exc.errno, f"writing KV records to {_fd_path(fd)} failed ({exc.strerror or exc}): {fix}") from exc
+            raise _disk_failure(exc, f"writing KV records to {_fd_path(fd)}") from exc
         with self._checks_lock:  # writes of one flush run on several threads
             self.bytes_written += len(view)
 
@@ -648,8 +661,9 @@ class DiskKVStore:
             self.reader.read(batch)
         except OSError as exc:
             where = self.roots[getattr(exc, "kv_path_index", 0)]
-            raise StoreError(exc.errno, f"reading KV records from {where} failed ({exc.strerror or exc}); every KV "
-                             "path must stay available while its sequences run: check the device, then run again") from exc
+            raise KVDiskError(exc.errno, f"reading KV records from {where} failed ({exc.strerror or exc}); every "
+                              "KV path must stay available while its sequences run: check the device, then run "
+                              "again") from exc
         if isinstance(batch, VerifiedBatch) and batch.check is not None:
             self._verify(batch)
 
@@ -721,6 +735,11 @@ class DiskKVStore:
                 self._writers.shutdown()
             for d in self.dirs:
                 shutil.rmtree(d, ignore_errors=True)
+
+
+def _disk_failure(exc: OSError, what: str) -> KVDiskError:
+    """``what`` (creating or writing KV files) failed with ``exc``: the error naming it, the cause and the fix."""
+    return KVDiskError(exc.errno, f"{what} failed ({exc.strerror or exc}): {disk_fix(exc.errno)}")
 
 
 def _fd_path(fd: int) -> str:

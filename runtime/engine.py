@@ -25,6 +25,7 @@ from .checkpoints import load_tokenizer, resolve_checkpoint
 from .config import ConfigError, RuntimeConfig, read_config_file
 from .devices import resolve_device, resolve_dtype
 from .disk_store import CorruptRecord, RecordLayout, check_kv_path, kv_path_list
+from .errors import unencodable
 from .events import EventBus, JsonLinesLog
 from .forward import prefill
 from .kernels import resolve_backend
@@ -280,10 +281,13 @@ class Engine:
                 if lacking is not None:
                     raise ValueError(f"prompt {i} message {lacking} is {p[lacking]!r}; a chat message is "
                                      "{'role': 'user', 'content': TEXT}")
+                for j, m in enumerate(p):
+                    _check_text(m["content"], f"prompt {i} message {j} content")
                 p = self._apply_chat_template(i, p)
             elif isinstance(p, str):
                 if self.tokenizer is None:
                     raise ValueError(f"prompt {i} is a string but {self.model.hf.name_or_path} has no tokenizer; pass token ids")
+                _check_text(p, f"prompt {i}")
                 p = self.tokenizer(p)["input_ids"]
             elif isinstance(p, (bytes, bytearray, dict)) or not hasattr(p, "__iter__"):
                 # bytes would iterate as their byte values: token ids nobody meant
@@ -445,6 +449,13 @@ def _own_ids(prompt, tokenize) -> list[int]:
     if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
         return list(prompt)
     return tokenize(prompt)
+
+
+def _check_text(text, where: str) -> None:
+    """Text the tokenizer cannot encode is named with its position: the tokenizer raises a TypeError that does not."""
+    why = unencodable(text) if isinstance(text, str) else None
+    if why is not None:
+        raise ValueError(f"{where}: {why}")
 
 
 def _is_messages(prompt) -> bool:
