@@ -17,6 +17,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable
+from urllib.parse import unquote
 
 from fastapi import Depends, FastAPI, Request, Security
 from fastapi.exceptions import RequestValidationError
@@ -30,7 +31,7 @@ from .limits import LOOPBACK_NAMES, AllowedHosts, BodyLimit, CountRequests
 from .metrics import ServerMetrics
 from .protocol import (REFUSALS, SERVER_ERROR, STREAM, ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
                        CompletionResponse, Envelope, Health, ModelList, RequestError, SamplingRequest, error_body,
-                       usage)
+                       request_id, usage)
 from .scheduler import Job, QueueFull, Scheduler, ServerClosing
 from .text import TextStream
 
@@ -130,6 +131,66 @@ class ServerState:
 # ---- the app -----------------------------------------------------------------------------------------------
 
 
+class ErrorJSON(JSONResponse):
+    """An error body as ASCII JSON: a message or param may quote what the client sent, lone surrogates included,
+    which UTF-8 cannot encode (a plain JSONResponse would fail while answering)."""
+
+    def render(self, content) -> bytes:
+        return json.dumps(content, separators=(",", ":")).encode("ascii")
+
+
+def unexpected_error(request_id_: str, status: int | None = None) -> dict:
+    """The body of a failure the server did not foresee: the id its log files the traceback under, nothing else."""
+    return error_body(f"the server could not answer this request; its log says why (request {request_id_})",
+                      "server_error", status=status)
+
+
+class LastResort:
+    """Any exception that escapes a route (or an error handler) becomes the JSON 500 form, its traceback logged
+    under a request id the client is told; nothing of it reaches the body.  A response already started (a
+    stream) can only end: its route sends its own error event first."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def noting(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, noting)
+        except Exception:
+            rid = request_id("req")
+            log.exception("request %s (%s %s) failed", rid, scope.get("method"), scope.get("path"))
+            if not started:
+                await ErrorJSON(unexpected_error(rid), status_code=500)(scope, receive, send)
+
+
+class AbsoluteForm:
+    """RFC 9112 section 3.2.2: a server MUST accept a request target in absolute form (``GET
+    http://host:port/health``), which uvicorn passes on as the path; the path becomes the target's, and the
+    target's authority replaces the Host header (as the RFC says), so the Host check sees what was asked for."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        raw = scope.get("raw_path") or b""
+        if scope["type"] == "http" and raw[:8].lower().startswith((b"http://", b"https://")):
+            authority, _, path = raw.partition(b"://")[2].partition(b"/")
+            raw = b"/" + path
+            host = authority.rpartition(b"@")[2]
+            headers = [(k, v) for k, v in scope["headers"] if k != b"host"] + [(b"host", host)]
+            scope = {**scope, "raw_path": raw, "path": unquote(raw.decode("ascii")), "headers": headers}
+        return await self.app(scope, receive, send)
+
+
 def create_app(state: ServerState) -> FastAPI:
     settings = state.settings
 
@@ -142,7 +203,9 @@ def create_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="edgekv", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, read_timeout_s=settings.body_timeout_s)
     app.add_middleware(AllowedHosts, names=settings.allowed_hosts)
-    app.add_middleware(CountRequests, metrics=state.metrics, routes=app.router.routes)  # the outermost: counts all
+    app.add_middleware(CountRequests, metrics=state.metrics, routes=app.router.routes)  # counts all
+    app.add_middleware(AbsoluteForm)  # before the Host check and the count: both see the target's path and host
+    app.add_middleware(LastResort)  # the outermost
 
     bearer = HTTPBearer(auto_error=False, description="the server's key (--api-key-file or EDGEKV_API_KEY), when "
                                                        "it has one")
@@ -160,16 +223,16 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.exception_handler(RequestError)
     async def _refused(request, exc: RequestError):
-        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+        return ErrorJSON(exc.body(), status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request, exc: RequestValidationError):
         param, message = validation_error(exc.errors())
-        return JSONResponse(error_body(message, "invalid_request_error", param), status_code=400)
+        return ErrorJSON(error_body(message, "invalid_request_error", param), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request, exc: StarletteHTTPException):
-        return JSONResponse(error_body(str(exc.detail), "invalid_request_error"), status_code=exc.status_code)
+        return ErrorJSON(error_body(str(exc.detail), "invalid_request_error"), status_code=exc.status_code)
 
     @app.get("/health", response_model=None, responses={200: {"model": Health}, 503: {"model": Health}})
     async def health():
@@ -216,6 +279,10 @@ def validation_error(errors: list[dict]) -> tuple[str | None, str]:
     gives one error per member, each located under the member's type name: the param is the field, not
     ``prompt.str``.  Undecodable JSON names no field (pydantic locates it at a character offset)."""
     first = errors[0]
+    if first["type"] == "string_unicode":  # a key JSON decoded to text UTF-8 cannot encode ("\ud800")
+        param = _param(first["loc"][1:]) or None
+        return param, (f"{param or 'the body'}: a field name holds a lone surrogate that UTF-8 cannot encode; "
+                       "send valid Unicode")
     if first["type"] == "json_invalid" or len(first["loc"]) < 2:
         return None, f"the body is not a JSON object of this endpoint's fields: {first['msg']}"
     field_errors = [e["loc"] for e in errors if e["loc"][:2] == first["loc"][:2]]
@@ -223,12 +290,16 @@ def validation_error(errors: list[dict]) -> tuple[str | None, str]:
     for loc in field_errors[1:]:
         while list(loc[: len(common)]) != common:
             common.pop()
-    loc = [str(p) for p in common[1:]]
-    param = "".join(f"[{p}]" if p.isdigit() else f".{p}" for p in loc).lstrip(".")
+    param = _param(common[1:])
     if len(field_errors) > 1:
         kinds = dict.fromkeys(str(e[len(common)]) for e in field_errors if len(e) > len(common))
         return param, f"field {param!r} is none of the types it takes ({', '.join(kinds)})"
     return param, f"field {param!r}: {first['msg'].removeprefix('Value error, ')}"
+
+
+def _param(loc) -> str:
+    """A pydantic location as the field it names: ``("messages", 0, "content")`` -> ``messages[0].content``."""
+    return "".join(f"[{p}]" if str(p).isdigit() else f".{p}" for p in loc).lstrip(".")
 
 
 def _ready(state: ServerState) -> ServerState:
@@ -319,12 +390,16 @@ async def _stream(scheduler: Scheduler, job: Job, events: asyncio.Queue, envelop
                 continue
             ended = True
             if kind == "error":
-                yield _sse(error_body(data["message"], "server_error"))
+                yield _sse(error_body(data["message"], "server_error", status=data["status"]))
                 break
             spent = usage(n_prompt, data["completion_tokens"])
             yield _sse(envelope.chunk("", data["finish_reason"], spent))
             if include_usage:
                 yield _sse(envelope.chunk(None, usage_=spent))
+        yield "data: [DONE]\n\n"
+    except Exception:  # the headers went out: the stream ends with the error event, its traceback in the log
+        log.exception("request %s: its stream failed", envelope.id)
+        yield _sse(unexpected_error(envelope.id, status=500))
         yield "data: [DONE]\n\n"
     finally:
         if not ended:
@@ -352,7 +427,7 @@ async def _whole(request: Request, scheduler: Scheduler, job: Job, events: async
             if kind == "text":
                 texts.append(data["text"])
             elif kind == "error":
-                return JSONResponse(error_body(data["message"], "server_error"), status_code=data["status"])
+                return ErrorJSON(error_body(data["message"], "server_error"), status_code=data["status"])
             else:
                 return envelope.full("".join(texts), data["finish_reason"], usage(n_prompt, data["completion_tokens"]))
     except asyncio.CancelledError:

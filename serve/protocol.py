@@ -13,6 +13,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from edgekv.runtime.errors import unencodable
+
 MAX_STOP_STRINGS = 4  # as the OpenAI API allows
 
 
@@ -28,8 +30,29 @@ class RequestError(Exception):
         return error_body(str(self), self.kind, self.param)
 
 
-def error_body(message: str, kind: str, param: str | None = None, code: str | None = None) -> dict:
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+def error_body(message: str, kind: str, param: str | None = None, code: str | None = None,
+               status: int | None = None) -> dict:
+    """The OpenAI error shape; ``status`` only in a stream's error event, where no status line can carry it."""
+    error = {"message": message, "type": kind, "param": param, "code": code}
+    if status is not None:
+        error["status"] = status
+    return {"error": error}
+
+
+def _strings(value, param: str = ""):
+    """Every string in a request with the field it sits at (``messages[0].content[1].text``)."""
+    if isinstance(value, str):
+        yield param, value
+    elif isinstance(value, BaseModel):
+        fields = {name: getattr(value, name) for name in type(value).model_fields} | (value.model_extra or {})
+        for name, item in fields.items():
+            yield from _strings(item, f"{param}.{name}" if param else name)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield from _strings(item, f"{param}.{key}")
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            yield from _strings(item, f"{param}[{i}]")
 
 
 # fields a client may send that change nothing at these values; anything else is refused by name
@@ -79,8 +102,11 @@ class SamplingRequest(BaseModel):
         return stops
 
     def refuse_unsupported(self) -> None:
-        """Unknown fields, and known ones away from their neutral value, are named (outside pydantic, whose
-        validators would bury the field name in a generic error)."""
+        """Text UTF-8 cannot encode, unknown fields, and known ones away from their neutral value, are named
+        (outside pydantic, whose validators would bury the field name in a generic error)."""
+        for param, text in _strings(self):  # JSON's "\ud800" decodes to text a tokenizer fails on, naming nothing
+            if (why := unencodable(text)) is not None:
+                raise RequestError(f"{param}: {why}", param=param)
         for name, value in (self.model_extra or {}).items():
             if name not in NEUTRAL:
                 raise RequestError(f"unknown field {name!r}: this server takes {sorted(self.known_fields())}",
@@ -127,6 +153,14 @@ class Message(BaseModel):
     content: str | list[TextPart]
     name: str | None = None
 
+    @field_validator("content")
+    @classmethod
+    def _parts(cls, content):
+        if isinstance(content, list) and not content:
+            raise ValueError("an empty list of parts: send the text, or one or more {\"type\": \"text\", \"text\": "
+                             "...} parts")
+        return content
+
     def as_template_message(self) -> dict:
         text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
         return {"role": "system" if self.role == "developer" else self.role, "content": text}
@@ -149,6 +183,8 @@ class ErrorDetail(BaseModel):
     type: str
     param: str | None
     code: str | None
+    status: int | None = Field(None, description="in a stream's error event only: the HTTP status the whole "
+                                                 "response would have had (500, 503, 507)")
 
 
 class ErrorResponse(BaseModel):
@@ -219,9 +255,13 @@ class Health(BaseModel):
 
 REFUSALS = {"4XX": {"model": ErrorResponse, "description": "refused: the message names the field or limit, and the fix"},
             503: {"model": ErrorResponse, "description": "the model is loading, failed to load, or the server is "
-                                                         "shutting down: retry when /health answers 200"}}
+                                                         "shutting down: retry when /health answers 200; or the KV "
+                                                         "disk cannot be used (read-only, failing): the message says "
+                                                         "what the server's log says"}}
 SERVER_ERROR = {500: {"model": ErrorResponse, "description": "this request failed; the message names the request id "
-                                                             "under which the server's log has the cause"}}
+                                                             "under which the server's log has the cause"},
+                507: {"model": ErrorResponse, "description": "the KV disk is full: the message says what the "
+                                                             "server's log says"}}
 STREAM = {"text/event-stream": {"schema": {  # one server-sent event, as a client parses it
     "type": "object", "required": ["data"], "properties": {"data": {
         "type": "string", "description": "a JSON chunk (the completion's shape, choices[].text or .delta), an error "

@@ -19,6 +19,7 @@ from typing import Callable
 
 import torch
 
+from edgekv.runtime.errors import DiskError
 from edgekv.runtime.sampling import Sampler
 
 from .metrics import ServerMetrics
@@ -298,10 +299,14 @@ class Scheduler:
 
     @staticmethod
     def _fail(job: Job, exc: BaseException, status: int = 500) -> None:
-        """The client hears what it can act on: that the server is closing (503), or that its request failed and
-        under which id the server's log names the cause (paths and exception types stay in the log)."""
+        """The client hears what it can act on: that the server is closing (503), that the KV disk is full (507)
+        or cannot be used (503), in the sentence the log has, or that its request failed and under which id the
+        server's log names the cause (paths and exception types stay in the log)."""
         if isinstance(exc, ServerClosing):
             message = str(exc)
+        elif isinstance(exc, DiskError):
+            status, message = 507 if exc.full else 503, f"{exc} (request {job.request_id})"
+            log.warning("request %s failed (%d): %s", job.request_id, status, exc)
         else:
             log.warning("request %s failed: %s: %s", job.request_id, type(exc).__name__, exc)
             message = f"the server could not finish this request; its log says why (request {job.request_id})"
