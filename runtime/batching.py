@@ -18,6 +18,7 @@ import torch
 
 from .config import RuntimeConfig
 from .devices import decode_threads, intra_op_threads
+from .errors import RowsFailed
 from .hybrid import build_policy
 from .transfer import to_device
 from .prefill_chain import Prefilled, PrefillChain
@@ -100,11 +101,14 @@ class RunningBatch:
     # ---- decode ------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def step(self, tokens: torch.Tensor, active: np.ndarray | None = None) -> torch.Tensor:
+    def step(self, tokens: torch.Tensor, active: np.ndarray | None = None, rows_fail_alone: bool = False
+             ) -> torch.Tensor:
         """One decode step: ``tokens`` [rows] are the inputs (any value in a row not ``active``); logits [rows, V].
         ``active`` defaults to the rows joined and not left.  Per layer, top to bottom: the policy selects and
         fetches the next layer's KV (overlapping this layer), this layer attends, and after the last layer the
-        step's tokens are appended (and full groups flushed)."""
+        step's tokens are appended (and full groups flushed).  A flush that fails for some rows only raises the
+        first failed row's error, the whole step failed; with ``rows_fail_alone``, ``RowsFailed`` with the step's
+        logits instead: the other rows go on from them, the failed ones leave."""
         active = self.active.copy() if active is None else active
         events, model, policy = self.engine.events, self.model, self.policy
         full = np.flatnonzero(active & (policy.lengths >= self.cfg.max_context))
@@ -123,9 +127,17 @@ class RunningBatch:
                 q, k, v = model.qkv(layer, x, rope)
                 x = model.finish_layer(layer, x, policy.attend(layer, q, k, v))
             logits = model.logits(x[:, 0])
-            policy.end_step(active)
+            partial = None
+            try:
+                policy.end_step(active)
+            except RowsFailed as failed:
+                if not rows_fail_alone:
+                    raise failed.first
+                failed.logits, partial = logits, failed  # the step is whole for the other rows: it ends as any does
         events.emit("decode_step_end", step=self.steps, active=int(active.sum()))
         self.steps += 1
+        if partial is not None:
+            raise partial
         return logits
 
     # ---- results and release -----------------------------------------------------------------

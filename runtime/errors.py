@@ -47,3 +47,16 @@ def unencodable(text: str) -> str | None:
         return (f"character {exc.start} is a lone surrogate (U+{ord(text[exc.start]):04X}) that UTF-8 cannot "
                 "encode; send valid Unicode")
     return None
+
+
+class RowsFailed(DiskError):
+    """A decode step whose KV writes failed for some rows only (each row's records go to its own files): ``rows``
+    maps each failed row to its error, and those rows must leave the batch; every other row's step is whole, its
+    logits in ``logits`` [rows, V].  A DiskError with the first failed row's errno and sentence: where it escapes,
+    the client hears what that row's error says."""
+
+    def __init__(self, rows: dict[int, DiskError]):
+        self.first = rows[min(rows)]
+        super().__init__(self.first.errno, self.first.strerror)
+        self.rows = rows
+        self.logits = None  # set by the step that computed them

@@ -19,7 +19,7 @@ from typing import Callable
 
 import torch
 
-from edgekv.runtime.errors import DiskError
+from edgekv.runtime.errors import DiskError, RowsFailed
 from edgekv.runtime.sampling import Sampler
 
 from .metrics import ServerMetrics
@@ -233,7 +233,13 @@ class Scheduler:
             tokens[row] = job.generated[-1]
         stall_before, start = self.batch.io_stall_s, time.perf_counter()
         try:
-            logits = self.batch.step(tokens)
+            logits = self.batch.step(tokens, rows_fail_alone=True)
+        except RowsFailed as failed:  # some rows' records could not be written: those rows end, the others go on
+            logits = failed.logits
+            for row, exc in failed.rows.items():
+                job = self.jobs[row]
+                self._leave(row, job)
+                self._fail(job, exc)
         except Exception as exc:  # the step's state is lost for every row: they end with this error, the batch closes
             log.error("decode step failed: %s", exc)
             self._fail_running(exc)

@@ -23,7 +23,8 @@ from edgekv.runtime.engine import _record_layout
 from edgekv.serve import protocol
 from tests.conftest import files_under, save_chat_model
 from tests.harness.faults import FaultyReader
-from tests.serving import poll, post, serving, sse_events
+from tests.harness.serve_fuzz import stream_text
+from tests.serving import CFG, poll, post, serving, sse_events
 
 PROMPT = list(range(5, 61))  # 56 token ids: 14 whole groups of G=4, so decode steps read records back
 
@@ -167,12 +168,15 @@ def test_a_stream_that_fails_after_its_headers_ends_with_an_error_event_not_a_tr
 # ---- KV disk faults ----------------------------------------------------------------------------------------
 
 
-def failing_pwrite(errno_: int, only: str = ""):
-    """os.pwrite as the kernel fails it (man 2 write), for the files whose path holds ``only``."""
+def failing_pwrite(errno_: int, only: str = "", armed: threading.Event | None = None, failed=None):
+    """os.pwrite as the kernel fails it (man 2 write), for the files whose path holds ``only``, once ``armed`` is set
+    (None: from the start); ``failed()`` is called at each failure."""
     real = os.pwrite
 
     def pwrite(fd, data, offset):
-        if only in os.readlink(f"/proc/self/fd/{fd}"):
+        if (armed is None or armed.is_set()) and only in os.readlink(f"/proc/self/fd/{fd}"):
+            if failed is not None:
+                failed()
             raise OSError(errno_, os.strerror(errno_))
         return real(fd, data, offset)
     return pwrite
@@ -239,6 +243,62 @@ def test_a_full_disk_fails_the_joining_request_and_the_running_one_goes_on(serve
     events = results["events"]
     assert "error" not in json.dumps(events) and events[-1] == "[DONE]"
     assert events[-2]["choices"][0]["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize("failing", [0, 1], ids=["row-0-fails", "row-1-fails"])
+def test_a_full_disk_at_a_decode_flush_ends_that_row_and_the_other_stream_keeps_every_token(server, monkeypatch,
+                                                                                             caplog, failing):
+    """Two requests join in one turn (the first one's prefill waits until the second is queued), both prompts whole
+    groups, so their groups fill and flush in the same decode steps.  From the first decode step on, writes to one
+    row's files (seq{failing}_*) find the disk full: at its first flush that request gets the 507 with the log's
+    sentence, while the other, a stream, keeps decoding and its text is its lone run's.  Row 0 flushes first in a
+    step: failing it shows the rows after a failed one still flush."""
+    url, state, kv = server
+    scheduler, survivor = state.scheduler, completion(prompt=PROMPT[::-1], max_tokens=40)
+    alone = stream_text(url, survivor)
+    submitted, both_queued, decoding = [], threading.Event(), threading.Event()
+    real_submit = scheduler.submit
+
+    def submit(job):
+        real_submit(job)
+        submitted.append(job)
+        if len(submitted) == 2:
+            both_queued.set()
+    monkeypatch.setattr(scheduler, "submit", submit)
+
+    def hold(event):
+        if event.kind == "prefill_start" and event.info["seq"] == 0:
+            both_queued.wait(60)
+        if event.kind == "decode_step_start":
+            decoding.set()
+    running_at_failure = []
+    monkeypatch.setattr(os, "pwrite", failing_pwrite(errno.ENOSPC, f"/seq{failing}_layer", decoding,
+                                                     lambda: running_at_failure.append(sorted(scheduler.jobs))))
+    state.engine.events.subscribe(hold)
+    got = {}
+    survive = threading.Thread(target=lambda: got.update(survivor=stream_text(url, survivor)))
+    fail = threading.Thread(target=lambda: got.update(failed=post(url, "/v1/completions", completion(max_tokens=40))))
+    try:
+        with caplog.at_level(logging.WARNING, logger="edgekv.serve"):
+            first, second = (fail, survive) if failing == 0 else (survive, fail)
+            first.start()
+            poll(lambda: submitted, "the first request queued")
+            second.start()
+            fail.join(120)
+            survive.join(120)
+    finally:
+        state.engine.events.unsubscribe(hold)
+    r = got["failed"]
+    assert r.status_code == 507 and r.headers["content-type"] == "application/json"
+    sentence = r.json()["error"]["message"].rpartition(" (request ")[0]
+    assert sentence.startswith(f"writing KV records to {kv}") and f"/seq{failing}_layer" in sentence
+    assert sentence.endswith("(No space left on device): free space there or pick another --kv-path")
+    assert f"failed (507): {sentence}" in caplog.text
+    assert running_at_failure and running_at_failure[0] == [0, 1]  # the stream was decoding beside it
+    assert got["survivor"] == alone
+    monkeypatch.undo()
+    poll(lambda: not scheduler.jobs, "both rows freed")
+    assert not [f for f in files_under(kv) if os.path.isfile(f) and "contexts" not in f]
 
 
 def test_a_failing_kv_read_mid_stream_is_a_503_error_event(text_model, tmp_path):

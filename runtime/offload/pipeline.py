@@ -14,6 +14,7 @@ import torch
 from ..aside import AsideThread, PostOrShare
 from ..config import RuntimeConfig
 from ..disk_store import DiskKVStore
+from ..errors import DiskError, RowsFailed
 from ..fetch_plan import NativePlanner, planner_for
 from ..kernels import Backend, resolve_backend
 from ..kv_policy import KVPolicy
@@ -223,20 +224,33 @@ class OffloadedKV(KVPolicy):
 
     def end_step(self, active):
         """Append: the step's tokens join the window.  Flush: a window group now full goes to disk and into K_lr, every
-        layer's record packed at once and every layer's keys projected at once.  Then re-clustering, where due."""
+        layer's record packed at once and every layer's keys projected at once.  Then re-clustering, where due.  A
+        group the KV disk cannot take (full, failing) ends its sequence alone: each sequence writes its own files, so
+        the others' groups flush all the same, and once the step is whole ``RowsFailed`` names the failed ones (their
+        group is dropped and their window emptied: they must leave before the next step)."""
         super().end_step(active)
         if self.correction is not None:
             self.correction.end_step()
+        failed: dict[int, DiskError] = {}
         for seq, span, kv in self.window.end_step(active):
             group = int(self.window.n_groups[seq])
             records = self.layout.pack(*(kv[:, i].transpose(0, 1).flatten(1, 2) for i in (0, 1)))  # [L, stride]
-            self.store.write_layers(seq, group, records[:, None])
+            try:
+                self.store.write_layers(seq, group, records[:, None])
+            except DiskError as exc:  # every write of the flush has ended: none lands in the files later
+                failed[seq] = exc
+                self.window.start(seq)  # emptied: no later step flushes the group again or writes past its ring
+                continue
             self.selector.append_layers(seq, group * self.G, self.window.rolling[:, seq, 0, :, span])
             self.window.flushed(seq, span)
         if self.recluster is not None:
-            self.recluster.end_step(active, self.window.n_groups)
+            laid_out = active.copy()
+            laid_out[list(failed)] = False  # a failed sequence is not laid out again: its disk refuses writes
+            self.recluster.end_step(laid_out, self.window.n_groups)
         if self.post_or_share is not None and self._step_started is not None:  # from its first prefetch: no pause
             self.post_or_share.took(time.perf_counter() - self._step_started)  # between steps counts
+        if failed:
+            raise RowsFailed(failed)
 
     # ---- stats and release ------------------------------------------------------------------------
 
