@@ -121,7 +121,7 @@ def _unit_kernel(prefix: str, signatures: dict, maxima: tuple[str, ...] = ()):
 
 
 def _score(lib: ctypes.CDLL) -> None:
-    scores = [P, I64, I64, P, I64, P, I32, I32, I32, I32, I32, I32, I32, P, I64, P, I64]
+    scores = [P, I64, I64, P, I64, P, I32, I32, I32, I32, I32, I32, I32, P, P, I64, P, I64]
     top = [P, I64, I32, P, I32, I32, I32, P]
     _declare(lib, {
         "ekv_group_scores": (scores, I32), "ekv_score_job": ([P, *scores], I64), "ekv_score_max_rank": ([], I32),

@@ -336,11 +336,22 @@ class LowRankSelector(Selector):
                 self._row_fitted[layer, seq] = True
             self._store(layer, seq, first_token, flat)
 
-    def token_scores(self, layer: int, q: torch.Tensor, n_tokens: int) -> torch.Tensor:
+    def token_scores(self, layer: int, q: torch.Tensor, n_tokens: int, row_tokens: np.ndarray | None = None
+                     ) -> torch.Tensor:
         """Approximate attention, [B, n_tokens]: logits summed over heads ("sum", KVSwap), or each
-        head's softmax summed ("softmax": every head gets one vote, whatever its logit scale)."""
+        head's softmax summed ("softmax": every head gets one vote, whatever its logit scale).  ``row_tokens`` [B]:
+        each row's own tokens, the span of its softmax (zero votes past it), so a row's votes are the bits it gets
+        alone whatever the rows beside it hold; None: every row has ``n_tokens``."""
         scores = self._times_rows(layer, n_tokens, self._low_rank_queries(layer, q))
-        return scores[:, 0] if self.score_reduce == "sum" else scores.softmax(dim=-1).sum(dim=1)
+        if self.score_reduce == "sum":
+            return scores[:, 0]
+        if row_tokens is None or (row_tokens == n_tokens).all():
+            return scores.softmax(dim=-1).sum(dim=1)
+        votes = scores.new_zeros(scores.shape[0], n_tokens)
+        for n in np.unique(row_tokens):  # a softmax over exactly its tokens: padded, its sums would round otherwise
+            rows = torch.from_numpy(np.flatnonzero(row_tokens == n)).to(scores.device)
+            votes[rows, :n] = scores[rows, :, :n].softmax(dim=-1).sum(dim=1)
+        return votes
 
     def _native_queries(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         """``_low_rank_queries`` in one native call (ekv_score.c), whichever path scores them, q widened to float32
@@ -410,12 +421,14 @@ class LowRankSelector(Selector):
             return (torch.zeros(batch, self.picked_groups, dtype=torch.long, device=q.device),
                     torch.zeros(batch, self.picked_groups, dtype=torch.bool, device=q.device))
         group_scores = self._group_scores[:batch]
-        self._score_groups(layer, q, max_groups, group_scores)
+        self._score_groups(layer, q, counts, group_scores)
         return self._top(group_scores, counts, first)
 
-    def _torch_group_scores(self, layer: int, q: torch.Tensor, max_groups: int, out: torch.Tensor) -> None:
-        """Each group's score into ``out[:, :max_groups]``: its tokens' ``token_scores``, their maximum."""
-        scores = self.token_scores(layer, q, max_groups * self.G)
+    def _torch_group_scores(self, layer: int, q: torch.Tensor, counts: np.ndarray, out: torch.Tensor) -> None:
+        """Each group's score into ``out[:, :max(counts)]``: its tokens' ``token_scores`` over each row's own
+        ``counts[b]`` groups, their maximum."""
+        max_groups = int(counts.max())
+        scores = self.token_scores(layer, q, max_groups * self.G, counts.astype(np.int64) * self.G)
         out[:, :max_groups] = scores.view(out.shape[0], max_groups, self.G).amax(dim=-1)
 
     def launch(self, layer, q, n_groups, first=0):
@@ -434,7 +447,7 @@ class LowRankSelector(Selector):
             return posted
         out = torch.empty(q.shape[0], self.max_groups)
         scratch = self._posted_scratch.pop() if self._posted_scratch else torch.empty(0)
-        job = self._native_job(layer, q, max_groups, out, scratch)
+        job = self._native_job(layer, q, counts, out, scratch)
         # the helper runs posted jobs in order: a phase's units after the last one's, then the top-M's (the caller
         # only reads the picks)
         jobs, keep = [(fn, job.buffer, job.units) for fn in job.phases], job.keep
@@ -519,10 +532,10 @@ class LowRankSelector(Selector):
                                              address(counts), first, self.picked_groups, group_scores.shape[1],
                                              address(picks))
 
-    def _native_group_scores(self, layer: int, q: torch.Tensor, max_groups: int, out: torch.Tensor) -> None:
-        """Each group's score into ``out[:, :max_groups]`` by the native scorer, its parts shared with the helper thread
-        where the policy lent one."""
-        job = self._native_job(layer, q, max_groups, out, self._scratch)
+    def _native_group_scores(self, layer: int, q: torch.Tensor, counts: np.ndarray, out: torch.Tensor) -> None:
+        """Each group's score into ``out[:, :max(counts)]`` by the native scorer, its parts shared with the helper
+        thread where the policy lent one."""
+        job = self._native_job(layer, q, counts, out, self._scratch)
         self._scratch = job.keep[1]
         for fn in job.phases:
             if self.aside is not None:
@@ -530,13 +543,14 @@ class LowRankSelector(Selector):
             else:
                 run_units(fn, job.buffer, job.units)
 
-    def _native_job(self, layer: int, q: torch.Tensor, max_groups: int, out: torch.Tensor, scratch: torch.Tensor
+    def _native_job(self, layer: int, q: torch.Tensor, counts: np.ndarray, out: torch.Tensor, scratch: torch.Tensor
                     ) -> "ScoreJob":
         """The native scorer's job (runtime/native/ekv_score.c: one pass over the rank-major rows, no float copy of
-        them; units of a part of a sequence) for each group's score into ``out[:, :max_groups]`` over ``scratch``
-        (grown here where short: the job's ``keep[1]``)."""
+        them; units of a part of a sequence) for each group's score into ``out[:, :max(counts)]`` over ``scratch``
+        (grown here where short: the job's ``keep[1]``); a row's softmax spans its own ``counts[b]`` groups."""
         lib = self._scorer
-        n_tokens = max_groups * self.G
+        counts = np.ascontiguousarray(counts, dtype=np.int64)
+        n_tokens = int(counts.max()) * self.G
         queries = self._low_rank_queries(layer, q).contiguous()
         batch, n_queries = queries.shape[:2]
         needed = lib.ekv_score_scratch_floats(batch, n_queries, n_tokens, self.G)
@@ -545,11 +559,11 @@ class LowRankSelector(Selector):
         softmax = self.score_reduce == "softmax"
         job = np.empty(lib.job_bytes, dtype=np.uint8)
         units = lib.ekv_score_job(address(job), *self._rows_args[layer], queries.data_ptr(), batch, n_queries,
-                                  self.rank, n_tokens, self.G, self._rows_kind, int(softmax), scratch.data_ptr(),
-                                  scratch.numel(), out.data_ptr(), out.stride(0))
+                                  self.rank, n_tokens, self.G, self._rows_kind, int(softmax), address(counts),
+                                  scratch.data_ptr(), scratch.numel(), out.data_ptr(), out.stride(0))
         if units < 0:  # the rows' format, rank and heads were checked when the selector was built: a bug
             raise RuntimeError("the native scorer refused its arguments (ekv_score.c ekv_score_job)")
-        return ScoreJob(job, (queries, scratch, out), units, lib.phases[softmax])
+        return ScoreJob(job, (queries, scratch, out, counts), units, lib.phases[softmax])
 
     def stats(self) -> dict:
         return {"scorer_fallback": self._why_torch}

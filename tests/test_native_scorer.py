@@ -139,7 +139,7 @@ def test_integer_queries_round_half_to_even_within_127_and_a_zero_query_scores_z
     q = torch.tensor([127.0, 2.5, 3.5, -0.5, -127.0, 1.5, -2.5, 0.25])
     scratch = torch.empty(lib.ekv_score_scratch_floats(1, 1, 8, 1))
     assert lib.ekv_group_scores(rows.data_ptr(), rows[0].numel(), rows.numel(), ones.data_ptr(), 8, q.data_ptr(), 1,
-                                1, 8, 8, 1, 2, 0,
+                                1, 8, 8, 1, 2, 0, None,
                                 scratch.data_ptr(), scratch.numel(), out.data_ptr(), 8) == 0
     assert out.tolist() == [[127, 2, 4, 0, -127, 2, -2, 0]]  # the native scorer's codes, read through the identity
     codes, scale = integer_queries(torch.zeros(1, 3))
@@ -347,7 +347,7 @@ def test_sequences_longer_than_a_part_score_the_same_bits_on_either_thread(score
     inside = torch.from_numpy(np.arange(alone.shape[1]) < counts[:, None])
     torch.testing.assert_close(alone[inside], torch_scores[inside], rtol=2e-5, atol=1e-6)
     selector.aside = aside_module.AsideThread.open()
-    selector._native_group_scores(0, q, int(counts.max()), selector._group_scores)
+    selector._native_group_scores(0, q, counts, selector._group_scores)
     assert torch.equal(selector._group_scores[:, : int(counts.max())][inside], alone[inside])
     posted = selector.launch(0, q, counts)
     assert isinstance(posted, selector_module.ScoredAside)
@@ -425,3 +425,32 @@ def test_the_native_top_m_takes_the_best_then_the_lowest_groups_at_the_mth_score
             candidates = [g for g in range(first, min(int(counts[row]), width)) if scores[row, g] > float("-inf")]
             want = sorted(candidates, key=lambda g: (-scores[row, g].item(), g))[:7]
             assert groups[row][valid[row]].tolist() == want
+
+
+@pytest.mark.parametrize("klr_dtype", ["float32", "int4"])
+@pytest.mark.parametrize("score_reduce", ["sum", "softmax"])
+def test_a_rows_scores_and_picks_are_the_same_bits_whatever_the_rows_beside_it(klr_dtype, score_reduce, monkeypatch):
+    """Batch invariance: row 0's group scores and picks, on each path (native, posted to the helper, torch), are the
+    bits it gets as the batch's longest row, whether the rows beside it are longer (a softmax over the batch's longest
+    row's tokens let their lengths, and a freed row's stale K_lr past its own tokens, change row 0's votes) or not."""
+    monkeypatch.setattr(aside_module, "cores", lambda: 2)
+    torch.manual_seed(5)
+    G = 4
+    lengths = [G * 37 + 2, G * 300, G * 90 + 1]
+    native, reference = filled_selectors(klr_dtype, score_reduce, 8, G, 3, lengths, picked_groups=9)
+    q = torch.randn(3, 6, 1, 16)
+    beside = np.array([n // G for n in lengths])
+    alone = np.array([beside[0], 0, 0])  # the others present but empty: the batch's longest is row 0
+    for selector in (native, reference):
+        scores = []
+        for counts in (alone, beside):
+            groups, valid = selector.select(0, q, counts)
+            scores.append((selector._group_scores[0, : beside[0]].clone(), groups[0][valid[0]].clone()))
+        assert torch.equal(scores[0][0], scores[1][0]) and torch.equal(scores[0][1], scores[1][1])
+    native.aside = aside_module.AsideThread.open()
+    try:
+        posted = [native.launch(0, q, counts).result() for counts in (alone, beside)]
+    finally:
+        native.aside.close()
+    (groups_alone, valid_alone), (groups_beside, valid_beside) = posted
+    assert torch.equal(groups_alone[0][valid_alone[0]], groups_beside[0][valid_beside[0]])

@@ -232,7 +232,7 @@ def test_the_kernels_built_for_narrower_vectors_compute_the_same(tmp_path, march
     for lib in (NATIVE.lib("score"), built["score"]):
         out, scratch = torch.empty(2, 176), torch.empty(lib.ekv_score_scratch_floats(2, 9, 704, 4))
         assert lib.ekv_group_scores(rows.data_ptr(), rows.stride(1), rows.stride(0), scales.data_ptr(), scales.stride(0),
-                                    q.data_ptr(), 2, 9, 33, 704, 4, 2, 1, scratch.data_ptr(), scratch.numel(),
+                                    q.data_ptr(), 2, 9, 33, 704, 4, 2, 1, None, scratch.data_ptr(), scratch.numel(),
                                     out.data_ptr(), 176) == 0
         scores.append(out)
     if fused:

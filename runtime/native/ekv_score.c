@@ -3,8 +3,9 @@
  * For each sequence b: the c low-rank queries q[b] [c, rank] against its K_lr rows, stored in blocks of BLOCK tokens,
  * rank-major within a block (a token's row is a column; block_of), then either
  *   - "sum" (c == 1): the logits as they are, or
- *   - "softmax": each query's softmax over the tokens, summed over the queries (one vote per head),
- * and the maximum over each group of G tokens -> out[b, n_tokens / G].  The torch path computes the same in float32
+ *   - "softmax": each query's softmax over the sequence's own tokens (its seq_groups, never the longest row's
+ *     n_tokens), summed over the queries (one vote per head),
+ * and the maximum over each group of G tokens -> out[b, n_tokens / G] (a sequence's own groups).  The torch path computes the same in float32
  * through a float copy of the rows, a matmul, a softmax and a reduction: five passes over memory and two large
  * temporaries where this makes one pass over the rows and keeps [c, n_tokens] floats of scratch a sequence.
  *
@@ -339,6 +340,7 @@ typedef struct {
     const float *q_scales;  /* and their scales [batch, queries] */
     int batch, queries, rank, n_tokens, group_tokens, kind, softmax, parts;
     int64_t part_tokens;
+    const int64_t *seq_groups; /* [batch]: a sequence's groups; its softmax spans its own tokens only (NULL: n_tokens) */
     float *logits; /* [batch, queries, n_tokens]: the logits, then each part's e^(logit - the part's maximum) */
     float *stats;  /* [batch, queries, parts, 2]: each part's maximum logit and sum of its e^ */
     float *out;
@@ -379,8 +381,8 @@ static void round_queries(const float *q, int64_t count, int rank, int quad_rank
  * for arguments it refuses (see ekv_group_scores). */
 int64_t ekv_score_job(score_job *job, const uint8_t *rows, int64_t block_bytes, int64_t seq_stride_bytes,
                       const uint16_t *scales, int64_t scale_seq_stride, const float *q, int batch, int queries,
-                      int rank, int n_tokens, int group_tokens, int kind, int softmax, float *scratch,
-                      int64_t scratch_floats, float *out, int64_t out_seq_stride) {
+                      int rank, int n_tokens, int group_tokens, int kind, int softmax, const int64_t *seq_groups,
+                      float *scratch, int64_t scratch_floats, float *out, int64_t out_seq_stride) {
     static const int token_bytes[] = {4, 2, 1, 1}; /* of a stored row (an int4 byte holds two rank positions) */
     if (rank > MAX_RANK || queries > MAX_QUERIES || n_tokens % group_tokens || kind < ROWS_F32 || kind > ROWS_I4 ||
         (kind >= ROWS_I8 && scales == NULL) ||
@@ -394,9 +396,17 @@ int64_t ekv_score_job(score_job *job, const uint8_t *rows, int64_t block_bytes, 
     int8_t *q_codes = (int8_t *)(q_scales + count);
     if (kind >= ROWS_I8) round_queries(q, count, rank, (rank + 3) / 4 * 4, q_codes, q_scales);
     *job = (score_job){rows, block_bytes, seq_stride_bytes, scales, scale_seq_stride, q, q_codes, q_scales, batch,
-                       queries, rank, n_tokens, group_tokens, kind, softmax, parts, part, scratch, stats, out,
-                       out_seq_stride};
+                       queries, rank, n_tokens, group_tokens, kind, softmax, parts, part, seq_groups, scratch, stats,
+                       out, out_seq_stride};
     return (int64_t)batch * parts;
+}
+
+/* The tokens sequence b scores: its own groups' (the rows past them are another length's, or a row's earlier
+ * sequence's), so a softmax vote never depends on the sequences beside it. */
+static int64_t seq_tokens(const score_job *j, int64_t b) {
+    if (j->seq_groups == NULL) return j->n_tokens;
+    const int64_t tokens = j->seq_groups[b] * j->group_tokens;
+    return tokens < 0 ? 0 : tokens < j->n_tokens ? tokens : j->n_tokens;
 }
 
 /* each group's maximum of `scores` [to - from] into o[from / G ...] */
@@ -414,8 +424,9 @@ static void group_maxima(const float *scores, int64_t from, int64_t to, int grou
 void ekv_score_unit(void *ctx, int64_t unit, int worker) {
     (void)worker; /* a job's scratch is its own: no worker keeps state between units */
     const score_job *j = ctx;
-    int64_t b = unit / j->parts, p = unit % j->parts, from = p * j->part_tokens;
-    int64_t to = from + j->part_tokens < j->n_tokens ? from + j->part_tokens : j->n_tokens;
+    int64_t b = unit / j->parts, p = unit % j->parts, from = p * j->part_tokens, end = seq_tokens(j, b);
+    int64_t to = from + j->part_tokens < end ? from + j->part_tokens : end;
+    if (from >= to) return; /* past the sequence's tokens */
     float *logits = j->logits + b * j->queries * j->n_tokens;
     const uint8_t *rows = j->rows + b * j->seq_stride_bytes;
     if (j->kind >= ROWS_I8)
@@ -447,14 +458,16 @@ void ekv_score_unit(void *ctx, int64_t unit, int worker) {
 void ekv_score_vote_unit(void *ctx, int64_t unit, int worker) {
     (void)worker;
     const score_job *j = ctx;
-    int64_t b = unit / j->parts, p = unit % j->parts, from = p * j->part_tokens;
-    int64_t to = from + j->part_tokens < j->n_tokens ? from + j->part_tokens : j->n_tokens;
+    int64_t b = unit / j->parts, p = unit % j->parts, from = p * j->part_tokens, end = seq_tokens(j, b);
+    int64_t to = from + j->part_tokens < end ? from + j->part_tokens : end;
+    if (from >= to) return;
+    const int parts = (int)((end + j->part_tokens - 1) / j->part_tokens); /* the sequence's own */
     float *votes = j->logits + b * j->queries * j->n_tokens; /* query 0's row: this part's tokens are this unit's */
     for (int h = 0; h < j->queries; h++) {
         const float *stat = j->stats + (b * j->queries + h) * j->parts * 2;
         float top = stat[0], total = 0.0f;
-        for (int i = 1; i < j->parts; i++) top = stat[2 * i] > top ? stat[2 * i] : top;
-        for (int i = 0; i < j->parts; i++) total += stat[2 * i + 1] * exp_nonpositive(stat[2 * i] - top);
+        for (int i = 1; i < parts; i++) top = stat[2 * i] > top ? stat[2 * i] : top;
+        for (int i = 0; i < parts; i++) total += stat[2 * i + 1] * exp_nonpositive(stat[2 * i] - top);
         float weight = exp_nonpositive(stat[2 * p] - top) / total;
         const float *restrict e = votes + (int64_t)h * j->n_tokens;
         if (h == 0) {
@@ -469,19 +482,20 @@ void ekv_score_vote_unit(void *ctx, int64_t unit, int worker) {
 /* scratch: ekv_score_scratch_floats.  rows: K_lr in blocks of BLOCK tokens (block_of), rank-major within one: token
  * t's rank row i of sequence b at rows + b * seq_stride_bytes + t / BLOCK * block_bytes + (i * BLOCK + t % BLOCK)
  * times the row format's bytes (int4: stored row i / 2, nibble i % 2); scales: bfloat16 [n] a sequence, or NULL for
- * float rows.
+ * float rows.  seq_groups: int64 [batch], each sequence's groups (its tokens: seq_groups[b] * G, at most n_tokens),
+ * or NULL where every sequence has n_tokens.
  * q: float [batch, queries, rank] (rounded to int8 here for integer rows).  Returns 0, or -1 (nothing computed: the
  * caller takes the torch path) when the rank or the queries exceed their maxima, n_tokens is not a whole number of
  * groups, the kind is unknown, integer rows come without their scales, a block is shorter than its rows, or the
  * scratch is short. */
 int ekv_group_scores(const uint8_t *rows, int64_t block_bytes, int64_t seq_stride_bytes, const uint16_t *scales,
                      int64_t scale_seq_stride, const float *q, int batch, int queries, int rank, int n_tokens,
-                     int group_tokens, int kind, int softmax, float *scratch, int64_t scratch_floats, float *out,
-                     int64_t out_seq_stride) {
+                     int group_tokens, int kind, int softmax, const int64_t *seq_groups, float *scratch,
+                     int64_t scratch_floats, float *out, int64_t out_seq_stride) {
     score_job job;
     int64_t units = ekv_score_job(&job, rows, block_bytes, seq_stride_bytes, scales, scale_seq_stride, q, batch,
-                                  queries, rank, n_tokens, group_tokens, kind, softmax, scratch, scratch_floats, out,
-                                  out_seq_stride);
+                                  queries, rank, n_tokens, group_tokens, kind, softmax, seq_groups, scratch,
+                                  scratch_floats, out, out_seq_stride);
     if (units < 0) return -1;
     for (int64_t u = 0; u < units; u++) ekv_score_unit(&job, u, 0);
     for (int64_t u = 0; softmax && u < units; u++) ekv_score_vote_unit(&job, u, 0);
@@ -647,7 +661,7 @@ int64_t ekv_score_launch(launch_jobs *jobs, ekv_post_chain_fn post_chain, void *
         return -1;
     int64_t units = ekv_score_job(&jobs->score, rows, block_bytes, seq_stride_bytes, scales, scale_seq_stride,
                                   queries, batch, softmax ? heads : 1, rank, n_tokens, group_tokens, kind, softmax,
-                                  scratch, scratch_floats, out, out_stride);
+                                  counts, scratch, scratch_floats, out, out_stride);
     int64_t top_units = ekv_top_job(&jobs->top, out, out_stride, batch, counts, first, M, max_groups, picks);
     if (units < 0 || top_units < 0) return -1;
     void (*fns[3])(void *, int64_t, int) = {ekv_score_unit, ekv_score_vote_unit, ekv_top_unit};
