@@ -319,6 +319,29 @@ def test_a_failing_kv_read_mid_stream_is_a_503_error_event(text_model, tmp_path)
         assert post(url, "/v1/completions", completion()).status_code == 200
 
 
+def test_a_kv_read_past_its_deadline_is_a_503_error_event_naming_the_deadline(text_model, tmp_path):
+    """The reader hangs (tests/harness/faults.py) past read_deadline_s: the device cannot give records back, a
+    503 with the sentence the log has (not the generic 500), and once the device answers the next request runs."""
+    kv = tmp_path / "kv"
+    kv.mkdir()
+    with serving(text_model, kv, config={**CFG, "read_deadline_s": 0.5}, store=False) as (url, state):
+        engine = state.engine
+        engine.reader = FaultyReader(engine.reader, _record_layout(engine.config, engine.model.dims,
+                                                                   engine.model.dtype).record_bytes, "hang", 1,
+                                     hang_s=60)
+        try:
+            events = streamed(url, completion(max_tokens=20))
+        finally:
+            engine.reader.released.set()
+        assert engine.reader.injected is not None
+        error = events[-2]["error"]
+        assert error["status"] == 503 and error["type"] == "server_error"
+        assert error["message"].startswith("the KV read of layer ")
+        assert f"did not finish within read_deadline_s=0.5 s: the KV device under {kv}" in error["message"]
+        assert "raise read_deadline_s" in error["message"] and "Traceback" not in json.dumps(events)
+        assert post(url, "/v1/completions", completion()).status_code == 200
+
+
 def _mount_tmpfs(folder, options: str):
     done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(folder)], capture_output=True,
                           text=True)

@@ -6,7 +6,7 @@ import errno
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor, TimeoutError as FutureTimeout
 
-from ..disk_store import DiskKVStore, StoreError
+from ..disk_store import DiskKVStore, KVDiskError
 from ..reader import BusyTime, ReadBatch
 from ..slot_memory import LAYERS_IN_FLIGHT
 from ..slots import Misses
@@ -51,14 +51,15 @@ class ReadIO:
         self.slot_memory.after_read(layer, buffer, misses)
 
     def wait(self, layer: int, future: Future) -> None:
-        """Wait for a read of ``layer``; one past ``read_deadline_s`` fails (and is never waited for again)."""
+        """Wait for a read of ``layer``; one past ``read_deadline_s`` fails (and is never waited for again) with the
+        KVDiskError of a device that cannot give records back (a server's 503)."""
         try:
             future.result(timeout=self.deadline_s)
         except FutureTimeout:
             self._hung.append(future)
-            raise StoreError(errno.ETIMEDOUT, f"the KV read of layer {layer} did not finish within read_deadline_s="
-                             f"{self.deadline_s:g} s: the KV device under {self.store.root} hangs or is far slower "
-                             "than profiled; check it, or raise read_deadline_s") from None
+            raise KVDiskError(errno.ETIMEDOUT, f"the KV read of layer {layer} did not finish within read_deadline_s="
+                              f"{self.deadline_s:g} s: the KV device under {self.store.root} hangs or is far slower "
+                              "than profiled; check it, or raise read_deadline_s") from None
 
     def close(self, futures: list[Future]) -> list[BaseException]:
         """Reads still in flight finish before the threads go; returns their errors.  A read past its deadline is not
