@@ -94,3 +94,38 @@ def test_a_one_token_prompt_alone_matches_full(model_dirs, kv_path):
         if record_dtype == "fp16":
             assert got.token_ids == reference.token_ids
         torch.testing.assert_close(got.logits[0], reference.logits[0])  # the first token attends the prompt only
+
+
+@pytest.fixture(scope="module")
+def int4_server(tmp_path_factory):
+    """``edgekv serve`` over the deployed local configuration's record format and G (int4 records, G=4)."""
+    from tests.conftest import save_chat_model
+    from tests.serving import CFG, serving
+
+    model, kv = save_chat_model(tmp_path_factory.mktemp("short") / "m"), tmp_path_factory.mktemp("kv")
+    with serving(model, kv, config={**CFG, "kv_record_dtype": "int4", "score_reduce": "softmax"}) as (url, _):
+        yield url
+
+
+@pytest.mark.parametrize("prompt", ["the", "the value", "the value of", [7], [7, 9], [7, 9, 11]])
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_prompt_shorter_than_a_group_is_served(int4_server, prompt, stream):
+    """A client's first request is often one word: served whole, and streamed to its end."""
+    from tests.serving import post, sse_events
+
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 9, "temperature": 0, "stream": stream}
+    r = post(int4_server, "/v1/completions", body)
+    assert r.status_code == 200, r.text
+    if stream:
+        events = sse_events(r.text)
+        assert events[-1] == "[DONE]" and all('"error"' not in e for e in events)
+    else:
+        assert r.json()["usage"]["completion_tokens"] == 9
+
+
+def test_a_one_word_chat_is_served(int4_server):
+    from tests.serving import post
+
+    r = post(int4_server, "/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+                                                   "max_tokens": 6, "temperature": 0})
+    assert r.status_code == 200, r.text
