@@ -14,7 +14,8 @@ from edgekv.serve.metrics import ServerMetrics
 from edgekv.serve.scheduler import Job, Scheduler
 from edgekv.serve.text import TextStream
 from tests.conftest import files_under, save_chat_model
-from tests.harness.serve_fuzz import fuzz_checks, fuzz_strategy, hostile_requests, send_hostile, steer, stream_text
+from tests.harness.serve_fuzz import (CANCEL_BURST, SHORT_PROMPTS, TRACEBACK, burst_body, cancel_burst, fuzz_checks,
+                                     fuzz_strategy, hostile_requests, send_hostile, steer, stream_text)
 from tests.serving import CFG, poll, post, serving, steps_held
 
 
@@ -103,6 +104,7 @@ def test_the_issue_repro_a_tiny_temperature_beside_a_running_stream(text_model, 
 # ---- the API fuzzed from its own OpenAPI schema ------------------------------------------------------------
 
 FUZZ_EXAMPLES = 240  # bounded for CI; tests/harness/serve_fuzz.py runs thousands beside running streams
+CANCEL_BURSTS = 6  # bounded for CI; the harness runs bursts for as long as it fuzzes
 KEY = {"Authorization": "Bearer s3cret"}
 
 
@@ -171,8 +173,9 @@ def test_answers_of_every_kind_are_what_the_schema_declares(fuzzed, path, body):
 
 def test_hostile_requests_never_change_or_end_a_running_stream(text_model, tmp_path):
     """While well-formed streams run (greedy, seeded sampling, a chat), hostile requests arrive from several
-    clients: refused fields, extreme values, malformed and oversized bodies, clients that leave.  Every
-    well-formed stream's text equals the same request run alone; no hostile request gets a 500."""
+    clients: refused fields, extreme values, malformed and oversized bodies, lone surrogates, prompts of 1 to 3
+    tokens, the absolute-form target, clients that leave.  Every well-formed stream's text equals the same request
+    run alone; no hostile request gets a 500 or a body with a traceback."""
     victims = [("/v1/completions", {"model": "tiny", "prompt": "the value of the river", "max_tokens": 120,
                                     "temperature": 0}),
                ("/v1/completions", {"model": "tiny", "prompt": [9, 8, 7, 6], "max_tokens": 100, "temperature": 0.9,
@@ -182,14 +185,16 @@ def test_hostile_requests_never_change_or_end_a_running_stream(text_model, tmp_p
     with serving(text_model, tmp_path, config={**CFG, "max_batch": 4}) as (url, state):
         alone = [stream_text(url, body, path) for path, body in victims]
         assert all(code == 200 and text for code, text in alone)
-        hostile, statuses, running = hostile_requests("tiny"), [], threading.Event()
+        hostile, statuses, bodies, running = hostile_requests("tiny"), [], [], threading.Event()
         running.set()
 
         def attacker(offset: int):
             i = offset
             while running.is_set() or i < offset + len(hostile):
                 path, body = hostile[i % len(hostile)]
-                statuses.append(send_hostile(url, path, body, i % 3))
+                status, text = send_hostile(url, path, body, i % 3)
+                statuses.append(status)
+                bodies.append(text)
                 i += 1
 
         got = [None] * len(victims)
@@ -208,7 +213,50 @@ def test_hostile_requests_never_change_or_end_a_running_stream(text_model, tmp_p
             t.join(300)
         assert got == alone
         assert len(statuses) >= len(hostile) and 500 not in statuses
+        assert not [b for b in bodies if TRACEBACK in b]
         assert {400, 404, 413, 200} <= set(statuses)
         poll(lambda: not state.scheduler.jobs and not state.scheduler._queue, "every request finished")
         assert httpx.get(url + "/health").status_code == 200
     assert not [f for f in files_under(tmp_path) if os.path.isfile(f) and "contexts" not in f]
+
+
+def test_every_hostile_request_alone_gets_its_answer_with_no_500_and_no_traceback(fuzzed):
+    """Each of the hostile list once, read whole: a lone surrogate anywhere and ``content: []`` are 400s, prompts
+    of 1 to 3 tokens (shorter than a group of G=4) are served, the absolute form is served for this server's
+    authority and refused for another's; no answer is a 5xx or carries a traceback."""
+    url, _, _ = fuzzed
+    answers = [(path, body, *send_hostile(url, path, body, 0, KEY)) for path, body in hostile_requests("tiny")]
+    assert not [(path, status) for path, _, status, _ in answers if status >= 500]
+    assert not [path for path, _, _, text in answers if TRACEBACK in text]
+    surrogates = [(status, text) for _, body, status, text in answers if isinstance(body, bytes) and b"\\ud" in body]
+    assert len(surrogates) == 6 and all(s == 400 and "lone surrogate" in t for s, t in surrogates)
+    short = [status for path, body, status, _ in answers
+             if path == "/v1/completions" and isinstance(body, dict) and body.get("prompt") in SHORT_PROMPTS]
+    assert len(short) == 7 and set(short) == {200}
+    empty = [status for _, body, status, _ in answers if isinstance(body, dict) and body.get("messages") == [
+        {"role": "user", "content": []}]]
+    assert empty == [400]
+    absolute = {path: status for path, _, status, _ in answers if path.lower().startswith("http://")}
+    assert absolute == {"http://{authority}/health": 200, "HTTP://{authority}/v1/models": 200,
+                        "http://{authority}/v1/completions": 200, "http://evil.example/health": 400}
+
+
+def test_streams_closed_after_their_first_chunk_change_no_other_stream(text_model, tmp_path):
+    """Bursts of eight greedy streams started together, a random half closed by their clients after the first
+    chunk: every stream left open equals its lone run, whatever joined, finished or left beside it."""
+    import random
+
+    rng = random.Random(0)
+    with serving(text_model, tmp_path, config={**CFG, "max_batch": 4}, store=False) as (url, state):
+        alone = [stream_text(url, burst_body("tiny", i)) for i in range(len(CANCEL_BURST))]
+        assert all(code == 200 and text for code, text in alone)
+        for _ in range(CANCEL_BURSTS):
+            leave = set(rng.sample(range(len(CANCEL_BURST)), len(CANCEL_BURST) // 2))
+            kept = cancel_burst(url, "tiny", leave)
+            assert sorted(kept) == sorted(set(range(len(CANCEL_BURST))) - leave)
+            assert {i: got for i, got in kept.items() if got != alone[i]} == {}, leave
+        poll(lambda: not state.scheduler.jobs and not state.scheduler._queue, "every request finished")
+        cancelled = [line for line in httpx.get(url + "/metrics").text.splitlines()
+                     if line.startswith("edgekv_requests_cancelled_total ")]
+        assert float(cancelled[0].split()[1]) == CANCEL_BURSTS * len(CANCEL_BURST) // 2  # every one left running
+    assert not [f for f in files_under(tmp_path) if os.path.isfile(f)]
