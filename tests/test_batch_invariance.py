@@ -13,17 +13,19 @@ from bench.batch_invariance import first_difference, measure, run_trial
 from edgekv.runtime import Engine
 
 # the deployed local configuration's switches on the fixture's scale: a softmax vote over int4 K_lr, int4 records,
-# corrected picks guessed from the step before, each prompt's own projection
+# corrected picks guessed from the step before, a layer whose guess holds up probed now and then, each prompt's own
+# projection
 DEPLOYED_LIKE = {"G": 4, "M": 8, "C": 14, "sigma": 2, "max_context": 256, "max_batch": 4, "score_reduce": "softmax",
                  "klr_dtype": "int4", "kv_record_dtype": "int4", "correction": "corrected", "correction_reads": 3,
-                 "guess_from_before": True, "prompt_adapter": True}
+                 "correction_recall": 0.85, "guess_from_before": True, "prompt_adapter": True}
 KVSWAP_DEFAULTS = {"G": 4, "M": 6, "C": 12, "sigma": 2, "max_context": 256, "max_batch": 4, "sink_tokens": 4,
                    "window_tokens": 8}
 
 
 @pytest.mark.parametrize("config,trials,backend", [(DEPLOYED_LIKE, 200, None), (KVSWAP_DEFAULTS, 40, None),
-                                                   (DEPLOYED_LIKE, 40, "torch")],
-                         ids=["deployed", "defaults", "deployed-torch"])
+                                                   (DEPLOYED_LIKE, 40, "torch"),
+                                                   ({**DEPLOYED_LIKE, "correction_overlap": True}, 40, None)],
+                         ids=["deployed", "defaults", "deployed-torch", "correction-overlap"])
 def test_a_greedy_requests_tokens_are_the_same_beside_any_joins_finishes_and_cancels(model_dirs, kv_path, config,
                                                                                      trials, backend):
     """On the CPU's native kernels (what serves) and on the torch reference (a GPU's path)."""

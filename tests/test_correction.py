@@ -74,7 +74,8 @@ def test_a_layer_guesses_from_the_step_before_while_that_holds_more_than_the_pre
     def correct(step, picks, guess, corrects_next=True):
         groups = np.array([picks])
         sources.corrected(0, step, groups, valid, valid & guesses.in_rows(groups, np.array([guess])), corrects_next)
-        return sources.before(0)
+        before = sources.before(0)
+        return None if before is None else before[1][before[0]]
 
     assert correct(0, [1, 2, 3, 4], [1, 9, 9, 9]) is None  # nothing from the step before yet
     assert correct(1, [1, 2, 3, 5], [1, 9, 9, 9]).tolist() == [[1, 2, 3, 5]]  # 3 of 4 held against 1 of 4
@@ -83,6 +84,32 @@ def test_a_layer_guesses_from_the_step_before_while_that_holds_more_than_the_pre
     assert correct(4, [8, 9, 10, 12], [8, 9, 10, 12]) is None  # the prediction holds up
     assert correct(5, [8, 9, 10, 13], [8, 0, 0, 0], corrects_next=False) is None  # uncorrected next: stale picks
     sources.reset()
+    assert sources.before(0) is None
+
+
+def test_each_row_guesses_and_is_probed_on_its_own_picks():
+    """Rows decide apart: where one row's guess slips and the other's holds, only the first keeps correcting (or
+    switches to its picks of the step before); a row that starts again starts its own schedule alone.  A decision
+    over the batch's sums made a request's picks depend on the rows beside it."""
+    schedule = guesses.ProbeSchedule(n_layers=1, batch=2)
+    schedule.measured(0, 0, held=np.array([True, False]))
+    assert schedule.due(0, 1).tolist() == [False, True]
+    schedule.reset(1)
+    assert schedule.due(0, 1).tolist() == [False, True] and not schedule.due(0, 7)[0] and schedule.due(0, 8)[0]
+    schedule.reset(0)
+    assert schedule.due(0, 1).tolist() == [True, True]
+
+    sources = guesses.GuessSources(n_layers=1, batch=2)
+    valid = np.ones((2, 4), dtype=bool)
+    picks = np.array([[1, 2, 3, 4], [5, 6, 7, 8]])
+    guessed = np.array([[True, False, False, False], [True, True, True, True]])  # row 0's prediction was poor
+    sources.corrected(0, 0, picks, valid, guessed, corrects_next=True)
+    sources.corrected(0, 1, picks, valid, guessed, corrects_next=True)
+    rows, before = sources.before(0)
+    assert rows.tolist() == [True, False] and before[0].tolist() == [1, 2, 3, 4]
+    sources.corrected(0, 2, picks, valid, guessed, corrects_next=True, rows=np.array([False, True]))  # row 1 alone
+    assert sources.before(0)[0].tolist() == [True, False]
+    sources.reset(0)
     assert sources.before(0) is None
 
 

@@ -42,36 +42,39 @@ class Correction:
             predictor.correction_recall
         self.planner, self.io, self.slots, self._pick, self._owners_of = planner, io, slots, pick, owners_of
         self.steps = 0  # decode steps of the batch (what the probes count)
-        self._probes = ProbeSchedule(n_layers)
-        self._sources = GuessSources(n_layers) if predictor.guess_from_before else None
+        self._probes = ProbeSchedule(n_layers, batch)
+        self._sources = GuessSources(n_layers, batch) if predictor.guess_from_before else None
         self._guess = np.zeros((batch, 0), dtype=np.int64)  # the attended layer's guessed picks, -1 where none
+        self._guess_slots = self._guess  # ... and their flat slots
+        self._correcting = np.zeros(batch, dtype=bool)  # the rows correcting the attended layer
         self._gates: dict[int, threading.Event] = {}  # layer -> set once its correction read (the next may read)
         self.records = np.zeros(batch, dtype=np.int64)  # records a correction read, per sequence
         self.correction_s = 0.0  # rescoring and the reads it waited for, on the compute thread
         self.recall_counts = np.zeros(2, dtype=np.int64)  # corrected picks the guess had, corrected picks
         self.layer_steps = np.zeros(2, dtype=np.int64)  # layer-steps corrected, layer-steps attended
 
-    def reset(self) -> None:
-        """A new prompt: every layer's guess is measured again."""
-        self._probes.reset()
+    def reset(self, seq: int) -> None:
+        """A new prompt in row ``seq``: its every layer's guess is measured again (the other rows' stand)."""
+        self._probes.reset(seq)
         if self._sources is not None:
-            self._sources.reset()
+            self._sources.reset(seq)
 
-    def before(self, layer: int) -> np.ndarray | None:
-        """``layer``'s own corrected picks of the step before, where it guesses with those (``guess_from_before``)."""
+    def before(self, layer: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """(the rows [B] that guess ``layer`` with their own corrected picks of the step before, those picks [B, M])
+        (``guess_from_before``), or None where every row predicts."""
         return self._sources.before(layer) if self._sources is not None else None
 
     def end_step(self) -> None:
         self.steps += 1
 
-    def due(self, layer: int) -> bool:
-        """Whether ``layer`` corrects its guess this step."""
-        return self._probes.due(layer, self.steps)
+    def due(self, layer: int, active: np.ndarray) -> np.ndarray:
+        """[B] bool: the ``active`` rows that correct their guess of ``layer`` this step."""
+        return self._probes.due(layer, self.steps) & active
 
-    def gate(self, layer: int, before_in_flight: bool) -> threading.Event | None:
+    def gate(self, layer: int, before_in_flight: bool, active: np.ndarray) -> threading.Event | None:
         """The gate of ``layer``'s reads when the layer before corrects this step (its reads go first, ``ReadIO.read``);
         ``before_in_flight``: the layer before has not attended yet."""
-        if before_in_flight and self.due(layer - 1):
+        if before_in_flight and self.due(layer - 1, active).any():
             self._gates[layer - 1] = threading.Event()
             return self._gates[layer - 1]
         return None
@@ -87,16 +90,16 @@ class Correction:
         for gate in self._gates.values():
             gate.set()
 
-    def landed(self, groups: np.ndarray, valid: np.ndarray) -> None:
-        """The guess of the layer about to attend."""
-        self._guess = np.where(valid, groups, -1)
+    def landed(self, groups: np.ndarray, valid: np.ndarray, slots: np.ndarray) -> None:
+        """The guess of the layer about to attend, and its flat slots."""
+        self._guess, self._guess_slots = np.where(valid, groups, -1), slots
 
-    def rescore(self, layer: int, q: torch.Tensor) -> tuple[np.ndarray, np.ndarray] | None:
-        """The layer's picks scored again with its own query where it corrects this step (while the guess's reads may
-        still be landing), else None."""
-        correcting = self.due(layer)
-        self.layer_steps += [correcting, 1]
-        if not correcting:
+    def rescore(self, layer: int, q: torch.Tensor, active: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+        """The layer's picks scored again with its own query where a row corrects it this step (while the guess's
+        reads may still be landing), else None."""
+        self._correcting = self.due(layer, active)
+        self.layer_steps += [int(self._correcting.sum()), int(active.sum())]
+        if not self._correcting.any():
             return None
         started = time.perf_counter()
         picks = self._pick(layer, q)
@@ -105,37 +108,50 @@ class Correction:
 
     def attend(self, layer: int, q: torch.Tensor, corrected: tuple[np.ndarray, np.ndarray],
                attention: GatheredAttention, resident: torch.Tensor) -> torch.Tensor:
-        """The layer's attention over its corrected picks; with ``correction_overlap`` the picks in memory are
-        attended while the correction's reads land, then those, the two parts merged by log-sum-exp."""
+        """The layer's attention over its corrected picks (a row not correcting it this step: over its guess);
+        with ``correction_overlap`` the picks in memory are attended while the correction's reads land, then those,
+        the two parts merged by log-sum-exp.  A row's numbers are its own whatever the rows beside it: the late part
+        spans ``reads_cap`` picks in every row, and a row none of whose picks arrive late is attended in one piece, as
+        it would be alone."""
         slots, valid, late = self._correct(layer, *corrected)
         if late is None:
             return attention(layer, q, slots, valid, resident)
         reads, arriving = late
         parts = [attention.part(layer, q, np.where(arriving, reads.safe_slot, slots), valid & ~arriving, resident)]
+        whole = ~arriving.any(axis=1)
+        in_one = attention(layer, q, slots, valid, resident) if whole.any() else None
         started = time.perf_counter()
         self.io.wait(layer, reads.future)
         self.correction_s += time.perf_counter() - started
         self.open_gate(layer)
-        columns = np.argsort(~arriving, axis=1, kind="stable")[:, : int(arriving.sum(axis=1).max())]
+        columns = np.argsort(~arriving, axis=1, kind="stable")[:, : self.reads_cap]
         parts.append(attention.part(layer, q, np.take_along_axis(slots, columns, 1),
                                     np.take_along_axis(arriving, columns, 1)))
-        return merge_attention(parts, q.dtype)
+        merged = merge_attention(parts, q.dtype)
+        if in_one is None:
+            return merged
+        whole = torch.from_numpy(whole).to(merged.device)[:, None, None, None]
+        return torch.where(whole, in_one, merged)
 
     def _correct(self, layer: int, groups: np.ndarray, valid: np.ndarray
                  ) -> tuple[np.ndarray, np.ndarray, tuple[CorrectionReads, np.ndarray] | None]:
-        """``groups``/``valid``: the picks scored again with the layer's own query; those in memory (the guess's, or
-        still in the reuse slots) are attended where they are and the rest read now, at most ``reads_cap`` per
-        sequence (past the cap, the guess's other picks stand in).  Returns the corrected (slots, valid) and, with
-        ``correction_overlap`` while reads are pending, (the reads, which picks they bring [B, M]); else the reads
-        have landed."""
+        """``groups``/``valid``: the picks scored again with the layer's own query; in the rows correcting it, those
+        in memory (the guess's, or still in the reuse slots) are attended where they are and the rest read now, at
+        most ``reads_cap`` per sequence (past the cap, the guess's other picks stand in); the other rows attend their
+        guess as it landed.  Returns the (slots, valid) attended and, with ``correction_overlap`` while reads are
+        pending, (the reads, which picks they bring [B, M]); else the reads have landed."""
         started = time.perf_counter()
+        rows = self._correcting
+        valid = valid & rows[:, None]
         guessed = valid & in_rows(groups, self._guess)  # the corrected picks the guess had
-        from_before = self.before(layer) is not None
+        before = self.before(layer)
+        from_before = before[0] if before is not None else np.zeros(len(rows), dtype=bool)
         if self.recall < 1:  # a guess from the step before goes stale uncorrected: it keeps correcting
-            self._probes.measured(layer, self.steps, not from_before and valid.any()
-                                  and guessed.sum() >= self.recall * valid.sum())
+            self._probes.measured(layer, self.steps, ~from_before & valid.any(axis=1)
+                                  & (guessed.sum(axis=1) >= self.recall * valid.sum(axis=1)), rows)
         if self._sources is not None:
-            self._sources.corrected(layer, self.steps, groups, valid, guessed, self._probes.due(layer, self.steps + 1))
+            self._sources.corrected(layer, self.steps, groups, valid, guessed, self._probes.due(layer, self.steps + 1),
+                                    rows)
         owners = self._owners_of(groups)
         missing = valid & ~self.slots.resident(layer, groups, owners)
         over = missing & (np.cumsum(missing, axis=1) > self.reads_cap)
@@ -161,7 +177,9 @@ class Correction:
         elif gate is not None:
             gate.set()
         self.correction_s += time.perf_counter() - started
-        return plan.slots, valid, late
+        guessing = ~rows[:, None]
+        return (np.where(guessing, self._guess_slots, plan.slots), np.where(guessing, self._guess >= 0, valid),
+                late)
 
     def stats(self, seq: int) -> dict:
         recalled, corrected = self.recall_counts

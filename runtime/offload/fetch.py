@@ -76,6 +76,24 @@ class ScoredPicks:
         return _on_host(self.picking.host(), self.active)
 
 
+class PicksFromBefore:
+    """A layer's picks where some rows guess with their own corrected picks of the step before (``guess_from_before``)
+    and the others with the layer-ahead ``predicted`` picks: each row's guess is its own, whatever its neighbours'."""
+
+    def __init__(self, predicted: HostPicks | ScoredPicks, rows: np.ndarray, before: np.ndarray):
+        """``rows`` [B]: those taking ``before`` [B, M] (-1: none)."""
+        self.predicted, self.active, self._rows, self._before = predicted, predicted.active, rows, before
+
+    def ready(self) -> bool:
+        return self.predicted.ready()
+
+    def result(self) -> tuple[np.ndarray, np.ndarray]:
+        groups, valid = self.predicted.result()
+        before_groups, before_valid = _on_host(self._before, self.active)
+        rows = self._rows[:, None]
+        return np.where(rows, before_groups, groups), np.where(rows, before_valid, valid)
+
+
 def _on_host(picks: np.ndarray, active: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Picks [B, M] (-1: none) as groups (0 where none) and valid (a pick, in an ``active`` row)."""
     return np.maximum(picks, 0), (picks >= 0) & active[:, None]

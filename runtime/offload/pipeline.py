@@ -24,7 +24,7 @@ from ..slot_memory import slot_memory
 from ..slots import Slots
 from .attention import picked_attention
 from .correction import Correction
-from .fetch import HostPicks, LayerFetch, PrefixOwners, ScoredPicks, Stage, launch_picks
+from .fetch import HostPicks, LayerFetch, PicksFromBefore, PrefixOwners, ScoredPicks, Stage, launch_picks
 from .io import ReadIO
 from .recluster import Recluster
 from .window import Window
@@ -86,7 +86,7 @@ class OffloadedKV(KVPolicy):
         self.window.start(seq)
         self.prefix_owners.reset(seq)
         if self.correction is not None:
-            self.correction.reset()
+            self.correction.reset(seq)
         if self.recluster is not None:
             self.recluster.start_sequence(seq)
 
@@ -130,9 +130,13 @@ class OffloadedKV(KVPolicy):
             return
         started = time.perf_counter()
         before = self.correction.before(layer) if self.correction is not None else None
-        picks = HostPicks(torch.from_numpy(before), active) if before is not None else self._launch(
-            layer, self.model.query(layer, x, rope) if self.predict else None,
-            post=self.post_or_share is None or self.post_or_share.posting)
+        if before is not None and before[0][active].all():
+            picks = HostPicks(torch.from_numpy(before[1]), active)
+        else:
+            picks = self._launch(layer, self.model.query(layer, x, rope) if self.predict else None,
+                                 post=self.post_or_share is None or self.post_or_share.posting)
+            if before is not None:
+                picks = PicksFromBefore(picks, *before)
         fetch = self._fetches[layer] = LayerFetch(layer, picks, active)
         self.select_s += time.perf_counter() - started
         if self.takes_on_io and not picks.ready():  # on an I/O thread, once made
@@ -174,7 +178,8 @@ class OffloadedKV(KVPolicy):
 
     def _gate(self, layer: int):
         """What ``layer``'s reads wait for first: the correction of the layer before, when it corrects."""
-        return None if self.correction is None else self.correction.gate(layer, (layer - 1) in self._fetches)
+        return None if self.correction is None else self.correction.gate(layer, (layer - 1) in self._fetches,
+                                                                         self._active)
 
     def _launch(self, layer: int, q: torch.Tensor | None, post: bool = False) -> HostPicks | ScoredPicks:
         return launch_picks(self.selector, layer, q, self.window.outside(), self.window.sink_groups, self._active, post)
@@ -199,7 +204,7 @@ class OffloadedKV(KVPolicy):
             self._take_made(wait_upto=layer)
         write_at, resident = self.window.step_tensors(q.device)
         self.window.write(layer, k, v, write_at)
-        corrected = self.correction.rescore(layer, q) if self.correction is not None else None
+        corrected = self.correction.rescore(layer, q, self._active) if self.correction is not None else None
         try:
             fetch = self._landed(layer)
             if corrected is None:
@@ -219,7 +224,7 @@ class OffloadedKV(KVPolicy):
         if self.on_select is not None:
             self.on_select(layer, fetch.groups, fetch.valid)
         if self.correction is not None:
-            self.correction.landed(fetch.groups, fetch.valid)
+            self.correction.landed(fetch.groups, fetch.valid, fetch.plan.slots)
         return fetch
 
     def end_step(self, active):
